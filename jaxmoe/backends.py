@@ -1,0 +1,83 @@
+"""Execution strategies of the routed experts and the ``impl="auto"`` choice.
+
+An implementation is a function ``fn(x [T, d], routing, experts, cfg) -> [T, d]``
+(float32) registered under a name; `MoEBlock(impl=...)` and `moe_apply` look it up
+here. See DESIGN.md, "Execution strategies".
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+
+from jaxmoe import experts as _experts
+
+ImplFn = Callable[..., jax.Array]
+
+_IMPLS: dict[str, ImplFn] = {}
+
+#: Token-pair count (T * k) at or below which ``auto`` takes the ``gather`` path.
+GATHER_MAX_PAIRS = 16
+
+INTEL_PLATFORMS = ("oneapi", "sycl", "xpu")
+PALLAS_PLATFORMS = ("cuda", "rocm", "gpu")
+
+
+def register_impl(name: str, fn: ImplFn) -> None:
+    _IMPLS[name] = fn
+
+
+def available_impls() -> list[str]:
+    return ["auto", *sorted(_IMPLS)]
+
+
+def default_platform() -> str:
+    return jax.devices()[0].platform
+
+
+def resolve_impl(impl: str, num_pairs: int | None = None, platform: str | None = None) -> str:
+    """The concrete implementation name for ``impl`` (``auto`` resolved)."""
+    _load_optional()
+    if impl != "auto":
+        if impl not in _IMPLS:
+            raise ValueError(f"unknown impl {impl!r}; available: {available_impls()}")
+        return impl
+    platform = platform or default_platform()
+    if num_pairs is not None and num_pairs <= GATHER_MAX_PAIRS:
+        return "gather"
+    if platform in PALLAS_PLATFORMS and "pallas" in _IMPLS:
+        return "pallas"
+    if "xla" in _IMPLS:
+        return "xla"
+    return "dense"
+
+
+def get_impl(name: str) -> ImplFn:
+    _load_optional()
+    if name not in _IMPLS:
+        raise ValueError(f"unknown impl {name!r}; available: {available_impls()}")
+    return _IMPLS[name]
+
+
+_loaded = False
+
+
+def _load_optional() -> None:
+    """Imports the modules that register the grouped paths (they may be absent)."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    import importlib
+
+    for mod in ("jaxmoe.grouped",):
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+
+
+register_impl("dense", _experts.experts_dense)
+register_impl("gather", _experts.experts_gather)

@@ -1,0 +1,97 @@
+"""`MoEBlock`: the Flax NNX module that holds one MoE layer's parameters.
+
+The module only holds variables and calls the pure `jaxmoe.layer.moe_apply`; its
+`params()` method returns the `MoEParams` pytree the functional API takes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmoe.config import MoEConfig
+from jaxmoe.experts import ExpertWeights, SharedWeights
+from jaxmoe.layer import MoEParams, init_params, moe_apply
+
+
+def _var(v):
+    return None if v is None else nnx.Param(v)
+
+
+def _val(v):
+    return None if v is None else v[...] if not hasattr(v.get_value(), "qdata") else v.get_value()
+
+
+class MoEBlock(nnx.Module):
+    """One MoE layer: router, routed SwiGLU experts, shared expert.
+
+    ``block(x)`` maps ``x [..., d]`` to ``y [..., d]``; ``block(x, return_routing=True)``
+    also returns the `jaxmoe.Routing` it used.
+
+    Args:
+      cfg: the `MoEConfig`.
+      rngs: random init (normal, fan-in scaled), keyword only.
+      impl: execution strategy (``auto``, ``xla``, ``pallas``, ``gather``, ``dense``, ...).
+      dtype: parameter and compute dtype (routing is float32 always).
+      params: ready `MoEParams` (e.g. from a loader) instead of a random init.
+      mesh: a `jax.sharding.Mesh` with an ``expert`` axis for expert parallelism.
+    """
+
+    def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs | None = None, impl: str = "auto",
+                 dtype=jnp.float32, params: MoEParams | None = None, mesh=None):
+        self.cfg = cfg
+        self.impl = impl
+        self.dtype = jnp.dtype(dtype)
+        self.mesh = mesh
+        if params is None:
+            if rngs is None:
+                raise ValueError("MoEBlock needs rngs= (random init) or params= (loaded weights)")
+            params = init_params(cfg, rngs.params(), dtype=self.dtype)
+        params.check(cfg)
+        self._set(params)
+
+    def _set(self, p: MoEParams) -> None:
+        self.w_router = nnx.Param(p.w_router)
+        self.b_router = _var(p.b_router)
+        self.selection_bias = _var(p.selection_bias)
+        ew = p.experts
+        self.w_gate, self.w_up, self.w_down = nnx.Param(ew.w_gate), nnx.Param(ew.w_up), nnx.Param(ew.w_down)
+        self.b_gate, self.b_up, self.b_down = _var(ew.b_gate), _var(ew.b_up), _var(ew.b_down)
+        sh = p.shared
+        self.has_shared = sh is not None
+        self.s_gate = _var(None if sh is None else sh.w_gate)
+        self.s_up = _var(None if sh is None else sh.w_up)
+        self.s_down = _var(None if sh is None else sh.w_down)
+        self.s_sigmoid_gate = _var(None if sh is None else sh.gate)
+
+    def params(self) -> MoEParams:
+        """The parameters as the `MoEParams` pytree (the functional API's input)."""
+        ew = ExpertWeights(_val(self.w_gate), _val(self.w_up), _val(self.w_down),
+                           _val(self.b_gate), _val(self.b_up), _val(self.b_down))
+        shared = None
+        if self.has_shared:
+            shared = SharedWeights(_val(self.s_gate), _val(self.s_up), _val(self.s_down), _val(self.s_sigmoid_gate))
+        return MoEParams(_val(self.w_router), ew, _val(self.b_router), _val(self.selection_bias), shared)
+
+    def __call__(self, x: jax.Array, *, return_routing: bool = False, impl: str | None = None):
+        x = jnp.asarray(x)
+        if x.shape[-1] != self.cfg.d_model:
+            raise ValueError(f"MoEBlock: x has width {x.shape[-1]} but d_model is {self.cfg.d_model} (shape {x.shape})")
+        impl = impl or self.impl
+        p = self.params()
+        if self.mesh is not None:
+            from jaxmoe import parallel  # expert parallelism
+
+            return parallel.moe_apply_ep(p, x.astype(self.dtype), self.cfg, self.mesh, impl=impl,
+                                         return_routing=return_routing)
+        return _moe_apply_jit(p, x.astype(self.dtype), self.cfg, impl, return_routing)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _moe_apply_jit(p: MoEParams, x: jax.Array, cfg: MoEConfig, impl: str, return_routing: bool):
+    # One jitted function per (config, impl): eager calls of the block run compiled, and
+    # inside a user's jit this nests at no cost.
+    return moe_apply(p, x, cfg, impl=impl, return_routing=return_routing)

@@ -1,0 +1,174 @@
+"""SwiGLU experts, the shared expert, and the two reference executions.
+
+Weights follow the ``x @ W`` convention:
+
+- routed experts (`ExpertWeights`): ``w_gate, w_up [E, d, F]``, ``w_down [E, F, d]``,
+  optional biases ``b_gate, b_up [E, F]``, ``b_down [E, d]``; any weight may be a
+  `jaxmoe.quant.QuantizedTensor`.
+- shared expert (`SharedWeights`): ``w_gate, w_up [d, Fs]``, ``w_down [Fs, d]`` and an
+  optional sigmoid gate vector ``gate [d]``.
+
+`experts_dense` (every expert on every token, masked: the oracle) and
+`experts_gather` (the k selected experts of each token only: the decode path) are
+the pure-jnp references every faster path is tested against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxmoe.config import MoEConfig
+from jaxmoe.quant import materialize
+from jaxmoe.routing import Routing
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertWeights:
+    """Routed experts: ``w_gate, w_up [E, d, F]``, ``w_down [E, F, d]``, optional biases."""
+
+    w_gate: jax.Array
+    w_up: jax.Array
+    w_down: jax.Array
+    b_gate: jax.Array | None = None
+    b_up: jax.Array | None = None
+    b_down: jax.Array | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.w_gate.shape[0]
+
+    @property
+    def has_bias(self) -> bool:
+        return self.b_gate is not None
+
+    def check(self, cfg: MoEConfig) -> None:
+        e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_dim
+        want = {"w_gate": (e, d, f), "w_up": (e, d, f), "w_down": (e, f, d)}
+        if cfg.expert_bias:
+            want.update(b_gate=(e, f), b_up=(e, f), b_down=(e, d))
+        for name, shape in want.items():
+            v = getattr(self, name)
+            if v is None:
+                raise ValueError(f"ExpertWeights.{name} is missing; expected shape {shape}")
+            if tuple(v.shape) != shape:
+                raise ValueError(f"ExpertWeights.{name} has shape {tuple(v.shape)}, expected {shape}")
+
+    def take(self, ids) -> "ExpertWeights":
+        """The experts ``ids`` (any index), quantized or not."""
+        return jax.tree.map(lambda a: a[ids], self, is_leaf=lambda a: hasattr(a, "qdata"))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SharedWeights:
+    """Shared expert: ``w_gate, w_up [d, Fs]``, ``w_down [Fs, d]``, gate ``[d]`` or None."""
+
+    w_gate: jax.Array
+    w_up: jax.Array
+    w_down: jax.Array
+    gate: jax.Array | None = None
+
+
+def activation(g: jax.Array, u: jax.Array, cfg: MoEConfig) -> jax.Array:
+    """The elementwise middle of an expert: ``silu(g) * u`` or gpt-oss's clamped form."""
+    if cfg.activation == "swiglu":
+        return jax.nn.silu(g) * u
+    lim = cfg.swiglu_limit
+    g = jnp.minimum(g, lim)
+    u = jnp.clip(u, -lim, lim)
+    return (u + 1) * (g * jax.nn.sigmoid(cfg.swiglu_alpha * g))
+
+
+def swiglu_ffn(x: jax.Array, w_gate, w_up, w_down, cfg: MoEConfig, b_gate=None, b_up=None, b_down=None) -> jax.Array:
+    """One SwiGLU MLP. ``x [T, d]``, ``w_gate, w_up [d, F]``, ``w_down [F, d]`` -> ``[T, d]``."""
+    dt = x.dtype
+    g = jnp.dot(x, materialize(w_gate, dt), preferred_element_type=jnp.float32, precision=_HI)
+    u = jnp.dot(x, materialize(w_up, dt), preferred_element_type=jnp.float32, precision=_HI)
+    if b_gate is not None:
+        g = g + b_gate.astype(jnp.float32)
+        u = u + b_up.astype(jnp.float32)
+    h = activation(g, u, cfg).astype(dt)
+    y = jnp.dot(h, materialize(w_down, dt), preferred_element_type=jnp.float32, precision=_HI)
+    if b_down is not None:
+        y = y + b_down.astype(jnp.float32)
+    return y
+
+
+def shared_expert(x: jax.Array, sw: SharedWeights | None, cfg: MoEConfig) -> jax.Array:
+    """Shared output ``[T, d]`` float32: ``g * shared(x)``, g = sigmoid(x . gate) or 1."""
+    if sw is None:
+        return jnp.zeros(x.shape, jnp.float32)
+    with jax.named_scope("shared_expert"):
+        y = swiglu_ffn(x, sw.w_gate, sw.w_up, sw.w_down, cfg)
+        if sw.gate is not None:
+            g = jnp.dot(x.astype(jnp.float32), sw.gate.astype(jnp.float32), precision=_HI)
+            y = y * jax.nn.sigmoid(g)[:, None]
+    return y
+
+
+def combine_matrix(routing: Routing, num_experts: int) -> jax.Array:
+    """``[T, E]`` float32 combine weights (zero for experts a token did not select)."""
+    t, _ = routing.expert_ids.shape
+    return jnp.zeros((t, num_experts), jnp.float32).at[jnp.arange(t)[:, None], routing.expert_ids].add(routing.weights)
+
+
+def experts_dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+    """Every expert on every token, masked: the oracle. ``x [T, d]`` -> ``[T, d]`` float32.
+
+    Memory ``O(T * E * F)``: for tests and small shapes only.
+    """
+    dt = x.dtype
+    e = ew.num_experts
+    comb = combine_matrix(routing, e)  # [T, E]
+    sel = jnp.zeros(comb.shape, bool).at[jnp.arange(comb.shape[0])[:, None], routing.expert_ids].set(True)
+    wg, wu, wd = (materialize(w, dt) for w in (ew.w_gate, ew.w_up, ew.w_down))
+    g = jnp.einsum("td,edf->tef", x, wg, preferred_element_type=jnp.float32, precision=_HI)
+    u = jnp.einsum("td,edf->tef", x, wu, preferred_element_type=jnp.float32, precision=_HI)
+    if cfg.weight_on_input:  # expert(w * x): gate(w x) = w (x Wg) + b
+        g = g * comb[..., None]
+        u = u * comb[..., None]
+    if ew.b_gate is not None:
+        g = g + ew.b_gate.astype(jnp.float32)
+        u = u + ew.b_up.astype(jnp.float32)
+    h = activation(g, u, cfg).astype(dt)
+    y = jnp.einsum("tef,efd->ted", h, wd, preferred_element_type=jnp.float32, precision=_HI)
+    if ew.b_down is not None:
+        y = y + ew.b_down.astype(jnp.float32)
+    scale = sel.astype(jnp.float32) if cfg.weight_on_input else comb
+    # where() keeps NaN weights of a NaN token from being multiplied away, and keeps
+    # unselected experts (whose output may be inf) out of the sum.
+    y = jnp.where(sel[..., None], y * scale[..., None], 0.0)
+    return y.sum(axis=1)
+
+
+def experts_gather(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+    """Per token, the k selected experts only (weights gathered). ``x [T, d]`` -> ``[T, d]`` float32.
+
+    Memory ``O(T * k * d * F)``: the decode path for a handful of tokens.
+    """
+    dt = x.dtype
+    ids, w = routing.expert_ids, routing.weights
+    sub = ew.take(ids)  # leaves [T, k, ...]
+    wg, wu, wd = (materialize(a, dt) for a in (sub.w_gate, sub.w_up, sub.w_down))
+    xin = x[:, None, :]
+    if cfg.weight_on_input:
+        xin = (xin.astype(jnp.float32) * w[..., None]).astype(dt)
+    xin = jnp.broadcast_to(xin, (x.shape[0], ids.shape[1], x.shape[1]))
+    g = jnp.einsum("tkd,tkdf->tkf", xin, wg, preferred_element_type=jnp.float32, precision=_HI)
+    u = jnp.einsum("tkd,tkdf->tkf", xin, wu, preferred_element_type=jnp.float32, precision=_HI)
+    if sub.b_gate is not None:
+        g = g + sub.b_gate.astype(jnp.float32)
+        u = u + sub.b_up.astype(jnp.float32)
+    h = activation(g, u, cfg).astype(dt)
+    y = jnp.einsum("tkf,tkfd->tkd", h, wd, preferred_element_type=jnp.float32, precision=_HI)
+    if sub.b_down is not None:
+        y = y + sub.b_down.astype(jnp.float32)
+    if not cfg.weight_on_input:
+        y = y * w[..., None]
+    return y.sum(axis=1)

@@ -1,0 +1,1 @@
+"""Checkpoint loaders (GGUF, HF safetensors, MLX) and exporters."""

@@ -1,0 +1,175 @@
+"""Quantized expert weights that stay quantized in device memory.
+
+A `QuantizedTensor` stands for a logical weight ``W [..., in, out]`` (jaxmoe's
+``x @ W`` convention) stored out-major with quantization blocks along ``in``, the
+way GGUF, MLX and torch store it:
+
+- ``kind="int8"`` (GGUF Q8_0): ``qdata [..., out, in]`` int8, ``scales [..., out, in/g]``,
+  ``W[i, o] = scales[o, i // g] * qdata[o, i]``; ``biases`` is None.
+- ``kind="int4"`` (MLX affine, GGUF Q4_0): ``qdata [..., out, in/2]`` uint8, element
+  ``2j`` in the low nibble of byte ``j`` and ``2j+1`` in the high nibble (the byte
+  order of MLX's uint32 words on a little-endian machine), ``scales``/``biases``
+  ``[..., out, in/g]``, ``W[i, o] = scales[o, i//g] * q[o, i] + biases[o, i//g]``.
+  Q4_0 is ``scale = d, bias = -8 d``.
+
+The quantizers here follow MLX's affine rule (ROUTING.md section 5) and GGUF's Q8_0
+rule; bit-exact converters from stored GGUF / MLX bytes live in `jaxmoe.io`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KINDS = ("int8", "int4")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedTensor:
+    qdata: jax.Array
+    scales: jax.Array
+    biases: jax.Array | None
+    kind: str = dataclasses.field(metadata=dict(static=True), default="int8")
+    group_size: int = dataclasses.field(metadata=dict(static=True), default=32)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"QuantizedTensor.kind: unknown {self.kind!r}; expected one of {KINDS}")
+        if not isinstance(self.qdata, jax.Array | np.ndarray):  # tracers / sentinels under transforms
+            return
+        per_byte = 2 if self.kind == "int4" else 1
+        n_in = self.qdata.shape[-1] * per_byte
+        if n_in % self.group_size or self.scales.shape != (*self.qdata.shape[:-1], n_in // self.group_size):
+            raise ValueError(
+                f"QuantizedTensor: scales {self.scales.shape} do not match qdata {self.qdata.shape} "
+                f"({self.kind}, group {self.group_size})")
+        if self.kind == "int4" and (self.biases is None or self.biases.shape != self.scales.shape):
+            raise ValueError(f"QuantizedTensor: int4 needs biases of shape {self.scales.shape}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical ``[..., in, out]`` shape."""
+        per_byte = 2 if self.kind == "int4" else 1
+        *lead, out, n = self.qdata.shape
+        return (*lead, n * per_byte, out)
+
+    @property
+    def ndim(self) -> int:
+        return self.qdata.ndim
+
+    @property
+    def dtype(self):
+        return self.scales.dtype
+
+    @property
+    def nbytes(self) -> int:
+        b = self.qdata.size * self.qdata.dtype.itemsize + self.scales.size * self.scales.dtype.itemsize
+        if self.biases is not None:
+            b += self.biases.size * self.biases.dtype.itemsize
+        return int(b)
+
+    def codes(self) -> jax.Array:
+        """Integer codes ``[..., out, in]`` (int8 for int8, 0..15 as int8 for int4)."""
+        if self.kind == "int8":
+            return self.qdata
+        return unpack_int4(self.qdata)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The logical weight ``[..., in, out]`` in ``dtype`` (math in float32)."""
+        q = self.codes().astype(jnp.float32)
+        *lead, out, n = q.shape
+        g = self.group_size
+        qg = q.reshape(*lead, out, n // g, g)
+        w = qg * self.scales.astype(jnp.float32)[..., None]
+        if self.biases is not None:
+            w = w + self.biases.astype(jnp.float32)[..., None]
+        return jnp.swapaxes(w.reshape(*lead, out, n), -1, -2).astype(dtype)
+
+    def __getitem__(self, idx) -> "QuantizedTensor":
+        """Indexes the leading (expert) axes only."""
+        return QuantizedTensor(self.qdata[idx], self.scales[idx],
+                               None if self.biases is None else self.biases[idx], self.kind, self.group_size)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """``[..., n/2]`` uint8 -> ``[..., n]`` int8 codes 0..15 (low nibble first)."""
+    lo = packed & 0xF
+    hi = packed >> 4
+    return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2).astype(jnp.int8)
+
+
+def pack_int4(codes) -> np.ndarray:
+    """``[..., n]`` integer codes 0..15 -> ``[..., n/2]`` uint8 (low nibble first)."""
+    c = np.asarray(codes).astype(np.uint8)
+    if c.shape[-1] % 2:
+        raise ValueError(f"pack_int4: last dimension must be even, got {c.shape}")
+    if c.size and c.max() > 15:
+        raise ValueError("pack_int4: codes must lie in 0..15")
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).astype(np.uint8)
+
+
+def materialize(w, dtype) -> jax.Array:
+    """A float weight in ``dtype``: dequantizes a `QuantizedTensor`, casts an array."""
+    if isinstance(w, QuantizedTensor):
+        return w.dequantize(dtype)
+    return w.astype(dtype)
+
+
+def _out_major(w) -> np.ndarray:
+    w = np.asarray(w, np.float32)
+    if w.ndim < 2:
+        raise ValueError(f"quantize: weight must be at least 2-D [..., in, out], got {w.shape}")
+    return np.swapaxes(w, -1, -2)
+
+
+def quantize_int8(w, group_size: int = 32, scale_dtype=np.float16) -> QuantizedTensor:
+    """GGUF Q8_0 rule on a logical ``[..., in, out]`` weight: ``d = amax / 127``
+    (stored as float16), ``q = round(x / d)``."""
+    t = _out_major(w)
+    *lead, out, n = t.shape
+    if n % group_size:
+        raise ValueError(f"quantize_int8: input dim {n} is not a multiple of the group size {group_size}")
+    g = t.reshape(*lead, out, n // group_size, group_size)
+    d = np.abs(g).max(axis=-1) / 127.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(d == 0, 0.0, 1.0 / d)
+    q = np.round(g * inv[..., None]).clip(-127, 127).astype(np.int8).reshape(*lead, out, n)
+    return QuantizedTensor(jnp.asarray(q), jnp.asarray(d.astype(scale_dtype)), None, "int8", group_size)
+
+
+def quantize_int4_affine(w, group_size: int = 64, scale_dtype=np.float32) -> QuantizedTensor:
+    """MLX's affine 4-bit rule (ROUTING.md section 5) on a logical ``[..., in, out]`` weight."""
+    t = _out_major(w)
+    *lead, out, n = t.shape
+    if n % group_size:
+        raise ValueError(f"quantize_int4_affine: input dim {n} is not a multiple of the group size {group_size}")
+    scales, biases, q = mlx_affine_quantize_groups(t.reshape(*lead, out, n // group_size, group_size))
+    return QuantizedTensor(jnp.asarray(pack_int4(q.reshape(*lead, out, n))), jnp.asarray(scales.astype(scale_dtype)),
+                           jnp.asarray(biases.astype(scale_dtype)), "int4", group_size)
+
+
+def mlx_affine_quantize_groups(g: np.ndarray):
+    """MLX 4-bit affine quantization of groups ``[..., G, gs]`` (float32 math).
+
+    Returns ``scales [..., G]``, ``biases [..., G]``, codes ``[..., G, gs]`` uint8.
+    """
+    g = g.astype(np.float32)
+    n_bins = np.float32(15.0)
+    eps = np.float32(1e-7)
+    w_min = g.min(axis=-1)
+    w_max = g.max(axis=-1)
+    mask = np.abs(w_min) > np.abs(w_max)
+    scale = np.maximum((w_max - w_min) / n_bins, eps).astype(np.float32)
+    scale = np.where(mask, scale, -scale).astype(np.float32)
+    edge = np.where(mask, w_min, w_max).astype(np.float32)
+    q0 = np.rint(edge / scale).astype(np.float32)
+    nz = q0 != 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.where(nz, edge / np.where(nz, q0, 1), scale).astype(np.float32)
+    bias = np.where(nz, edge, 0).astype(np.float32)
+    q = np.clip(np.rint((g - bias[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
+    return scale, bias, q
