@@ -71,7 +71,7 @@ def _load_optional() -> None:
     _loaded = True
     import importlib
 
-    for mod in ("jaxmoe.grouped",):
+    for mod in ("jaxmoe.grouped", "pallas_kernels.impl"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as e:

@@ -1,0 +1,25 @@
+"""Test setup: 8 forced host devices (expert-parallel tests), float64 off, hypothesis profile."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "jaxmoe", max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "25")), deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile("jaxmoe")
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh numpy Generator per test, seeded from the test's name (reproducible, never zeros)."""
+    seed = abs(hash(request.node.nodeid)) % (2**32)
+    return np.random.default_rng(seed)
