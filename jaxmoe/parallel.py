@@ -1,0 +1,340 @@
+"""Expert parallelism: one MoE layer run over a JAX device mesh.
+
+The mesh has an ``expert`` axis (size ``n``) and optionally a ``data`` axis. Routed
+experts are sharded over ``expert`` (device ``i`` holds experts ``[i*E/n, (i+1)*E/n)``,
+replicated over ``data``); tokens are sharded over all devices; the router, the
+selection bias and the shared expert are replicated. Inside `jax.shard_map` each
+device:
+
+1. routes its tokens exactly as `jaxmoe.moe_apply` does (float32, replicated router),
+2. writes each (token, slot) pair into a send buffer ``[n, C, d]``: row ``dest*C + pos``
+   where ``dest = id // (E/n)`` and ``pos`` is the pair's rank among this device's
+   pairs for ``dest`` (token order, then slot order),
+3. exchanges the buffers along ``expert`` (``all_to_all``, or ``ragged_all_to_all``
+   where XLA lowers it, which moves only the filled rows),
+4. runs its local experts on the received rows with the registered grouped path
+   (``jaxmoe.backends``; one slot per row, local expert ids, the routing weight
+   sent along),
+5. sends the weighted rows back the same way and sums each token's k slots,
+6. adds the (replicated) shared expert.
+
+Capacity ``C`` (rows per sender -> receiver): with ``capacity_factor=None`` it is the
+no-drop worst case ``T_local * min(k, E/n)`` (every local pair to one device), so no
+token is ever dropped. With ``capacity_factor=c`` it is
+``ceil(c * T_local * k / n)`` (at most the worst case); pairs past it are dropped and
+counted: `moe_apply_ep` then always returns an `EPStats` with the exact count.
+
+Exchange: XLA:CPU has no ``ragged-all-to-all`` thunk (jax 0.10.2: "HLO opcode
+`ragged-all-to-all` is not supported by XLA:CPU"), so ``exchange="auto"`` takes the
+padded ``all_to_all`` on CPU and ``ragged_all_to_all`` on GPU / TPU. Both use the same
+``[n, C]`` buffer layout on both sides, so they give identical results.
+
+Across hosts: call ``jax.distributed.initialize()`` in every process (one per host),
+build the mesh over ``jax.devices()`` (all hosts' devices) with `make_mesh`, and call
+the same code; JAX's SPMD runtime does the transport.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxmoe import backends
+from jaxmoe.config import MoEConfig, RouterConfig
+from jaxmoe.experts import ExpertWeights, shared_expert
+from jaxmoe.layer import MoEParams
+from jaxmoe.routing import Routing, route, router_logits
+
+EXPERT_AXIS = "expert"
+DATA_AXIS = "data"
+EXCHANGES = ("auto", "padded", "ragged")
+#: Platforms where ``exchange="auto"`` uses ``jax.lax.ragged_all_to_all``.
+RAGGED_PLATFORMS = ("cuda", "rocm", "gpu", "tpu")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EPStats:
+    """What the expert-parallel exchange did.
+
+    Attributes:
+      dropped_pairs: ``[]`` int32, (token, slot) pairs dropped for lack of capacity,
+        summed over the mesh (always 0 with ``capacity_factor=None``).
+      kept: ``[T, k]`` bool over the flattened tokens: the pair reached its expert.
+      expert_load: ``[E]`` int32, pairs each expert computed (kept pairs only).
+      capacity: ``C``, rows per (sender, receiver) device pair.
+      exchange: ``padded`` or ``ragged``.
+    """
+
+    dropped_pairs: jax.Array
+    kept: jax.Array
+    expert_load: jax.Array
+    capacity: int = dataclasses.field(metadata=dict(static=True), default=0)
+    exchange: str = dataclasses.field(metadata=dict(static=True), default="padded")
+
+
+def make_mesh(expert: int, data: int = 1, devices=None) -> Mesh:
+    """A mesh ``(expert, data)`` over the first ``expert * data`` devices.
+
+    Args:
+      expert: size of the ``expert`` axis (experts are sharded over it).
+      data: size of the ``data`` axis (tokens are sharded over both axes).
+      devices: devices to use (default ``jax.devices()``, all hosts' devices after
+        ``jax.distributed.initialize``).
+    """
+    for name, v in (("expert", expert), ("data", data)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"make_mesh: {name} must be a positive int, got {v!r}")
+    devs = list(jax.devices() if devices is None else devices)
+    if expert * data > len(devs):
+        raise ValueError(f"make_mesh: expert={expert} x data={data} needs {expert * data} devices, "
+                         f"only {len(devs)} available")
+    arr = np.array(devs[: expert * data], dtype=object).reshape(expert, data)
+    return Mesh(arr, (EXPERT_AXIS, DATA_AXIS))
+
+
+def _axes(mesh: Mesh) -> tuple[int, tuple[str, ...]]:
+    """(expert axis size, token axes) of ``mesh``; ValueError for unknown axes."""
+    names = tuple(mesh.axis_names)
+    if EXPERT_AXIS not in names:
+        raise ValueError(f"expert parallelism needs a mesh axis named {EXPERT_AXIS!r}; mesh axes are {names}")
+    bad = [a for a in names if a not in (EXPERT_AXIS, DATA_AXIS)]
+    if bad:
+        raise ValueError(f"unsupported mesh axis {bad}; expert parallelism uses {EXPERT_AXIS!r} and {DATA_AXIS!r}")
+    tok = tuple(a for a in (DATA_AXIS, EXPERT_AXIS) if a in names)
+    return int(mesh.shape[EXPERT_AXIS]), tok
+
+
+def check_divisible(cfg: MoEConfig, mesh: Mesh) -> int:
+    """Experts per device ``E / n``; ValueError naming both numbers if ``n`` does not divide ``E``."""
+    n, _ = _axes(mesh)
+    e = cfg.num_experts
+    if e % n:
+        raise ValueError(f"num_experts={e} is not divisible by the mesh's {EXPERT_AXIS!r} axis size {n}")
+    return e // n
+
+
+def _is_q(a) -> bool:
+    return hasattr(a, "qdata")
+
+
+def param_specs(params: MoEParams) -> MoEParams:
+    """PartitionSpecs of ``params``: every expert leaf (quantized ones included) sharded on
+    its leading expert axis over ``expert``; router, biases and shared expert replicated."""
+    ex = jax.tree.map(lambda _: P(EXPERT_AXIS), params.experts)
+    rest = jax.tree.map(lambda _: P(), dataclasses.replace(params, experts=None))
+    return dataclasses.replace(rest, experts=ex)
+
+
+def shard_params(params: MoEParams, mesh: Mesh) -> MoEParams:
+    """``params`` placed on ``mesh`` (experts split over ``expert``, the rest replicated)."""
+    _axes(mesh)
+    n = int(mesh.shape[EXPERT_AXIS])
+    e = params.experts.num_experts
+    if e % n:
+        raise ValueError(f"num_experts={e} is not divisible by the mesh's {EXPERT_AXIS!r} axis size {n}")
+    specs = param_specs(params)
+    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
+
+
+def capacity(tokens_per_device: int, cfg: MoEConfig, n_expert: int, capacity_factor: float | None = None) -> int:
+    """Rows ``C`` per (sender, receiver) device pair.
+
+    ``None``: the no-drop worst case ``T_local * min(k, E/n)``; else
+    ``min(worst, max(1, ceil(capacity_factor * T_local * k / n)))``.
+    """
+    k, el = cfg.top_k, cfg.num_experts // n_expert
+    worst = tokens_per_device * min(k, el)
+    if capacity_factor is None:
+        return max(1, worst)
+    if not (isinstance(capacity_factor, (int, float)) and not isinstance(capacity_factor, bool)
+            and math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise ValueError(f"capacity_factor must be a finite positive number or None, got {capacity_factor!r}")
+    return max(1, min(worst, math.ceil(capacity_factor * tokens_per_device * k / n_expert)))
+
+
+def resolve_exchange(exchange: str, platform: str | None = None) -> str:
+    """``padded`` or ``ragged`` for ``exchange`` (``auto``: ragged on GPU / TPU, else padded)."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"unknown exchange {exchange!r}; expected one of {EXCHANGES}")
+    if exchange != "auto":
+        return exchange
+    platform = platform or backends.default_platform()
+    return "ragged" if platform in RAGGED_PLATFORMS else "padded"
+
+
+def local_config(cfg: MoEConfig, experts_per_device: int) -> MoEConfig:
+    """The config the grouped path sees on one device: ``E/n`` experts, one slot per row."""
+    return dataclasses.replace(cfg, router=RouterConfig(num_experts=experts_per_device, top_k=1))
+
+
+def _exchange(buf: jax.Array, sizes: jax.Array, recv_sizes: jax.Array, n: int, c: int, kind: str) -> jax.Array:
+    """Moves ``buf [n*C, ...]`` (chunk ``j`` = rows ``[j*C, j*C + sizes[j])`` for device ``j``
+    along ``expert``) to the same layout on the receivers (chunk ``i`` from device ``i``)."""
+    if kind == "padded":
+        out = jax.lax.all_to_all(buf.reshape(n, c, *buf.shape[1:]), EXPERT_AXIS, 0, 0, tiled=True)
+        return out.reshape(buf.shape)
+    me = jax.lax.axis_index(EXPERT_AXIS).astype(jnp.int32)
+    offs = jnp.arange(n, dtype=jnp.int32) * c
+    return jax.lax.ragged_all_to_all(buf, jnp.zeros_like(buf), offs, sizes, jnp.full((n,), me * c, jnp.int32),
+                                     recv_sizes, axis_name=EXPERT_AXIS)
+
+
+def _plan(ids: jax.Array, valid: jax.Array, n: int, el: int, c: int):
+    """Where each local pair goes. ``ids [T, k]``, ``valid [T]`` ->
+    ``slot [T*k]`` (row in the send buffer, ``n*C`` when not sent), ``kept [T*k]``,
+    ``sizes [n]`` rows sent to each device, ``dropped []``."""
+    t, k = ids.shape
+    dest = (ids // el).reshape(-1)  # [P]
+    pv = jnp.repeat(valid, k)  # [P]
+    oh = (dest[:, None] == jnp.arange(n)[None, :]) & pv[:, None]  # [P, n]
+    rank = jnp.cumsum(oh.astype(jnp.int32), axis=0) - 1  # [P, n]
+    pos = jnp.take_along_axis(rank, dest[:, None], axis=1)[:, 0]  # [P]
+    kept = pv & (pos < c)
+    slot = jnp.where(kept, dest * c + pos, n * c)
+    sizes = jnp.minimum(oh.sum(axis=0), c).astype(jnp.int32)  # [n]
+    dropped = (pv & ~kept).sum().astype(jnp.int32)
+    return slot, kept, sizes, dropped
+
+
+def _ep_body(x, valid, ids, w, router, experts, shared, *, cfg: MoEConfig, n: int, c: int, impl: str,
+             kind: str, tok_axes: tuple[str, ...], all_axes: tuple[str, ...]):
+    """One device. ``x [Tl, d]``, ``valid [Tl]``, ``ids, w [Tl, k]`` or None (routed here)."""
+    el = cfg.num_experts // n
+    tl, d = x.shape
+    k = cfg.top_k
+    if ids is None:
+        w_router, b_router, sel_bias = router
+        with jax.named_scope("ep_route"):
+            r = route(router_logits(x, w_router, b_router), cfg.router, sel_bias)
+        ids, w = r.expert_ids, r.weights
+    with jax.named_scope("ep_dispatch"):
+        slot, kept, sizes, dropped = _plan(ids, valid, n, el, c)
+        tok = jnp.repeat(jnp.arange(tl), k)
+        send_x = jnp.zeros((n * c, d), x.dtype).at[slot].set(x[tok], mode="drop")
+        send_id = jnp.zeros((n * c,), jnp.int32).at[slot].set((ids % el).reshape(-1).astype(jnp.int32), mode="drop")
+        send_w = jnp.zeros((n * c,), jnp.float32).at[slot].set(w.reshape(-1).astype(jnp.float32), mode="drop")
+    with jax.named_scope("ep_exchange"):
+        recv_sizes = jax.lax.all_to_all(sizes, EXPERT_AXIS, 0, 0, tiled=True)
+        recv_x = _exchange(send_x, sizes, recv_sizes, n, c, kind)
+        recv_id = _exchange(send_id, sizes, recv_sizes, n, c, kind)
+        recv_w = _exchange(send_w, sizes, recv_sizes, n, c, kind)
+    lcfg = local_config(cfg, el)
+    name = backends.resolve_impl(impl, n * c)
+    with jax.named_scope(f"ep_experts_{name}"):
+        out = backends.get_impl(name)(recv_x, Routing(recv_id[:, None], recv_w[:, None]), experts, lcfg)
+    with jax.named_scope("ep_return"):
+        back = _exchange(out.astype(jnp.float32), recv_sizes, sizes, n, c, kind)
+    with jax.named_scope("ep_combine"):
+        y = jnp.take(back, jnp.minimum(slot, n * c - 1), axis=0)
+        y = jnp.where(kept[:, None], y, 0.0).reshape(tl, k, d).sum(axis=1)
+        y = y + shared_expert(x, shared, cfg)
+    load = jnp.zeros((el,), jnp.int32).at[recv_id].add((jnp.arange(n * c) % c < jnp.repeat(recv_sizes, c))
+                                                       .astype(jnp.int32))
+    load = jax.lax.psum(load, tuple(a for a in all_axes if a != EXPERT_AXIS)) if len(all_axes) > 1 else load
+    dropped = jax.lax.psum(dropped, all_axes)
+    return y.astype(x.dtype), ids, w, kept.reshape(tl, k), dropped, load
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "impl", "c", "kind", "given"))
+def _ep_jit(params: MoEParams, x2: jax.Array, ids, w, *, cfg, mesh, impl, c, kind, given):
+    n, tok_axes = _axes(mesh)
+    all_axes = tuple(mesh.axis_names)
+    n_tok = math.prod(int(mesh.shape[a]) for a in tok_axes)
+    t = x2.shape[0]
+    tp = -(-t // n_tok) * n_tok
+    pad = tp - t
+    valid = jnp.arange(tp) < t
+    x2 = jnp.pad(x2, ((0, pad), (0, 0)))
+    if given:
+        ids = jnp.pad(ids, ((0, pad), (0, 0)))
+        w = jnp.pad(w, ((0, pad), (0, 0)))
+    router = (params.w_router, params.b_router, params.selection_bias)
+
+    tspec = P(tok_axes)
+    rep = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    ex_spec = jax.tree.map(lambda _: P(EXPERT_AXIS), params.experts)
+
+    explicit = all(a == jax.sharding.AxisType.Explicit for a in mesh.axis_types)
+    move = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
+
+    def put(tree, spec):
+        """Reshards every leaf of ``tree`` (spec: one PartitionSpec, or a tree of them)."""
+        if isinstance(spec, P):
+            spec = jax.tree.map(lambda _: spec, tree)
+        return jax.tree.map(lambda a, s: move(a, NamedSharding(mesh, s)), tree, spec,
+                            is_leaf=lambda z: isinstance(z, P))
+
+    args = (x2, valid, ids, w, router, params.experts, params.shared)
+    specs = (tspec, tspec, tspec, tspec, rep(router), ex_spec, P())
+    args = tuple(put(a, s) for a, s in zip(args, specs))
+    body = functools.partial(_ep_body, cfg=cfg, n=n, c=c, impl=impl, kind=kind, tok_axes=tok_axes,
+                             all_axes=all_axes)
+    out_specs = (tspec, tspec, tspec, tspec, P(), P(EXPERT_AXIS))
+    y, ids_o, w_o, kept, dropped, load = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs)(*args)
+    return y[:t], Routing(ids_o[:t], w_o[:t]), EPStats(dropped, kept[:t], load, c, kind)
+
+
+def moe_apply_ep(params: MoEParams, x: jax.Array, cfg: MoEConfig, mesh: Mesh, *, impl: str = "auto",
+                 return_routing: bool = False, capacity_factor: float | None = None,
+                 routing: Routing | None = None, exchange: str = "auto", return_stats: bool = False):
+    """One MoE layer, expert-parallel over ``mesh``. ``x [..., d]`` -> ``y [..., d]`` in ``x.dtype``.
+
+    Equals `jaxmoe.moe_apply` up to float rounding (same routing, same per-slot expert
+    math, sums in float32) whenever no pair is dropped.
+
+    Args:
+      params: the layer's `MoEParams` (any placement; `shard_params` avoids a reshard).
+      x: activations ``[..., d]``; tokens are padded to a multiple of the device count.
+      cfg: the layer's `MoEConfig`.
+      mesh: a `jax.sharding.Mesh` with an ``expert`` axis and optionally ``data``.
+      impl: the grouped path each device runs on its local experts.
+      return_routing: also return the `Routing` ``[T, k]`` used (flattened tokens).
+      capacity_factor: None (no drops, worst-case buffers) or ``c > 0``: rows per device
+        pair ``ceil(c * T_local * k / n)``. When set, an `EPStats` is always returned,
+        so dropped pairs are never silent.
+      routing: use this routing (``[T, k]`` over the flattened tokens) instead of routing.
+      exchange: ``auto``, ``padded`` (``all_to_all``) or ``ragged`` (``ragged_all_to_all``).
+      return_stats: also return the `EPStats`.
+
+    Returns:
+      ``y``, followed by the `Routing` if ``return_routing`` and the `EPStats` if
+      ``return_stats`` or ``capacity_factor`` is set, in that order.
+    """
+    x = jnp.asarray(x)
+    if x.shape[-1] != cfg.d_model:
+        raise ValueError(f"moe_apply_ep: x has width {x.shape[-1]} but d_model is {cfg.d_model} (shape {x.shape})")
+    n, tok_axes = _axes(mesh)
+    check_divisible(cfg, mesh)
+    if params.experts.num_experts != cfg.num_experts:
+        raise ValueError(f"moe_apply_ep: params hold {params.experts.num_experts} experts, "
+                         f"cfg.num_experts is {cfg.num_experts}")
+    kind = resolve_exchange(exchange, mesh.devices.flat[0].platform)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, cfg.d_model)
+    t = x2.shape[0]
+    n_tok = math.prod(int(mesh.shape[a]) for a in tok_axes)
+    c = capacity(-(-t // n_tok), cfg, n, capacity_factor)
+    given = routing is not None
+    ids = w = None
+    if given:
+        ids, w = jnp.asarray(routing.expert_ids), jnp.asarray(routing.weights)
+        if ids.shape != (t, cfg.top_k) or w.shape != (t, cfg.top_k):
+            raise ValueError(f"moe_apply_ep: routing expert_ids {ids.shape} / weights {w.shape} must be "
+                             f"[T, k] = {(t, cfg.top_k)}")
+        ids, w = ids.astype(jnp.int32), w.astype(jnp.float32)
+    impl = backends.resolve_impl(impl, n * c) if impl == "auto" else impl
+    backends.get_impl(impl)  # ValueError for unknown names, before tracing
+    y, r, stats = _ep_jit(params, x2, ids, w, cfg=cfg, mesh=mesh, impl=impl, c=c, kind=kind, given=given)
+    out = [y.reshape(*lead, cfg.d_model)]
+    if return_routing:
+        out.append(r)
+    if return_stats or capacity_factor is not None:
+        out.append(stats)
+    return out[0] if len(out) == 1 else tuple(out)
