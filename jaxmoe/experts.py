@@ -27,6 +27,17 @@ from jaxmoe.routing import Routing
 _HI = jax.lax.Precision.HIGHEST
 
 
+def mm(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``einsum(spec, a, b)`` accumulated and returned in float32.
+
+    XLA:CPU has no bf16 x bf16 -> f32 dot, so on the CPU low-precision operands are
+    upcast (exact); elsewhere the dot accumulates in f32 from the stored dtype.
+    """
+    if a.dtype != jnp.float32 and jax.default_backend() == "cpu":
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, precision=_HI)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ExpertWeights:
@@ -88,13 +99,13 @@ def activation(g: jax.Array, u: jax.Array, cfg: MoEConfig) -> jax.Array:
 def swiglu_ffn(x: jax.Array, w_gate, w_up, w_down, cfg: MoEConfig, b_gate=None, b_up=None, b_down=None) -> jax.Array:
     """One SwiGLU MLP. ``x [T, d]``, ``w_gate, w_up [d, F]``, ``w_down [F, d]`` -> ``[T, d]``."""
     dt = x.dtype
-    g = jnp.dot(x, materialize(w_gate, dt), preferred_element_type=jnp.float32, precision=_HI)
-    u = jnp.dot(x, materialize(w_up, dt), preferred_element_type=jnp.float32, precision=_HI)
+    g = mm("td,df->tf", x, materialize(w_gate, dt))
+    u = mm("td,df->tf", x, materialize(w_up, dt))
     if b_gate is not None:
         g = g + b_gate.astype(jnp.float32)
         u = u + b_up.astype(jnp.float32)
     h = activation(g, u, cfg).astype(dt)
-    y = jnp.dot(h, materialize(w_down, dt), preferred_element_type=jnp.float32, precision=_HI)
+    y = mm("tf,fd->td", h, materialize(w_down, dt))
     if b_down is not None:
         y = y + b_down.astype(jnp.float32)
     return y
@@ -128,8 +139,8 @@ def experts_dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoECon
     comb = combine_matrix(routing, e)  # [T, E]
     sel = jnp.zeros(comb.shape, bool).at[jnp.arange(comb.shape[0])[:, None], routing.expert_ids].set(True)
     wg, wu, wd = (materialize(w, dt) for w in (ew.w_gate, ew.w_up, ew.w_down))
-    g = jnp.einsum("td,edf->tef", x, wg, preferred_element_type=jnp.float32, precision=_HI)
-    u = jnp.einsum("td,edf->tef", x, wu, preferred_element_type=jnp.float32, precision=_HI)
+    g = mm("td,edf->tef", x, wg)
+    u = mm("td,edf->tef", x, wu)
     if cfg.weight_on_input:  # expert(w * x): gate(w x) = w (x Wg) + b
         g = g * comb[..., None]
         u = u * comb[..., None]
@@ -137,7 +148,7 @@ def experts_dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoECon
         g = g + ew.b_gate.astype(jnp.float32)
         u = u + ew.b_up.astype(jnp.float32)
     h = activation(g, u, cfg).astype(dt)
-    y = jnp.einsum("tef,efd->ted", h, wd, preferred_element_type=jnp.float32, precision=_HI)
+    y = mm("tef,efd->ted", h, wd)
     if ew.b_down is not None:
         y = y + ew.b_down.astype(jnp.float32)
     scale = sel.astype(jnp.float32) if cfg.weight_on_input else comb
@@ -160,13 +171,13 @@ def experts_gather(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoECo
     if cfg.weight_on_input:
         xin = (xin.astype(jnp.float32) * w[..., None]).astype(dt)
     xin = jnp.broadcast_to(xin, (x.shape[0], ids.shape[1], x.shape[1]))
-    g = jnp.einsum("tkd,tkdf->tkf", xin, wg, preferred_element_type=jnp.float32, precision=_HI)
-    u = jnp.einsum("tkd,tkdf->tkf", xin, wu, preferred_element_type=jnp.float32, precision=_HI)
+    g = mm("tkd,tkdf->tkf", xin, wg)
+    u = mm("tkd,tkdf->tkf", xin, wu)
     if sub.b_gate is not None:
         g = g + sub.b_gate.astype(jnp.float32)
         u = u + sub.b_up.astype(jnp.float32)
     h = activation(g, u, cfg).astype(dt)
-    y = jnp.einsum("tkf,tkfd->tkd", h, wd, preferred_element_type=jnp.float32, precision=_HI)
+    y = mm("tkf,tkfd->tkd", h, wd)
     if sub.b_down is not None:
         y = y + sub.b_down.astype(jnp.float32)
     if not cfg.weight_on_input:

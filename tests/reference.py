@@ -1,0 +1,114 @@
+"""Independent float64 numpy references for the tests (written from ROUTING.md, not from jaxmoe)."""
+
+import numpy as np
+
+
+def np_route(logits, *, k, score_fn="softmax", bias=None, n_group=1, topk_group=1, group_score="top2_sum",
+             renorm="sum", eps=0.0, scale=1.0):
+    """Per-token loop. Returns ids [T, k] (by descending selection score) and weights [T, k], float64."""
+    z = np.asarray(logits, np.float64)
+    t, e = z.shape
+    ids = np.zeros((t, k), np.int64)
+    ws = np.zeros((t, k), np.float64)
+    for i in range(t):
+        zi = z[i]
+        if score_fn == "softmax":
+            m = zi.max()
+            s = np.exp(zi - m) / np.exp(zi - m).sum()
+        elif score_fn == "sigmoid":
+            s = 1.0 / (1.0 + np.exp(-zi))
+        else:
+            s = zi.copy()
+        c = s + (0.0 if bias is None else np.asarray(bias, np.float64))
+        if n_group > 1 and topk_group < n_group:
+            per = e // n_group
+            gs = []
+            for g in range(n_group):
+                grp = np.sort(c[g * per:(g + 1) * per])[::-1]
+                gs.append(grp[0] if group_score == "max" else grp[0] + grp[1])
+            keep = sorted(range(n_group), key=lambda g: (-gs[g], g))[:topk_group]
+            c = np.array([c[j] if j // per in keep else -np.inf for j in range(e)])
+        order = sorted(range(e), key=lambda j: (-c[j], j))[:k]
+        sel = np.array(order)
+        if score_fn == "softmax_topk":
+            v = zi[sel]
+            w = np.exp(v - v.max()) / np.exp(v - v.max()).sum()
+        elif score_fn == "sigmoid_topk":
+            w = 1.0 / (1.0 + np.exp(-zi[sel]))
+        else:
+            w = s[sel]
+        if renorm == "sum":
+            w = w / w.sum()
+        elif renorm == "clamp":
+            w = w / max(w.sum(), eps)
+        elif renorm == "add":
+            w = w / (w.sum() + eps)
+        ids[i] = sel
+        ws[i] = w * scale
+    return ids, ws
+
+
+def router_kwargs(rc):
+    """np_route keyword arguments from a jaxmoe RouterConfig."""
+    return dict(k=rc.top_k, score_fn=rc.score_fn, n_group=rc.n_group, topk_group=rc.topk_group,
+                group_score=rc.group_score, renorm=rc.renorm, eps=rc.renorm_eps, scale=rc.routed_scaling_factor)
+
+
+def _silu(v):
+    return v / (1.0 + np.exp(-v))
+
+
+def np_act(g, u, activation="swiglu", alpha=1.702, limit=7.0):
+    if activation == "swiglu":
+        return _silu(g) * u
+    g = np.minimum(g, limit)
+    u = np.clip(u, -limit, limit)
+    return (u + 1.0) * g / (1.0 + np.exp(-alpha * g))
+
+
+def np_moe(x, p, cfg):
+    """float64 MoE layer on numpy params (dict of arrays in the x @ W convention), per-token loop."""
+    x = np.asarray(x, np.float64)
+    f64 = lambda a: None if a is None else np.asarray(a, np.float64)  # noqa: E731
+    z = x @ f64(p["w_router"])
+    if p.get("b_router") is not None:
+        z = z + f64(p["b_router"])
+    ids, ws = np_route(z, bias=f64(p.get("selection_bias")), **router_kwargs(cfg.router))
+    y = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            e = ids[t, s]
+            xin = x[t] * ws[t, s] if cfg.weight_on_input else x[t]
+            g = xin @ f64(p["w_gate"][e])
+            u = xin @ f64(p["w_up"][e])
+            if p.get("b_gate") is not None:
+                g = g + f64(p["b_gate"][e])
+                u = u + f64(p["b_up"][e])
+            h = np_act(g, u, cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
+            o = h @ f64(p["w_down"][e])
+            if p.get("b_down") is not None:
+                o = o + f64(p["b_down"][e])
+            y[t] += o if cfg.weight_on_input else ws[t, s] * o
+    if p.get("s_gate") is not None:
+        h = _silu(x @ f64(p["s_gate"])) * (x @ f64(p["s_up"]))
+        o = h @ f64(p["s_down"])
+        if p.get("s_sigmoid") is not None:
+            o = o / (1.0 + np.exp(-(x @ f64(p["s_sigmoid"]))))[:, None]
+        y += o
+    return y, ids, ws
+
+
+def params_to_numpy(mp):
+    """A flat dict of numpy arrays from a jaxmoe MoEParams (quantized weights dequantized)."""
+    from jaxmoe.quant import materialize
+
+    def a(v):
+        return None if v is None else np.asarray(materialize(v, np.float32) if hasattr(v, "qdata") else v)
+
+    ew, sh = mp.experts, mp.shared
+    d = dict(w_router=a(mp.w_router), b_router=a(mp.b_router), selection_bias=a(mp.selection_bias),
+             w_gate=a(ew.w_gate), w_up=a(ew.w_up), w_down=a(ew.w_down), b_gate=a(ew.b_gate), b_up=a(ew.b_up),
+             b_down=a(ew.b_down))
+    if sh is not None:
+        d.update(s_gate=a(sh.w_gate), s_up=a(sh.w_up), s_down=a(sh.w_down), s_sigmoid=a(sh.gate))
+    return d
