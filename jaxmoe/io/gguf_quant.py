@@ -1,0 +1,173 @@
+"""Conversions between GGUF tensor bytes and jaxmoe weights.
+
+GGUF stores a matrix as numpy ``[..., out, in]`` (GGUF lists dims fastest first), with
+quantization blocks along ``in``. jaxmoe weights are logical ``[..., in, out]`` (the
+``x @ W`` convention), and a `jaxmoe.quant.QuantizedTensor` stores them out-major with
+blocks along ``in``: the GGUF layout itself, so Q8_0 and Q4_0 map onto it block by block.
+
+- Q8_0 (32 elements in 34 bytes: f16 ``d``, 32 int8 ``q``; ``w = d * q``) ->
+  ``kind="int8"``, group 32, the f16 scales kept as they are.
+- Q4_0 (32 elements in 18 bytes: f16 ``d``, 16 bytes; byte ``i`` holds element ``i`` in
+  its low nibble and element ``i + 16`` in its high nibble; ``w = d * (q - 8)``) ->
+  ``kind="int4"``, group 32, ``scale = d``, ``bias = -8 d`` (both exact in float32; kept
+  in float16 when ``8 |d|`` fits), nibbles repacked to jaxmoe's order (element ``2j`` low,
+  ``2j + 1`` high).
+- F32, F16, BF16, F64 and every other type `gguf.quants.dequantize` handles (Q4_K, Q5_K,
+  Q6_K, MXFP4, Q4_1, Q5_0, Q5_1, ...) -> a float array, via ``gguf.quants.dequantize``
+  (so bit-exact with it), then cast to the compute dtype.
+
+Both quantized mappings are exact: ``QuantizedTensor.dequantize(float32)`` equals
+``gguf.quants.dequantize`` bit for bit, and converting back gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+
+from jaxmoe.quant import QuantizedTensor, materialize, pack_int4, unpack_int4
+
+#: GGUF types kept quantized in device memory.
+KEPT_QUANTIZED = (QT.Q8_0, QT.Q4_0)
+#: GGUF types the reader returns as plain numpy floats.
+_PLAIN_FLOATS = (QT.F32, QT.F16, QT.F64)
+#: ``save_gguf(dtype=...)`` names.
+EXPORT_TYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0}
+
+_Q8_BYTES = GGML_QUANT_SIZES[QT.Q8_0][1]  # 34
+_Q4_BYTES = GGML_QUANT_SIZES[QT.Q4_0][1]  # 18
+_QK = 32
+_F16_MAX_D_Q4 = 65504.0 / 8  # |-8 d| still finite in float16
+
+
+@functools.cache
+def can_dequantize(qtype: QT) -> bool:
+    """Whether ``gguf.quants.dequantize`` (or the reader itself) gives floats for ``qtype``."""
+    if qtype in _PLAIN_FLOATS:
+        return True
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    try:
+        gguf.quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def dequantize_raw(data: np.ndarray, qtype: QT) -> np.ndarray:
+    """Reader data (floats, or uint8 bytes ``[..., row_bytes]``) -> float32 ``[..., out, in]``."""
+    if qtype in _PLAIN_FLOATS:
+        return np.asarray(data, np.float32)
+    return gguf.quants.dequantize(np.asarray(data), qtype).astype(np.float32, copy=False)
+
+
+def q8_0_to_quantized(raw: np.ndarray) -> QuantizedTensor:
+    """Q8_0 bytes ``[..., out, in/32*34]`` -> int8 `QuantizedTensor` (logical ``[..., in, out]``)."""
+    raw = np.asarray(raw, np.uint8)
+    *lead, out, row = raw.shape
+    if row % _Q8_BYTES:
+        raise ValueError(f"q8_0_to_quantized: row of {row} bytes is not a whole number of {_Q8_BYTES}-byte blocks")
+    nb = row // _Q8_BYTES
+    blocks = raw.reshape(*lead, out, nb, _Q8_BYTES)
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]  # [..., out, nb]
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(*lead, out, nb * _QK)
+    return QuantizedTensor(jnp.asarray(q), jnp.asarray(d), None, "int8", _QK)
+
+
+def q4_0_to_quantized(raw: np.ndarray) -> QuantizedTensor:
+    """Q4_0 bytes ``[..., out, in/32*18]`` -> int4 `QuantizedTensor` (``scale = d``, ``bias = -8 d``)."""
+    raw = np.asarray(raw, np.uint8)
+    *lead, out, row = raw.shape
+    if row % _Q4_BYTES:
+        raise ValueError(f"q4_0_to_quantized: row of {row} bytes is not a whole number of {_Q4_BYTES}-byte blocks")
+    nb = row // _Q4_BYTES
+    blocks = raw.reshape(*lead, out, nb, _Q4_BYTES)
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)  # [..., out, nb]
+    qs = blocks[..., 2:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [..., out, nb, 32]: elements 0..15, 16..31
+    packed = pack_int4(codes.reshape(*lead, out, nb * _QK))
+    bias = -8.0 * d
+    sdt = np.float16 if not d.size or np.abs(d).max() <= _F16_MAX_D_Q4 else np.float32
+    return QuantizedTensor(jnp.asarray(packed), jnp.asarray(d.astype(sdt)), jnp.asarray(bias.astype(sdt)), "int4", _QK)
+
+
+def quantized_to_q8_0(w: QuantizedTensor) -> np.ndarray | None:
+    """The Q8_0 bytes of ``w`` when it is exactly Q8_0 (int8, group 32, f16 scales), else None."""
+    if w.kind != "int8" or w.group_size != _QK:
+        return None
+    s = np.asarray(w.scales, np.float32)
+    s16 = s.astype(np.float16)
+    if not np.array_equal(s16.astype(np.float32), s, equal_nan=True):
+        return None
+    q = np.asarray(w.qdata, np.int8)
+    *lead, out, n = q.shape
+    nb = n // _QK
+    blocks = np.concatenate([s16[..., None].view(np.uint8), q.reshape(*lead, out, nb, _QK).view(np.uint8)], axis=-1)
+    return np.ascontiguousarray(blocks.reshape(*lead, out, nb * _Q8_BYTES))
+
+
+def quantized_to_q4_0(w: QuantizedTensor) -> np.ndarray | None:
+    """The Q4_0 bytes of ``w`` when it is exactly Q4_0 (int4, group 32, ``bias = -8 scale``,
+    f16 scales), else None."""
+    if w.kind != "int4" or w.group_size != _QK or w.biases is None:
+        return None
+    s = np.asarray(w.scales, np.float32)
+    b = np.asarray(w.biases, np.float32)
+    s16 = s.astype(np.float16)
+    if not (np.array_equal(s16.astype(np.float32), s) and np.array_equal(b, -8.0 * s)):
+        return None
+    codes = np.asarray(unpack_int4(jnp.asarray(w.qdata))).astype(np.uint8)  # [..., out, in]
+    *lead, out, n = codes.shape
+    nb = n // _QK
+    c = codes.reshape(*lead, out, nb, _QK)
+    qs = (c[..., :16] | (c[..., 16:] << 4)).astype(np.uint8)
+    blocks = np.concatenate([s16[..., None].view(np.uint8), qs], axis=-1)
+    return np.ascontiguousarray(blocks.reshape(*lead, out, nb * _Q4_BYTES))
+
+
+def weight_from_gguf(data: np.ndarray, qtype: QT, dtype):
+    """One GGUF matrix (reader data, numpy ``[..., out, in]``) -> a jaxmoe weight ``[..., in, out]``.
+
+    Q8_0 / Q4_0 stay quantized (a `QuantizedTensor`); every other type is dequantized
+    with gguf-py and cast to ``dtype``.
+    """
+    if qtype == QT.Q8_0:
+        return q8_0_to_quantized(data)
+    if qtype == QT.Q4_0:
+        return q4_0_to_quantized(data)
+    w = dequantize_raw(data, qtype)
+    return jnp.asarray(np.swapaxes(w, -1, -2), dtype=dtype)
+
+
+def slice_out(w, lo: int, hi: int):
+    """Output columns ``[lo:hi]`` of a logical ``[..., in, out]`` weight (quantized or not)."""
+    if isinstance(w, QuantizedTensor):
+        return QuantizedTensor(w.qdata[..., lo:hi, :], w.scales[..., lo:hi, :],
+                               None if w.biases is None else w.biases[..., lo:hi, :], w.kind, w.group_size)
+    return w[..., lo:hi]
+
+
+def weight_to_gguf(w, qtype: QT, name: str) -> tuple[np.ndarray, QT | None]:
+    """A jaxmoe weight ``[..., in, out]`` -> (data for ``GGUFWriter.add_tensor``, raw_dtype).
+
+    Already-quantized weights that are exactly Q8_0 / Q4_0 are written byte for byte
+    (no second lossy rounding); anything else is dequantized and quantized with gguf-py.
+    """
+    if isinstance(w, QuantizedTensor):
+        direct = quantized_to_q8_0(w) if qtype == QT.Q8_0 else quantized_to_q4_0(w) if qtype == QT.Q4_0 else None
+        if direct is not None:
+            return direct, qtype
+    dense = np.ascontiguousarray(np.swapaxes(np.asarray(materialize(w, jnp.float32), np.float32), -1, -2))
+    if qtype == QT.F32:
+        return dense, None
+    if qtype == QT.F16:
+        return dense.astype(np.float16), None
+    block, _ = GGML_QUANT_SIZES[qtype]
+    if dense.shape[-1] % block:
+        raise ValueError(f"save_gguf: tensor {name} has input dim {dense.shape[-1]}, not a multiple of the "
+                         f"{qtype.name} block size {block}")
+    return gguf.quants.quantize(dense, qtype), qtype
