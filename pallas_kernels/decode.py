@@ -1,0 +1,229 @@
+"""Decode kernels for few tokens: one program per selected (token, expert) pair.
+
+When ``T * k`` is small, a grouped tile would be mostly empty rows; instead the grid
+is ``(pairs, column blocks)`` and program ``(p, j)`` streams column block ``j`` of its
+expert's weights once, as a matrix-vector product (broadcast-multiply and reduce in
+float32: Triton's ``dot`` needs 16 rows), the analogue of llama.cpp's selected-expert
+``MUL_MAT_ID`` matrix-vector path. No dispatch plan is needed: the pairs stay in
+token order ``p = t * k + slot``.
+
+- `decode_gate_up`: ``h[p] = act(x[p // k] @ Wg[e_p] (+ bg), x[p // k] @ Wu[e_p] (+ bu))``
+- `decode_down`: ``y[p] = w_p * (h[p] @ Wd[e_p] (+ bd))`` in float32; the caller sums
+  the ``k`` slots of each token (`combine_pairs`), deterministically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import common
+from pallas_kernels.common import Activation
+from pallas_kernels.gmm import _fit_k
+from pallas_kernels.quant import WeightLayout, dequantize_reference, load_tile, tile_matvec, weight_operands
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class PairSpec:
+    """Static description of one decode launch (see `GroupedSpec` for the fields)."""
+
+    pairs: int
+    top_k: int
+    k: int
+    n: int
+    block_n: int
+    block_k: int
+    layouts: tuple[WeightLayout, ...]
+    gather: bool
+    scale: str
+    has_bias: bool
+    act: Activation | None
+    compute_dtype: str
+    out_dtype: str
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _pair_kernel(*refs, spec: PairSpec, aliased: bool):
+    # refs: ids [P] i32 expert of each pair, (row_scale [P] f32), lhs [T or P, K],
+    #       weight arrays, (biases [E, N] per weight), (aliased out, unused), out [P, N].
+    it = iter(refs)
+    ids_ref = next(it)
+    scale_ref = next(it) if spec.scale != "none" else None
+    lhs_ref = next(it)
+    w_refs = [tuple(next(it) for _ in range(lay.num_arrays)) for lay in spec.layouts]
+    b_refs = [next(it) for _ in spec.layouts] if spec.has_bias else None
+    if aliased:
+        next(it)
+    out_ref = next(it)
+
+    bn, bk = spec.block_n, spec.block_k
+    cdt = jnp.dtype(spec.compute_dtype)
+    p = pl.program_id(0)
+    j = pl.program_id(1)
+    e = ids_ref[p]
+    row = p // spec.top_k if spec.gather else p
+    n0 = j * bn
+    ns = n0 + jnp.arange(bn, dtype=jnp.int32)
+
+    def step(i, accs):
+        k0 = i * bk
+        ks = k0 + jnp.arange(bk, dtype=jnp.int32)
+        xr = plgpu.load(lhs_ref.at[row, pl.ds(k0, bk)], mask=ks < spec.k, other=0).astype(cdt)  # [bk]
+        return tuple(acc + tile_matvec(xr, *load_tile(lay, wr, e, k0, n0, bk, bn, cdt))
+                     for acc, lay, wr in zip(accs, spec.layouts, w_refs))
+
+    zero = jnp.zeros((bn,), jnp.float32)
+    accs = jax.lax.fori_loop(0, pl.cdiv(spec.k, bk), step, tuple(zero for _ in spec.layouts))
+    if spec.scale != "none":
+        rs = scale_ref[p].astype(jnp.float32)
+    if spec.scale == "input":
+        accs = tuple(a * rs for a in accs)
+    if spec.has_bias:
+        accs = tuple(a + plgpu.load(b.at[e, pl.ds(n0, bn)], mask=ns < spec.n, other=0).astype(jnp.float32)
+                     for a, b in zip(accs, b_refs))
+    y = spec.act(*accs) if len(accs) == 2 else accs[0]
+    if spec.scale == "output":
+        y = y * rs
+    plgpu.store(out_ref.at[p, pl.ds(n0, bn)], y.astype(out_ref.dtype), mask=ns < spec.n)
+
+
+def _pair_call(spec: PairSpec, ids, row_scale, lhs, weight_arrays, biases, out, interpret, debug):
+    args = [ids.reshape(-1).astype(jnp.int32)]
+    if spec.scale != "none":
+        args.append(row_scale.astype(jnp.float32))
+    args.append(lhs)
+    for arrs in weight_arrays:
+        args.extend(arrs)
+    if spec.has_bias:
+        args.extend(biases)
+    aliases = {}
+    if out is not None:
+        aliases = {len(args): 0}
+        args.append(out)
+    kernel = functools.partial(_pair_kernel, spec=spec, aliased=out is not None)
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((spec.pairs, spec.n), jnp.dtype(spec.out_dtype)),
+        grid=(spec.pairs, pl.cdiv(spec.n, spec.block_n)), input_output_aliases=aliases,
+        compiler_params=common.compiler_params(spec.num_warps, spec.num_stages),
+        interpret=interpret, debug=debug, name="jaxmoe_decode")(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "alpha", "limit", "block_n", "block_k", "num_warps",
+                                             "num_stages", "interpret", "debug"))
+def decode_gate_up(x, expert_ids, w_gate, w_up, b_gate=None, b_up=None, row_scale=None, out=None, *,
+                   activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0, block_n: int = 64,
+                   block_k: int = 128, num_warps: int = 4, num_stages: int = 3, interpret: bool = False,
+                   debug: bool = False):
+    """Per-pair gate/up with the activation fused.
+
+    Args:
+      x: ``[T, d]``; expert_ids: ``[T, k]`` int32.
+      w_gate, w_up: ``[E, d, F]`` arrays or `QuantizedTensor`s; b_gate, b_up: ``[E, F]`` or None.
+      row_scale: ``[T * k]`` float32 (pair order) multiplying both projections before the
+        bias, or None.
+      out: optional ``[T * k, F]`` buffer of ``x.dtype`` aliased to the output.
+    Returns:
+      ``h [T * k, F]`` in ``x.dtype``, pair order.
+    """
+    common.check_array("decode_gate_up: x", x, (None, None), kinds="float")
+    common.check_array("decode_gate_up: expert_ids", expert_ids, (x.shape[0], None), kinds="int")
+    t, k = expert_ids.shape
+    lg, ag = weight_operands(w_gate, "decode_gate_up: w_gate", k=x.shape[1])
+    lu, au = weight_operands(w_up, "decode_gate_up: w_up", lg.num_experts, x.shape[1], lg.n)
+    if (b_gate is None) != (b_up is None):
+        raise ValueError("decode_gate_up: give both b_gate and b_up or neither")
+    if b_gate is not None:
+        common.check_array("decode_gate_up: b_gate", b_gate, (lg.num_experts, lg.n))
+        common.check_array("decode_gate_up: b_up", b_up, (lg.num_experts, lg.n))
+    if row_scale is not None:
+        common.check_array("decode_gate_up: row_scale", row_scale, (t * k,), kinds="float")
+    common.check_blocks("decode_gate_up", block_n=block_n, block_k=block_k)
+    common.check_out("decode_gate_up", out, (t * k, lg.n), x.dtype)
+    spec = PairSpec(pairs=t * k, top_k=k, k=x.shape[1], n=lg.n, block_n=block_n, block_k=_fit_k(block_k, [lg, lu]),
+                    layouts=(lg, lu), gather=True, scale="input" if row_scale is not None else "none",
+                    has_bias=b_gate is not None, act=Activation(activation, alpha, limit),
+                    compute_dtype=x.dtype.name, out_dtype=x.dtype.name, num_warps=num_warps, num_stages=num_stages)
+    return _pair_call(spec, expert_ids, row_scale, x, [ag, au], None if b_gate is None else [b_gate, b_up], out,
+                      interpret, debug)
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages", "out_dtype",
+                                             "interpret", "debug"))
+def decode_down(h, expert_ids, w_down, b_down=None, row_scale=None, out=None, *, block_n: int = 64,
+                block_k: int = 128, num_warps: int = 4, num_stages: int = 3, out_dtype=jnp.float32,
+                interpret: bool = False, debug: bool = False):
+    """Per-pair down projection with bias and routing weight fused.
+
+    Args:
+      h: ``[T * k, F]`` pair order; expert_ids: ``[T, k]`` int32.
+      w_down: ``[E, F, d]`` array or `QuantizedTensor`; b_down: ``[E, d]`` or None.
+      row_scale: ``[T * k]`` float32 routing weights (pair order) or None.
+      out: optional ``[T * k, d]`` buffer of ``out_dtype`` aliased to the output.
+    Returns:
+      ``[T * k, d]`` in ``out_dtype``, pair order.
+    """
+    common.check_array("decode_down: h", h, (None, None), kinds="float")
+    common.check_array("decode_down: expert_ids", expert_ids, (None, None), kinds="int")
+    t, k = expert_ids.shape
+    if h.shape[0] != t * k:
+        raise ValueError(f"decode_down: h has {h.shape[0]} rows, expected T*k = {t * k} (expert_ids {expert_ids.shape})")
+    lay, arrs = weight_operands(w_down, "decode_down: w_down", k=h.shape[1])
+    if b_down is not None:
+        common.check_array("decode_down: b_down", b_down, (lay.num_experts, lay.n))
+    if row_scale is not None:
+        common.check_array("decode_down: row_scale", row_scale, (t * k,), kinds="float")
+    common.check_blocks("decode_down", block_n=block_n, block_k=block_k)
+    odt = jnp.dtype(out_dtype)
+    common.check_out("decode_down", out, (t * k, lay.n), odt)
+    spec = PairSpec(pairs=t * k, top_k=k, k=h.shape[1], n=lay.n, block_n=block_n, block_k=_fit_k(block_k, [lay]),
+                    layouts=(lay,), gather=False, scale="output" if row_scale is not None else "none",
+                    has_bias=b_down is not None, act=None, compute_dtype=h.dtype.name, out_dtype=odt.name,
+                    num_warps=num_warps, num_stages=num_stages)
+    return _pair_call(spec, expert_ids, row_scale, h, [arrs], None if b_down is None else [b_down], out,
+                      interpret, debug)
+
+
+def combine_pairs(y: jax.Array, top_k: int) -> jax.Array:
+    """``[T * k, d]`` pair-order rows -> ``[T, d]`` float32, slots summed in order."""
+    if y.ndim != 2 or y.shape[0] % top_k:
+        raise ValueError(f"combine_pairs: y {y.shape} must be [T * k, d] with k = {top_k}")
+    return y.astype(jnp.float32).reshape(-1, top_k, y.shape[1]).sum(axis=1)
+
+
+def decode_gate_up_reference(x, expert_ids, w_gate, w_up, b_gate=None, b_up=None, row_scale=None, *,
+                             activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0):
+    """Pure-jnp reference of `decode_gate_up`."""
+    lg, ag = weight_operands(w_gate, "decode_gate_up_reference: w_gate", k=x.shape[1])
+    lu, au = weight_operands(w_up, "decode_gate_up_reference: w_up", lg.num_experts, x.shape[1], lg.n)
+    ids = expert_ids.reshape(-1)
+    xs = jnp.repeat(x, expert_ids.shape[1], axis=0)  # [P, d]
+    g = jnp.einsum("pd,pdf->pf", xs, dequantize_reference(lg, ag, x.dtype)[ids], preferred_element_type=jnp.float32,
+                   precision=_HI)
+    u = jnp.einsum("pd,pdf->pf", xs, dequantize_reference(lu, au, x.dtype)[ids], preferred_element_type=jnp.float32,
+                   precision=_HI)
+    if row_scale is not None:
+        g, u = g * row_scale[:, None], u * row_scale[:, None]
+    if b_gate is not None:
+        g, u = g + b_gate.astype(jnp.float32)[ids], u + b_up.astype(jnp.float32)[ids]
+    return Activation(activation, alpha, limit)(g, u).astype(x.dtype)
+
+
+def decode_down_reference(h, expert_ids, w_down, b_down=None, row_scale=None, out_dtype=jnp.float32):
+    """Pure-jnp reference of `decode_down`."""
+    lay, arrs = weight_operands(w_down, "decode_down_reference: w_down", k=h.shape[1])
+    ids = expert_ids.reshape(-1)
+    y = jnp.einsum("pf,pfd->pd", h, dequantize_reference(lay, arrs, h.dtype)[ids], preferred_element_type=jnp.float32,
+                   precision=_HI)
+    if b_down is not None:
+        y = y + b_down.astype(jnp.float32)[ids]
+    if row_scale is not None:
+        y = y * row_scale[:, None]
+    return y.astype(out_dtype)

@@ -1,0 +1,215 @@
+"""Grouped matmul (GMM) over a dispatch plan: the core every grouped kernel runs on.
+
+The rows of the left operand are the ``P = T * k`` (token, slot) pairs sorted by
+expert (`jaxmoe.dispatch.plan_dispatch`). The grid is ``(tile visits, column blocks)``;
+visit ``v`` reads its expert ``e = tile_group[v]`` and row tile ``tile_row[v]`` from
+int32 arrays (``ids_ref[pid]``: the Triton backend has no scalar prefetch), keeps the
+rows of the tile that belong to ``e`` (``group_offsets[e] <= row < group_offsets[e+1]``)
+with masked loads and stores, and accumulates ``lhs_tile @ W[e]`` over K in float32.
+A tile that straddles two experts is visited once per expert, each visit writing only
+its own rows; visits past ``num_tiles`` do nothing. Nothing is ever atomically added.
+
+`grouped_call` builds the fused variants (row gather prologue, two weights with a
+SwiGLU epilogue, biases, a per-row scale); `gmm` is the plain grouped matmul and
+`gmm_reference` its pure-jnp reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import common
+from pallas_kernels.common import Activation
+from pallas_kernels.quant import WeightLayout, load_tile, tile_matmul, weight_operands
+
+SCALES = ("none", "input", "output")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedSpec:
+    """Static description of one grouped launch.
+
+    Attributes:
+      rows: P, rows of the sorted order (and of the output).
+      k, n: reduction and output widths.
+      block_m, block_n, block_k: tile sizes (powers of two).
+      layouts: one weight (plain / down) or two (gate, up: SwiGLU epilogue).
+      gather: lhs rows are read through ``row_map`` (token of each sorted row).
+      scale: ``input`` multiplies the accumulators by the row's scale before the bias
+        (routing weight on the expert input), ``output`` after bias and activation.
+      has_bias: per-expert biases ``[E, N]`` (one per weight).
+      act: the epilogue activation of two weights.
+      compute_dtype, out_dtype: dtype the tiles are multiplied in, dtype written.
+    """
+
+    rows: int
+    k: int
+    n: int
+    block_m: int
+    block_n: int
+    block_k: int
+    layouts: tuple[WeightLayout, ...]
+    gather: bool
+    scale: str
+    has_bias: bool
+    act: Activation | None
+    compute_dtype: str
+    out_dtype: str
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _grouped_kernel(*refs, spec: GroupedSpec, aliased: bool):
+    # refs: tile_group [V] i32, tile_row [V] i32, group_offsets [E+1] i32, num_tiles [1] i32,
+    #       (row_map [P] i32), (row_scale [P] f32), lhs [T or P, K],
+    #       weight arrays (see quant.WeightLayout), (biases [E, N] per weight),
+    #       (aliased out buffer, unused), out [P, N].
+    it = iter(refs)
+    tg_ref, tr_ref, off_ref, nt_ref = next(it), next(it), next(it), next(it)
+    map_ref = next(it) if spec.gather else None
+    scale_ref = next(it) if spec.scale != "none" else None
+    lhs_ref = next(it)
+    w_refs = [tuple(next(it) for _ in range(lay.num_arrays)) for lay in spec.layouts]
+    b_refs = [next(it) for _ in spec.layouts] if spec.has_bias else None
+    if aliased:
+        next(it)
+    out_ref = next(it)
+
+    bm, bn, bk = spec.block_m, spec.block_n, spec.block_k
+    cdt = jnp.dtype(spec.compute_dtype)
+    v = pl.program_id(0)
+    j = pl.program_id(1)
+
+    @pl.when(v < nt_ref[0])
+    def _():
+        e = tg_ref[v]
+        start = tr_ref[v] * bm
+        lo = off_ref[e]
+        hi = off_ref[e + 1]
+        rows = start + jnp.arange(bm, dtype=jnp.int32)
+        valid = (rows >= lo) & (rows < hi)  # [bm] rows of this expert in this tile
+        src = plgpu.load(map_ref.at[rows], mask=valid, other=0) if spec.gather else rows
+        n0 = j * bn
+        ns = n0 + jnp.arange(bn, dtype=jnp.int32)
+
+        def step(i, accs):
+            k0 = i * bk
+            ks = k0 + jnp.arange(bk, dtype=jnp.int32)
+            xm = valid[:, None] & (ks < spec.k)[None, :]
+            xt = plgpu.load(lhs_ref.at[src[:, None], ks[None, :]], mask=xm, other=0).astype(cdt)  # [bm, bk]
+            return tuple(acc + tile_matmul(xt, *load_tile(lay, wr, e, k0, n0, bk, bn, cdt))
+                         for acc, lay, wr in zip(accs, spec.layouts, w_refs))
+
+        zero = jnp.zeros((bm, bn), jnp.float32)
+        accs = jax.lax.fori_loop(0, pl.cdiv(spec.k, bk), step, tuple(zero for _ in spec.layouts))
+        if spec.scale != "none":
+            rs = plgpu.load(scale_ref.at[rows], mask=valid, other=0).astype(jnp.float32)[:, None]
+        if spec.scale == "input":
+            accs = tuple(a * rs for a in accs)
+        if spec.has_bias:
+            accs = tuple(a + plgpu.load(b.at[e, pl.ds(n0, bn)], mask=ns < spec.n, other=0)
+                         .astype(jnp.float32)[None, :] for a, b in zip(accs, b_refs))
+        y = spec.act(*accs) if len(accs) == 2 else accs[0]
+        if spec.scale == "output":
+            y = y * rs
+        om = valid[:, None] & (ns < spec.n)[None, :]
+        plgpu.store(out_ref.at[pl.ds(start, bm), pl.ds(n0, bn)], y.astype(out_ref.dtype), mask=om)
+
+
+def grouped_call(spec: GroupedSpec, tile_group, tile_row, group_offsets, num_tiles, row_map, row_scale,
+                 lhs, weight_arrays, biases, out=None, *, interpret: bool = False, debug: bool = False):
+    """Launches `_grouped_kernel` (arguments already checked by the public wrappers).
+
+    Returns ``[P, N]`` in ``spec.out_dtype``; ``out`` (same shape and dtype) is aliased
+    to the result, so rows the kernel never writes keep ``out``'s values.
+    """
+    num_tiles = jnp.reshape(num_tiles, (1,)).astype(jnp.int32)
+    args = [tile_group.astype(jnp.int32), tile_row.astype(jnp.int32), group_offsets.astype(jnp.int32), num_tiles]
+    if spec.gather:
+        args.append(row_map.astype(jnp.int32))
+    if spec.scale != "none":
+        args.append(row_scale.astype(jnp.float32))
+    args.append(lhs)
+    for arrs in weight_arrays:
+        args.extend(arrs)
+    if spec.has_bias:
+        args.extend(biases)
+    out_shape = jax.ShapeDtypeStruct((spec.rows, spec.n), jnp.dtype(spec.out_dtype))
+    aliases = {}
+    if out is not None:
+        aliases = {len(args): 0}
+        args.append(out)
+    grid = (tile_group.shape[0], pl.cdiv(spec.n, spec.block_n))
+    kernel = functools.partial(_grouped_kernel, spec=spec, aliased=out is not None)
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=grid, input_output_aliases=aliases,
+        compiler_params=common.compiler_params(spec.num_warps, spec.num_stages),
+        interpret=interpret, debug=debug, name="jaxmoe_gmm")(*args)
+
+
+def check_plan(where: str, rows: int, num_experts: int, tile_group, tile_row, group_offsets, num_tiles) -> None:
+    common.check_array(f"{where}: tile_group", tile_group, (None,), kinds="int")
+    common.check_array(f"{where}: tile_row", tile_row, (tile_group.shape[0],), kinds="int")
+    common.check_array(f"{where}: group_offsets", group_offsets, (num_experts + 1,), kinds="int")
+    if jnp.size(num_tiles) != 1:
+        raise ValueError(f"{where}: num_tiles must be a scalar, got shape {jnp.shape(num_tiles)}")
+    del rows
+
+
+def _fit_k(block_k: int, layouts) -> int:
+    need = max(lay.min_block_k() for lay in layouts)
+    return max(block_k, need)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
+                                             "out_dtype", "interpret", "debug"))
+def gmm(lhs, rhs, group_offsets, tile_group, tile_row, num_tiles, out=None, *, block_m: int, block_n: int = 64,
+        block_k: int = 64, num_warps: int = 4, num_stages: int = 3, out_dtype=None, interpret: bool = False,
+        debug: bool = False):
+    """Grouped matmul: row ``r`` of ``lhs`` times the weight of its expert.
+
+    Args:
+      lhs: ``[P, K]`` rows sorted by expert (``group_offsets`` delimit each expert's rows).
+      rhs: ``[E, K, N]`` array or `jaxmoe.quant.QuantizedTensor` (int8 / int4).
+      group_offsets: ``[E + 1]`` int32; tile_group, tile_row: ``[V]`` int32 visits of a plan
+        built with the same ``block_m``; num_tiles: ``[]`` int32 valid visits.
+      out: optional ``[P, N]`` buffer aliased to the output (rows no visit writes keep it).
+      block_m, block_n, block_k: powers of two >= 16 (block_k is raised to a whole
+        quantization group).
+    Returns:
+      ``[P, N]`` in ``out_dtype`` (default ``lhs.dtype``), float32 accumulation.
+    """
+    common.check_array("gmm: lhs", lhs, (None, None), kinds="float")
+    p, k = lhs.shape
+    lay, arrs = weight_operands(rhs, "gmm: rhs", k=k)
+    check_plan("gmm", p, lay.num_experts, tile_group, tile_row, group_offsets, num_tiles)
+    common.check_blocks("gmm", block_m=block_m, block_n=block_n, block_k=block_k)
+    odt = jnp.dtype(out_dtype or lhs.dtype)
+    common.check_out("gmm", out, (p, lay.n), odt)
+    spec = GroupedSpec(rows=p, k=k, n=lay.n, block_m=block_m, block_n=block_n, block_k=_fit_k(block_k, [lay]),
+                       layouts=(lay,), gather=False, scale="none", has_bias=False, act=None,
+                       compute_dtype=lhs.dtype.name, out_dtype=odt.name, num_warps=num_warps, num_stages=num_stages)
+    return grouped_call(spec, tile_group, tile_row, group_offsets, num_tiles, None, None, lhs, [arrs], None, out,
+                        interpret=interpret, debug=debug)
+
+
+def row_experts(group_offsets: jax.Array, rows: int) -> jax.Array:
+    """``[P]`` int32 expert of each sorted row, from ``group_offsets [E + 1]``."""
+    return (jnp.searchsorted(group_offsets[1:], jnp.arange(rows), side="right")).astype(jnp.int32)
+
+
+def gmm_reference(lhs, rhs, group_offsets, out_dtype=None):
+    """Pure-jnp reference of `gmm`: ``[P, K]`` rows times their expert's ``[K, N]`` weight."""
+    lay, arrs = weight_operands(rhs, "gmm_reference: rhs", k=lhs.shape[1])
+    from pallas_kernels.quant import dequantize_reference
+
+    w = dequantize_reference(lay, arrs, lhs.dtype)[row_experts(group_offsets, lhs.shape[0])]  # [P, K, N]
+    y = jnp.einsum("pk,pkn->pn", lhs, w, preferred_element_type=jnp.float32,
+                   precision=jax.lax.Precision.HIGHEST)
+    return y.astype(out_dtype or lhs.dtype)

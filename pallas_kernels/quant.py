@@ -1,0 +1,144 @@
+"""Expert weights as kernel operands, and their tiles loaded (and dequantized) in-kernel.
+
+A routed-expert weight of logical shape ``[E, K, N]`` (``x @ W``: K in, N out) reaches a
+kernel as one of three layouts (`WeightLayout.kind`):
+
+- ``dense``: one array ``w [E, K, N]``; a tile is ``w[e, k0:k0+bk, n0:n0+bn]``.
+- ``int8`` (GGUF Q8_0): ``q [E, N, K]`` int8 and ``s [E, N, K/g]``; a tile is
+  ``q[e, n0:, k0:] * s`` per group of g along K, transposed (``[bn, bk]``).
+- ``int4`` (MLX affine, Q4_0 as scale d / bias -8d): ``p [E, N, K/2]`` uint8 (low nibble
+  = even element), ``s, b [E, N, K/g]``; a tile is ``s * q + b``.
+
+The weights stay in this form in device memory; `load_tile` dequantizes one tile in
+registers (float32 math, then the compute dtype). `dequantize_reference` is the pure-jnp
+reference of the same layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxmoe.quant import QuantizedTensor
+from pallas_kernels.tuning import is_pow2
+
+KINDS = ("dense", "int8", "int4")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+    """Static description of one expert weight operand (logical ``[E, K, N]``)."""
+
+    kind: str
+    num_experts: int
+    k: int
+    n: int
+    group_size: int = 0
+
+    @property
+    def num_arrays(self) -> int:
+        return {"dense": 1, "int8": 2, "int4": 3}[self.kind]
+
+    def min_block_k(self) -> int:
+        """Smallest K step the layout allows (a whole quantization group)."""
+        return self.group_size if self.kind != "dense" else 1
+
+
+def weight_operands(w, name: str, num_experts: int | None = None, k: int | None = None,
+                    n: int | None = None) -> tuple[WeightLayout, tuple[jax.Array, ...]]:
+    """The layout and arrays of an expert weight ``[E, K, N]`` (array or `QuantizedTensor`).
+
+    Raises ValueError naming ``name`` when the shape differs from the expected
+    ``(num_experts, k, n)`` (entries left None are not checked).
+    """
+    shape = tuple(w.shape)
+    if len(shape) != 3:
+        raise ValueError(f"{name}: expert weight must be [E, K, N], got shape {shape}")
+    for got, want, what in zip(shape, (num_experts, k, n), ("E", "K", "N")):
+        if want is not None and got != want:
+            raise ValueError(f"{name}: shape {shape} has {what}={got}, expected {want} "
+                             f"(want [E, K, N] = {(num_experts, k, n)})")
+    e, kk, nn = shape
+    if isinstance(w, QuantizedTensor):
+        g = w.group_size
+        if not is_pow2(g) or g < 2:
+            raise ValueError(f"{name}: quantization group size must be a power of two, got {g}")
+        if w.kind == "int8":
+            return WeightLayout("int8", e, kk, nn, g), (w.qdata, w.scales)
+        return WeightLayout("int4", e, kk, nn, g), (w.qdata, w.scales, w.biases)
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+        raise ValueError(f"{name}: expert weight must be floating point or a QuantizedTensor, got {w.dtype}")
+    return WeightLayout("dense", e, kk, nn), (w,)
+
+
+def dequantize_reference(layout: WeightLayout, arrays, dtype=jnp.float32) -> jax.Array:
+    """Pure-jnp reference: the logical ``[E, K, N]`` weight in ``dtype`` (math in float32)."""
+    if layout.kind == "dense":
+        return arrays[0].astype(dtype)
+    e, k, n, g = layout.num_experts, layout.k, layout.n, layout.group_size
+    if layout.kind == "int8":
+        q = arrays[0].astype(jnp.float32)
+    else:
+        p = arrays[0]
+        q = jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(e, n, k).astype(jnp.float32)
+    w = q.reshape(e, n, k // g, g) * arrays[1].astype(jnp.float32)[..., None]
+    if layout.kind == "int4":
+        w = w + arrays[2].astype(jnp.float32)[..., None]
+    return jnp.swapaxes(w.reshape(e, n, k), 1, 2).astype(dtype)
+
+
+def load_tile(layout: WeightLayout, refs, e, k0, n0, bk: int, bn: int, dtype):
+    """One weight tile of expert ``e`` at rows ``k0`` and columns ``n0`` (in-kernel).
+
+    Rows past K and columns past N read as zero. Returns ``(tile, k_major)``: ``tile``
+    is ``[bk, bn]`` when ``k_major`` else ``[bn, bk]`` (the stored, out-major order of
+    the quantized layouts), in ``dtype``.
+    """
+    ks = k0 + jnp.arange(bk, dtype=jnp.int32)
+    ns = n0 + jnp.arange(bn, dtype=jnp.int32)
+    if layout.kind == "dense":
+        (w_ref,) = refs
+        m = (ks < layout.k)[:, None] & (ns < layout.n)[None, :]
+        t = plgpu.load(w_ref.at[e, pl.ds(k0, bk), pl.ds(n0, bn)], mask=m, other=0)
+        return t.astype(dtype), True
+    g = layout.group_size
+    ng = bk // g
+    gs = k0 // g + jnp.arange(ng, dtype=jnp.int32)
+    nm = (ns < layout.n)[:, None]
+    sm = nm & (gs < layout.k // g)[None, :]
+    s = plgpu.load(refs[1].at[e, pl.ds(n0, bn), pl.ds(k0 // g, ng)], mask=sm, other=0).astype(jnp.float32)
+    if layout.kind == "int8":
+        m = nm & (ks < layout.k)[None, :]
+        q = plgpu.load(refs[0].at[e, pl.ds(n0, bn), pl.ds(k0, bk)], mask=m, other=0).astype(jnp.float32)
+        w = (q.reshape(bn, ng, g) * s[:, :, None]).reshape(bn, bk)
+        return w.astype(dtype), False
+    half = bk // 2
+    hs = k0 // 2 + jnp.arange(half, dtype=jnp.int32)
+    m = nm & (hs < layout.k // 2)[None, :]
+    p = plgpu.load(refs[0].at[e, pl.ds(n0, bn), pl.ds(k0 // 2, half)], mask=m, other=0)
+    lo = (p & 0xF).astype(jnp.float32)
+    hi = (p >> 4).astype(jnp.float32)
+    q = jnp.stack([lo, hi], axis=-1).reshape(bn, bk)
+    b = plgpu.load(refs[2].at[e, pl.ds(n0, bn), pl.ds(k0 // g, ng)], mask=sm, other=0).astype(jnp.float32)
+    w = (q.reshape(bn, ng, g) * s[:, :, None] + b[:, :, None]).reshape(bn, bk)
+    return w.astype(dtype), False
+
+
+def tile_matmul(x: jax.Array, tile: jax.Array, k_major: bool) -> jax.Array:
+    """``x [bm, bk] @ tile`` -> ``[bm, bn]`` float32 (tile ``[bk, bn]`` or ``[bn, bk]``)."""
+    dims = (((1,), (0,)), ((), ())) if k_major else (((1,), (1,)), ((), ()))
+    return jax.lax.dot_general(x, tile, dims, preferred_element_type=jnp.float32)
+
+
+def tile_matvec(x: jax.Array, tile: jax.Array, k_major: bool) -> jax.Array:
+    """``x [bk] @ tile`` -> ``[bn]`` float32 as a broadcast-multiply and reduction
+    (Triton's dot needs 16 rows; a decode program has one)."""
+    t = tile.astype(jnp.float32)
+    x = x.astype(jnp.float32)
+    if k_major:
+        return jnp.sum(x[:, None] * t, axis=0)
+    return jnp.sum(t * x[None, :], axis=1)
