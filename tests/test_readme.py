@@ -1,0 +1,29 @@
+"""The README's API tour runs as written, and its commands are the ones CI runs."""
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_api_tour_runs():
+    text = (ROOT / "README.md").read_text()
+    code = re.search(r"## API tour\n\n```python\n(.*?)```", text, re.S).group(1)
+    ns: dict = {}
+    exec(compile(code, "README.md", "exec"), ns)
+    y, y2, r = ns["y"], ns["y2"], ns["r"]
+    assert y.shape == (4, 7, 64)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y2), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(r.expert_ids), np.asarray(ns["routing"].expert_ids))
+
+
+def test_ci_runs_readme_commands():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    install, tests = blocks[0].strip(), blocks[1].strip()
+    assert "pip install -e '.[test]'" in install and "pip install -e '.[test]'" in ci
+    assert "jaxmoe eval" in install and "jaxmoe eval" in ci
+    assert tests.replace("python ", "python3 ") in ci
