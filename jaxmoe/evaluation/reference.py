@@ -1,0 +1,161 @@
+"""An independent float64 numpy forward of one MoE layer: the eval runs' oracle.
+
+Written from ROUTING.md (sections 1-2), not from `jaxmoe.routing` / `jaxmoe.experts`:
+router logits, score function, selection bias, group limit, top-k with ties to the
+lower id, unbiased weights (or softmax / sigmoid of the selected logits), the
+renormalization variants with their floors, the routed scaling factor, SwiGLU or the
+gpt-oss clamped SwiGLU, the routing weight on the expert input (Llama 4), and the
+(sigmoid-gated) shared expert. Every tensor is read from `MoEParams` and converted to
+float64 (a `QuantizedTensor` through its ``dequantize``), one expert at a time, so the
+full-width Qwen3.6 layer never exists in float64 at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxmoe.config import MoEConfig, RouterConfig
+from jaxmoe.layer import MoEParams
+
+
+@dataclasses.dataclass(frozen=True)
+class RefRouting:
+    """Float64 routing of T tokens.
+
+    Attributes:
+      expert_ids: ``[T, k]`` int64, slots by descending selection score (ties: lower id first).
+      weights: ``[T, k]`` float64 combine weights.
+      scores: ``[T, E]`` float64 router scores ``score_fn(z)`` (softmax over E for the
+        ``softmax*`` rules, sigmoid for the ``sigmoid*`` rules), before any bias.
+    """
+
+    expert_ids: np.ndarray
+    weights: np.ndarray
+    scores: np.ndarray
+
+
+def to_f64(w, index=None) -> np.ndarray:
+    """A weight (array or `QuantizedTensor`, optionally one leading index) as float64 numpy."""
+    if w is None:
+        return None
+    if hasattr(w, "qdata"):
+        import jax.numpy as jnp
+
+        part = w if index is None else w[index]
+        return np.asarray(part.dequantize(jnp.float32), np.float64)
+    a = w if index is None else w[index]
+    return np.asarray(a).astype(np.float64)
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+def route_f64(logits: np.ndarray, rc: RouterConfig, selection_bias: np.ndarray | None = None) -> RefRouting:
+    """Routing of ``logits [T, E]`` in float64 (ROUTING.md section 1, steps 2-6)."""
+    z = np.asarray(logits, np.float64)
+    t, e = z.shape
+    if e != rc.num_experts:
+        raise ValueError(f"route_f64: logits have {e} experts, the router config {rc.num_experts}")
+    k = rc.top_k
+    s = _softmax(z) if rc.score_fn.startswith("softmax") else _sigmoid(z)
+    # softmax_topk / sigmoid_topk select on the logits (monotone in the scores, same order)
+    c = z.copy() if rc.score_fn.endswith("_topk") else s.copy()
+    if selection_bias is not None:
+        c = c + np.asarray(selection_bias, np.float64)[None, :]
+    if rc.n_group > 1 and rc.topk_group < rc.n_group:
+        per = e // rc.n_group
+        g = c.reshape(t, rc.n_group, per)
+        gs = g.max(axis=-1) if rc.group_score == "max" else -np.sort(-g, axis=-1)[..., :2].sum(axis=-1)
+        order = np.lexsort((np.broadcast_to(np.arange(rc.n_group), gs.shape), -gs), axis=-1)
+        keep = np.zeros((t, rc.n_group), bool)
+        np.put_along_axis(keep, order[:, :rc.topk_group], True, axis=-1)
+        c = np.where(np.repeat(keep, per, axis=1), c, -np.inf)
+    # stable sort of -c: equal scores keep ascending expert id
+    ids = np.argsort(-c, axis=-1, kind="stable")[:, :k]
+    if rc.score_fn == "softmax_topk":
+        w = _softmax(np.take_along_axis(z, ids, axis=-1))
+    elif rc.score_fn == "sigmoid_topk":
+        w = _sigmoid(np.take_along_axis(z, ids, axis=-1))
+    else:
+        w = np.take_along_axis(s, ids, axis=-1)
+    if rc.renorm != "none":
+        den = w.sum(axis=-1, keepdims=True)
+        if rc.renorm == "clamp":
+            den = np.maximum(den, rc.renorm_eps)
+        elif rc.renorm == "add":
+            den = den + rc.renorm_eps
+        w = w / den
+    w = w * rc.routed_scaling_factor
+    return RefRouting(ids.astype(np.int64), w, s)
+
+
+def _act(g: np.ndarray, u: np.ndarray, cfg: MoEConfig) -> np.ndarray:
+    if cfg.activation == "swiglu":
+        return g * _sigmoid(g) * u
+    lim = cfg.swiglu_limit
+    g = np.minimum(g, lim)
+    u = np.clip(u, -lim, lim)
+    return (u + 1.0) * g * _sigmoid(cfg.swiglu_alpha * g)
+
+
+def router_logits_f64(params: MoEParams, x: np.ndarray) -> np.ndarray:
+    """``[T, E]`` float64 logits ``x W_r (+ b_r)``."""
+    z = np.asarray(x, np.float64) @ to_f64(params.w_router)
+    if params.b_router is not None:
+        z = z + to_f64(params.b_router)
+    return z
+
+
+def shared_f64(params: MoEParams, x: np.ndarray, cfg: MoEConfig) -> tuple[np.ndarray, np.ndarray | None]:
+    """Shared-expert output ``[T, d]`` and its gate ``[T]`` (None when ungated)."""
+    x = np.asarray(x, np.float64)
+    sh = params.shared
+    if sh is None:
+        return np.zeros_like(x), None
+    y = _act(x @ to_f64(sh.w_gate), x @ to_f64(sh.w_up), cfg) @ to_f64(sh.w_down)
+    if sh.gate is None:
+        return y, None
+    gate = _sigmoid(x @ to_f64(sh.gate))
+    return y * gate[:, None], gate
+
+
+def routed_f64(params: MoEParams, x: np.ndarray, routing: RefRouting, cfg: MoEConfig) -> np.ndarray:
+    """Routed output ``[T, d]`` float64 under ``routing``: for each expert used, its tokens."""
+    x = np.asarray(x, np.float64)
+    ew = params.experts
+    y = np.zeros_like(x)
+    for e in np.unique(routing.expert_ids):
+        tok, slot = np.nonzero(routing.expert_ids == e)
+        w = routing.weights[tok, slot][:, None]
+        xin = x[tok] * w if cfg.weight_on_input else x[tok]
+        g = xin @ to_f64(ew.w_gate, e)
+        u = xin @ to_f64(ew.w_up, e)
+        if ew.b_gate is not None:
+            g = g + to_f64(ew.b_gate, e)
+            u = u + to_f64(ew.b_up, e)
+        out = _act(g, u, cfg) @ to_f64(ew.w_down, e)
+        if ew.b_down is not None:
+            out = out + to_f64(ew.b_down, e)
+        if not cfg.weight_on_input:
+            out = out * w
+        np.add.at(y, tok, out)
+    return y
+
+
+def reference_forward(params: MoEParams, x: np.ndarray, cfg: MoEConfig) -> tuple[np.ndarray, RefRouting]:
+    """The layer in float64. ``x [T, d]`` -> (``y [T, d]`` float64, `RefRouting`)."""
+    x = np.asarray(x, np.float64)
+    if x.ndim != 2 or x.shape[1] != cfg.d_model:
+        raise ValueError(f"reference_forward: x must be [T, {cfg.d_model}], got {x.shape}")
+    sb = None if params.selection_bias is None else to_f64(params.selection_bias)
+    r = route_f64(router_logits_f64(params, x), cfg.router, sb)
+    y = routed_f64(params, x, r, cfg) + shared_f64(params, x, cfg)[0]
+    return y, r

@@ -1,0 +1,129 @@
+"""``report.md`` (tables a person reads) and the terminal summary, from a results mapping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+
+def _v(q: dict | None):
+    return None if q is None else q.get("value")
+
+
+def _fmt(x, spec: str = ".3g") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return format(x, spec)
+    return str(x)
+
+
+def _ms(q) -> str:
+    v = _v(q)
+    return "-" if v is None else f"{v * 1e3:.3g}"
+
+
+def _status(r: dict) -> str:
+    if r["status"] == "ok":
+        return "pass" if r["passed"] else "FAIL"
+    return r["status"]
+
+
+CASE_COLUMNS = ("layer", "case", "ran as", "T", "rel err", "max abs err", "routing agree", "median ms",
+                "IQR ms", "min-max ms", "tok/s", "GB/s", "status")
+
+
+def case_rows(res: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for lay in res["layers"]:
+        for r in lay["results"]:
+            if r["status"] != "ok":
+                rows.append([lay["label"], r["case"], r["resolved_impl"], str(r["tokens"]), *["-"] * 8,
+                             f"{_status(r)}: {r.get('reason', '')}"])
+                continue
+            rows.append([
+                lay["label"], r["case"], r["resolved_impl"], str(r["tokens"]),
+                _fmt(_v(r["rel_error"])), _fmt(_v(r["max_abs_error"])), _fmt(_v(r["routing_agreement"]), ".3f"),
+                _ms(r["time_median"]), _ms(r["time_iqr"]), f"{_ms(r['time_min'])}-{_ms(r['time_max'])}",
+                _fmt(_v(r["tokens_per_s"]), ".4g"), _fmt(_v(r["bandwidth"]), ".3g"),
+                _status(r) + ("" if r["passed"] else f": {r.get('reason', '')}"),
+            ])
+    return rows
+
+
+def _md_table(header, rows) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def render_markdown(res: dict[str, Any], plots: list[str]) -> str:
+    """The text of ``report.md``."""
+    env = res["environment"]
+    cfg = res["config"]
+    gate = res["gate"]
+    lines = [
+        f"# jaxmoe eval: {res['name']}", "",
+        *([res["description"], ""] if res["description"] else []),
+        f"- config: `{res['config_file']}`" + (f" with `--set {' '.join(res['overrides'])}`" if res["overrides"] else ""),
+        f"- started {res['started_utc']}, wall time {_v(res['wall_time']):.1f} s",
+        f"- device: {env['platform']} ({env['device_kind']}, {env['device_count']} device(s)), "
+        f"{env['host_cpus']} host CPUs, jax {env['jax']}, jaxmoe {env['jaxmoe']}",
+        f"- reference: `{cfg['reference']['impl']}` on the first {cfg['reference']['max_tokens']} tokens; "
+        f"error = max abs error / max abs reference output",
+        f"- timing: median of {cfg['repeats']} calls after compile + {cfg['warmup']} warm-up call(s); "
+        "bandwidth = weight bytes that must be read (distinct experts touched + shared + router) / median time",
+        f"- **gate: {'PASSED' if gate['passed'] else 'FAILED'}** ({gate['checked']} cases checked, "
+        f"{gate['skipped']} skipped by impl_max_tokens)", "",
+    ]
+    if gate["failures"]:
+        lines += ["## Failures", ""] + [f"- {f}" for f in gate["failures"]] + [""]
+    lines += ["## Accuracy and speed", "", _md_table(CASE_COLUMNS, case_rows(res)), ""]
+    lines += ["## Routing statistics per layer", ""]
+    hdr = ("layer", "E", "k", "tokens", "max/mean load", "CV", "idle experts", "load entropy (bits)",
+           "routing entropy (nats)", "mean top-1 weight", "shared gate mean", "weights MB", "ref s")
+    rows = []
+    for lay in res["layers"]:
+        s = lay["stats"]
+        mc = lay["moe_config"]
+        rows.append([
+            lay["label"], str(mc["router"]["num_experts"]), str(mc["router"]["top_k"]), str(_v(s["tokens"])),
+            _fmt(_v(s["load_max_over_mean"])), _fmt(_v(s["load_cv"])), str(_v(s["idle_experts"])),
+            f"{_v(s['load_entropy']):.2f} / {_v(s['load_entropy_max']):.2f}",
+            f"{_v(s['routing_entropy']):.3f} / {_v(s['routing_entropy_max']):.3f}",
+            _fmt(_v(s["mean_top1_weight"])), _fmt(_v(s["shared_gate_mean"])),
+            f"{(_v(lay['weight_bytes']['experts']) + _v(lay['weight_bytes']['shared']) + _v(lay['weight_bytes']['router'])) / 1e6:.1f}",
+            f"{_v(lay['reference']['time']):.2f}",
+        ])
+    lines += [_md_table(hdr, rows), ""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+def summary_table(res: dict[str, Any]) -> Table:
+    """The short table printed at the end of a run (one section per layer)."""
+    gate = res["gate"]
+    tab = Table(title=f"jaxmoe eval {res['name']}: gate {'passed' if gate['passed'] else 'FAILED'} "
+                      f"({_v(res['wall_time']):.1f} s)", box=None, padding=(0, 1), pad_edge=False,
+                header_style="bold underline")
+    tab.add_column("case (ran as)", no_wrap=True, overflow="fold")
+    for c, w in (("T", 4), ("rel err", 7), ("agree", 5), ("median ms", 9), ("tok/s", 7), ("GB/s", 5)):
+        tab.add_column(c, justify="right", no_wrap=True, min_width=w)
+    tab.add_column("status", no_wrap=True, min_width=5)
+    for lay in res["layers"]:
+        tab.add_row(f"[bold]{lay['label']}[/]")
+        for r in lay["results"]:
+            case = r["case"]
+            if r["resolved_impl"] != r["impl"]:
+                impl, _, rest = case.partition("/")
+                case = f"{impl}({r['resolved_impl']})/{rest}"
+            if r["status"] != "ok":
+                tab.add_row(case, str(r["tokens"]), *["-"] * 5, r["status"], style="dim" if r["status"] == "skipped" else "red")
+                continue
+            tab.add_row(case, str(r["tokens"]), _fmt(_v(r["rel_error"]), ".2g"), _fmt(_v(r["routing_agreement"]), ".2f"),
+                        _ms(r["time_median"]), _fmt(_v(r["tokens_per_s"]), ".0f"), _fmt(_v(r["bandwidth"]), ".2g"),
+                        "pass" if r["passed"] else "FAIL", style=None if r["passed"] else "red")
+        tab.add_section()
+    return tab

@@ -1,0 +1,253 @@
+"""Runs an `EvalConfig`: every layer, case (impl x dtype x quantize) and token count.
+
+For each layer: build the weights, draw the activations, compute the reference (the
+float64 numpy forward on the first ``reference.max_tokens`` tokens, or a named impl),
+the routing statistics (float64 routing of ``inputs.stats_tokens`` tokens), then per
+case and token count run the jitted `jaxmoe.moe_apply` (first call = compile, then
+``warmup`` untimed calls, then ``repeats`` timed calls) and compare its output and
+routing with the reference. `run_eval` returns the ``results.json`` mapping; the
+``gate`` entry says whether every case met its tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmoe import backends
+from jaxmoe.evaluation import metrics as M
+from jaxmoe.evaluation.config import FLOAT64_REFERENCE, EvalConfig, case_label, case_tolerance
+from jaxmoe.evaluation.reference import reference_forward, route_f64, router_logits_f64, to_f64
+from jaxmoe.evaluation.sources import LayerSpec, case_params, layer_specs, load_inputs, load_params
+from jaxmoe.layer import moe_apply
+
+SCHEMA = "jaxmoe.eval/1"
+
+_apply = jax.jit(moe_apply, static_argnames=("cfg", "impl", "return_routing"))
+
+
+def _call(params, x, cfg, impl):
+    y, r = _apply(params, x, cfg=cfg, impl=impl, return_routing=True)
+    return jax.block_until_ready((y, r))
+
+
+def _environment() -> dict[str, Any]:
+    import jaxmoe
+
+    dev = jax.devices()[0]
+    return {
+        "jax": jax.__version__, "jaxmoe": jaxmoe.__version__, "python": platform.python_version(),
+        "platform": dev.platform, "device_kind": dev.device_kind, "device_count": jax.device_count(),
+        "host_cpus": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "impls_available": backends.available_impls(),
+    }
+
+
+def make_run_dir(ecfg: EvalConfig, out: str | os.PathLike | None = None) -> Path:
+    """``out`` if given, else ``<output_dir>/<name>-<UTC timestamp>`` (a fresh directory)."""
+    if out is not None:
+        d = Path(out)
+    else:
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        d = Path(ecfg.output_dir) / f"{ecfg.name}-{stamp}"
+        n = 1
+        while d.exists():
+            n += 1
+            d = Path(ecfg.output_dir) / f"{ecfg.name}-{stamp}-{n}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+class _NullProgress:
+    def advance(self, msg: str = "") -> None:
+        pass
+
+
+def _layer_stats(spec: LayerSpec, params, xs: np.ndarray, heat_tokens: int) -> dict[str, Any]:
+    """Routing statistics of ``xs [N, d]`` under the float64 routing."""
+    cfg = spec.cfg
+    sb = None if params.selection_bias is None else to_f64(params.selection_bias)
+    r = route_f64(router_logits_f64(params, xs), cfg.router, sb)
+    ld = M.load_stats(r.expert_ids, cfg.num_experts)
+    gate_mean = None
+    if params.shared is not None and params.shared.gate is not None:
+        g = 1.0 / (1.0 + np.exp(-(np.asarray(xs, np.float64) @ to_f64(params.shared.gate))))
+        gate_mean = float(g.mean())
+    h = min(heat_tokens, xs.shape[0])
+    return {
+        "tokens": M.quantity(int(xs.shape[0]), "tokens"),
+        "expert_load": M.quantity(ld["counts"], "(token, slot) pairs"),
+        "load_max_over_mean": M.quantity(ld["max_over_mean"], "ratio"),
+        "load_cv": M.quantity(ld["cv"], "ratio (std/mean)"),
+        "idle_experts": M.quantity(ld["idle"], "experts"),
+        "load_entropy": M.quantity(ld["load_entropy_bits"], "bits"),
+        "load_entropy_max": M.quantity(ld["max_entropy_bits"], "bits"),
+        "routing_entropy": M.quantity(M.routing_entropy(r.scores), "nats (mean per token)"),
+        "routing_entropy_max": M.quantity(float(np.log(cfg.num_experts)), "nats"),
+        "mean_top1_weight": M.quantity(M.mean_top1_weight(r.weights), "weight"),
+        "shared_gate_mean": M.quantity(gate_mean, "sigmoid gate" if gate_mean is not None else "none (no gated shared expert)"),
+        "sample": {"tokens": h, "expert_ids": r.expert_ids[:h].tolist(), "weights": r.weights[:h].tolist()},
+    }
+
+
+def _reference(spec: LayerSpec, ecfg: EvalConfig, params, x_ref: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """(``y [R, d]`` float64, ``ids [R, k]``, seconds) of the configured reference."""
+    t0 = time.perf_counter()
+    impl = ecfg.ref.impl
+    if impl == FLOAT64_REFERENCE:
+        y, r = reference_forward(params, x_ref, spec.cfg)
+        ids = r.expert_ids
+    else:
+        y, r = _call(params, jnp.asarray(x_ref, ecfg.model.dtype), spec.cfg, impl)
+        y, ids = np.asarray(y, np.float64), np.asarray(r.expert_ids)
+    return y, ids, time.perf_counter() - t0
+
+
+def _run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant, t) -> dict[str, Any]:
+    cfg = spec.cfg
+    resolved = backends.resolve_impl(impl, t * cfg.top_k)
+    row: dict[str, Any] = {
+        "case": case_label(impl, dtype, quant), "impl": impl, "resolved_impl": resolved, "dtype": dtype,
+        "quantize": quant, "tokens": t, "tolerance": M.quantity(case_tolerance(ecfg, impl, dtype, quant), "ratio"),
+    }
+    caps = [ecfg.impl_max_tokens[n] for n in {impl, resolved} if n in ecfg.impl_max_tokens]
+    if caps and t > min(caps):
+        row.update(status="skipped", reason=f"tokens {t} > impl_max_tokens {min(caps)} for {resolved}")
+        return row
+    x = jnp.asarray(x_all[:t], dtype)
+    try:
+        t0 = time.perf_counter()
+        y, r = _call(params, x, cfg, impl)
+        first = time.perf_counter() - t0
+        for _ in range(ecfg.warmup):
+            _call(params, x, cfg, impl)
+        samples = []
+        for _ in range(ecfg.repeats):
+            t0 = time.perf_counter()
+            _call(params, x, cfg, impl)
+            samples.append(time.perf_counter() - t0)
+    except Exception as e:  # an impl that fails on this case is a recorded failure, not a crash
+        row.update(status="error", reason=f"{type(e).__name__}: {e}")
+        return row
+    n = min(t, y_ref.shape[0])
+    err = M.errors(np.asarray(y[:n], np.float64), y_ref[:n])
+    ids = np.asarray(r.expert_ids)
+    agree = M.routing_agreement(ids[:n], ids_ref[:n])
+    tm = M.timing(samples, t)
+    nbytes, touched = M.bytes_to_read(wb, ids)
+    tol = case_tolerance(ecfg, impl, dtype, quant)
+    passed = err["finite"] and err["rel"] <= tol and agree >= ecfg.min_routing_agreement
+    row.update(
+        status="ok", passed=bool(passed),
+        compared_tokens=M.quantity(n, "tokens"),
+        max_abs_error=M.quantity(err["max_abs"], "abs (output units)"),
+        rel_error=M.quantity(err["rel"], "ratio (max|err| / max|ref|)"),
+        rms_rel_error=M.quantity(err["rms_rel"], "ratio (||err||_2 / ||ref||_2)"),
+        routing_agreement=M.quantity(agree, "fraction of tokens with the reference's expert set"),
+        first_call=M.quantity(first, "s (includes compile)"),
+        time_median=M.quantity(tm["median_s"], "s"), time_q1=M.quantity(tm["q1_s"], "s"),
+        time_q3=M.quantity(tm["q3_s"], "s"), time_iqr=M.quantity(tm["iqr_s"], "s"),
+        time_min=M.quantity(tm["min_s"], "s"), time_max=M.quantity(tm["max_s"], "s"),
+        repeats=M.quantity(len(samples), "calls"),
+        tokens_per_s=M.quantity(tm["tokens_per_s"], "tokens/s"),
+        experts_touched=M.quantity(touched, "experts"),
+        weight_bytes_read=M.quantity(nbytes, "B"),
+        bandwidth=M.quantity(nbytes / tm["median_s"] / 1e9, "GB/s (weight bytes read / median time)"),
+    )
+    if not passed:
+        why = []
+        if not err["finite"]:
+            why.append("non-finite output")
+        elif err["rel"] > tol:
+            why.append(f"rel_error {err['rel']:.3g} > tolerance {tol:.3g}")
+        if agree < ecfg.min_routing_agreement:
+            why.append(f"routing_agreement {agree:.3f} < {ecfg.min_routing_agreement}")
+        row["reason"] = "; ".join(why)
+    return row
+
+
+def count_steps(ecfg: EvalConfig, specs: list[LayerSpec]) -> int:
+    cases = len(ecfg.impls) * len(ecfg.case_dtypes) * len(ecfg.quantize) * len(ecfg.tokens)
+    return len(specs) * (2 + cases)
+
+
+def run_eval(ecfg: EvalConfig, *, source: str = "<config>", specs: list[LayerSpec] | None = None,
+             progress=None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Runs ``ecfg``; returns the ``results.json`` mapping (no files written).
+
+    ``progress`` is any object with ``advance(msg)`` (one call per step of `count_steps`).
+    """
+    progress = progress or _NullProgress()
+    specs = specs if specs is not None else layer_specs(ecfg, source)
+    t_start = time.perf_counter()
+    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    tmax = max(ecfg.tokens)
+    layers = []
+    for spec in specs:
+        cfg = spec.cfg
+        t0 = time.perf_counter()
+        base = load_params(spec, ecfg)
+        jax.block_until_ready(base)
+        t_load = time.perf_counter() - t0
+        progress.advance(f"{spec.label}: weights")
+        x_all = load_inputs(spec, ecfg, max(tmax, ecfg.inputs.stats_tokens))
+        # the reference sees the activations rounded to the parameter dtype, as the model would
+        x_base = np.asarray(jnp.asarray(x_all, ecfg.model.dtype).astype(jnp.float32))
+        n_ref = min(ecfg.ref.max_tokens, tmax)
+        y_ref, ids_ref, t_ref = _reference(spec, ecfg, base, x_base[:n_ref])
+        stats = _layer_stats(spec, base, x_base[:ecfg.inputs.stats_tokens], ecfg.heatmap_tokens)
+        progress.advance(f"{spec.label}: reference")
+        rows = []
+        for dtype in ecfg.case_dtypes:
+            for quant in ecfg.quantize:
+                params = case_params(base, dtype, quant)
+                wb = M.weight_bytes(params)
+                for impl in ecfg.impls:
+                    for t in ecfg.tokens:
+                        rows.append(_run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant, t))
+                        progress.advance(f"{spec.label}: {case_label(impl, dtype, quant)} T={t}")
+                del params
+        wb_base = M.weight_bytes(base)
+        del base
+        layers.append({
+            "label": spec.label, "model": spec.model, "layer": spec.layer,
+            "weights": "checkpoint" if spec.checkpoint else f"random (seed {ecfg.model.seed})",
+            "moe_config": cfg.to_dict(),
+            "weight_bytes": {k: M.quantity(v, "B") for k, v in wb_base.items()},
+            "load_time": M.quantity(t_load, "s"),
+            "reference": {"impl": ecfg.ref.impl, "tokens": M.quantity(n_ref, "tokens"),
+                          "time": M.quantity(t_ref, "s")},
+            "stats": stats,
+            "results": rows,
+        })
+    failures = [f"{lay['label']} {r['case']} T={r['tokens']}: {r.get('reason', r['status'])}"
+                for lay in layers for r in lay["results"]
+                if r["status"] == "error" or (r["status"] == "ok" and not r["passed"])]
+    return {
+        "schema": SCHEMA,
+        "name": ecfg.name,
+        "description": ecfg.description,
+        "config_file": source,
+        "overrides": list(overrides or []),
+        "config": ecfg.to_dict(),
+        "started_utc": started,
+        "wall_time": M.quantity(time.perf_counter() - t_start, "s"),
+        "environment": _environment(),
+        "layers": layers,
+        "gate": {"passed": not failures, "failures": failures,
+                 "checked": sum(r["status"] != "skipped" for lay in layers for r in lay["results"]),
+                 "skipped": sum(r["status"] == "skipped" for lay in layers for r in lay["results"])},
+    }
+
+
+def replace_name(ecfg: EvalConfig, name: str) -> EvalConfig:
+    return dataclasses.replace(ecfg, name=name)
