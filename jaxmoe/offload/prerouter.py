@@ -153,11 +153,14 @@ class OraclePredictor:
 
 @dataclasses.dataclass(frozen=True)
 class LearnedPredictor:
-    """Per target layer ``l >= 1``: ``logits = MLP([rms(h), onehot(cur), onehot(prev)])``.
+    """Per target layer ``l >= 1``: ``logits = MLP([rms(h), onehot(cur), onehot(prev)]) + a * onehot(prev)``.
+
+    The scalar ``a`` per layer (``reuse``) shares one weight across experts for "the
+    previous token chose it", so a few hundred tokens suffice to learn temporal reuse.
 
     Attributes:
       params: dict of stacked arrays ``w1 [L-1, n_in, H]``, ``b1 [L-1, H]``, ``w2 [L-1, H, E]``,
-        ``b2 [L-1, E]`` (``hidden_dim == 0``: ``w2 [L-1, n_in, E]``, ``b2`` only).
+        ``b2 [L-1, E]``, ``reuse [L-1]`` (``hidden_dim == 0``: no ``w1``, ``b1``; ``w2 [L-1, n_in, E]``).
       num_experts: E.
       use_hidden: whether the hidden state is a feature (False for id-only traces).
       d_model: width of the hidden-state feature.
@@ -172,9 +175,10 @@ class LearnedPredictor:
     def scores(self, layer: int, hidden, cur_ids, prev_ids) -> np.ndarray:
         x = _features(hidden, cur_ids, prev_ids, self.num_experts, self.use_hidden, self.d_model)
         p = {k: np.asarray(v[layer - 1]) for k, v in self.params.items()}
+        prev = x[-self.num_experts:]
         if "w1" in p:
             x = np.maximum(x @ p["w1"] + p["b1"], 0.0)
-        return x @ p["w2"] + p["b2"]
+        return x @ p["w2"] + p["b2"] + p["reuse"] * prev
 
     def predict(self, q: PredictQuery) -> np.ndarray:
         if q.layer == 0 or q.cur_ids is None:
@@ -197,8 +201,9 @@ def _features(hidden, cur_ids, prev_ids, e: int, use_hidden: bool, d: int) -> np
     return np.concatenate(parts)
 
 
-def train_learned(ids: np.ndarray, num_experts: int, hidden: np.ndarray | None = None, *, hidden_dim: int = 64,
-                  steps: int = 300, learning_rate: float = 3e-3, seed: int = 0) -> LearnedPredictor:
+def train_learned(ids: np.ndarray, num_experts: int, hidden: np.ndarray | None = None, *, hidden_dim: int = 0,
+                  steps: int = 400, learning_rate: float = 3e-2, weight_decay: float = 1e-3,
+                  val_fraction: float = 0.2, seed: int = 0) -> LearnedPredictor:
     """Trains a `LearnedPredictor` with optax (Adam, sigmoid cross-entropy on multi-hot targets).
 
     Args:
@@ -206,7 +211,11 @@ def train_learned(ids: np.ndarray, num_experts: int, hidden: np.ndarray | None =
       num_experts: E.
       hidden: ``[N, L, d]`` input hidden state of every layer, or None (id features only).
       hidden_dim: MLP width; 0 gives a linear model.
-      steps, learning_rate, seed: full-batch training.
+      steps, learning_rate, seed: full-batch Adam training.
+      weight_decay: L2 penalty on the weight matrices (not on the reuse term or biases).
+      val_fraction: the last tokens held out; the parameters with the lowest held-out
+        loss (checked every 20 steps) are kept (early stopping: the predictor overfits
+        a few hundred tokens quickly).
     """
     import optax
 
@@ -231,39 +240,56 @@ def train_learned(ids: np.ndarray, num_experts: int, hidden: np.ndarray | None =
             yl.append(_multi_hot(ids[t, l], e))
         xs.append(np.stack(xl))
         ys.append(np.stack(yl))
-    X = jnp.asarray(np.stack(xs))  # [L-1, N, n_in]
-    Y = jnp.asarray(np.stack(ys))  # [L-1, N, E]
+    X = np.stack(xs)  # [L-1, N, n_in]
+    Y = np.stack(ys)  # [L-1, N, E]
+    n_val = int(round(n * val_fraction)) if n >= 10 else 0
+    Xv, Yv = jnp.asarray(X[:, n - n_val:]), jnp.asarray(Y[:, n - n_val:])
+    X, Y = jnp.asarray(X[:, :n - n_val]), jnp.asarray(Y[:, :n - n_val])
     n_in = X.shape[-1]
     key = jax.random.PRNGKey(seed)
     k1, k2 = jax.random.split(key)
     if hidden_dim > 0:
         params = {"w1": jax.random.normal(k1, (L - 1, n_in, hidden_dim)) / np.sqrt(n_in),
                   "b1": jnp.zeros((L - 1, hidden_dim)),
-                  "w2": jax.random.normal(k2, (L - 1, hidden_dim, e)) / np.sqrt(hidden_dim),
+                  "w2": jax.random.normal(k2, (L - 1, hidden_dim, e)) * (0.1 / np.sqrt(hidden_dim)),
                   "b2": jnp.zeros((L - 1, e))}
     else:
-        params = {"w2": jax.random.normal(k2, (L - 1, n_in, e)) / np.sqrt(n_in), "b2": jnp.zeros((L - 1, e))}
+        params = {"w2": jnp.zeros((L - 1, n_in, e)), "b2": jnp.zeros((L - 1, e))}  # convex: start at 0
+    params["reuse"] = jnp.ones((L - 1,))
 
     def fwd(p, x):
+        prev = x[..., -e:]  # the previous token's experts: a shared identity ("reuse") term
         if "w1" in p:
             x = jax.nn.relu(jnp.einsum("lni,lih->lnh", x, p["w1"]) + p["b1"][:, None])
-        return jnp.einsum("lnh,lhe->lne", x, p["w2"]) + p["b2"][:, None]
+        return jnp.einsum("lnh,lhe->lne", x, p["w2"]) + p["b2"][:, None] + p["reuse"][:, None, None] * prev
 
-    def loss(p):
-        return optax.sigmoid_binary_cross_entropy(fwd(p, X), Y).mean()
+    def loss(p, x, y):
+        return optax.sigmoid_binary_cross_entropy(fwd(p, x), y).mean()
+
+    def train_loss(p):  # L2 on the matrices only: the shared reuse term and biases stay free
+        l2 = sum(jnp.sum(p[k] ** 2) for k in ("w1", "w2") if k in p)
+        return loss(p, X, Y) + weight_decay * l2
 
     opt = optax.adam(learning_rate)
     state = opt.init(params)
 
     @jax.jit
     def step(p, s):
-        val, g = jax.value_and_grad(loss)(p)
+        val, g = jax.value_and_grad(train_loss)(p)
         upd, s = opt.update(g, s, p)
         return optax.apply_updates(p, upd), s, val
 
-    for _ in range(steps):
+    val_loss = jax.jit(loss)
+    best, best_loss = params, float("inf")
+    for i in range(steps):
         params, state, _ = step(params, state)
-    return LearnedPredictor({k: np.asarray(v) for k, v in params.items()}, e, use_hidden, d)
+        if n_val and (i % 20 == 19 or i == steps - 1):
+            v = float(val_loss(params, Xv, Yv))
+            if v < best_loss:
+                best, best_loss = params, v
+    if not n_val:
+        best = params
+    return LearnedPredictor({k: np.asarray(v) for k, v in best.items()}, e, use_hidden, d)
 
 
 def make_predictor(name: str, *, resident=None, router_cfg=None, learned: LearnedPredictor | None = None,
