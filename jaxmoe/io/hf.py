@@ -1,0 +1,234 @@
+"""Hugging Face safetensors checkpoints -> one `MoEBlock`.
+
+``from_pretrained(dir, layer=i)`` reads ``config.json`` (`jaxmoe.io.hf_config`), finds
+layer ``i``'s MoE module and reads only its tensors (`SafetensorsDir`, lazily, single
+file or sharded with ``model.safetensors.index.json``). Layouts, all checked against
+``save_pretrained`` output of transformers 5.x in the tests (torch ``(out, in)``):
+
+- per-expert: ``{P}.experts.{j}.{gate_proj,up_proj,down_proj}.weight`` (Qwen, OLMoE,
+  DeepSeek, GLM, ...), Mixtral's ``{P}.experts.{j}.{w1,w3,w2}.weight``
+  (``P = model.layers.{i}.block_sparse_moe``);
+- fused parameters: ``{P}.experts.gate_up_proj (E, 2F, d)`` (rows ``[0:F]`` gate,
+  ``[F:2F]`` up) and ``{P}.experts.down_proj (E, d, F)``; gpt-oss instead stores them
+  input-major: ``gate_up_proj (E, d, 2F)`` with gate / up in the even / odd columns,
+  ``gate_up_proj_bias (E, 2F)``, ``down_proj (E, F, d)``, ``down_proj_bias (E, d)``;
+- stacked linears (mlx-lm): ``{P}.switch_mlp.{gate_proj,up_proj,down_proj}.weight``
+  ``(E, out, in)`` (or ``{P}.experts.<proj>.weight`` with ``.bias``, gpt-oss in mlx-lm),
+  MLX-quantized when ``.scales`` / ``.biases`` sit beside them (`jaxmoe.io.mlx`);
+- router ``{P}.gate.weight (E, d)`` or ``{P}.router.{weight,bias}`` (gpt-oss), selection
+  bias ``{P}.gate.e_score_correction_bias (E,)``; shared expert ``{P}.shared_expert.*``
+  (Qwen) or ``{P}.shared_experts.*`` (DeepSeek, GLM), gate ``{P}.shared_expert_gate.weight (1, d)``.
+
+The layer prefix is found from the tensor names (``model.layers.``,
+``model.language_model.layers.`` of the Qwen3.5 multimodal checkpoints,
+``language_model.model.layers.`` of mlx-lm). Any missing tensor, shape mismatch,
+mixed layout or dense layer raises ValueError before a block exists.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmoe.config import MoEConfig
+from jaxmoe.experts import ExpertWeights, SharedWeights
+from jaxmoe.io import hf_config
+from jaxmoe.io import mlx as _mlx
+from jaxmoe.io.safetensors_dir import SafetensorsDir
+from jaxmoe.layer import MoEParams
+from jaxmoe.quant import QuantizedTensor
+
+_PROJ_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+_SKIP_BASES = ("mtp", "visual", "vision", "audio")
+_LAYER_RE = re.compile(r"^(?P<base>(?:[A-Za-z_][\w]*\.)*?)layers\.(?P<i>\d+)\.(?P<mod>mlp|block_sparse_moe)\.")
+
+
+def load_config(path: str | os.PathLike) -> MoEConfig:
+    """The `MoEConfig` of an HF checkpoint directory (``config.json`` only)."""
+    return hf_config.load_config(path)
+
+
+def moe_prefix(keys, layer: int, source: str) -> str:
+    """``<base>layers.{layer}.<mlp|block_sparse_moe>`` of the layer's MoE module."""
+    found: dict[str, str] = {}
+    for k in keys:
+        m = _LAYER_RE.match(k)
+        if m and int(m["i"]) == layer and not any(s in m["base"] for s in _SKIP_BASES):
+            found[m["base"]] = f"{m['base']}layers.{layer}.{m['mod']}"
+    if not found:
+        raise ValueError(f"{source}: no MLP tensors for layer {layer} (no '*layers.{layer}.mlp.*' or "
+                         f"'*layers.{layer}.block_sparse_moe.*' names)")
+    if len(found) > 1:
+        raise ValueError(f"{source}: layer {layer} appears under several prefixes {sorted(found)}")
+    return next(iter(found.values()))
+
+
+def _float_linear(st: SafetensorsDir, module: str, shape: tuple[int, ...]) -> np.ndarray:
+    return st.get(f"{module}.weight", shape)
+
+
+def read_linear(st: SafetensorsDir, module: str, shape: tuple[int, ...], qlookup=None, keep_int4: bool = False):
+    """``{module}.weight`` of logical torch shape ``(..., out, in)``.
+
+    Returns a float ndarray ``(..., out, in)`` (stored dtype), or a `QuantizedTensor`
+    (logical ``[..., in, out]``) when MLX-quantized at 4 bits and ``keep_int4``.
+    """
+    spec = qlookup(module) if qlookup is not None else None
+    if spec is None:
+        if st.dtype(f"{module}.weight") == "U32":
+            raise ValueError(f"{st.path}: tensor {module + '.weight'!r} is packed uint32 but the module is not "
+                             "quantized in config.json (no .scales / 'quantization' entry)")
+        return _float_linear(st, module, shape)
+    *lead, out, n_in = shape
+    if (n_in * spec.bits) % 32 or n_in % spec.group_size:
+        raise ValueError(f"{st.path}: {module}: input width {n_in} does not fit {spec.bits}-bit words / "
+                         f"groups of {spec.group_size}")
+    w = st.get(f"{module}.weight", (*lead, out, n_in * spec.bits // 32))
+    gshape = (*lead, out, n_in // spec.group_size)
+    s = st.get(f"{module}.scales", gshape)
+    b = st.get(f"{module}.biases", gshape)
+    if keep_int4 and spec.bits == 4:
+        return _mlx.to_quantized_tensor(w, s, b, spec.group_size, name=module)
+    return _mlx.dequantize(w, s, b, spec, name=module)
+
+
+def _xw(a, dtype):
+    """torch ``(..., out, in)`` ndarray -> jnp ``[..., in, out]`` in ``dtype`` (QuantizedTensor as is)."""
+    if isinstance(a, QuantizedTensor):
+        return a
+    return jnp.asarray(np.swapaxes(np.asarray(a), -1, -2)).astype(dtype)
+
+
+def _vec(st: SafetensorsDir, name: str, shape, dtype):
+    return jnp.asarray(st.get(name, shape)).astype(dtype)
+
+
+def _experts(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, keep_int4: bool) -> ExpertWeights:
+    e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_dim
+    keys = st.keys()
+    per_expert = [names for names in _PROJ_NAMES if f"{p}.experts.0.{names[0]}.weight" in st]
+    stacked = [f"{p}.{grp}" for grp in ("switch_mlp", "experts") if f"{p}.{grp}.gate_proj.weight" in st]
+    fused = f"{p}.experts.gate_up_proj" in st or f"{p}.experts.down_proj" in st
+    layouts = len(per_expert) + len(stacked) + int(fused)
+    if layouts == 0:
+        if f"{p}.gate_proj.weight" in st or f"{p}.w1.weight" in st:
+            raise ValueError(f"{st.path}: {p} holds a dense MLP, not experts (is this layer dense?)")
+        raise ValueError(f"{st.path}: no routed-expert tensors under {p!r} (looked for {p}.experts.0.gate_proj.weight, "
+                         f"{p}.experts.gate_up_proj, {p}.switch_mlp.gate_proj.weight)")
+    if layouts > 1:
+        raise ValueError(f"{st.path}: {p} mixes expert layouts (per-expert / stacked / fused); refusing to guess")
+    bias = {}
+    if per_expert:
+        g_n, u_n, d_n = per_expert[0]
+        extra = f"{p}.experts.{e}.{g_n}.weight"
+        if extra in st:
+            raise ValueError(f"{st.path}: checkpoint holds more experts than num_experts={e} ({extra!r} exists)")
+        lists = {n: [] for n in (g_n, u_n, d_n)}
+        for j in range(e):
+            for n, shp in ((g_n, (f, d)), (u_n, (f, d)), (d_n, (d, f))):
+                lists[n].append(read_linear(st, f"{p}.experts.{j}.{n}", shp, qlookup, False))
+        wg, wu, wd = (np.stack(lists[n]) for n in (g_n, u_n, d_n))
+    elif stacked:
+        s = stacked[0]
+        wg = read_linear(st, f"{s}.gate_proj", (e, f, d), qlookup, keep_int4)
+        wu = read_linear(st, f"{s}.up_proj", (e, f, d), qlookup, keep_int4)
+        wd = read_linear(st, f"{s}.down_proj", (e, d, f), qlookup, keep_int4)
+        if cfg.expert_bias:
+            bias = dict(b_gate=_vec(st, f"{s}.gate_proj.bias", (e, f), dtype),
+                        b_up=_vec(st, f"{s}.up_proj.bias", (e, f), dtype),
+                        b_down=_vec(st, f"{s}.down_proj.bias", (e, d), dtype))
+    else:
+        gu_name, dn_name = f"{p}.experts.gate_up_proj", f"{p}.experts.down_proj"
+        if cfg.family == "gpt_oss":  # input-major, gate / up interleaved
+            gu = st.get(gu_name, (e, d, 2 * f))
+            dn = st.get(dn_name, (e, f, d))
+            wg, wu = np.swapaxes(gu[..., 0::2], -1, -2), np.swapaxes(gu[..., 1::2], -1, -2)  # (E, F, d)
+            wd = np.swapaxes(dn, -1, -2)  # (E, d, F)
+            if cfg.expert_bias:
+                gub = st.get(f"{gu_name}_bias", (e, 2 * f))
+                bias = dict(b_gate=jnp.asarray(gub[..., 0::2]).astype(dtype), b_up=jnp.asarray(gub[..., 1::2]).astype(dtype),
+                            b_down=_vec(st, f"{dn_name}_bias", (e, d), dtype))
+        else:  # torch (out, in): rows [0:F] gate, [F:2F] up
+            gu = st.get(gu_name, (e, 2 * f, d))
+            wg, wu = gu[:, :f], gu[:, f:]
+            wd = st.get(dn_name, (e, d, f))
+    if cfg.expert_bias and not bias:
+        raise ValueError(f"{st.path}: the config has expert biases but {p} stores none")
+    del keys
+    return ExpertWeights(_xw(wg, dtype), _xw(wu, dtype), _xw(wd, dtype), **bias)
+
+
+def _shared(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype) -> SharedWeights | None:
+    fs, d = cfg.shared_expert_dim, cfg.d_model
+    if not fs:
+        return None
+    names = [f"{p}.{n}" for n in ("shared_expert", "shared_experts") if f"{p}.{n}.gate_proj.weight" in st]
+    if not names:
+        raise ValueError(f"{st.path}: missing tensor {p + '.shared_expert.gate_proj.weight'!r} "
+                         f"(or {p + '.shared_experts.gate_proj.weight'!r}); the config has a shared expert of width {fs}")
+    s = names[0]
+    wg = read_linear(st, f"{s}.gate_proj", (fs, d), qlookup)
+    wu = read_linear(st, f"{s}.up_proj", (fs, d), qlookup)
+    wd = read_linear(st, f"{s}.down_proj", (d, fs), qlookup)
+    gate = None
+    if cfg.shared_expert_gate:
+        g = read_linear(st, f"{p}.shared_expert_gate", (1, d), qlookup)
+        gate = jnp.asarray(np.asarray(g, np.float32)[0]).astype(dtype)
+    return SharedWeights(_xw(wg, dtype), _xw(wu, dtype), _xw(wd, dtype), gate)
+
+
+def load_params(st: SafetensorsDir, cfg: MoEConfig, layer: int, dtype=jnp.float32, qlookup=None,
+                keep_int4: bool = False) -> MoEParams:
+    """`MoEParams` of MoE layer ``layer`` (router and its biases in float32, the rest in ``dtype``)."""
+    if not isinstance(layer, int) or isinstance(layer, bool):
+        raise ValueError(f"layer must be an int, got {layer!r}")
+    if not cfg.is_moe_layer(layer):  # raises for an index out of range
+        raise ValueError(f"{st.path}: layer {layer} is a dense layer, not MoE (dense layers: {list(cfg.dense_layers)})")
+    e, d = cfg.num_experts, cfg.d_model
+    p = moe_prefix(st.keys(), layer, str(st.path))
+    if (f"{p}.gate_proj.weight" in st or f"{p}.w1.weight" in st) and f"{p}.gate.weight" not in st:
+        raise ValueError(f"{st.path}: {p} holds a dense MLP, not experts (is layer {layer} dense? the config "
+                         f"says MoE)")
+    rname = f"{p}.router" if f"{p}.router.weight" in st else f"{p}.gate"
+    if f"{rname}.weight" not in st:
+        raise ValueError(f"{st.path}: missing tensor {p + '.gate.weight'!r} (the router of layer {layer})")
+    w_router = jnp.asarray(np.swapaxes(np.asarray(read_linear(st, rname, (e, d), qlookup), np.float32), 0, 1))
+    b_router = None
+    if cfg.router.router_bias:
+        b_router = _vec(st, f"{rname}.bias", (e,), jnp.float32)
+    sel = None
+    if cfg.router.use_selection_bias:
+        sel = _vec(st, f"{p}.gate.e_score_correction_bias", (e,), jnp.float32)
+    experts = _experts(st, p, cfg, qlookup, dtype, keep_int4)
+    shared = _shared(st, p, cfg, qlookup, dtype)
+    params = MoEParams(w_router, experts, b_router, sel, shared)
+    params.check(cfg)
+    return params
+
+
+def from_pretrained(path: str | os.PathLike, layer: int = 0, dtype=jnp.float32, impl: str = "auto",
+                    quantized: bool | None = None):
+    """An `MoEBlock` for MoE layer ``layer`` of an HF (or mlx-lm) checkpoint directory.
+
+    Args:
+      path: directory with ``config.json`` and ``*.safetensors``.
+      layer: decoder layer index; a dense layer is a ValueError.
+      dtype: compute / parameter dtype of the block (router math is float32 always).
+      impl: execution strategy of the block.
+      quantized: read MLX quantization from ``config.json`` (default: when it has one).
+    """
+    from jaxmoe.block import MoEBlock
+
+    p = Path(path)
+    raw = hf_config.read_config_json(p)
+    cfg = hf_config.moe_config_from_hf(raw, source=str(p / "config.json"), name=p.name)
+    if quantized is None:
+        quantized = "quantization" in raw
+    with SafetensorsDir(p) as st:
+        qlookup = _mlx.quant_lookup(hf_config.text_config(raw), st.keys(), str(p / "config.json")) if quantized else None
+        params = load_params(st, cfg, layer, dtype=dtype, qlookup=qlookup, keep_int4=bool(quantized))
+    return MoEBlock(cfg, params=params, dtype=dtype, impl=impl)
