@@ -54,7 +54,7 @@ from jaxmoe.experts import ExpertWeights, SharedWeights
 from jaxmoe.io import gguf_quant as gq
 from jaxmoe.io.errors import CheckpointError
 from jaxmoe.layer import MoEParams
-from jaxmoe.quant import materialize
+from jaxmoe.quant import QuantizedTensor
 
 # llama.cpp's expert gating function ids (LLAMA_EXPERT_GATING_FUNC_TYPE_*).
 GATING_SOFTMAX, GATING_SIGMOID, GATING_SOFTMAX_WEIGHT = 1, 2, 3
@@ -372,34 +372,36 @@ def load_layer_params(reader, cfg: MoEConfig, layer: int, dtype=jnp.float32, pat
             _read(t.name)
         return t.data, t.tensor_type
 
-    def mat(role):  # [..., out, in] in the file -> [..., in, out]
+    def mat(role, rows=None):  # [..., out, in] in the file -> [..., in, out]
         raw, qt = data(role)
+        if rows is not None:  # output rows of a merged tensor (quant blocks run along `in`)
+            raw = raw[..., rows[0]:rows[1], :]
         return gq.weight_from_gguf(raw, qt, dtype)
 
     def vec(role) -> jnp.ndarray:
         raw, qt = data(role)
-        return jnp.asarray(gq.dequantize_raw(raw, qt).reshape(plan[role][1]), jnp.float32)
+        return jnp.asarray(gq.dequantize_raw(raw, qt).reshape(plan[role][1]).astype(np.float32))
 
     raw, qt = data("router")
-    w_router = jnp.asarray(np.swapaxes(gq.dequantize_raw(raw, qt), 0, 1), jnp.float32)  # [d, E]
-    if "gate_up" in plan:
-        gu = mat("gate_up")  # [E, d, 2F]: columns [0:F] gate, [F:2F] up
-        w_gate, w_up = gq.slice_out(gu, 0, f), gq.slice_out(gu, f, 2 * f)
+    w_router = jnp.asarray(np.ascontiguousarray(gq.dequantize_raw(raw, qt).T))  # [d, E] float32
+    if "gate_up" in plan:  # rows [0:F] gate, [F:2F] up
+        w_gate, w_up = mat("gate_up", (0, f)), mat("gate_up", (f, 2 * f))
     else:
         w_gate, w_up = mat("gate"), mat("up")
     w_down = mat("down")
     b_gate = b_up = b_down = None
     if cfg.expert_bias:
         if "b_gate_up" in plan:
-            bgu = vec("b_gate_up")
-            b_gate, b_up = bgu[:, :f], bgu[:, f:]
+            raw, qt = data("b_gate_up")
+            bgu = gq.dequantize_raw(raw, qt).reshape(plan["b_gate_up"][1])
+            b_gate, b_up = jnp.asarray(np.ascontiguousarray(bgu[:, :f])), jnp.asarray(np.ascontiguousarray(bgu[:, f:]))
         else:
             b_gate, b_up = vec("b_gate"), vec("b_up")
         b_down = vec("b_down")
     experts = ExpertWeights(w_gate, w_up, w_down, b_gate, b_up, b_down)
     shared = None
     if cfg.shared_expert_dim:
-        gate = vec("s_sigmoid_gate").reshape(cfg.d_model) if cfg.shared_expert_gate else None
+        gate = vec("s_sigmoid_gate") if cfg.shared_expert_gate else None
         shared = SharedWeights(mat("s_gate"), mat("s_up"), mat("s_down"), gate)
     params = MoEParams(
         w_router=w_router, experts=experts,
@@ -551,7 +553,7 @@ def save_gguf(block, path: str | os.PathLike, layer: int = 0, dtype: str = "f16"
     pre = f"blk.{layer}."
 
     def f32(x) -> np.ndarray:
-        return np.ascontiguousarray(np.asarray(materialize(x, jnp.float32), np.float32))
+        return np.ascontiguousarray(gq.to_numpy_f32(x) if isinstance(x, QuantizedTensor) else np.asarray(x, np.float32))
 
     def mat(tname, x):
         data, raw = gq.weight_to_gguf(x, qtype, pre + tname)

@@ -30,7 +30,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
-from jaxmoe.quant import QuantizedTensor, materialize, pack_int4, unpack_int4
+from jaxmoe.quant import QuantizedTensor, pack_int4
 
 #: GGUF types kept quantized in device memory.
 KEPT_QUANTIZED = (QT.Q8_0, QT.Q4_0)
@@ -120,7 +120,8 @@ def quantized_to_q4_0(w: QuantizedTensor) -> np.ndarray | None:
     s16 = s.astype(np.float16)
     if not (np.array_equal(s16.astype(np.float32), s) and np.array_equal(b, -8.0 * s)):
         return None
-    codes = np.asarray(unpack_int4(jnp.asarray(w.qdata))).astype(np.uint8)  # [..., out, in]
+    packed = np.asarray(w.qdata, np.uint8)
+    codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)  # [..., out, in]
     *lead, out, n = codes.shape
     nb = n // _QK
     c = codes.reshape(*lead, out, nb, _QK)
@@ -140,15 +141,24 @@ def weight_from_gguf(data: np.ndarray, qtype: QT, dtype):
     if qtype == QT.Q4_0:
         return q4_0_to_quantized(data)
     w = dequantize_raw(data, qtype)
-    return jnp.asarray(np.swapaxes(w, -1, -2), dtype=dtype)
+    return jnp.asarray(np.ascontiguousarray(np.swapaxes(w, -1, -2)).astype(jnp.dtype(dtype)))
 
 
-def slice_out(w, lo: int, hi: int):
-    """Output columns ``[lo:hi]`` of a logical ``[..., in, out]`` weight (quantized or not)."""
-    if isinstance(w, QuantizedTensor):
-        return QuantizedTensor(w.qdata[..., lo:hi, :], w.scales[..., lo:hi, :],
-                               None if w.biases is None else w.biases[..., lo:hi, :], w.kind, w.group_size)
-    return w[..., lo:hi]
+def to_numpy_f32(w) -> np.ndarray:
+    """A weight ``[..., in, out]`` as float32 numpy (quantized ones dequantized in numpy, so no
+    device computation is compiled for an export)."""
+    if not isinstance(w, QuantizedTensor):
+        return np.asarray(w, np.float32)
+    q = np.asarray(w.qdata)
+    if w.kind == "int4":
+        q = np.stack([q & 0x0F, q >> 4], axis=-1).reshape(*q.shape[:-1], -1)
+    q = q.astype(np.float32)
+    *lead, out, n = q.shape
+    g = w.group_size
+    v = q.reshape(*lead, out, n // g, g) * np.asarray(w.scales, np.float32)[..., None]
+    if w.biases is not None:
+        v = v + np.asarray(w.biases, np.float32)[..., None]
+    return np.swapaxes(v.reshape(*lead, out, n), -1, -2)
 
 
 def weight_to_gguf(w, qtype: QT, name: str) -> tuple[np.ndarray, QT | None]:
@@ -161,7 +171,7 @@ def weight_to_gguf(w, qtype: QT, name: str) -> tuple[np.ndarray, QT | None]:
         direct = quantized_to_q8_0(w) if qtype == QT.Q8_0 else quantized_to_q4_0(w) if qtype == QT.Q4_0 else None
         if direct is not None:
             return direct, qtype
-    dense = np.ascontiguousarray(np.swapaxes(np.asarray(materialize(w, jnp.float32), np.float32), -1, -2))
+    dense = np.ascontiguousarray(np.swapaxes(to_numpy_f32(w), -1, -2))
     if qtype == QT.F32:
         return dense, None
     if qtype == QT.F16:
