@@ -73,6 +73,14 @@ def expert_step(res: ResidentLayer, experts, h: jax.Array, x: jax.Array, routing
     return h + moe_apply(p, x, cfg, impl=impl, routing=routing).astype(h.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"))
+def compact_step(res: ResidentLayer, experts: list, h: jax.Array, x: jax.Array, routing: Routing, cfg: MoEConfig,
+                 impl: str) -> jax.Array:
+    """`expert_step` on the compact stack of ``experts`` (a list of per-expert pytrees), stacked
+    inside the jitted step (one dispatch per layer)."""
+    return expert_step(res, stack_experts(list(experts), jnp), h, x, routing, cfg, impl)
+
+
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
     """One streaming configuration.
@@ -250,9 +258,8 @@ class OffloadedModel:
                 ids_all[t, l] = ids[0]
                 if compact:
                     _, padded, local = self.compact(ids, self._n_pad(1))
-                    stack = stack_experts([dev_experts[l][e] for e in padded], jnp)
-                    h = expert_step(self.resident[l], stack, h, xn, Routing(jnp.asarray(local), r.weights),
-                                    self.cfg, self.impl)
+                    h = compact_step(self.resident[l], [dev_experts[l][e] for e in padded], h, xn,
+                                     Routing(jnp.asarray(local), r.weights), self.cfg, self.impl)
                 else:
                     h = expert_step(self.resident[l], full[l], h, xn, r, self.cfg, self.impl)
             outs[t] = np.asarray(h[0])
@@ -267,10 +274,9 @@ class OffloadedModel:
         n_pad = self._n_pad(1)
         ids = np.asarray(r.expert_ids)
         _, padded, local = self.compact(ids, n_pad)
-        stack = jax.device_put(stack_experts([self.store.load_expert(0, int(e)) for e in padded], np))
-        stack = jax.tree.map(jnp.asarray, stack)
-        jax.block_until_ready(expert_step(self.resident[0], stack, h, xn, Routing(jnp.asarray(local), r.weights),
-                                          self.cfg, self.impl))
+        experts = [jax.device_put(self.store.load_expert(0, int(e))) for e in padded]
+        jax.block_until_ready(compact_step(self.resident[0], experts, h, xn, Routing(jnp.asarray(local), r.weights),
+                                           self.cfg, self.impl))
 
     def run_offloaded(self, inputs, ocfg: OffloadConfig, predictor: Predictor, *, trace=None,
                       on_step: Callable | None = None) -> tuple[RunResult, OffloadStats]:
@@ -291,8 +297,7 @@ class OffloadedModel:
         m = k if ocfg.prefetch_k is None else ocfg.prefetch_k
         self._warmup(x, trace)
         cache = make_cache(ocfg.budget_bytes, ocfg.policy, ocfg.scope, L)
-        pf = Prefetcher(self.store, cache, asynchronous=ocfg.asynchronous,
-                        put=lambda ew: jax.tree.map(jnp.asarray, jax.device_put(ew)))
+        pf = Prefetcher(self.store, cache, asynchronous=ocfg.asynchronous)
         stats = [FetchStats() for _ in range(L)]
         preds: dict[tuple[int, int], np.ndarray] = {}
         outs, ids_all, hid = np.zeros((n, d), np.float32), np.zeros((n, L, k), np.int32), np.zeros((n, L, d), np.float32)
@@ -327,9 +332,8 @@ class OffloadedModel:
                     needed, padded, local = self.compact(ids, n_pad)
                     protect = [(l, int(e)) for e in needed]
                     dev = {int(e): pf.fetch((l, int(e)), stats[l], protect) for e in needed}
-                    stack = stack_experts([dev[int(e)] for e in padded], jnp)
-                    h = expert_step(self.resident[l], stack, h, xn, Routing(jnp.asarray(local), r.weights),
-                                    self.cfg, self.impl)
+                    h = compact_step(self.resident[l], [dev[int(e)] for e in padded], h, xn,
+                                     Routing(jnp.asarray(local), r.weights), self.cfg, self.impl)
                     peak = max(peak, cache.used_bytes)
                     if on_step is not None:
                         on_step(t, l, cache)

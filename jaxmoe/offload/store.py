@@ -563,17 +563,28 @@ def open_store(path, cfg: MoEConfig | None = None, **kw) -> ExpertStore:
 
 
 def random_layers(cfg: MoEConfig, num_layers: int, seed: int = 0) -> list:
-    """``num_layers`` random ``(ResidentLayer, ExpertWeights)`` pairs (float32, numpy) for ``cfg``."""
-    from jaxmoe.layer import init_params
+    """``num_layers`` random ``(ResidentLayer, ExpertWeights)`` pairs (float32 numpy, normal, fan-in
+    scaled; RMSNorm weights ``1 + 0.1 N(0, 1)``) for ``cfg``."""
+    rng = np.random.default_rng(seed)
+    d, e, f, fs = cfg.d_model, cfg.num_experts, cfg.expert_dim, cfg.shared_expert_dim
+
+    def nrm(shape, fan_in):
+        return (rng.standard_normal(shape, np.float32) / np.float32(np.sqrt(fan_in))).astype(np.float32)
 
     out = []
-    for l in range(num_layers):
-        key = jax.random.PRNGKey(seed * 1000 + l)
-        p = init_params(cfg, key)
-        p = jax.tree.map(np.asarray, p)
-        rng = np.random.default_rng(seed * 1000 + l)
-        norm = (1.0 + 0.1 * rng.standard_normal(cfg.d_model)).astype(np.float32)
-        out.append((ResidentLayer(norm, p.w_router, p.b_router, p.selection_bias, p.shared), p.experts))
+    for _ in range(num_layers):
+        ew = ExpertWeights(nrm((e, d, f), d), nrm((e, d, f), d), nrm((e, f, d), f))
+        if cfg.expert_bias:
+            ew = dataclasses.replace(ew, b_gate=nrm((e, f), 4.0), b_up=nrm((e, f), 4.0), b_down=nrm((e, d), 4.0))
+        shared = None
+        if fs:
+            shared = SharedWeights(nrm((d, fs), d), nrm((d, fs), d), nrm((fs, d), fs),
+                                   nrm((d,), d) if cfg.shared_expert_gate else None)
+        norm = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+        res = ResidentLayer(norm, nrm((d, e), d), nrm((e,), 1.0) if cfg.router.router_bias else None,
+                            (0.1 * rng.standard_normal(e)).astype(np.float32) if cfg.router.use_selection_bias
+                            else None, shared)
+        out.append((res, ew))
     return out
 
 
