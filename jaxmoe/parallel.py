@@ -56,6 +56,7 @@ DATA_AXIS = "data"
 EXCHANGES = ("auto", "padded", "ragged")
 #: Platforms where ``exchange="auto"`` uses ``jax.lax.ragged_all_to_all``.
 RAGGED_PLATFORMS = ("cuda", "rocm", "gpu", "tpu")
+_ragged_all_to_all = jax.lax.ragged_all_to_all  # a module name, so tests can emulate it on CPU
 
 
 @jax.tree_util.register_dataclass
@@ -182,8 +183,8 @@ def _exchange(buf: jax.Array, sizes: jax.Array, recv_sizes: jax.Array, n: int, c
         return out.reshape(buf.shape)
     me = jax.lax.axis_index(EXPERT_AXIS).astype(jnp.int32)
     offs = jnp.arange(n, dtype=jnp.int32) * c
-    return jax.lax.ragged_all_to_all(buf, jnp.zeros_like(buf), offs, sizes, jnp.full((n,), me * c, jnp.int32),
-                                     recv_sizes, axis_name=EXPERT_AXIS)
+    return _ragged_all_to_all(buf, jnp.zeros_like(buf), offs, sizes, jnp.full((n,), me * c, jnp.int32),
+                              recv_sizes, axis_name=EXPERT_AXIS)
 
 
 def _plan(ids: jax.Array, valid: jax.Array, n: int, el: int, c: int):
@@ -277,8 +278,18 @@ def _ep_jit(params: MoEParams, x2: jax.Array, ids, w, *, cfg, mesh, impl, c, kin
     body = functools.partial(_ep_body, cfg=cfg, n=n, c=c, impl=impl, kind=kind, tok_axes=tok_axes,
                              all_axes=all_axes)
     out_specs = (tspec, tspec, tspec, tspec, P(), P(EXPERT_AXIS))
-    y, ids_o, w_o, kept, dropped, load = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs)(*args)
-    return y[:t], Routing(ids_o[:t], w_o[:t]), EPStats(dropped, kept[:t], load, c, kind)
+    # check_vma=False: the grouped paths (e.g. ``xla``'s fori_loop over a zeros carry) are
+    # written for one device and need not annotate which values vary across the mesh.
+    y, ids_o, w_o, kept, dropped, load = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs,
+                                                         check_vma=False)(*args)
+    def unpad(a):  # explicit meshes cannot slice a sharded axis unevenly: gather it first
+        if not pad:
+            return a
+        if explicit:
+            a = jax.sharding.reshard(a, NamedSharding(mesh, P()))
+        return a[:t]
+
+    return unpad(y), Routing(unpad(ids_o), unpad(w_o)), EPStats(dropped, unpad(kept), load, c, kind)
 
 
 def moe_apply_ep(params: MoEParams, x: jax.Array, cfg: MoEConfig, mesh: Mesh, *, impl: str = "auto",
