@@ -20,8 +20,9 @@ tokens: [1, 8, 64]
 dtypes: null                  # compute dtypes of the cases; default [model.dtype]
 quantize: [none]              # none | int8 (GGUF Q8_0, group 32) | int4 (MLX affine, group 64)
 reference: {impl: float64, max_tokens: 64}   # or a plain string: `reference: float64`
-repeats: 5
+repeats: 5                    # timed calls per case (after the compile call and `warmup` calls)
 warmup: 1
+time_budget_s: null           # stop timing a case once its timed calls exceed this (>= 3 calls)
 impl_max_tokens: {dense: 1}   # token counts above the cap are recorded as skipped
 tolerance: {default: 1.0e-4}  # max |y - ref| / max |ref|, by case label, quantize, dtype or impl
 min_routing_agreement: 0.0    # fraction of tokens whose selected expert set matches the reference
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -46,6 +48,25 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE = ("none", "int8", "int4")
 #: The reference that is not an impl: the float64 numpy forward of `jaxmoe.evaluation.reference`.
 FLOAT64_REFERENCE = "float64"
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-4`` (no dot) as a float, as YAML 1.2 does."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                 |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                 |\.[0-9_]+(?:[eE][-+][0-9]+)?
+                 |[-+]?\.(?:inf|Inf|INF)
+                 |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def yaml_load(text_or_stream):
+    """``yaml.safe_load`` with YAML 1.2 floats (``1e-4``)."""
+    return yaml.load(text_or_stream, Loader=_Loader)
 
 
 class ConfigError(ValueError):
@@ -108,6 +129,7 @@ class EvalConfig:
     reference: ReferenceSection | str = ReferenceSection()
     repeats: int = 5
     warmup: int = 1
+    time_budget_s: float | None = None
     impl_max_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
     tolerance: dict[str, float] = dataclasses.field(default_factory=lambda: {"default": 1e-4})
     min_routing_agreement: float = 0.0
@@ -267,7 +289,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key or any(not p for p in key.split(".")):
         raise ConfigError(f"--set {text!r}: bad key {key!r}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {text!r}: the value is not valid YAML ({e})") from None
     return key, value
@@ -352,7 +374,7 @@ def load_eval_config(name_or_path: str | os.PathLike, overrides: list[str] | Non
     path = find_config(name_or_path)
     try:
         with open(path) as f:
-            data = yaml.safe_load(f)
+            data = yaml_load(f)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     return config_from_mapping(data, str(path), overrides, default_name=path.stem)
@@ -446,6 +468,8 @@ def check(cfg: EvalConfig, ctx: _Ctx) -> None:
         ctx.fail("repeats", f"must be >= 1, got {cfg.repeats}")
     if cfg.warmup < 0:
         ctx.fail("warmup", f"must be >= 0, got {cfg.warmup}")
+    if cfg.time_budget_s is not None and not cfg.time_budget_s > 0:
+        ctx.fail("time_budget_s", f"must be > 0 (or null), got {cfg.time_budget_s}")
     for k, v in cfg.impl_max_tokens.items():
         if k not in impls:
             ctx.fail(f"impl_max_tokens.{k}", f"is not an available impl {impls}")

@@ -37,7 +37,11 @@ class RefRouting:
 
 
 def to_f64(w, index=None) -> np.ndarray:
-    """A weight (array or `QuantizedTensor`, optionally one leading index) as float64 numpy."""
+    """A weight (array or `QuantizedTensor`, optionally one leading index) as float64 numpy.
+
+    Arrays go through numpy (``np.asarray`` of a CPU jax array is a view), so indexing one
+    expert copies only that expert.
+    """
     if w is None:
         return None
     if hasattr(w, "qdata"):
@@ -45,8 +49,10 @@ def to_f64(w, index=None) -> np.ndarray:
 
         part = w if index is None else w[index]
         return np.asarray(part.dequantize(jnp.float32), np.float64)
-    a = w if index is None else w[index]
-    return np.asarray(a).astype(np.float64)
+    a = np.asarray(w)
+    if index is not None:
+        a = a[index]
+    return a.astype(np.float64)
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:

@@ -72,7 +72,9 @@ def render_markdown(res: dict[str, Any], plots: list[str]) -> str:
         f"{env['host_cpus']} host CPUs, jax {env['jax']}, jaxmoe {env['jaxmoe']}",
         f"- reference: `{cfg['reference']['impl']}` on the first {cfg['reference']['max_tokens']} tokens; "
         f"error = max abs error / max abs reference output",
-        f"- timing: median of {cfg['repeats']} calls after compile + {cfg['warmup']} warm-up call(s); "
+        f"- timing: median of up to {cfg['repeats']} calls"
+        + (f" (fewer once they exceed {cfg['time_budget_s']} s, at least 3)" if cfg.get("time_budget_s") else "")
+        + f" after the compile call and {cfg['warmup']} warm-up call(s); "
         "bandwidth = weight bytes that must be read (distinct experts touched + shared + router) / median time",
         f"- **gate: {'PASSED' if gate['passed'] else 'FAILED'}** ({gate['checked']} cases checked, "
         f"{gate['skipped']} skipped by impl_max_tokens)", "",

@@ -11,7 +11,6 @@ routing with the reference. `run_eval` returns the ``results.json`` mapping; the
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import os
 import platform
@@ -99,15 +98,24 @@ def _layer_stats(spec: LayerSpec, params, xs: np.ndarray, heat_tokens: int) -> d
     }
 
 
-def _reference(spec: LayerSpec, ecfg: EvalConfig, params, x_ref: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
-    """(``y [R, d]`` float64, ``ids [R, k]``, seconds) of the configured reference."""
+def _reference(spec: LayerSpec, ecfg: EvalConfig, params, x_route: np.ndarray, n_out: int):
+    """The configured reference: (``y [n_out, d]`` float64, ``ids [N, k]``, seconds).
+
+    The float64 reference routes all ``N`` tokens of ``x_route`` (cheap) and computes the
+    output of the first ``n_out`` (each touched expert converted to float64); an impl
+    reference runs on the first ``n_out`` tokens only.
+    """
     t0 = time.perf_counter()
     impl = ecfg.ref.impl
     if impl == FLOAT64_REFERENCE:
-        y, r = reference_forward(params, x_ref, spec.cfg)
-        ids = r.expert_ids
+        sb = None if params.selection_bias is None else to_f64(params.selection_bias)
+        r_all = route_f64(router_logits_f64(params, x_route), spec.cfg.router, sb)
+        y, r = reference_forward(params, x_route[:n_out], spec.cfg)
+        if not np.array_equal(r.expert_ids, r_all.expert_ids[:n_out]):  # same math, same rows
+            raise AssertionError("float64 reference routing is not deterministic")
+        ids = r_all.expert_ids
     else:
-        y, r = _call(params, jnp.asarray(x_ref, ecfg.model.dtype), spec.cfg, impl)
+        y, r = _call(params, jnp.asarray(x_route[:n_out], ecfg.model.dtype), spec.cfg, impl)
         y, ids = np.asarray(y, np.float64), np.asarray(r.expert_ids)
     return y, ids, time.perf_counter() - t0
 
@@ -117,7 +125,7 @@ def _run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant,
     resolved = backends.resolve_impl(impl, t * cfg.top_k)
     row: dict[str, Any] = {
         "case": case_label(impl, dtype, quant), "impl": impl, "resolved_impl": resolved, "dtype": dtype,
-        "quantize": quant, "tokens": t, "tolerance": M.quantity(case_tolerance(ecfg, impl, dtype, quant), "ratio"),
+        "quantize": quant, "tokens": t,
     }
     caps = [ecfg.impl_max_tokens[n] for n in {impl, resolved} if n in ecfg.impl_max_tokens]
     if caps and t > min(caps):
@@ -130,8 +138,11 @@ def _run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant,
         first = time.perf_counter() - t0
         for _ in range(ecfg.warmup):
             _call(params, x, cfg, impl)
-        samples = []
-        for _ in range(ecfg.repeats):
+        samples: list[float] = []
+        budget = ecfg.time_budget_s
+        while len(samples) < ecfg.repeats:
+            if budget is not None and sum(samples) > budget and len(samples) >= min(3, ecfg.repeats):
+                break
             t0 = time.perf_counter()
             _call(params, x, cfg, impl)
             samples.append(time.perf_counter() - t0)
@@ -141,14 +152,14 @@ def _run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant,
     n = min(t, y_ref.shape[0])
     err = M.errors(np.asarray(y[:n], np.float64), y_ref[:n])
     ids = np.asarray(r.expert_ids)
-    agree = M.routing_agreement(ids[:n], ids_ref[:n])
+    n_route = min(t, ids_ref.shape[0])
+    agree = M.routing_agreement(ids[:n_route], ids_ref[:n_route])
     tm = M.timing(samples, t)
     nbytes, touched = M.bytes_to_read(wb, ids)
-    tol = case_tolerance(ecfg, impl, dtype, quant)
-    passed = err["finite"] and err["rel"] <= tol and agree >= ecfg.min_routing_agreement
     row.update(
-        status="ok", passed=bool(passed),
-        compared_tokens=M.quantity(n, "tokens"),
+        status="ok", finite=err["finite"],
+        compared_tokens=M.quantity(n, "tokens (output error)"),
+        routed_tokens=M.quantity(n_route, "tokens (routing agreement)"),
         max_abs_error=M.quantity(err["max_abs"], "abs (output units)"),
         rel_error=M.quantity(err["rel"], "ratio (max|err| / max|ref|)"),
         rms_rel_error=M.quantity(err["rms_rel"], "ratio (||err||_2 / ||ref||_2)"),
@@ -163,14 +174,27 @@ def _run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant,
         weight_bytes_read=M.quantity(nbytes, "B"),
         bandwidth=M.quantity(nbytes / tm["median_s"] / 1e9, "GB/s (weight bytes read / median time)"),
     )
-    if not passed:
-        why = []
-        if not err["finite"]:
-            why.append("non-finite output")
-        elif err["rel"] > tol:
-            why.append(f"rel_error {err['rel']:.3g} > tolerance {tol:.3g}")
-        if agree < ecfg.min_routing_agreement:
-            why.append(f"routing_agreement {agree:.3f} < {ecfg.min_routing_agreement}")
+    return row
+
+
+def judge(row: dict[str, Any], ecfg: EvalConfig) -> dict[str, Any]:
+    """Sets ``tolerance``, ``passed`` and (when failing) ``reason`` of a measured case row."""
+    tol = case_tolerance(ecfg, row["impl"], row["dtype"], row["quantize"])
+    row["tolerance"] = M.quantity(tol, "ratio")
+    if row["status"] != "ok":
+        return row
+    rel = row["rel_error"]["value"]
+    agree = row["routing_agreement"]["value"]
+    why = []
+    if not row["finite"]:
+        why.append("non-finite output")
+    elif rel > tol:
+        why.append(f"rel_error {rel:.3g} > tolerance {tol:.3g}")
+    if agree < ecfg.min_routing_agreement:
+        why.append(f"routing_agreement {agree:.3f} < {ecfg.min_routing_agreement}")
+    row["passed"] = not why
+    row.pop("reason", None)
+    if why:
         row["reason"] = "; ".join(why)
     return row
 
@@ -203,7 +227,7 @@ def run_eval(ecfg: EvalConfig, *, source: str = "<config>", specs: list[LayerSpe
         # the reference sees the activations rounded to the parameter dtype, as the model would
         x_base = np.asarray(jnp.asarray(x_all, ecfg.model.dtype).astype(jnp.float32))
         n_ref = min(ecfg.ref.max_tokens, tmax)
-        y_ref, ids_ref, t_ref = _reference(spec, ecfg, base, x_base[:n_ref])
+        y_ref, ids_ref, t_ref = _reference(spec, ecfg, base, x_base[:tmax], n_ref)
         stats = _layer_stats(spec, base, x_base[:ecfg.inputs.stats_tokens], ecfg.heatmap_tokens)
         progress.advance(f"{spec.label}: reference")
         rows = []
@@ -211,10 +235,20 @@ def run_eval(ecfg: EvalConfig, *, source: str = "<config>", specs: list[LayerSpe
             for quant in ecfg.quantize:
                 params = case_params(base, dtype, quant)
                 wb = M.weight_bytes(params)
-                for impl in ecfg.impls:
+                done: dict[tuple[str, int], dict[str, Any]] = {}
+                # concrete impls first, so an `auto` that resolves to one of them reuses its measurement
+                for impl in sorted(ecfg.impls, key=lambda i: i == "auto"):
                     for t in ecfg.tokens:
-                        rows.append(_run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant, t))
+                        resolved = backends.resolve_impl(impl, t * cfg.top_k)
+                        if impl == "auto" and (resolved, t) in done:
+                            row = dict(done[(resolved, t)], case=case_label(impl, dtype, quant), impl=impl,
+                                       measured_as=case_label(resolved, dtype, quant))
+                        else:
+                            row = _run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant, t)
+                        done[(impl, t)] = judge(row, ecfg)
                         progress.advance(f"{spec.label}: {case_label(impl, dtype, quant)} T={t}")
+                for impl in ecfg.impls:
+                    rows.extend(done[(impl, t)] for t in ecfg.tokens)
                 del params
         wb_base = M.weight_bytes(base)
         del base
@@ -247,7 +281,3 @@ def run_eval(ecfg: EvalConfig, *, source: str = "<config>", specs: list[LayerSpe
                  "checked": sum(r["status"] != "skipped" for lay in layers for r in lay["results"]),
                  "skipped": sum(r["status"] == "skipped" for lay in layers for r in lay["results"])},
     }
-
-
-def replace_name(ecfg: EvalConfig, name: str) -> EvalConfig:
-    return dataclasses.replace(ecfg, name=name)
