@@ -244,6 +244,8 @@ CASES = {
                                          "expert_shared_feed_forward_length": 32},
                            dict(k=4, gating="softmax", norm=True, gated_shared=True),
                            fs=32, gated_shared=True, qtypes=(QT.Q5_0, QT.Q5_1, QT.Q4_1)),
+    "qwen3next-no-shared": Case("qwen3next", {"expert_used_count": 4, "expert_feed_forward_length": 32},
+                                dict(k=4, gating="softmax", norm=True)),
     "deepseek2-v3-q4_0": Case("deepseek2", {"expert_used_count": 4, "expert_feed_forward_length": 32,
                                             "expert_shared_count": 2, "expert_group_count": 4,
                                             "expert_group_used_count": 2, "expert_weights_scale": 2.5,

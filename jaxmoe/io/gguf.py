@@ -71,8 +71,8 @@ class ArchSpec:
       norm: fixed renormalization, or None when ``expert_weights_norm`` decides.
       gating: fixed gating function id, or None when ``expert_gating_func`` decides.
       gating_default: the id used when that key is absent (None: the key is required).
-      shared: ``none``; ``gated`` one sigmoid-gated shared expert (Qwen); ``count``
-        ``expert_shared_count`` ungated shared experts.
+      shared: ``none``; ``gated`` one sigmoid-gated shared expert (Qwen), present when the
+        file has ``ffn_up_shexp`` tensors; ``count`` ``expert_shared_count`` ungated shared experts.
       expert_ff: where the expert width comes from: ``exp`` ``expert_feed_forward_length``
         (required); ``exp_or_ff_over_k`` that, else ``feed_forward_length / expert_used_count``;
         ``exp_or_ff`` that, else ``feed_forward_length``; ``ff`` ``feed_forward_length``
@@ -255,7 +255,8 @@ def config_from_reader(reader: gguf.GGUFReader, path="<gguf>") -> MoEConfig:
 
     shared_dim = n_shared = 0
     gated = False
-    if spec.shared == "gated":
+    if spec.shared == "gated" and any(n.endswith(".ffn_up_shexp.weight") for n in names):
+        # llama.cpp builds the shared branch only where its tensors exist (qwen3next)
         fs = k.int("expert_shared_feed_forward_length") or n_ff
         if not fs:
             raise CheckpointError(f"{path}: {arch} has a shared expert but neither "
@@ -487,8 +488,6 @@ def _check_exportable(cfg: MoEConfig, arch: str, layer: int) -> ArchSpec:
             per, rem = divmod(cfg.shared_expert_dim, cfg.num_shared_experts)
             if rem or (arch != "bailingmoe2" and per != cfg.expert_dim):
                 bad("shared_expert_dim", f"={cfg.shared_expert_dim} (must be expert_dim * num_shared_experts)")
-    elif spec.shared == "gated":
-        bad("shared_expert_dim", "=0 (this arch always has a shared expert)")
     return spec
 
 

@@ -1,0 +1,107 @@
+"""How much of a GGUF file `jaxmoe.from_pretrained(path, layer=i)` reads, and how fast.
+
+Writes a qwen35moe file with ``--layers`` MoE layers of random (valid) Q8_0 experts at
+Qwen3.6 widths (d=2048, F=512, shared 512) with ``--experts`` experts, evicts it from the
+page cache (``posix_fadvise(DONTNEED)``), loads one layer, and reports with ``mincore``
+how many bytes of each layer became resident: only the requested layer's should.
+
+    python benchmarks/gguf_layer_load.py --experts 64 --layers 4 --layer 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import mmap
+import os
+import tempfile
+import time
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+
+def q8_bytes(rng, shape):
+    *lead, out, n = shape
+    nb = n // 32
+    b = rng.integers(0, 256, (*lead, out, nb, 34), dtype=np.uint8)
+    b[..., :2] = rng.uniform(1e-4, 1e-3, (*lead, out, nb, 1)).astype(np.float16).view(np.uint8)
+    return b.reshape(*lead, out, nb * 34)
+
+
+def write(path, e, n_layers, d=2048, f=512, fs=512, seed=0):
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, "qwen35moe")
+    for k, v in (("block_count", n_layers), ("embedding_length", d), ("expert_count", e), ("expert_used_count", 8),
+                 ("expert_feed_forward_length", f), ("expert_shared_feed_forward_length", fs)):
+        w.add_uint32(f"qwen35moe.{k}", v)
+    for i in range(n_layers):
+        pre = f"blk.{i}."
+        w.add_tensor(pre + "ffn_gate_inp.weight", rng.standard_normal((e, d)).astype(np.float32))
+        for n, s in (("gate_exps", (e, f, d)), ("up_exps", (e, f, d)), ("down_exps", (e, d, f)),
+                     ("gate_shexp", (fs, d)), ("up_shexp", (fs, d)), ("down_shexp", (d, fs))):
+            w.add_tensor(pre + f"ffn_{n}.weight", q8_bytes(rng, s), raw_dtype=QT.Q8_0)
+        w.add_tensor(pre + "ffn_gate_inp_shexp.weight", rng.standard_normal(d).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def resident_bytes_by_layer(path):
+    """{layer: resident bytes of that layer's tensor data} via mincore(2)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    size = os.path.getsize(path)
+    mm = np.memmap(path, mode="r")  # a fresh read-only mapping; mincore reports the page cache
+    arr = (ctypes.c_ubyte * ((size + page - 1) // page))()
+    if libc.mincore(ctypes.c_void_p(mm.ctypes.data), ctypes.c_size_t(size), arr) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    vec = np.frombuffer(arr, np.uint8) & 1
+    out = {}
+    for t in gguf.GGUFReader(path).tensors:
+        layer = int(t.name.split(".")[1])
+        lo, hi = t.data_offset // page, (t.data_offset + t.n_bytes + page - 1) // page
+        out[layer] = out.get(layer, 0) + int(vec[lo:hi].sum()) * page
+    del mm
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layer", type=int, default=2)
+    args = ap.parse_args()
+    import jaxmoe
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "m.gguf")
+        t0 = time.perf_counter()
+        write(path, args.experts, args.layers)
+        print(f"wrote {os.path.getsize(path) / 2**20:.0f} MiB ({args.layers} layers) in {time.perf_counter() - t0:.1f} s")
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        before = resident_bytes_by_layer(path)
+        t0 = time.perf_counter()
+        block = jaxmoe.from_pretrained(path, layer=args.layer)
+        t_load = time.perf_counter() - t0
+        after = resident_bytes_by_layer(path)
+        per_layer = sum(t.n_bytes for t in gguf.GGUFReader(path).tensors if t.name.startswith(f"blk.{args.layer}."))
+        print(f"from_pretrained(layer={args.layer}): {t_load:.2f} s, layer tensors {per_layer / 2**20:.1f} MiB, "
+              f"experts kept as {type(block.params().experts.w_gate).__name__}")
+        for i in range(args.layers):
+            print(f"  layer {i}: resident {before.get(i, 0) / 2**20:6.1f} MiB before -> {after.get(i, 0) / 2**20:6.1f} MiB after")
+        x = np.random.default_rng(1).standard_normal((1, 2048)).astype(np.float32)
+        block(x).block_until_ready()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            block(x).block_until_ready()
+        print(f"one-token forward (impl=auto, Q8_0 experts): {(time.perf_counter() - t0) / 5 * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
