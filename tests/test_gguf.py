@@ -490,6 +490,42 @@ def test_export_other_archs(preset, arch, rng, tmp_path):
         (c0.shared_expert_dim, c0.num_shared_experts, c0.dense_layers, c0.activation)
 
 
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "f16"])
+def test_export_of_other_quantized_experts(dtype, tmp_path):
+    """MLX-style int4 group-64 experts cannot be written as they are: they are dequantized
+    (exactly) and quantized once by gguf-py."""
+    from jaxmoe.quant import quantize_int4_affine
+
+    block = small_block("qwen3-30b-a3b", seed=5)
+    p = block.params()
+    ew = jaxmoe.ExpertWeights(*(quantize_int4_affine(np.asarray(w), group_size=64)
+                                for w in (p.experts.w_gate, p.experts.w_up)), p.experts.w_down)
+    qblock = jaxmoe.MoEBlock(block.cfg, params=dataclasses.replace(p, experts=ew))
+    path = jaxmoe.save_gguf(qblock, tmp_path / "mlx.gguf", layer=2, dtype=dtype)
+    loaded = jaxmoe.from_pretrained(path, layer=2).params()
+    qt = gq.EXPORT_TYPES[dtype]
+    for part in ("w_gate", "w_up", "w_down"):
+        src = getattr(ew, part)
+        np.testing.assert_array_equal(dense_np(src), np.asarray(materialize_f32(src)))  # numpy == jax dequant
+        np.testing.assert_array_equal(dense_np(getattr(loaded.experts, part)), expected_after(src, qt))
+
+
+def materialize_f32(w):
+    return w.dequantize(jnp.float32) if isinstance(w, QuantizedTensor) else w
+
+
+def test_compute_dtype_bfloat16(rng, tmp_path):
+    c = CASES["qwen3moe-f16-ff-over-k"]
+    path = tmp_path / "bf.gguf"
+    ref = write_case(rng, path, c)[c.layer]
+    block = jaxmoe.from_pretrained(path, layer=c.layer, dtype=jnp.bfloat16)
+    assert block.params().experts.w_gate.dtype == jnp.bfloat16
+    assert block.params().w_router.dtype == jnp.float32  # routing stays float32
+    x = (rng.standard_normal((7, c.d)) * 0.5).astype(np.float32)
+    y = np.asarray(block(x, impl="dense"), np.float32)
+    assert rel_err(y, np_moe(x, ref, **c.ref)) < 3e-2
+
+
 def test_export_rejects_what_the_arch_cannot_express(tmp_path):
     block = small_block("qwen2-57b-a14b", renorm="sum")  # llama.cpp never renormalizes qwen2moe
     with pytest.raises(ValueError, match="router.renorm"):

@@ -12,8 +12,6 @@ import gguf
 import numpy as np
 import pytest
 import safetensors.numpy
-import safetensors.torch
-import torch
 from gguf import GGMLQuantizationType as QT
 
 from jaxmoe import cli
@@ -127,6 +125,9 @@ def test_inspect_hf_dir(tmp_path, rng, capsys, sharded):
 
 def test_inspect_fused_bf16_and_mlx_dirs(tmp_path, rng, capsys):
     # Fused HF layout in bfloat16 (written with torch: numpy has no bfloat16).
+    import safetensors.torch
+    import torch
+
     d = tmp_path / "fused"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"text_config": {"model_type": "qwen3_5_moe_text", "num_experts": E,
