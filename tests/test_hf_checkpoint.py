@@ -140,7 +140,7 @@ def test_hf_layer_matches_transformers(family, tmp_path, rng):
     torch.manual_seed(int(rng.integers(2**31)))
     model = BUILDERS[family]().eval()
     _save(model, tmp_path, rng)
-    block = jaxmoe.from_pretrained(tmp_path, layer=1)
+    block = jaxmoe.from_pretrained(tmp_path, layer=1, impl="dense")  # the oracle: isolates the loader
     assert isinstance(block, jaxmoe.MoEBlock)
     assert jaxmoe.load_config(tmp_path) == block.cfg
     _check_block(block, _hf_moe(model), rng)
@@ -172,7 +172,7 @@ def test_bf16_compute_dtype(tmp_path, rng):
     torch.manual_seed(int(rng.integers(2**31)))
     model = _mixtral().eval()
     _save(model, tmp_path, rng)
-    block = jaxmoe.from_pretrained(tmp_path, layer=1, dtype=jnp.bfloat16)
+    block = jaxmoe.from_pretrained(tmp_path, layer=1, dtype=jnp.bfloat16, impl="dense")
     assert block.params().experts.w_gate.dtype == jnp.bfloat16
     assert block.params().w_router.dtype == jnp.float32  # routing stays float32
     x = rng.standard_normal((T_TOK, D)).astype(np.float32)
@@ -221,8 +221,47 @@ def test_fused_gate_up_layout_and_vl_prefix(tmp_path, rng):
     (c / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": text}))
     with SafetensorsDir(c) as st:
         assert "model.language_model.layers.1.mlp.experts.gate_up_proj" in st
-    block = jaxmoe.from_pretrained(c, layer=1)
+    block = jaxmoe.from_pretrained(c, layer=1, impl="dense")
     _check_block(block, _hf_moe(model), rng)
+
+
+def test_gpt_oss_mxfp4_checkpoint(tmp_path, rng):
+    """The gpt-oss Hub layout: MXFP4 ``*_blocks`` / ``*_scales`` experts, dequantized at load exactly as
+    transformers' ``convert_moe_packed_tensors`` does."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    torch.manual_seed(int(rng.integers(2**31)))
+    model = _gptoss().eval()
+    mlp = _hf_moe(model)
+    _randomize(mlp, rng)
+    e = mlp.experts.num_experts
+    packed = {}
+    for name, (out, n_in) in (("gate_up_proj", (2 * F, D)), ("down_proj", (D, F))):
+        blocks = rng.integers(0, 256, (e, out, n_in // 32, 16), dtype=np.uint8)
+        scales = rng.integers(122, 129, (e, out, n_in // 32), dtype=np.uint8)
+        packed[name] = (blocks, scales)
+        w = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+        with torch.no_grad():
+            getattr(mlp.experts, name).copy_(w)  # (E, in, out): the layout the HF module computes with
+    model.save_pretrained(tmp_path / "float")
+    with SafetensorsDir(tmp_path / "float") as st:
+        tensors = {k: st.get(k) for k in st.keys()}
+    for i in range(2):
+        for name in ("gate_up_proj", "down_proj"):
+            del tensors[f"model.layers.{i}.mlp.experts.{name}"]
+            tensors[f"model.layers.{i}.mlp.experts.{name}_blocks"], tensors[f"model.layers.{i}.mlp.experts.{name}_scales"] \
+                = packed[name]
+    q = tmp_path / "mxfp4"
+    q.mkdir()
+    safetensors.numpy.save_file(tensors, str(q / "model.safetensors"))
+    config = json.loads((tmp_path / "float" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
+    (q / "config.json").write_text(json.dumps(config))
+    block = jaxmoe.from_pretrained(q, layer=1, impl="dense")
+    _check_block(block, mlp, rng)
+    _rewrite(q, drop="model.layers.1.mlp.experts.down_proj_scales")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.down_proj_scales"):
+        jaxmoe.from_pretrained(q, layer=1)
 
 
 # ----------------------------------------------------------------------------- bad input

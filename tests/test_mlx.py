@@ -199,6 +199,59 @@ def _dsv3_checkpoint(path: Path, rng) -> dict:
     return t
 
 
+def _gptoss_checkpoint(path: Path, rng) -> dict:
+    """mlx-lm gpt-oss layout: ``mlp.experts.<proj>.{weight,scales,biases,bias}`` (SwitchGLU with bias),
+    router ``mlp.router`` at 8 bits with its float bias."""
+    t = {}
+    for i in range(2):
+        p = f"model.layers.{i}.mlp"
+        for n, shp in (("gate_proj", (E, F, D)), ("up_proj", (E, F, D)), ("down_proj", (E, D, F))):
+            _put_q(t, f"{p}.experts.{n}", _q(rng, shp, scale=0.4))
+            t[f"{p}.experts.{n}.bias"] = mx.array(rng.standard_normal(shp[:2]).astype(np.float32)).astype(mx.bfloat16)
+        _put_q(t, f"{p}.router", _q(rng, (E, D), bits=8, scale=1.0))
+        t[f"{p}.router.bias"] = mx.array(rng.standard_normal(E).astype(np.float32)).astype(mx.bfloat16)
+    quantization = {"group_size": 64, "bits": 4}
+    for i in range(2):
+        quantization[f"model.layers.{i}.mlp.router"] = {"group_size": 64, "bits": 8}
+    config = {"model_type": "gpt_oss", "hidden_size": D, "num_hidden_layers": 2, "intermediate_size": F,
+              "num_local_experts": E, "num_experts_per_tok": K, "swiglu_limit": 7.0, "quantization": quantization}
+    _write(path, t, config)
+    return t
+
+
+def test_gpt_oss_mlx_checkpoint(tmp_path, rng):
+    t = _gptoss_checkpoint(tmp_path, rng)
+    block = jaxmoe.from_pretrained(tmp_path, layer=1, impl="dense")
+    ew = block.params().experts
+    assert isinstance(ew.w_up, quant.QuantizedTensor) and ew.b_down.shape == (E, D)
+    p = "model.layers.1.mlp"
+    x = rng.standard_normal((T_TOK, D))
+    wr = _deq(t, f"{p}.router", 8)
+    br = np.array(t[f"{p}.router.bias"].astype(mx.float32), np.float64)
+    wg, wu, wd = (_deq(t, f"{p}.experts.{n}") for n in ("gate_proj", "up_proj", "down_proj"))
+    bg, bu, bd = (np.array(t[f"{p}.experts.{n}.bias"].astype(mx.float32), np.float64)
+                  for n in ("gate_proj", "up_proj", "down_proj"))
+    y_ref = np.zeros_like(x)
+    ids_ref = []
+    clamped = 0
+    for i, xi in enumerate(x):
+        z = wr @ xi + br
+        ids = np.argsort(-z, kind="stable")[:K]
+        w = np.exp(z[ids] - z[ids].max())
+        w /= w.sum()
+        ids_ref.append(np.sort(ids))
+        for j, wj in zip(ids, w):
+            g, u = wg[j] @ xi + bg[j], wu[j] @ xi + bu[j]
+            clamped += int((g > 7).sum() + (np.abs(u) > 7).sum())
+            g, u = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
+            y_ref[i] += wj * (wd[j] @ ((u + 1) * g / (1 + np.exp(-1.702 * g))) + bd[j])
+    assert clamped > 0  # the clamp is exercised
+    y, r = block(jnp.asarray(x, jnp.float32), return_routing=True)
+    np.testing.assert_array_equal(np.sort(np.asarray(r.expert_ids), 1), np.stack(ids_ref))
+    y = np.asarray(y, np.float64)
+    assert np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref) < 1e-5
+
+
 def _ref_route(z: np.ndarray, rc, bias):
     """float64 routing of one token's logits ``z [E]``: (ids, weights) by ROUTING.md section 1."""
     if rc.score_fn == "softmax":

@@ -11,7 +11,9 @@ file or sharded with ``model.safetensors.index.json``). Layouts, all checked aga
 - fused parameters: ``{P}.experts.gate_up_proj (E, 2F, d)`` (rows ``[0:F]`` gate,
   ``[F:2F]`` up) and ``{P}.experts.down_proj (E, d, F)``; gpt-oss instead stores them
   input-major: ``gate_up_proj (E, d, 2F)`` with gate / up in the even / odd columns,
-  ``gate_up_proj_bias (E, 2F)``, ``down_proj (E, F, d)``, ``down_proj_bias (E, d)``;
+  ``gate_up_proj_bias (E, 2F)``, ``down_proj (E, F, d)``, ``down_proj_bias (E, d)``; the
+  gpt-oss Hub checkpoints hold them as MXFP4 ``*_blocks`` / ``*_scales`` (out-major),
+  dequantized at load (`read_mxfp4`);
 - stacked linears (mlx-lm): ``{P}.switch_mlp.{gate_proj,up_proj,down_proj}.weight``
   ``(E, out, in)`` (or ``{P}.experts.<proj>.weight`` with ``.bias``, gpt-oss in mlx-lm),
   MLX-quantized when ``.scales`` / ``.biases`` sit beside them (`jaxmoe.io.mlx`);
@@ -96,6 +98,28 @@ def read_linear(st: SafetensorsDir, module: str, shape: tuple[int, ...], qlookup
     return _mlx.dequantize(w, s, b, spec, name=module)
 
 
+#: The 16 FP4 (E2M1) values of MXFP4 codes 0..15.
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
+
+
+def read_mxfp4(st: SafetensorsDir, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """float32 ``(..., out, in)`` from gpt-oss's MXFP4 ``{name}_blocks (..., out, in/32, 16)`` uint8
+    (element ``2j`` in the low nibble of byte ``j``) and ``{name}_scales (..., out, in/32)`` uint8
+    (E8M0: ``2^(s - 127)``). Dequantized at load; exact in float32."""
+    *lead, out, n_in = shape
+    if n_in % 32:
+        raise ValueError(f"{st.path}: {name}: input width {n_in} is not a multiple of the MXFP4 block 32")
+    blocks = st.get(f"{name}_blocks", (*lead, out, n_in // 32, 16))
+    scales = st.get(f"{name}_scales", (*lead, out, n_in // 32))
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
+        raise ValueError(f"{st.path}: {name}_blocks / {name}_scales must be uint8, got {blocks.dtype} / {scales.dtype}")
+    vals = np.stack([FP4_VALUES[blocks & 0xF], FP4_VALUES[blocks >> 4]], axis=-1)  # (..., G, 16, 2)
+    vals = vals.reshape(*blocks.shape[:-1], 32)
+    w = np.ldexp(vals, scales.astype(np.int32)[..., None] - 127)
+    return w.reshape(*lead, out, n_in).astype(np.float32)
+
+
 def _xw(a, dtype):
     """torch ``(..., out, in)`` ndarray -> jnp ``[..., in, out]`` in ``dtype`` (QuantizedTensor as is)."""
     if isinstance(a, QuantizedTensor):
@@ -109,10 +133,9 @@ def _vec(st: SafetensorsDir, name: str, shape, dtype):
 
 def _experts(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, keep_int4: bool) -> ExpertWeights:
     e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_dim
-    keys = st.keys()
     per_expert = [names for names in _PROJ_NAMES if f"{p}.experts.0.{names[0]}.weight" in st]
     stacked = [f"{p}.{grp}" for grp in ("switch_mlp", "experts") if f"{p}.{grp}.gate_proj.weight" in st]
-    fused = f"{p}.experts.gate_up_proj" in st or f"{p}.experts.down_proj" in st
+    fused = any(f"{p}.experts.{n}{sfx}" in st for n in ("gate_up_proj", "down_proj") for sfx in ("", "_blocks"))
     layouts = len(per_expert) + len(stacked) + int(fused)
     if layouts == 0:
         if f"{p}.gate_proj.weight" in st or f"{p}.w1.weight" in st:
@@ -143,11 +166,16 @@ def _experts(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, keep_in
                         b_down=_vec(st, f"{s}.down_proj.bias", (e, d), dtype))
     else:
         gu_name, dn_name = f"{p}.experts.gate_up_proj", f"{p}.experts.down_proj"
-        if cfg.family == "gpt_oss":  # input-major, gate / up interleaved
-            gu = st.get(gu_name, (e, d, 2 * f))
-            dn = st.get(dn_name, (e, f, d))
-            wg, wu = np.swapaxes(gu[..., 0::2], -1, -2), np.swapaxes(gu[..., 1::2], -1, -2)  # (E, F, d)
-            wd = np.swapaxes(dn, -1, -2)  # (E, d, F)
+        if cfg.family == "gpt_oss":
+            if f"{gu_name}_blocks" in st:  # MXFP4, out-major (the Hub checkpoints)
+                gu = read_mxfp4(st, gu_name, (e, 2 * f, d))
+                wg, wu = gu[:, 0::2], gu[:, 1::2]  # (E, F, d)
+                wd = read_mxfp4(st, dn_name, (e, d, f))
+            else:  # input-major, gate / up interleaved
+                gu = st.get(gu_name, (e, d, 2 * f))
+                dn = st.get(dn_name, (e, f, d))
+                wg, wu = np.swapaxes(gu[..., 0::2], -1, -2), np.swapaxes(gu[..., 1::2], -1, -2)  # (E, F, d)
+                wd = np.swapaxes(dn, -1, -2)  # (E, d, F)
             if cfg.expert_bias:
                 gub = st.get(f"{gu_name}_bias", (e, 2 * f))
                 bias = dict(b_gate=jnp.asarray(gub[..., 0::2]).astype(dtype), b_up=jnp.asarray(gub[..., 1::2]).astype(dtype),
@@ -158,7 +186,6 @@ def _experts(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, keep_in
             wd = st.get(dn_name, (e, d, f))
     if cfg.expert_bias and not bias:
         raise ValueError(f"{st.path}: the config has expert biases but {p} stores none")
-    del keys
     return ExpertWeights(_xw(wg, dtype), _xw(wu, dtype), _xw(wd, dtype), **bias)
 
 
