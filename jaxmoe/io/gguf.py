@@ -47,7 +47,6 @@ from typing import Any
 import gguf
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGMLQuantizationType as QT
 
 from jaxmoe.config import F16_MIN_NORMAL, MoEConfig, RouterConfig
 from jaxmoe.experts import ExpertWeights, SharedWeights
@@ -167,9 +166,6 @@ class _Keys:
     def full(self, key: str) -> str:
         return f"{self.arch}.{key}"
 
-    def has(self, key: str) -> bool:
-        return self.full(key) in self.meta
-
     def raw(self, key: str, default=None, required: bool = False):
         k = self.full(key)
         if k not in self.meta:
@@ -214,12 +210,13 @@ def config_from_reader(reader: gguf.GGUFReader, path="<gguf>") -> MoEConfig:
         elif spec.expert_ff in ("exp_or_ff", "ff") and n_ff:
             f_exp = n_ff
         else:
-            raise CheckpointError(f"{path}: required key {k.full('expert_feed_forward_length')} is missing")
+            key = "feed_forward_length" if spec.expert_ff == "ff" else "expert_feed_forward_length"
+            raise CheckpointError(f"{path}: required key {k.full(key)} is missing")
     if not f_exp:
         raise CheckpointError(f"{path}: the expert width ({k.full('expert_feed_forward_length')}) is 0")
 
     n_group = k.int("expert_group_count", default=0) or 1
-    topk_group = k.int("expert_group_used_count", default=0) or 1
+    topk_group = k.int("expert_group_used_count", required=n_group > 1, default=1)
     if n_group > 1:
         if e % n_group:
             raise CheckpointError(f"{path}: {k.full('expert_count')}={e} is not divisible by "
