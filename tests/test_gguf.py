@@ -634,3 +634,30 @@ def test_required_gating_key_and_non_moe_file(rng, tmp_path):
                {"blk.0.ffn_up.weight": (rng.standard_normal((128, 64)).astype(np.float32), None)})
     with pytest.raises(CheckpointError, match="not an MoE model"):
         jaxmoe.load_config(str(q))
+
+
+@pytest.mark.parametrize("preset,arch,kv,names", [
+    # the metadata of the packaged Qwen3.6-35B-A3B GGUF (as read by the Treebeard seed)
+    ("qwen3.6-35b-a3b", "qwen35moe", {"block_count": 40, "embedding_length": 2048, "expert_count": 256,
+                                      "expert_used_count": 8, "expert_feed_forward_length": 512,
+                                      "expert_shared_feed_forward_length": 512}, ["blk.0.ffn_up_shexp.weight"]),
+    # DeepSeek-V3 as convert_hf_to_gguf writes it
+    ("deepseek-v3", "deepseek2", {"block_count": 61, "embedding_length": 7168, "expert_count": 256,
+                                  "expert_used_count": 8, "expert_feed_forward_length": 2048,
+                                  "expert_shared_count": 1, "expert_group_count": 8, "expert_group_used_count": 4,
+                                  "expert_weights_scale": 2.5, "expert_weights_norm": True, "expert_gating_func": 2,
+                                  "leading_dense_block_count": 3, "feed_forward_length": 18432},
+     ["blk.3.exp_probs_b.bias"]),
+    ("gpt-oss-20b", "gpt-oss", {"block_count": 24, "embedding_length": 2880, "expert_count": 32,
+                                "expert_used_count": 4, "expert_feed_forward_length": 2880}, []),
+])
+def test_full_size_metadata_gives_the_preset(preset, arch, kv, names, tmp_path):
+    """Only metadata and tensor names are read: a full-size header with tiny tensors suffices."""
+    p = tmp_path / "meta.gguf"
+    write_gguf(p, arch, {"general.name": preset, **kv}, {n: (np.arange(4, dtype=np.float32) + 1, None) for n in names})
+    got, want = jaxmoe.load_config(str(p)), jaxmoe.load_config(preset)
+    assert (got.router.renorm, got.router.renorm_eps) == (("clamp", 2.0**-14) if want.router.renorm != "none"
+                                                          else ("none", 0.0))
+    got = dataclasses.replace(got, router=dataclasses.replace(got.router, renorm=want.router.renorm,
+                                                               renorm_eps=want.router.renorm_eps))
+    assert got == want
