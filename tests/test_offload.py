@@ -479,3 +479,38 @@ def test_driver_replays_a_trace_and_reports_locality_benefit(cfg, stack, rng):
     assert sp.to_dict()["hit_rate"] >= sn.to_dict()["hit_rate"]
     with pytest.raises(ValueError, match="trace has k="):
         model.run_resident(x, trace=tr[..., :2])
+
+
+def test_sweep_writes_results_and_plot(tmp_path):
+    import yaml
+
+    from jaxmoe.offload.sweep import load_sweep_config, run_sweep
+
+    spec = {"runner": "jaxmoe.offload.sweep", "name": "t",
+            "model": {"preset": "qwen3.6-35b-a3b", "num_layers": L, "storage": "int8",  # = the `cfg` fixture
+                      "shrink": {"d_model": D, "expert_dim": F, "shared_expert_dim": 32, "num_experts": E,
+                                 "top_k": K}},
+            "tokens": 6, "train_tokens": 12, "learned": {"steps": 20}, "budgets": [0.0, 0.5], "predictors": ["none", "learned"],
+            "inputs": [{"kind": "random", "seed": 3}, {"kind": "trace", "locality": 0.7, "seed": 1}]}
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump(spec))
+    c = load_sweep_config(p)
+    res = run_sweep(c, tmp_path / "out", log=lambda *a: None)
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert len(saved["configurations"]) == 2 * 2 * 2 and saved["all_identical"]
+    assert {r["input"] for r in saved["configurations"]} == {
+        "random(seed=3)", "synthetic(locality=0.7, layer_corr=0.0, zipf=0.0)"}
+    for r in saved["configurations"]:
+        assert 0.0 <= r["hit_rate"] <= 1.0 and r["bytes_loaded_per_token"] > 0
+        if r["budget_fraction"] == 0.0:
+            assert r["hit_rate"] == 0.0
+    assert (tmp_path / "out" / "offload.png").stat().st_size > 10_000 and res["plot"]
+    assert np.load(tmp_path / "out" / "input1_trace.npy").shape == (6, L, K)
+    spec["budgets"] = [2.0]
+    p.write_text(yaml.safe_dump(spec))
+    with pytest.raises(ValueError, match="budgets"):
+        load_sweep_config(p)
+    spec["budgets"], spec["cache"] = [0.5], 1
+    p.write_text(yaml.safe_dump(spec))
+    with pytest.raises(ValueError, match="cache: unknown key"):
+        load_sweep_config(p)

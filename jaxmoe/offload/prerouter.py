@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import threading
 import time
 from typing import Callable, Protocol
@@ -201,6 +202,42 @@ def _features(hidden, cur_ids, prev_ids, e: int, use_hidden: bool, d: int) -> np
     return np.concatenate(parts)
 
 
+def _fwd(p, x):
+    """``x [L-1, N, n_in]`` -> logits ``[L-1, N, E]`` (the previous-token block is the last E features)."""
+    e = p["b2"].shape[-1]
+    prev = x[..., -e:]  # the previous token's experts: a shared identity ("reuse") term
+    if "w1" in p:
+        x = jax.nn.relu(jnp.einsum("lni,lih->lnh", x, p["w1"]) + p["b1"][:, None])
+    return jnp.einsum("lnh,lhe->lne", x, p["w2"]) + p["b2"][:, None] + p["reuse"][:, None, None] * prev
+
+
+@jax.jit
+def _loss(p, x, y):
+    import optax
+
+    return optax.sigmoid_binary_cross_entropy(_fwd(p, x), y).mean()
+
+
+@functools.lru_cache(maxsize=None)
+def _optimizer(learning_rate: float):
+    import optax
+
+    return optax.adam(learning_rate)
+
+
+@functools.partial(jax.jit, static_argnames=("opt", "weight_decay"))
+def _train_step(p, s, x, y, opt, weight_decay: float):
+    import optax
+
+    def train_loss(p):  # L2 on the matrices only: the shared reuse term and biases stay free
+        l2 = sum(jnp.sum(p[k] ** 2) for k in ("w1", "w2") if k in p)
+        return _loss(p, x, y) + weight_decay * l2
+
+    g = jax.grad(train_loss)(p)
+    upd, s = opt.update(g, s, p)
+    return optax.apply_updates(p, upd), s
+
+
 def train_learned(ids: np.ndarray, num_experts: int, hidden: np.ndarray | None = None, *, hidden_dim: int = 0,
                   steps: int = 400, learning_rate: float = 3e-2, weight_decay: float = 1e-3,
                   val_fraction: float = 0.2, seed: int = 0) -> LearnedPredictor:
@@ -217,8 +254,6 @@ def train_learned(ids: np.ndarray, num_experts: int, hidden: np.ndarray | None =
         loss (checked every 20 steps) are kept (early stopping: the predictor overfits
         a few hundred tokens quickly).
     """
-    import optax
-
     ids = np.asarray(ids)
     if ids.ndim != 3 or ids.shape[0] < 2 or ids.shape[1] < 2:
         raise ValueError(f"train_learned: ids must be [N >= 2, L >= 2, k], got shape {ids.shape}")
@@ -257,34 +292,13 @@ def train_learned(ids: np.ndarray, num_experts: int, hidden: np.ndarray | None =
         params = {"w2": jnp.zeros((L - 1, n_in, e)), "b2": jnp.zeros((L - 1, e))}  # convex: start at 0
     params["reuse"] = jnp.ones((L - 1,))
 
-    def fwd(p, x):
-        prev = x[..., -e:]  # the previous token's experts: a shared identity ("reuse") term
-        if "w1" in p:
-            x = jax.nn.relu(jnp.einsum("lni,lih->lnh", x, p["w1"]) + p["b1"][:, None])
-        return jnp.einsum("lnh,lhe->lne", x, p["w2"]) + p["b2"][:, None] + p["reuse"][:, None, None] * prev
-
-    def loss(p, x, y):
-        return optax.sigmoid_binary_cross_entropy(fwd(p, x), y).mean()
-
-    def train_loss(p):  # L2 on the matrices only: the shared reuse term and biases stay free
-        l2 = sum(jnp.sum(p[k] ** 2) for k in ("w1", "w2") if k in p)
-        return loss(p, X, Y) + weight_decay * l2
-
-    opt = optax.adam(learning_rate)
+    opt = _optimizer(float(learning_rate))
     state = opt.init(params)
-
-    @jax.jit
-    def step(p, s):
-        val, g = jax.value_and_grad(train_loss)(p)
-        upd, s = opt.update(g, s, p)
-        return optax.apply_updates(p, upd), s, val
-
-    val_loss = jax.jit(loss)
     best, best_loss = params, float("inf")
     for i in range(steps):
-        params, state, _ = step(params, state)
+        params, state = _train_step(params, state, X, Y, opt, float(weight_decay))
         if n_val and (i % 20 == 19 or i == steps - 1):
-            v = float(val_loss(params, Xv, Yv))
+            v = float(_loss(params, Xv, Yv))
             if v < best_loss:
                 best, best_loss = params, v
     if not n_val:
