@@ -85,8 +85,24 @@ def _dsv2():
                                                       routed_scaling_factor=1.5))
 
 
+def _glm4():
+    return T.Glm4MoeForCausalLM(T.Glm4MoeConfig(**_ATT, head_dim=16, intermediate_size=96, moe_intermediate_size=F,
+                                                n_routed_experts=E, num_experts_per_tok=K, n_shared_experts=1,
+                                                n_group=2, topk_group=1, first_k_dense_replace=1,
+                                                routed_scaling_factor=1.8, norm_topk_prob=False))
+
+
+def _qwen3_next():
+    return T.Qwen3NextForCausalLM(T.Qwen3NextConfig(**_ATT, head_dim=16, intermediate_size=64, moe_intermediate_size=F,
+                                                    shared_expert_intermediate_size=FS, num_experts=E,
+                                                    num_experts_per_tok=K, linear_num_key_heads=2,
+                                                    linear_num_value_heads=2, linear_key_head_dim=16,
+                                                    linear_value_head_dim=16))
+
+
 BUILDERS = {"qwen3_moe": _qwen3, "qwen3_moe_nonorm": _qwen3_nonorm, "qwen2_moe": _qwen2, "qwen3_5_moe": _qwen35,
-            "mixtral": _mixtral, "gpt_oss": _gptoss, "olmoe": _olmoe, "deepseek_v3": _dsv3, "deepseek_v2": _dsv2}
+            "mixtral": _mixtral, "gpt_oss": _gptoss, "olmoe": _olmoe, "deepseek_v3": _dsv3, "deepseek_v2": _dsv2,
+            "glm4_moe": _glm4, "qwen3_next": _qwen3_next}
 
 
 def _randomize(mlp: torch.nn.Module, rng: np.random.Generator) -> None:
