@@ -280,6 +280,59 @@ def test_gpt_oss_mxfp4_checkpoint(tmp_path, rng):
         jaxmoe.from_pretrained(q, layer=1)
 
 
+def test_deepseek_v3_fp8_block_scaled_checkpoint(tmp_path, rng):
+    """The DeepSeek-V3 Hub layout: F8_E4M3 ``*.weight`` with ``*.weight_scale_inv`` per (16, 24) block
+    (a block that does not divide the widths), dequantized at load; the reference is torch's float8
+    conversion times the repeated scales, run through the HF module."""
+    torch.manual_seed(int(rng.integers(2**31)))
+    model = _dsv3().eval()
+    mlp = _hf_moe(model)
+    _randomize(mlp, rng)
+    bo, bi = 16, 24
+    fp8 = {}
+
+    def make(out, n_in):
+        w8 = torch.from_numpy(rng.standard_normal((out, n_in)).astype(np.float32) * 3).to(torch.float8_e4m3fn)
+        si = torch.from_numpy(rng.uniform(0.01, 0.1, (-(-out // bo), -(-n_in // bi))).astype(np.float32))
+        w = w8.float() * si.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :n_in]
+        return w8, si, w
+
+    with torch.no_grad():
+        for j in range(E):
+            parts = {}
+            for n, shp in (("gate_proj", (F, D)), ("up_proj", (F, D)), ("down_proj", (D, F))):
+                w8, si, parts[n] = make(*shp)
+                fp8[f"model.layers.1.mlp.experts.{j}.{n}"] = (w8, si)
+            mlp.experts.gate_up_proj[j] = torch.cat([parts["gate_proj"], parts["up_proj"]])
+            mlp.experts.down_proj[j] = parts["down_proj"]
+        for n, shp in (("gate_proj", (2 * F, D)), ("up_proj", (2 * F, D)), ("down_proj", (D, 2 * F))):
+            w8, si, w = make(*shp)
+            fp8[f"model.layers.1.mlp.shared_experts.{n}"] = (w8, si)
+            getattr(mlp.shared_experts, n).weight.copy_(w)
+    model.save_pretrained(tmp_path / "float")
+    from safetensors.torch import load_file, save_file
+
+    tensors = {}
+    for f in (tmp_path / "float").glob("*.safetensors"):
+        tensors.update(load_file(str(f)))
+    for name, (w8, si) in fp8.items():
+        tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"] = w8, si
+    q = tmp_path / "fp8"
+    q.mkdir()
+    save_file(tensors, str(q / "model.safetensors"))
+    config = json.loads((tmp_path / "float" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [bo, bi]}
+    (q / "config.json").write_text(json.dumps(config))
+    with SafetensorsDir(q) as st:
+        assert st.dtype("model.layers.1.mlp.experts.3.up_proj.weight") == "F8_E4M3"
+    block = jaxmoe.from_pretrained(q, layer=1, impl="dense")
+    _check_block(block, mlp, rng)
+    _rewrite(q, drop="model.layers.1.mlp.experts.5.down_proj.weight_scale_inv")
+    with pytest.raises(ValueError, match=r"FP8 but 'model\.layers\.1\.mlp\.experts\.5\.down_proj\.weight_scale_inv'"):
+        jaxmoe.from_pretrained(q, layer=1)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

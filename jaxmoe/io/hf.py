@@ -13,7 +13,9 @@ file or sharded with ``model.safetensors.index.json``). Layouts, all checked aga
   input-major: ``gate_up_proj (E, d, 2F)`` with gate / up in the even / odd columns,
   ``gate_up_proj_bias (E, 2F)``, ``down_proj (E, F, d)``, ``down_proj_bias (E, d)``; the
   gpt-oss Hub checkpoints hold them as MXFP4 ``*_blocks`` / ``*_scales`` (out-major),
-  dequantized at load (`read_mxfp4`);
+  dequantized at load (`read_mxfp4`); block-scaled FP8 weights (DeepSeek-V3 Hub:
+  ``*.weight`` F8_E4M3 with ``*.weight_scale_inv``, ``quantization_config.weight_block_size``)
+  are dequantized at load too;
 - stacked linears (mlx-lm): ``{P}.switch_mlp.{gate_proj,up_proj,down_proj}.weight``
   ``(E, out, in)`` (or ``{P}.experts.<proj>.weight`` with ``.bias``, gpt-oss in mlx-lm),
   MLX-quantized when ``.scales`` / ``.biases`` sit beside them (`jaxmoe.io.mlx`);
@@ -34,6 +36,7 @@ import re
 from pathlib import Path
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from jaxmoe.config import MoEConfig
@@ -69,11 +72,23 @@ def moe_prefix(keys, layer: int, source: str) -> str:
     return next(iter(found.values()))
 
 
-def _float_linear(st: SafetensorsDir, module: str, shape: tuple[int, ...]) -> np.ndarray:
-    return st.get(f"{module}.weight", shape)
+def _float_linear(st: SafetensorsDir, module: str, shape: tuple[int, ...], fp8_block=None) -> np.ndarray:
+    """``{module}.weight``; block-scaled FP8 (DeepSeek-V3 style ``weight_scale_inv``) dequantized to float32."""
+    w = st.get(f"{module}.weight", shape)
+    sname = f"{module}.weight_scale_inv"
+    if sname not in st:
+        if w.dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
+            raise ValueError(f"{st.path}: tensor {module + '.weight'!r} is FP8 but {sname!r} is missing")
+        return w
+    bo, bi = fp8_block or (128, 128)
+    *lead, out, n_in = shape
+    s = st.get(sname, (*lead, -(-out // bo), -(-n_in // bi)))
+    s = np.repeat(np.repeat(np.asarray(s, np.float32), bo, axis=-2), bi, axis=-1)[..., :out, :n_in]
+    return w.astype(np.float32) * s
 
 
-def read_linear(st: SafetensorsDir, module: str, shape: tuple[int, ...], qlookup=None, keep_int4: bool = False):
+def read_linear(st: SafetensorsDir, module: str, shape: tuple[int, ...], qlookup=None, keep_int4: bool = False,
+                fp8_block=None):
     """``{module}.weight`` of logical torch shape ``(..., out, in)``.
 
     Returns a float ndarray ``(..., out, in)`` (stored dtype), or a `QuantizedTensor`
@@ -84,7 +99,7 @@ def read_linear(st: SafetensorsDir, module: str, shape: tuple[int, ...], qlookup
         if st.dtype(f"{module}.weight") == "U32":
             raise ValueError(f"{st.path}: tensor {module + '.weight'!r} is packed uint32 but the module is not "
                              "quantized in config.json (no .scales / 'quantization' entry)")
-        return _float_linear(st, module, shape)
+        return _float_linear(st, module, shape, fp8_block)
     *lead, out, n_in = shape
     if (n_in * spec.bits) % 32 or n_in % spec.group_size:
         raise ValueError(f"{st.path}: {module}: input width {n_in} does not fit {spec.bits}-bit words / "
@@ -131,7 +146,8 @@ def _vec(st: SafetensorsDir, name: str, shape, dtype):
     return jnp.asarray(st.get(name, shape)).astype(dtype)
 
 
-def _experts(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, keep_int4: bool) -> ExpertWeights:
+def _experts(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, keep_int4: bool, fp8_block=None
+             ) -> ExpertWeights:
     e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_dim
     per_expert = [names for names in _PROJ_NAMES if f"{p}.experts.0.{names[0]}.weight" in st]
     stacked = [f"{p}.{grp}" for grp in ("switch_mlp", "experts") if f"{p}.{grp}.gate_proj.weight" in st]
@@ -153,13 +169,13 @@ def _experts(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, keep_in
         lists = {n: [] for n in (g_n, u_n, d_n)}
         for j in range(e):
             for n, shp in ((g_n, (f, d)), (u_n, (f, d)), (d_n, (d, f))):
-                lists[n].append(read_linear(st, f"{p}.experts.{j}.{n}", shp, qlookup, False))
+                lists[n].append(read_linear(st, f"{p}.experts.{j}.{n}", shp, qlookup, False, fp8_block))
         wg, wu, wd = (np.stack(lists[n]) for n in (g_n, u_n, d_n))
     elif stacked:
         s = stacked[0]
-        wg = read_linear(st, f"{s}.gate_proj", (e, f, d), qlookup, keep_int4)
-        wu = read_linear(st, f"{s}.up_proj", (e, f, d), qlookup, keep_int4)
-        wd = read_linear(st, f"{s}.down_proj", (e, d, f), qlookup, keep_int4)
+        wg = read_linear(st, f"{s}.gate_proj", (e, f, d), qlookup, keep_int4, fp8_block)
+        wu = read_linear(st, f"{s}.up_proj", (e, f, d), qlookup, keep_int4, fp8_block)
+        wd = read_linear(st, f"{s}.down_proj", (e, d, f), qlookup, keep_int4, fp8_block)
         if cfg.expert_bias:
             bias = dict(b_gate=_vec(st, f"{s}.gate_proj.bias", (e, f), dtype),
                         b_up=_vec(st, f"{s}.up_proj.bias", (e, f), dtype),
@@ -189,7 +205,7 @@ def _experts(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, keep_in
     return ExpertWeights(_xw(wg, dtype), _xw(wu, dtype), _xw(wd, dtype), **bias)
 
 
-def _shared(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype) -> SharedWeights | None:
+def _shared(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, fp8_block=None) -> SharedWeights | None:
     fs, d = cfg.shared_expert_dim, cfg.d_model
     if not fs:
         return None
@@ -198,9 +214,9 @@ def _shared(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype) -> Share
         raise ValueError(f"{st.path}: missing tensor {p + '.shared_expert.gate_proj.weight'!r} "
                          f"(or {p + '.shared_experts.gate_proj.weight'!r}); the config has a shared expert of width {fs}")
     s = names[0]
-    wg = read_linear(st, f"{s}.gate_proj", (fs, d), qlookup)
-    wu = read_linear(st, f"{s}.up_proj", (fs, d), qlookup)
-    wd = read_linear(st, f"{s}.down_proj", (d, fs), qlookup)
+    wg = read_linear(st, f"{s}.gate_proj", (fs, d), qlookup, fp8_block=fp8_block)
+    wu = read_linear(st, f"{s}.up_proj", (fs, d), qlookup, fp8_block=fp8_block)
+    wd = read_linear(st, f"{s}.down_proj", (d, fs), qlookup, fp8_block=fp8_block)
     gate = None
     if cfg.shared_expert_gate:
         g = read_linear(st, f"{p}.shared_expert_gate", (1, d), qlookup)
@@ -209,8 +225,12 @@ def _shared(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype) -> Share
 
 
 def load_params(st: SafetensorsDir, cfg: MoEConfig, layer: int, dtype=jnp.float32, qlookup=None,
-                keep_int4: bool = False) -> MoEParams:
-    """`MoEParams` of MoE layer ``layer`` (router and its biases in float32, the rest in ``dtype``)."""
+                keep_int4: bool = False, fp8_block: tuple[int, int] | None = None) -> MoEParams:
+    """`MoEParams` of MoE layer ``layer`` (router and its biases in float32, the rest in ``dtype``).
+
+    ``qlookup``: MLX quantization per module (`jaxmoe.io.mlx.quant_lookup`); ``keep_int4``: keep
+    4-bit routed experts quantized; ``fp8_block``: ``(out, in)`` block of FP8 ``weight_scale_inv``.
+    """
     if not isinstance(layer, int) or isinstance(layer, bool):
         raise ValueError(f"layer must be an int, got {layer!r}")
     if not cfg.is_moe_layer(layer):  # raises for an index out of range
@@ -230,11 +250,22 @@ def load_params(st: SafetensorsDir, cfg: MoEConfig, layer: int, dtype=jnp.float3
     sel = None
     if cfg.router.use_selection_bias:
         sel = _vec(st, f"{p}.gate.e_score_correction_bias", (e,), jnp.float32)
-    experts = _experts(st, p, cfg, qlookup, dtype, keep_int4)
-    shared = _shared(st, p, cfg, qlookup, dtype)
+    experts = _experts(st, p, cfg, qlookup, dtype, keep_int4, fp8_block)
+    shared = _shared(st, p, cfg, qlookup, dtype, fp8_block)
     params = MoEParams(w_router, experts, b_router, sel, shared)
     params.check(cfg)
     return params
+
+
+def fp8_block_size(raw: dict, source: str) -> tuple[int, int] | None:
+    """``quantization_config.weight_block_size`` of an FP8 checkpoint (``quant_method: fp8``), else None."""
+    qc = raw.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
+        return None
+    b = qc.get("weight_block_size", [128, 128])
+    if not (isinstance(b, (list, tuple)) and len(b) == 2 and all(isinstance(v, int) and v > 0 for v in b)):
+        raise ValueError(f"{source}: quantization_config.weight_block_size must be two positive ints, got {b!r}")
+    return int(b[0]), int(b[1])
 
 
 def from_pretrained(path: str | os.PathLike, layer: int = 0, dtype=jnp.float32, impl: str = "auto",
@@ -255,7 +286,9 @@ def from_pretrained(path: str | os.PathLike, layer: int = 0, dtype=jnp.float32, 
     cfg = hf_config.moe_config_from_hf(raw, source=str(p / "config.json"), name=p.name)
     if quantized is None:
         quantized = "quantization" in raw
+    fp8_block = fp8_block_size(raw, str(p / "config.json"))
     with SafetensorsDir(p) as st:
         qlookup = _mlx.quant_lookup(hf_config.text_config(raw), st.keys(), str(p / "config.json")) if quantized else None
-        params = load_params(st, cfg, layer, dtype=dtype, qlookup=qlookup, keep_int4=bool(quantized))
+        params = load_params(st, cfg, layer, dtype=dtype, qlookup=qlookup, keep_int4=bool(quantized),
+                             fp8_block=fp8_block)
     return MoEBlock(cfg, params=params, dtype=dtype, impl=impl)

@@ -13,10 +13,14 @@ import json
 import os
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
 INDEX_NAME = "model.safetensors.index.json"
+
+#: Stored dtypes numpy has no type for, read through `ml_dtypes` from the memory-mapped file.
+_ML_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
 
 class SafetensorsDir:
@@ -92,6 +96,19 @@ class SafetensorsDir:
         """The safetensors dtype string (``F32``, ``BF16``, ``U32``, ...)."""
         return self._open(self._require(name)).get_slice(name).get_dtype()
 
+    def _read_raw(self, fname: str, name: str) -> np.ndarray:
+        """A tensor of a dtype the numpy framework lacks, from its byte range in the file."""
+        path = self.path / fname
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            info = json.loads(f.read(n))[name]
+        dt = np.dtype(_ML_DTYPES[info["dtype"]])
+        begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if end - begin != int(np.prod(shape)) * dt.itemsize:
+            raise ValueError(f"{path}: tensor {name!r} byte range {end - begin} does not match shape {shape} {dt}")
+        return np.array(np.memmap(path, dtype=dt, mode="r", offset=8 + n + begin, shape=shape))
+
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """Tensor ``name``; when ``shape`` is given, a mismatch is a ValueError naming both shapes."""
         fname = self._require(name)
@@ -100,6 +117,8 @@ class SafetensorsDir:
             if got != tuple(shape):
                 raise ValueError(f"{self.path}: tensor {name!r} has shape {got}, expected {tuple(shape)}")
         self.reads.append(name)
+        if self.dtype(name) in _ML_DTYPES:
+            return self._read_raw(fname, name)
         try:
             return self._open(fname).get_tensor(name)
         except Exception as e:
