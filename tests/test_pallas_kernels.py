@@ -1,0 +1,426 @@
+"""Pallas kernels in interpret mode against their pure-jnp references, a float64 loop,
+gguf-py's quantizers, and `experts_dense` through the full block.
+
+Every kernel output buffer starts NaN-filled (aliased into the kernel), so a row or
+column the kernel fails to write shows up as NaN.
+"""
+
+import dataclasses
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from gguf import quants as gq
+
+import jaxmoe
+from jaxmoe.dispatch import plan_dispatch
+from jaxmoe.quant import QuantizedTensor, pack_int4, quantize_int4_affine, quantize_int8
+from pallas_kernels import tuning
+from pallas_kernels.decode import (combine_pairs, decode_down, decode_down_reference, decode_gate_up,
+                                   decode_gate_up_reference)
+from pallas_kernels.down import combine, down_project, down_project_reference
+from pallas_kernels.gmm import gmm, gmm_reference
+from pallas_kernels.impl import experts_pallas
+from pallas_kernels.quant import dequantize_reference, weight_operands
+from pallas_kernels.swiglu import gate_up_swiglu, gate_up_swiglu_reference
+
+TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+KINDS = ("f32", "bf16", "int8", "int4_mlx64", "q4_0")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def q8_0_from_gguf(w: np.ndarray) -> QuantizedTensor:
+    """Logical ``[E, K, N]`` -> int8 QuantizedTensor via gguf-py's Q8_0 bytes."""
+    t = np.ascontiguousarray(np.swapaxes(w, -1, -2), np.float32)  # [E, N, K]
+    raw = gq.quantize(t, gguf.GGMLQuantizationType.Q8_0).reshape(*t.shape[:-1], -1, 34)
+    d = raw[..., :2].copy().view(np.float16)[..., 0]
+    q = raw[..., 2:].copy().view(np.int8).reshape(t.shape)
+    return QuantizedTensor(jnp.asarray(q), jnp.asarray(d), None, "int8", 32)
+
+
+def q4_0_from_gguf(w: np.ndarray) -> QuantizedTensor:
+    """Logical ``[E, K, N]`` -> int4 QuantizedTensor (scale d, bias -8d) via Q4_0 bytes."""
+    t = np.ascontiguousarray(np.swapaxes(w, -1, -2), np.float32)
+    raw = gq.quantize(t, gguf.GGMLQuantizationType.Q4_0).reshape(*t.shape[:-1], -1, 18)
+    d = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = raw[..., 2:]
+    codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(t.shape)  # element j, j+16 of each block
+    return QuantizedTensor(jnp.asarray(pack_int4(codes)), jnp.asarray(d), jnp.asarray(-8 * d), "int4", 32)
+
+
+def gguf_dequant(kind: str, w_float: np.ndarray) -> np.ndarray:
+    """gguf-py's quantize-then-dequantize of a logical ``[E, K, N]`` weight."""
+    t = np.ascontiguousarray(np.swapaxes(w_float, -1, -2), np.float32)
+    qt = gguf.GGMLQuantizationType.Q8_0 if kind == "int8" else gguf.GGMLQuantizationType.Q4_0
+    return np.swapaxes(gq.dequantize(gq.quantize(t, qt), qt), -1, -2)
+
+
+def make_weight(rng, shape, kind):
+    """A random ``[E, K, N]`` expert weight of ``kind`` and its float32 dequantized value."""
+    w = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
+    if kind == "f32":
+        return jnp.asarray(w), w
+    if kind == "bf16":
+        a = jnp.asarray(w, jnp.bfloat16)
+        return a, np.asarray(a.astype(jnp.float32))
+    if kind == "int8":
+        qt = q8_0_from_gguf(w)
+    elif kind == "q4_0":
+        qt = q4_0_from_gguf(w)
+    else:
+        qt = quantize_int4_affine(w, group_size=64)
+    return qt, np.asarray(qt.dequantize(jnp.float32))
+
+
+def compute_dtype(kind):
+    return jnp.bfloat16 if kind == "bf16" else jnp.float32
+
+
+def routing_ids(rng, scenario: str, t: int, k: int, e: int) -> np.ndarray:
+    """``[T, k]`` expert ids for a test scenario (kernels do not need distinct slots)."""
+    if scenario == "one_expert":
+        return np.full((t, k), e // 2, np.int32)
+    if scenario == "uneven":  # skewed, with two experts never chosen
+        pr = rng.dirichlet(np.full(e, 0.3))
+        pr[[0, e - 2]] = 0
+        pr /= pr.sum()
+        return np.stack([rng.choice(e, size=k, replace=False, p=pr) for _ in range(t)]).astype(np.int32)
+    return np.stack([rng.choice(e, size=k, replace=False) for _ in range(t)]).astype(np.int32)
+
+
+def nan_buf(shape, dtype):
+    return jnp.full(shape, jnp.nan, dtype)
+
+
+def assert_close(got, want, dtype, msg=""):
+    got = np.asarray(jnp.asarray(got, jnp.float32))
+    want = np.asarray(jnp.asarray(want, jnp.float32))
+    assert not np.isnan(got).any(), f"{msg}: unwritten (NaN) entries at {np.argwhere(np.isnan(got))[:5]}"
+    np.testing.assert_allclose(got, want, err_msg=msg, **TOL[dtype])
+
+
+def plan_meta(plan):
+    return plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles
+
+
+# ---------------------------------------------------------------- quantized tiles
+
+
+@pytest.mark.parametrize("kind", ["int8", "q4_0", "int4_mlx64"])
+def test_dequantize_reference_matches_core_and_gguf(rng, kind):
+    w, wf = make_weight(rng, (3, 128, 48), kind)
+    lay, arrs = weight_operands(w, "w")
+    got = np.asarray(dequantize_reference(lay, arrs))
+    np.testing.assert_allclose(got, wf, rtol=0, atol=0)  # == QuantizedTensor.dequantize
+    if kind != "int4_mlx64":  # independent: gguf-py's own dequantizer of the same bytes
+        src = (rng.standard_normal((2, 64, 40)) / 8).astype(np.float32)
+        qt = q8_0_from_gguf(src) if kind == "int8" else q4_0_from_gguf(src)
+        lay, arrs = weight_operands(qt, "w")
+        np.testing.assert_allclose(np.asarray(dequantize_reference(lay, arrs)),
+                                   gguf_dequant(kind, src), rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------- grouped kernels
+
+
+GROUPED_CASES = [  # (scenario, T, k, E, weight kind): every kind and every scenario at least once
+    ("uneven", 37, 2, 8, "f32"), ("uneven", 37, 2, 8, "int8"), ("one_expert", 21, 2, 8, "bf16"),
+    ("one_expert", 21, 2, 8, "q4_0"), ("t1", 1, 2, 8, "int4_mlx64"), ("t1", 1, 2, 8, "f32"),
+    ("random", 50, 4, 16, "bf16"),
+]
+
+
+@pytest.mark.parametrize("scenario,t,k,e,kind", GROUPED_CASES)
+def test_gate_up_and_down_grouped(rng, scenario, t, k, e, kind):
+    """Ragged everywhere: T*k rows vs block_m 16, d = F = 192 vs blocks of 128."""
+    d, f, bm = 192, 192, 16
+    dt = compute_dtype(kind)
+    ids = jnp.asarray(routing_ids(rng, scenario, t, k, e))
+    plan = plan_dispatch(ids, e, bm)
+    x = jnp.asarray(rng.standard_normal((t, d)), dt)
+    wg, _ = make_weight(rng, (e, d, f), kind)
+    wu, _ = make_weight(rng, (e, d, f), kind)
+    wd, _ = make_weight(rng, (e, f, d), kind)
+    p = t * k
+    blocks = dict(block_m=bm, block_n=128, block_k=128, interpret=True)
+    h = gate_up_swiglu(x, plan.token_idx, *plan_meta(plan), wg, wu, out=nan_buf((p, f), dt), **blocks)
+    h_ref = gate_up_swiglu_reference(x, plan.token_idx, plan.group_offsets, wg, wu)
+    assert_close(h, h_ref, dt, f"gate_up {kind} {scenario}")
+    ws = jnp.asarray(rng.uniform(0.1, 1.0, p), jnp.float32)
+    y = down_project(h_ref, *plan_meta(plan), wd, row_scale=ws, out=nan_buf((p, d), jnp.float32), **blocks)
+    y_ref = down_project_reference(h_ref, plan.group_offsets, wd, row_scale=ws)
+    assert_close(y, y_ref, dt, f"down {kind} {scenario}")
+
+
+def test_nan_poison_catches_unwritten_rows(rng):
+    """The poisoned buffer really shows a skipped visit: drop the last visit, its rows stay NaN."""
+    t, k, e, d, f = 20, 2, 4, 64, 32
+    ids = jnp.asarray(routing_ids(rng, "random", t, k, e))
+    plan = plan_dispatch(ids, e, 16)
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    wg, _ = make_weight(rng, (e, d, f), "f32")
+    h = gate_up_swiglu(x, plan.token_idx, plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles - 1,
+                       wg, wg, out=nan_buf((t * k, f), jnp.float32), block_m=16, block_n=32, block_k=64,
+                       interpret=True)
+    last = int(plan.num_tiles) - 1
+    e_last, row = int(plan.tile_group[last]), int(plan.tile_row[last])
+    lo = max(int(plan.group_offsets[e_last]), row * 16)
+    hi = min(int(plan.group_offsets[e_last + 1]), row * 16 + 16)
+    nan_rows = np.where(np.isnan(np.asarray(h)).all(axis=1))[0]
+    np.testing.assert_array_equal(nan_rows, np.arange(lo, hi))
+
+
+@pytest.mark.parametrize("act", ["swiglu", "swiglu_oai"])
+def test_gate_up_biases_and_input_scale(rng, act):
+    t, k, e, d, f = 29, 3, 8, 64, 48
+    ids = jnp.asarray(routing_ids(rng, "uneven", t, k, e))
+    plan = plan_dispatch(ids, e, 16)
+    x = jnp.asarray(rng.standard_normal((t, d)) * 3, jnp.float32)  # large enough to hit the oai clamps
+    wg, _ = make_weight(rng, (e, d, f), "f32")
+    wu, _ = make_weight(rng, (e, d, f), "f32")
+    bg, bu = (jnp.asarray(rng.standard_normal((e, f)), jnp.float32) for _ in range(2))
+    rs = jnp.asarray(rng.uniform(0.2, 2.0, t * k), jnp.float32)
+    h = gate_up_swiglu(x, plan.token_idx, *plan_meta(plan), wg, wu, bg, bu, rs, nan_buf((t * k, f), jnp.float32),
+                       activation=act, block_m=16, block_n=16, block_k=32, interpret=True)
+    ref = gate_up_swiglu_reference(x, plan.token_idx, plan.group_offsets, wg, wu, bg, bu, rs, activation=act)
+    assert_close(h, ref, jnp.float32, act)
+    if act == "swiglu_oai":
+        g = np.asarray(jnp.einsum("pd,pdf->pf", x[plan.token_idx], wg[jnp.asarray(
+            np.searchsorted(np.asarray(plan.group_offsets[1:]), np.arange(t * k), side="right"))]))
+        assert (g * np.asarray(rs)[:, None] > 7).any(), "inputs never reach the gpt-oss clamp"
+
+
+@pytest.mark.parametrize("kind", ["f32", "int8", "int4_mlx64"])
+def test_plain_gmm(rng, kind):
+    e, k_in, n, bm = 6, 128, 80, 32
+    sizes = np.array([0, 45, 3, 0, 70, 1])
+    off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    ids = jnp.asarray(np.repeat(np.arange(e), sizes).reshape(-1, 1).astype(np.int32))
+    plan = plan_dispatch(ids, e, bm)
+    np.testing.assert_array_equal(np.asarray(plan.group_offsets), off)
+    lhs = jnp.asarray(rng.standard_normal((sizes.sum(), k_in)), jnp.float32)
+    w, _ = make_weight(rng, (e, k_in, n), kind)
+    y = gmm(lhs, w, *plan_meta(plan), nan_buf((sizes.sum(), n), jnp.float32), block_m=bm, block_n=32, block_k=64,
+            interpret=True)
+    assert_close(y, gmm_reference(lhs, w, plan.group_offsets), jnp.float32, kind)
+
+
+@pytest.mark.parametrize("t,k,kind", [(1, 1, "f32"), (1, 8, "int8"), (5, 4, "bf16"), (5, 4, "q4_0"),
+                                      (1, 8, "int4_mlx64")])
+def test_decode_kernels(rng, t, k, kind):
+    e, d, f = 16, 192, 64
+    dt = compute_dtype(kind)
+    ids = jnp.asarray(routing_ids(rng, "random", t, k, e))
+    x = jnp.asarray(rng.standard_normal((t, d)), dt)
+    wg, _ = make_weight(rng, (e, d, f), kind)
+    wu, _ = make_weight(rng, (e, d, f), kind)
+    wd, _ = make_weight(rng, (e, f, d), kind)
+    h = decode_gate_up(x, ids, wg, wu, out=nan_buf((t * k, f), dt), block_n=32, block_k=128, interpret=True)
+    h_ref = decode_gate_up_reference(x, ids, wg, wu)
+    assert_close(h, h_ref, dt, f"decode gate_up {kind}")
+    w = jnp.asarray(rng.uniform(0.1, 1, t * k), jnp.float32)
+    y = decode_down(h_ref, ids, wd, row_scale=w, out=nan_buf((t * k, d), jnp.float32), block_n=64, block_k=64,
+                    interpret=True)
+    assert_close(y, decode_down_reference(h_ref, ids, wd, row_scale=w), dt, f"decode down {kind}")
+    assert combine_pairs(y, k).shape == (t, d)
+
+
+def test_decode_biases_oai(rng):
+    t, k, e, d, f = 3, 4, 8, 96, 80
+    ids = jnp.asarray(routing_ids(rng, "random", t, k, e))
+    x = jnp.asarray(rng.standard_normal((t, d)) * 3, jnp.float32)
+    wg, wu = (make_weight(rng, (e, d, f), "f32")[0] for _ in range(2))
+    wd, _ = make_weight(rng, (e, f, d), "f32")
+    bg, bu = (jnp.asarray(rng.standard_normal((e, f)), jnp.float32) for _ in range(2))
+    bd = jnp.asarray(rng.standard_normal((e, d)), jnp.float32)
+    rs = jnp.asarray(rng.uniform(0.2, 2, t * k), jnp.float32)
+    h = decode_gate_up(x, ids, wg, wu, bg, bu, rs, nan_buf((t * k, f), jnp.float32), activation="swiglu_oai",
+                       block_n=64, block_k=64, interpret=True)
+    assert_close(h, decode_gate_up_reference(x, ids, wg, wu, bg, bu, rs, activation="swiglu_oai"), jnp.float32)
+    y = decode_down(h, ids, wd, bd, rs, nan_buf((t * k, d), jnp.float32), block_n=32, block_k=32, interpret=True)
+    assert_close(y, decode_down_reference(h, ids, wd, bd, rs), jnp.float32)
+
+
+# ---------------------------------------------------------------- every table entry
+
+
+def _table_cases():
+    cases = []
+    for i, (key, kc) in enumerate(sorted(tuning.TABLE.items())):
+        cases.append(pytest.param(kc, KINDS[i % len(KINDS)], id=f"{key[0]}-{key[1]}x{key[2]}-{KINDS[i % len(KINDS)]}"))
+    return cases
+
+
+@pytest.mark.parametrize("kc,kind", _table_cases())
+def test_every_table_config(rng, kc, kind):
+    """Each table entry's blocks on a shape that is not a multiple of them (ragged edges)."""
+    gu, dn = kc.gate_up, kc.down
+    d = max(64, 2 * max(gu.block_k, dn.block_n) - 64)
+    f = max(gu.block_n, dn.block_k) + 64
+    e = 8
+    dt = compute_dtype(kind)
+    wg, wu = (make_weight(rng, (e, d, f), kind)[0] for _ in range(2))
+    wd, _ = make_weight(rng, (e, f, d), kind)
+    if kc.decode:
+        t, k = 3, 2
+        ids = jnp.asarray(routing_ids(rng, "random", t, k, e))
+        x = jnp.asarray(rng.standard_normal((t, d)), dt)
+        h = decode_gate_up(x, ids, wg, wu, out=nan_buf((t * k, f), dt), block_n=gu.block_n, block_k=gu.block_k,
+                           num_warps=gu.num_warps, num_stages=gu.num_stages, interpret=True)
+        assert_close(h, decode_gate_up_reference(x, ids, wg, wu), dt, "decode gate_up")
+        y = decode_down(h, ids, wd, out=nan_buf((t * k, d), jnp.float32), block_n=dn.block_n, block_k=dn.block_k,
+                        interpret=True)
+        assert_close(y, decode_down_reference(h, ids, wd), dt, "decode down")
+        return
+    k = 2
+    t = (2 * gu.block_m + 5) // k
+    ids = jnp.asarray(routing_ids(rng, "uneven", t, k, e))
+    plan = plan_dispatch(ids, e, gu.block_m)
+    x = jnp.asarray(rng.standard_normal((t, d)), dt)
+    bk = dict(block_m=gu.block_m, num_warps=gu.num_warps, num_stages=gu.num_stages, interpret=True)
+    h = gate_up_swiglu(x, plan.token_idx, *plan_meta(plan), wg, wu, out=nan_buf((t * k, f), dt),
+                       block_n=gu.block_n, block_k=gu.block_k, **bk)
+    assert_close(h, gate_up_swiglu_reference(x, plan.token_idx, plan.group_offsets, wg, wu), dt, "gate_up")
+    y = down_project(h, *plan_meta(plan), wd, out=nan_buf((t * k, d), jnp.float32), block_n=dn.block_n,
+                     block_k=dn.block_k, **bk)
+    assert_close(y, down_project_reference(h, plan.group_offsets, wd), dt, "down")
+
+
+def test_table_is_powers_of_two_and_fits():
+    for key, kc in tuning.TABLE.items():
+        for b in (kc.gate_up, kc.down):
+            for v in (b.block_m, b.block_n, b.block_k):
+                assert tuning.is_pow2(v) and v >= 16, (key, b)
+    kc = tuning.choose(3 * 8, 48, 24)
+    assert kc.decode and kc.gate_up.block_n == 32 and kc.gate_up.block_k == 64
+    assert tuning.choose(10_000, 4096, 14336) == tuning.TABLE[("large", 4096, 14336)]
+    assert tuning.choose(100, 2048, 512).bucket == "small"
+    with pytest.raises(ValueError, match="block_n"):
+        tuning.Blocks(16, 48, 64)
+
+
+# ---------------------------------------------------------------- full path
+
+
+def _shrink(name, e=16):
+    cfg = jaxmoe.load_config(name)
+    r = cfg.router
+    n_group = r.n_group if e % r.n_group == 0 and e // r.n_group >= 2 else 1
+    router = dataclasses.replace(r, num_experts=e, n_group=n_group, topk_group=min(r.topk_group, n_group),
+                                 top_k=min(r.top_k, e))
+    fs = 32 * cfg.num_shared_experts if cfg.shared_expert_dim else 0
+    return dataclasses.replace(cfg, d_model=64, expert_dim=32, shared_expert_dim=fs, router=router)
+
+
+def _quantize(ew, how):
+    if how == "none":
+        return ew
+    qf = (lambda w: quantize_int8(np.asarray(w))) if how == "int8" else (lambda w: quantize_int4_affine(
+        np.asarray(w), group_size=32))
+    return dataclasses.replace(ew, w_gate=qf(ew.w_gate), w_up=qf(ew.w_up), w_down=qf(ew.w_down))
+
+
+@pytest.mark.parametrize("name", jaxmoe.list_presets())
+def test_block_pallas_equals_dense(rng, name):
+    cfg = _shrink(name)
+    params = jaxmoe.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))))
+    how = ("none", "int8", "int4")[sum(map(ord, name)) % 3]
+    params = dataclasses.replace(params, experts=_quantize(params.experts, how))
+    for t in (2, 27):  # decode kernels, grouped kernels
+        x = jnp.asarray(rng.standard_normal((t, cfg.d_model)), jnp.float32)
+        y, r = jaxmoe.moe_apply(params, x, cfg, impl="pallas", return_routing=True)
+        want = jaxmoe.moe_apply(params, x, cfg, impl="dense", routing=r)
+        assert_close(y, want, jnp.float32, f"{name} {how} T={t}")
+
+
+def _loop64(x, ids, wts, wg, wu, wd, cfg, bg=None, bu=None, bd=None):
+    """float64 loop over tokens and slots."""
+    x = np.asarray(x, np.float64)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            e, w = ids[t, s], wts[t, s]
+            xin = x[t] * w if cfg.weight_on_input else x[t]
+            g, u = xin @ wg[e], xin @ wu[e]
+            if bg is not None:
+                g, u = g + bg[e], u + bu[e]
+            if cfg.activation == "swiglu":
+                h = g / (1 + np.exp(-g)) * u
+            else:
+                g = np.minimum(g, cfg.swiglu_limit)
+                u = np.clip(u, -cfg.swiglu_limit, cfg.swiglu_limit)
+                h = (u + 1) * g / (1 + np.exp(-cfg.swiglu_alpha * g))
+            y = h @ wd[e] + (bd[e] if bd is not None else 0)
+            out[t] += y if cfg.weight_on_input else w * y
+    return out
+
+
+@pytest.mark.parametrize("name,woi,t", [("gpt-oss-20b", False, 3), ("gpt-oss-20b", False, 40),
+                                        ("qwen3.6-35b-a3b", True, 2), ("qwen3.6-35b-a3b", True, 33)])
+def test_pallas_impl_matches_float64_loop(rng, name, woi, t):
+    cfg = dataclasses.replace(_shrink(name), weight_on_input=woi)
+    ew = jaxmoe.init_params(cfg, jax.random.key(int(rng.integers(1 << 30)))).experts
+    x = jnp.asarray(rng.standard_normal((t, cfg.d_model)) * 2, jnp.float32)
+    ids = np.stack([rng.choice(cfg.num_experts, cfg.top_k, replace=False) for _ in range(t)]).astype(np.int32)
+    wts = rng.uniform(0.05, 1, ids.shape).astype(np.float32)
+    r = jaxmoe.Routing(jnp.asarray(ids), jnp.asarray(wts))
+    y = experts_pallas(x, r, ew, cfg)
+    a = {f: None if getattr(ew, f) is None else np.asarray(getattr(ew, f), np.float64)
+         for f in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")}
+    want = _loop64(x, ids, wts, a["w_gate"], a["w_up"], a["w_down"], cfg, a["b_gate"], a["b_up"], a["b_down"])
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
+
+
+def test_block_bf16_pallas(rng):
+    cfg = _shrink("mixtral-8x7b", e=8)
+    block = jaxmoe.MoEBlock(cfg, rngs=nnx.Rngs(3), impl="pallas", dtype=jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((40, cfg.d_model)), jnp.bfloat16)
+    y, r = block(x, return_routing=True)
+    want = jaxmoe.moe_apply(block.params(), x, cfg, impl="dense", routing=r)
+    assert y.dtype == jnp.bfloat16
+    assert_close(y, want, jnp.bfloat16, "bf16 block")
+
+
+def test_deterministic_and_nan_token_isolated(rng):
+    cfg = _shrink("qwen3-30b-a3b")
+    ew = jaxmoe.init_params(cfg, jax.random.key(1)).experts
+    x = jnp.asarray(rng.standard_normal((30, cfg.d_model)), jnp.float32)
+    ids = np.stack([rng.choice(cfg.num_experts, cfg.top_k, replace=False) for _ in range(30)]).astype(np.int32)
+    w = rng.uniform(0.1, 1, ids.shape).astype(np.float32)
+    w[4] = np.nan
+    r = jaxmoe.Routing(jnp.asarray(ids), jnp.asarray(w))
+    y1, y2 = np.asarray(experts_pallas(x, r, ew, cfg)), np.asarray(experts_pallas(x, r, ew, cfg))
+    np.testing.assert_array_equal(y1, y2)
+    assert np.isnan(y1[4]).all() and not np.isnan(np.delete(y1, 4, axis=0)).any()
+
+
+# ---------------------------------------------------------------- bad arguments
+
+
+def test_bad_arguments_raise_value_error(rng):
+    e, d, f = 4, 64, 32
+    x = jnp.asarray(rng.standard_normal((5, d)), jnp.float32)
+    ids = jnp.asarray(routing_ids(rng, "random", 5, 2, e))
+    plan = plan_dispatch(ids, e, 16)
+    wg = jnp.asarray(rng.standard_normal((e, d, f)), jnp.float32)
+    with pytest.raises(ValueError, match=r"w_up.*\(4, 64, 16\)"):
+        gate_up_swiglu(x, plan.token_idx, *plan_meta(plan), wg, wg[..., :16], block_m=16, interpret=True)
+    with pytest.raises(ValueError, match="block_n"):
+        gate_up_swiglu(x, plan.token_idx, *plan_meta(plan), wg, wg, block_m=16, block_n=24, interpret=True)
+    with pytest.raises(ValueError, match="out buffer"):
+        gate_up_swiglu(x, plan.token_idx, *plan_meta(plan), wg, wg, out=jnp.zeros((10, 16)), block_m=16,
+                       interpret=True)
+    with pytest.raises(ValueError, match=r"w_down.*K=32, expected 48"):
+        down_project(jnp.zeros((10, 48)), *plan_meta(plan), jnp.swapaxes(wg, 1, 2), block_m=16, interpret=True)
+    with pytest.raises(ValueError, match="group_offsets"):
+        gmm(jnp.zeros((10, d)), wg, plan.group_offsets[:3], plan.tile_group, plan.tile_row, plan.num_tiles,
+            block_m=16, interpret=True)
+    with pytest.raises(ValueError, match=r"decode_down: h has 7 rows"):
+        decode_down(jnp.zeros((7, f)), ids, jnp.swapaxes(wg, 1, 2), interpret=True)
+    with pytest.raises(ValueError, match="inv"):
+        combine(jnp.zeros((10, d)), jnp.zeros((9,), jnp.int32), 2)

@@ -1,0 +1,119 @@
+"""Every kernel configuration lowers for CUDA from this CPU host, through Triton.
+
+``jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))`` runs the Pallas Triton
+lowering (kernel body to Triton IR) without a GPU. With jaxlib <= 0.10.2 the kernel is
+emitted as the ``__gpu$xla.gpu.triton`` custom call (XLA compiles the Triton IR); newer
+jaxlibs compile it at lowering time and emit ``triton_kernel_call_ffi``. Either one
+counts; a Mosaic GPU custom call (what JAX picks when no Triton compiler params are
+passed) or a missing call fails.
+"""
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmoe
+from jaxmoe.dispatch import plan_dispatch
+from jaxmoe.quant import quantize_int4_affine, quantize_int8
+from pallas_kernels import tuning
+from pallas_kernels.decode import decode_down, decode_gate_up
+from pallas_kernels.down import down_project
+from pallas_kernels.gmm import gmm
+from pallas_kernels.impl import experts_pallas
+from pallas_kernels.swiglu import gate_up_swiglu
+
+TRITON_CALL = re.compile(r"__gpu\$xla\.gpu\.triton|triton_kernel_call")
+
+
+def lower_text(f, *args) -> str:
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def assert_triton(txt: str, n: int):
+    assert "mosaic" not in txt.lower(), "lowered through Mosaic GPU, not Triton"
+    found = len(TRITON_CALL.findall(txt))
+    assert found == n, f"expected {n} Triton custom calls, found {found}"
+
+
+def weights(rng, e, d, f, kind, dtype=jnp.float32):
+    ws = [rng.standard_normal(s).astype(np.float32) / 8 for s in ((e, d, f), (e, d, f), (e, f, d))]
+    if kind == "int8":
+        return [quantize_int8(w) for w in ws]
+    if kind == "int4":
+        return [quantize_int4_affine(w, group_size=64) for w in ws]
+    return [jnp.asarray(w, dtype) for w in ws]
+
+
+def _cfg(d, f, e, k, **kw):
+    cfg = jaxmoe.load_config("qwen3-30b-a3b")
+    return dataclasses.replace(cfg, d_model=d, expert_dim=f, router=dataclasses.replace(cfg.router, num_experts=e,
+                                                                                           top_k=k), **kw)
+
+
+@pytest.mark.parametrize("key", sorted(tuning.TABLE), ids=lambda k: f"{k[0]}-{k[1]}x{k[2]}")
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
+def test_table_config_lowers(rng, key, kind):
+    """Each table entry, unfitted (its real block sizes), through the whole pallas impl."""
+    kc = tuning.TABLE[key]
+    d, f, e, k = 256, 384, 8, 2
+    t = 2 if kc.decode else 300
+    dt = jnp.bfloat16 if kind == "bf16" else jnp.float32
+    wg, wu, wd = weights(rng, e, d, f, kind, dt)
+    ew = jaxmoe.ExpertWeights(wg, wu, wd)
+    x = jnp.asarray(rng.standard_normal((t, d)), dt)
+    r = jaxmoe.Routing(jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32), jnp.ones((t, k), jnp.float32))
+    f_ = functools.partial(experts_pallas, cfg=_cfg(d, f, e, k), interpret=False, config=kc)
+    assert_triton(lower_text(f_, x, r, ew), 2)
+
+
+@pytest.mark.parametrize("variant", ["oai_bias", "weight_on_input"])
+@pytest.mark.parametrize("t", [2, 40])
+def test_impl_variants_lower(rng, variant, t):
+    d, f, e, k = 128, 64, 8, 2
+    kw = dict(activation="swiglu_oai", expert_bias=True) if variant == "oai_bias" else dict(weight_on_input=True)
+    cfg = _cfg(d, f, e, k, **kw)
+    ew = jaxmoe.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16).experts
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
+    r = jaxmoe.Routing(jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32), jnp.ones((t, k), jnp.float32))
+    assert_triton(lower_text(functools.partial(experts_pallas, cfg=cfg, interpret=False), x, r, ew), 2)
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16", "f16", "int8", "int4"])
+def test_each_kernel_lowers(rng, kind):
+    """gmm, gate_up_swiglu, down_project, decode_gate_up, decode_down, one call each."""
+    d, f, e, t, k = 128, 64, 4, 20, 2
+    dt = {"bf16": jnp.bfloat16, "f16": jnp.float16}.get(kind, jnp.float32)
+    wg, wu, wd = weights(rng, e, d, f, kind, dt)
+    ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
+    plan = plan_dispatch(ids, e, 16)
+    meta = (plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
+    x = jnp.asarray(rng.standard_normal((t, d)), dt)
+    h = jnp.asarray(rng.standard_normal((t * k, f)), dt)
+    lhs = jnp.asarray(rng.standard_normal((t * k, d)), dt)
+    ws = jnp.ones((t * k,), jnp.float32)
+    calls = [
+        (lambda a, w: gmm(a, w, *meta, block_m=16, block_n=32, block_k=64), (lhs, wg)),
+        (lambda a, w1, w2: gate_up_swiglu(a, plan.token_idx, *meta, w1, w2, block_m=16, block_n=32, block_k=64),
+         (x, wg, wu)),
+        (lambda a, w, s: down_project(a, *meta, w, row_scale=s, block_m=16, block_n=64, block_k=64), (h, wd, ws)),
+        (lambda a, w1, w2: decode_gate_up(a, ids, w1, w2, block_n=32, block_k=64), (x, wg, wu)),
+        (lambda a, w, s: decode_down(a, ids, w, row_scale=s, block_n=32, block_k=64), (h, wd, ws)),
+    ]
+    for fn, args in calls:
+        assert_triton(lower_text(fn, *args), 1)
+
+
+def test_aliased_output_lowers(rng):
+    d, f, e, t, k = 64, 32, 4, 9, 2
+    wg, wu, _ = weights(rng, e, d, f, "f32")
+    ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    out = jnp.zeros((t * k, f), jnp.float32)
+    txt = lower_text(lambda a, o: decode_gate_up(a, ids, wg, wu, out=o, block_n=32, block_k=64), x, out)
+    assert_triton(txt, 1)
+    assert "output_operand_alias" in txt or "operand_output_aliases" in txt or "tf.aliasing_output" in txt
