@@ -395,8 +395,11 @@ def check(cfg: EvalConfig, ctx: _Ctx) -> None:
     from jaxmoe.config import list_presets
 
     m = cfg.model
-    if (m.preset is None) == (m.path is None):
-        ctx.fail("model", "give exactly one of model.preset (preset name(s) or 'all') and model.path")
+    if m.preset is None and m.path is None:
+        ctx.fail("model.path", "neither model.preset (preset name(s) or 'all') nor model.path (a model YAML, "
+                               "GGUF file or HF / MLX checkpoint dir) is set; give one, e.g. --set model.path=FILE")
+    if m.preset is not None and m.path is not None:
+        ctx.fail("model", "give only one of model.preset and model.path")
     if m.preset is not None:
         names = (m.preset,) if isinstance(m.preset, str) else m.preset
         if not names:

@@ -6,7 +6,7 @@ lower id, unbiased weights (or softmax / sigmoid of the selected logits), the
 renormalization variants with their floors, the routed scaling factor, SwiGLU or the
 gpt-oss clamped SwiGLU, the routing weight on the expert input (Llama 4), and the
 (sigmoid-gated) shared expert. Every tensor is read from `MoEParams` and converted to
-float64 (a `QuantizedTensor` through its ``dequantize``), one expert at a time, so the
+float64 (a `QuantizedTensor` dequantized in numpy by `dequantize_f64`), one expert at a time, so the
 full-width Qwen3.6 layer never exists in float64 at once.
 """
 
@@ -36,6 +36,26 @@ class RefRouting:
     scores: np.ndarray
 
 
+def dequantize_f64(qt, index=None) -> np.ndarray:
+    """A `QuantizedTensor` (optionally one leading index) as float64 ``[..., in, out]``, in numpy.
+
+    ``int8``: ``scales[o, i // g] * q[o, i]``; ``int4``: byte ``j`` holds element ``2j`` in its
+    low nibble and ``2j + 1`` in its high nibble, value ``scales * q + biases``.
+    """
+    take = (lambda a: a) if index is None else (lambda a: a[index])
+    q = np.asarray(take(qt.qdata))
+    if qt.kind == "int4":
+        lo, hi = q & 0xF, q >> 4
+        q = np.stack([lo, hi], axis=-1).reshape(*q.shape[:-1], 2 * q.shape[-1])
+    q = q.astype(np.float64)
+    *lead, out, n = q.shape
+    g = qt.group_size
+    w = q.reshape(*lead, out, n // g, g) * np.asarray(take(qt.scales)).astype(np.float64)[..., None]
+    if qt.biases is not None:
+        w = w + np.asarray(take(qt.biases)).astype(np.float64)[..., None]
+    return np.swapaxes(w.reshape(*lead, out, n), -1, -2)
+
+
 def to_f64(w, index=None) -> np.ndarray:
     """A weight (array or `QuantizedTensor`, optionally one leading index) as float64 numpy.
 
@@ -45,10 +65,7 @@ def to_f64(w, index=None) -> np.ndarray:
     if w is None:
         return None
     if hasattr(w, "qdata"):
-        import jax.numpy as jnp
-
-        part = w if index is None else w[index]
-        return np.asarray(part.dequantize(jnp.float32), np.float64)
+        return dequantize_f64(w, index)
     a = np.asarray(w)
     if index is not None:
         a = a[index]

@@ -1,0 +1,438 @@
+"""`jaxmoe eval`: config validation, --set overrides, the float64 reference, metrics, and
+the runner end to end on tiny configs (files, JSON schema, PNGs, the regression gate)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
+
+import jax.numpy as jnp
+import matplotlib.image as mpimg
+import numpy as np
+import pytest
+import yaml
+
+import jaxmoe
+from jaxmoe.config import MoEConfig, RouterConfig
+from jaxmoe.evaluation import ConfigError, cli_main, config_from_mapping, load_eval_config
+from jaxmoe.evaluation import metrics as M
+from jaxmoe.evaluation.config import apply_overrides, case_tolerance, list_eval_configs, parse_override
+from jaxmoe.evaluation.reference import dequantize_f64, reference_forward
+from jaxmoe.evaluation.runner import _apply
+from jaxmoe.evaluation.sources import shrink_config
+from jaxmoe.experts import ExpertWeights, SharedWeights
+from jaxmoe.layer import MoEParams
+
+TINY = {
+    "name": "tiny",
+    "model": {"preset": "qwen3.6-35b-a3b", "layers": [1],
+              "shrink": {"d_model": 64, "expert_dim": 32, "num_experts": 16}},
+    "inputs": {"kind": "random", "seed": 3, "scale": 1.5, "stats_tokens": 96},
+    "impls": ["auto", "gather", "dense"],
+    "tokens": [1, 5, 12],
+    "reference": {"impl": "float64", "max_tokens": 12},
+    "repeats": 2,
+    "warmup": 0,
+    "tolerance": {"default": 1.0e-5},
+    "min_routing_agreement": 1.0,
+    "heatmap_tokens": 16,
+}
+
+
+def _write(tmp_path: Path, data: dict, name: str = "tiny.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def _q(x):
+    """Asserts ``x`` is a {"value", "unit"} quantity and returns the value."""
+    assert isinstance(x, dict) and set(x) == {"value", "unit"} and isinstance(x["unit"], str) and x["unit"], x
+    return x["value"]
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_shipped_configs_validate():
+    names = list_eval_configs()
+    for want in ("default", "presets-sweep", "quantized", "gguf"):
+        assert want in names
+    for n in ("default", "presets-sweep", "quantized"):
+        cfg = load_eval_config(n)
+        assert cfg.name == n
+    d = load_eval_config("default")
+    assert d.model.preset == "qwen3.6-35b-a3b" and set(d.impls) == {"auto", "xla", "gather", "dense"}
+    with pytest.raises(ConfigError, match=r"gguf\.yaml: key 'model.path'.*--set model.path"):
+        load_eval_config("gguf")
+
+
+@pytest.mark.parametrize("mutate, key, text", [
+    (lambda d: d.update(bogus=1), "bogus", "unknown key"),
+    (lambda d: d["model"].update(presett="x"), "model.presett", "unknown key"),
+    (lambda d: d["model"]["shrink"].update(width=3), "model.shrink.width", "unknown key"),
+    (lambda d: d.update(tokens=["a", 2]), r"tokens\[0\]", "must be an int, got str 'a'"),
+    (lambda d: d.update(repeats=2.5), "repeats", "must be an int, got float 2.5"),
+    (lambda d: d.update(plots="yes"), "plots", "must be a bool"),
+    (lambda d: d["inputs"].update(kind="video"), "inputs.kind", "must be one of"),
+    (lambda d: d.update(impls=["dense", "warp"]), r"impls\[1\]", "impl 'warp' is not available"),
+    (lambda d: d["model"].update(preset="nope-1b"), "model.preset", "unknown preset 'nope-1b'"),
+    (lambda d: d.update(tolerance={"gathr": 1e-3}), "tolerance.gathr", "matches no case"),
+    (lambda d: d.update(tokens=[4, 4]), "tokens", "duplicates"),
+    (lambda d: d.update(reference={"impl": "nope"}), "reference.impl", "must be 'float64' or an available impl"),
+    (lambda d: d["inputs"].update(kind="npy"), "inputs.path", "is required"),
+    (lambda d: d.update(model="qwen"), "model", "must be a mapping"),
+])
+def test_config_errors_name_file_and_key(tmp_path, mutate, key, text):
+    data = json.loads(json.dumps(TINY))
+    mutate(data)
+    p = _write(tmp_path, data, "bad.yaml")
+    with pytest.raises(ConfigError, match=rf"bad\.yaml: key '{key}'.*{text}"):
+        load_eval_config(p)
+    assert cli_main([str(p), "--no-progress", "--out", str(tmp_path / "never")]) == 2
+    assert not (tmp_path / "never").exists()
+
+
+def test_cli_exit_2_for_missing_config_and_bad_set(tmp_path, capsys):
+    assert cli_main([str(tmp_path / "missing.yaml")]) == 2
+    assert "not found" in capsys.readouterr().err
+    p = _write(tmp_path, TINY)
+    assert cli_main([str(p), "--set", "novalue"]) == 2
+    assert "expected key=value" in capsys.readouterr().err
+    assert cli_main([str(p), "--set", "model.seed=x7"]) == 2
+    err = capsys.readouterr().err
+    assert "key 'model.seed' (from --set model.seed=x7): must be an int" in err
+
+
+def test_layer_errors_are_config_errors(tmp_path, capsys):
+    data = json.loads(json.dumps(TINY))
+    data["model"] = {"preset": "deepseek-v3", "layers": [1], "shrink": {"d_model": 64, "expert_dim": 32}}
+    p = _write(tmp_path, data)
+    assert cli_main([str(p), "--no-progress", "--out", str(tmp_path / "o")]) == 2
+    assert "key 'model.layers': layer 1 of deepseek-v3 is a dense layer" in capsys.readouterr().err
+    data["model"]["layers"] = [3]
+    data["quantize"] = ["int4"]
+    data["model"]["shrink"] = {"d_model": 96, "expert_dim": 32}
+    p = _write(tmp_path, data)
+    assert cli_main([str(p), "--no-progress", "--out", str(tmp_path / "o")]) == 2
+    assert "key 'quantize': int4 needs d_model and expert_dim divisible by 64" in capsys.readouterr().err
+
+
+def test_set_overrides_are_yaml_typed_and_dotted():
+    assert parse_override("tokens=[1, 8]") == ("tokens", [1, 8])
+    assert parse_override("tolerance.int4=1e-3") == ("tolerance.int4", 1e-3)
+    assert parse_override("plots=false") == ("plots", False)
+    assert parse_override("model.path=a=b.gguf") == ("model.path", "a=b.gguf")
+    assert parse_override("model.shrink=null") == ("model.shrink", None)
+    data, seen = apply_overrides({"model": {"preset": "x", "shrink": None}},
+                                 ["model.shrink.d_model=32", "inputs.seed=9", "model.preset=mixtral-8x7b"])
+    assert data == {"model": {"preset": "mixtral-8x7b", "shrink": {"d_model": 32}}, "inputs": {"seed": 9}}
+    assert seen["inputs.seed"] == "inputs.seed=9"
+    with pytest.raises(ConfigError, match="holds str 'x', not a mapping"):
+        apply_overrides({"model": {"preset": "x"}}, ["model.preset.name=3"])
+    cfg = config_from_mapping(TINY, "t.yaml", ["tokens=[2,3]", "model.seed=4", "tolerance.dense=2e-3",
+                                               "reference=gather", "inputs.scale=0.5"])
+    assert cfg.tokens == (2, 3) and cfg.model.seed == 4 and cfg.inputs.scale == 0.5
+    assert cfg.ref.impl == "gather" and cfg.ref.max_tokens == 64
+    assert case_tolerance(cfg, "dense", "float32", "none") == 2e-3
+    assert case_tolerance(cfg, "gather", "float32", "none") == 1e-5
+    with pytest.raises(ConfigError, match=r"t\.yaml: key 'model.sede' \(from --set model.sede=1\): unknown key"):
+        config_from_mapping(TINY, "t.yaml", ["model.sede=1"])
+
+
+def test_case_tolerance_picks_label_then_largest_component():
+    data = dict(TINY, dtypes=["float32", "bfloat16"], quantize=["none", "int4"],
+                tolerance={"default": 1e-5, "bfloat16": 1e-2, "int4": 0.2, "gather/bfloat16": 5e-3})
+    cfg = config_from_mapping(data)
+    assert case_tolerance(cfg, "dense", "float32", "none") == 1e-5
+    assert case_tolerance(cfg, "dense", "bfloat16", "none") == 1e-2
+    assert case_tolerance(cfg, "dense", "bfloat16", "int4") == 0.2
+    assert case_tolerance(cfg, "gather", "bfloat16", "none") == 5e-3
+
+
+def test_shrink_keeps_every_preset_valid():
+    s = load_eval_config("presets-sweep").model.shrink
+    for name in jaxmoe.list_presets():
+        full = jaxmoe.load_config(name)
+        c = shrink_config(full, s)
+        assert c.d_model == 128 and c.expert_dim == 64
+        assert c.num_experts == min(16, full.num_experts)
+        assert c.top_k == min(full.top_k, c.num_experts)
+        assert c.router.score_fn == full.router.score_fn and c.router.n_group == full.router.n_group
+        if full.shared_expert_dim:
+            assert c.shared_expert_dim == round(full.shared_expert_dim * 64 / full.expert_dim)
+
+
+# --------------------------------------------------------------------------- float64 reference
+
+
+def _loop_reference(p: MoEParams, x: np.ndarray, cfg: MoEConfig):
+    """Token-by-token, slot-by-slot float64 forward (a second, loop-shaped reading of ROUTING.md)."""
+    f = lambda a: None if a is None else np.asarray(a, np.float64)  # noqa: E731
+    rc = cfg.router
+    wr, br, sb = f(p.w_router), f(p.b_router), f(p.selection_bias)
+    ew = p.experts
+    wg, wu, wd = f(ew.w_gate), f(ew.w_up), f(ew.w_down)
+    bg, bu, bd = f(ew.b_gate), f(ew.b_up), f(ew.b_down)
+    sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
+
+    def act(g, u):
+        if cfg.activation == "swiglu":
+            return g * sig(g) * u
+        g = np.minimum(g, cfg.swiglu_limit)
+        u = np.clip(u, -cfg.swiglu_limit, cfg.swiglu_limit)
+        return (u + 1) * g * sig(cfg.swiglu_alpha * g)
+
+    ys, all_ids = [], []
+    for xt in np.asarray(x, np.float64):
+        z = xt @ wr + (0 if br is None else br)
+        e = z.size
+        if rc.score_fn in ("softmax", "softmax_topk"):
+            s = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+        else:
+            s = sig(z)
+        c = list(z if rc.score_fn.endswith("_topk") else s + (0 if sb is None else sb))
+        if rc.n_group > 1 and rc.topk_group < rc.n_group:
+            per = e // rc.n_group
+            score = []
+            for g in range(rc.n_group):
+                grp = sorted(c[g * per:(g + 1) * per], reverse=True)
+                score.append(grp[0] if rc.group_score == "max" else grp[0] + grp[1])
+            kept = sorted(range(rc.n_group), key=lambda g: (-score[g], g))[:rc.topk_group]
+            c = [c[j] if j // per in kept else -np.inf for j in range(e)]
+        ids = sorted(range(e), key=lambda j: (-c[j], j))[:rc.top_k]
+        if rc.score_fn == "softmax_topk":
+            w = np.exp(z[ids] - z[ids].max()) / np.exp(z[ids] - z[ids].max()).sum()
+        elif rc.score_fn == "sigmoid_topk":
+            w = sig(z[ids])
+        else:
+            w = s[ids]
+        den = w.sum()
+        if rc.renorm == "sum":
+            w = w / den
+        elif rc.renorm == "clamp":
+            w = w / max(den, rc.renorm_eps)
+        elif rc.renorm == "add":
+            w = w / (den + rc.renorm_eps)
+        w = w * rc.routed_scaling_factor
+        y = np.zeros_like(xt)
+        for j, wj in zip(ids, w):
+            xin = xt * wj if cfg.weight_on_input else xt
+            g = xin @ wg[j] + (0 if bg is None else bg[j])
+            u = xin @ wu[j] + (0 if bu is None else bu[j])
+            o = act(g, u) @ wd[j] + (0 if bd is None else bd[j])
+            y += o if cfg.weight_on_input else wj * o
+        if p.shared is not None:
+            sh = p.shared
+            o = act(xt @ f(sh.w_gate), xt @ f(sh.w_up)) @ f(sh.w_down)
+            y += o * (sig(xt @ f(sh.gate)) if sh.gate is not None else 1.0)
+        ys.append(y)
+        all_ids.append(ids)
+    return np.stack(ys), np.array(all_ids)
+
+
+def _random_params(cfg: MoEConfig, rng) -> MoEParams:
+    d, e, f, fs = cfg.d_model, cfg.num_experts, cfg.expert_dim, cfg.shared_expert_dim
+    n = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[-2] if len(s) > 1 else 4), jnp.float32)  # noqa: E731
+    ew = ExpertWeights(n(e, d, f), n(e, d, f), n(e, f, d))
+    if cfg.expert_bias:
+        ew = dataclasses.replace(ew, b_gate=n(e, f), b_up=n(e, f), b_down=n(e, d))
+    shared = SharedWeights(n(d, fs), n(d, fs), n(fs, d), n(d) if cfg.shared_expert_gate else None) if fs else None
+    return MoEParams(n(d, e), ew, n(e) if cfg.router.router_bias else None,
+                     jnp.asarray(rng.standard_normal(e) * 0.3, jnp.float32) if cfg.router.use_selection_bias else None,
+                     shared)
+
+
+LLAMA4_LIKE = MoEConfig(d_model=32, expert_dim=16, shared_expert_dim=16, num_shared_experts=1, weight_on_input=True,
+                        router=RouterConfig(num_experts=8, top_k=1, score_fn="sigmoid_topk", renorm="none"))
+CLAMP_LIKE = MoEConfig(d_model=32, expert_dim=16, router=RouterConfig(
+    num_experts=12, top_k=3, score_fn="softmax", renorm="clamp", renorm_eps=2.0**-14, n_group=4, topk_group=2,
+    group_score="max"))
+
+
+@pytest.mark.parametrize("name", [*jaxmoe.list_presets(), "llama4-like", "clamp-like"])
+def test_reference_matches_loop_and_dense(name, rng):
+    if name == "llama4-like":
+        cfg = LLAMA4_LIKE
+    elif name == "clamp-like":
+        cfg = CLAMP_LIKE
+    else:
+        cfg = shrink_config(jaxmoe.load_config(name), load_eval_config("presets-sweep").model.shrink)
+        cfg = dataclasses.replace(cfg, d_model=32, expert_dim=16, shared_expert_dim=min(cfg.shared_expert_dim, 24),
+                                  num_shared_experts=min(cfg.num_shared_experts, 1 if cfg.shared_expert_dim else 0))
+    p = _random_params(cfg, rng)
+    x = rng.standard_normal((9, cfg.d_model)) * 2.0
+    y, r = reference_forward(p, x, cfg)
+    y_loop, ids_loop = _loop_reference(p, x, cfg)
+    np.testing.assert_array_equal(r.expert_ids, ids_loop)
+    np.testing.assert_allclose(y, y_loop, rtol=1e-12, atol=1e-12)
+    # and the library's float32 dense oracle agrees to float32 rounding
+    y32 = np.asarray(_apply(p, jnp.asarray(x, jnp.float32), cfg=cfg, impl="dense"), np.float64)
+    assert M.errors(y32, y)["rel"] < 1e-5
+
+
+def test_reference_dequantizes_quantized_experts(rng):
+    cfg = dataclasses.replace(LLAMA4_LIKE, weight_on_input=False, router=dataclasses.replace(
+        LLAMA4_LIKE.router, top_k=2, score_fn="softmax", renorm="sum"))
+    p = _random_params(cfg, rng)
+    q = dataclasses.replace(p, experts=dataclasses.replace(
+        p.experts, w_gate=jaxmoe.quant.quantize_int8(p.experts.w_gate), w_up=jaxmoe.quant.quantize_int8(p.experts.w_up),
+        w_down=jaxmoe.quant.quantize_int4_affine(np.asarray(p.experts.w_down), group_size=16)))
+    for w in (q.experts.w_gate, q.experts.w_down):  # numpy dequantization == the library's
+        np.testing.assert_allclose(dequantize_f64(w), np.asarray(w.dequantize(jnp.float32)), rtol=1e-6, atol=1e-7)
+    deq = dataclasses.replace(p, experts=dataclasses.replace(
+        p.experts, w_gate=dequantize_f64(q.experts.w_gate), w_up=dequantize_f64(q.experts.w_up),
+        w_down=dequantize_f64(q.experts.w_down)))
+    x = rng.standard_normal((6, cfg.d_model))
+    y_q, _ = reference_forward(q, x, cfg)
+    y_loop, _ = _loop_reference(deq, x, cfg)
+    np.testing.assert_allclose(y_q, y_loop, rtol=1e-12, atol=1e-12)
+    assert M.errors(y_q, reference_forward(p, x, cfg)[0])["rel"] > 1e-4  # quantization changed something
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_metrics_against_plain_python(rng):
+    e, k = 10, 3
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(40)])
+    st = M.load_stats(ids, e)
+    cnt = Counter(ids.ravel().tolist())
+    counts = [cnt.get(i, 0) for i in range(e)]
+    assert st["counts"] == counts
+    mean = sum(counts) / e
+    assert st["max_over_mean"] == pytest.approx(max(counts) / mean)
+    assert st["cv"] == pytest.approx(np.sqrt(sum((c - mean) ** 2 for c in counts) / e) / mean)
+    assert st["idle"] == sum(c == 0 for c in counts)
+    other = ids.copy()
+    other[::4, [0, 1]] = other[::4, [1, 0]]  # same sets, other slot order
+    other[1] = [(v + 1) % e if v + 1 < e else v for v in other[1]]
+    same = [set(a) == set(b) for a, b in zip(ids.tolist(), other.tolist())]
+    assert M.routing_agreement(other, ids) == pytest.approx(sum(same) / len(same))
+    ref = rng.standard_normal((5, 7))
+    y = ref + rng.standard_normal((5, 7)) * 1e-3
+    er = M.errors(y, ref)
+    assert er["max_abs"] == pytest.approx(max(abs(a - b) for a, b in zip(y.ravel(), ref.ravel())))
+    assert er["rel"] == pytest.approx(er["max_abs"] / max(abs(v) for v in ref.ravel()))
+    y[2, 3] = np.nan
+    assert M.errors(y, ref)["finite"] is False
+    s = rng.random((6, e))
+    p = s / s.sum(-1, keepdims=True)
+    assert M.routing_entropy(s) == pytest.approx(float(np.mean([-sum(v * np.log(v) for v in row) for row in p])))
+    t = M.timing([0.3, 0.1, 0.2, 0.4], 8)
+    assert t["median_s"] == pytest.approx(0.25) and t["tokens_per_s"] == pytest.approx(32.0)
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def _check_png(path: Path):
+    img = mpimg.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+    assert float(img[..., :3].std()) > 0.05, f"{path.name} looks blank"
+
+
+def test_eval_end_to_end(tmp_path, capsys):
+    p = _write(tmp_path, TINY)
+    out = tmp_path / "run"
+    rc = cli_main([str(p), "--no-progress", "--out", str(out), "--set", "tokens=[1,5,12]",
+                   "--set", "inputs.seed=4"])
+    assert rc == 0, capsys.readouterr()
+    printed = capsys.readouterr().out
+    assert "gate passed" in printed and str(out) in printed
+    for f in ("results.json", "report.md", "config.yaml", "expert_load.png", "routing_heatmap.png",
+              "time_vs_tokens.png"):
+        assert (out / f).is_file(), f
+    res = json.loads((out / "results.json").read_text())
+    assert res["schema"] == "jaxmoe.eval/1" and res["name"] == "tiny"
+    assert res["overrides"] == ["tokens=[1,5,12]", "inputs.seed=4"]
+    assert res["config"]["inputs"]["seed"] == 4 and res["config"]["tokens"] == [1, 5, 12]
+    assert yaml.safe_load((out / "config.yaml").read_text()) == res["config"]
+    assert _q(res["wall_time"]) > 0
+    assert res["gate"] == {"passed": True, "failures": [], "checked": 9, "skipped": 0}
+    (lay,) = res["layers"]
+    assert lay["label"] == "qwen3.6-35b-a3b/L1" and lay["moe_config"]["router"]["num_experts"] == 16
+    st = lay["stats"]
+    counts = _q(st["expert_load"])
+    assert len(counts) == 16 and sum(counts) == 96 * 8 and _q(st["tokens"]) == 96
+    assert _q(st["load_max_over_mean"]) == pytest.approx(max(counts) / np.mean(counts))
+    assert _q(st["idle_experts"]) == counts.count(0)
+    assert 0 < _q(st["routing_entropy"]) < _q(st["routing_entropy_max"])
+    assert 1 / 8 <= _q(st["mean_top1_weight"]) <= 1 and 0 < _q(st["shared_gate_mean"]) < 1
+    wb = {k: _q(v) for k, v in lay["weight_bytes"].items()}
+    assert wb["per_expert"] == 3 * 64 * 32 * 4 and wb["router"] == 64 * 16 * 4
+    rows = lay["results"]
+    assert [(r["impl"], r["tokens"]) for r in rows] == [(i, t) for i in ("auto", "gather", "dense") for t in (1, 5, 12)]
+    for r in rows:
+        assert r["status"] == "ok" and r["passed"] is True
+        assert 0 <= _q(r["rel_error"]) < 1e-5 and _q(r["max_abs_error"]) >= 0
+        assert _q(r["routing_agreement"]) == 1.0 and _q(r["compared_tokens"]) == r["tokens"]
+        assert _q(r["time_min"]) <= _q(r["time_median"]) <= _q(r["time_max"])
+        assert _q(r["tokens_per_s"]) == pytest.approx(r["tokens"] / _q(r["time_median"]))
+        touched = _q(r["experts_touched"])
+        assert 8 <= touched <= 16
+        assert _q(r["weight_bytes_read"]) == touched * wb["per_expert"] + wb["shared"] + wb["router"]
+        assert _q(r["bandwidth"]) == pytest.approx(_q(r["weight_bytes_read"]) / _q(r["time_median"]) / 1e9)
+    auto1 = rows[0]
+    assert auto1["resolved_impl"] == "gather" and auto1["measured_as"] == "gather/float32"
+    assert auto1["time_median"] == rows[3]["time_median"]
+    md = (out / "report.md").read_text()
+    assert "| layer | case |" in md and md.count("| qwen3.6-35b-a3b/L1 |") == 10 and "gate: PASSED" in md
+    for png in ("expert_load.png", "routing_heatmap.png", "time_vs_tokens.png"):
+        _check_png(out / png)
+        assert f"]({png})" in md
+
+
+def test_eval_gate_fails_on_impossible_tolerance(tmp_path, capsys):
+    p = _write(tmp_path, TINY)
+    out = tmp_path / "run"
+    rc = cli_main([str(p), "--no-progress", "--out", str(out), "--set", "impls=[gather]", "--set", "tokens=[3]",
+                   "--set", "tolerance.default=1e-12", "--set", "plots=false"])
+    assert rc == 1
+    assert "FAIL" in capsys.readouterr().out
+    res = json.loads((out / "results.json").read_text())
+    assert res["gate"]["passed"] is False
+    assert res["gate"]["failures"] == [f"qwen3.6-35b-a3b/L1 gather/float32 T=3: rel_error "
+                                       f"{_q(res['layers'][0]['results'][0]['rel_error']):.3g} > tolerance 1e-12"]
+    assert not list(out.glob("*.png"))
+
+
+def test_eval_quantized_and_npy_inputs(tmp_path, rng):
+    x = rng.standard_normal((2, 10, 64)).astype(np.float32)
+    np.save(tmp_path / "h.npy", x)
+    data = dict(TINY, impls=["gather"], tokens=[4, 20], quantize=["none", "int8", "int4"], plots=False,
+                inputs={"kind": "npy", "path": str(tmp_path / "h.npy"), "stats_tokens": 64},
+                tolerance={"default": 1e-5, "int8": 0.05, "int4": 0.3}, min_routing_agreement=0.0)
+    out = tmp_path / "run"
+    assert cli_main([str(_write(tmp_path, data)), "--no-progress", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    lay = res["layers"][0]
+    assert _q(lay["stats"]["tokens"]) == 20  # every token of the file
+    by = {(r["quantize"], r["tokens"]): r for r in lay["results"]}
+    e_none, e8, e4 = (_q(by[(q, 20)]["rel_error"]) for q in ("none", "int8", "int4"))
+    assert e_none < 1e-5 < e8 < e4 < 0.3
+    b = {q: _q(by[(q, 20)]["weight_bytes_read"]) for q in ("none", "int8", "int4")}
+    assert b["int4"] < b["int8"] < b["none"]
+    # too few tokens in the file for the requested counts: a config error
+    data["tokens"] = [4, 21]
+    assert cli_main([str(_write(tmp_path, data)), "--no-progress", "--out", str(out)]) == 2
+
+
+def test_eval_reads_a_gguf_file(tmp_path):
+    from flax import nnx
+
+    cfg = shrink_config(jaxmoe.load_config("qwen3.6-35b-a3b"), load_eval_config("presets-sweep").model.shrink)
+    cfg = dataclasses.replace(cfg, d_model=64, expert_dim=32, shared_expert_dim=32)
+    path = jaxmoe.save_gguf(jaxmoe.MoEBlock(cfg, rngs=nnx.Rngs(5)), tmp_path / "m.gguf", layer=0, dtype="q8_0")
+    out = tmp_path / "run"
+    rc = cli_main(["gguf", "--no-progress", "--out", str(out), "--set", f"model.path={path}",
+                   "--set", "impls=[gather]", "--set", "tokens=[1,6]", "--set", "plots=false",
+                   "--set", "min_routing_agreement=1.0"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    lay = res["layers"][0]
+    assert lay["label"] == "m.gguf/L0" and lay["weights"] == "checkpoint"
+    assert _q(lay["weight_bytes"]["per_expert"]) == 3 * 64 * 32 + 3 * 64 * 32 // 32 * 2  # Q8_0: int8 + f16 scales
+    assert all(r["passed"] for r in lay["results"])
