@@ -5,6 +5,7 @@ Every case compares the expert-parallel output with the single-device `moe_apply
 """
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -23,8 +24,6 @@ from reference import np_act, np_moe, params_to_numpy
 TOL = dict(atol=2e-5, rtol=2e-5)  # float32, EP vs single device
 TOL64 = dict(atol=2e-4, rtol=2e-4)  # float32 vs the float64 loop
 
-MESHES = [(8, 1), (4, 2), (2, 4)]
-
 
 def shrunk(name, e=16, d=64, f=32):
     cfg = jaxmoe.load_config(name)
@@ -33,11 +32,28 @@ def shrunk(name, e=16, d=64, f=32):
                                router=dataclasses.replace(cfg.router, num_experts=e))
 
 
-def rand_params(cfg, rng, scale=1.0):
+def rand_params(cfg, rng):
     """Fresh numpy-random MoEParams (normal, fan-in scaled; biases and gates nonzero)."""
-    p = jaxmoe.init_params(cfg, jax.random.key(int(rng.integers(2**31))), scale=scale)
-    return jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape) * float(jnp.std(a)) + 0.0, a.dtype)
-                        if a.ndim else a, p)
+    d, e, f, fs = cfg.d_model, cfg.num_experts, cfg.expert_dim, cfg.shared_expert_dim
+
+    def nrm(*shape, fan_in=None):
+        return jnp.asarray(rng.standard_normal(shape) / np.sqrt(fan_in or shape[-2]), jnp.float32)
+
+    ew = jaxmoe.ExpertWeights(nrm(e, d, f), nrm(e, d, f), nrm(e, f, d))
+    if cfg.expert_bias:
+        ew = dataclasses.replace(ew, b_gate=nrm(e, f, fan_in=4), b_up=nrm(e, f, fan_in=4), b_down=nrm(e, d, fan_in=4))
+    shared = None
+    if fs:
+        shared = jaxmoe.SharedWeights(nrm(d, fs), nrm(d, fs), nrm(fs, d), nrm(d, fan_in=d) if cfg.shared_expert_gate
+                                      else None)
+    return jaxmoe.MoEParams(nrm(d, e), ew, nrm(e, fan_in=1) if cfg.router.router_bias else None,
+                            nrm(e, fan_in=100) if cfg.router.use_selection_bias else None, shared)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"))
+def single(p, x, cfg, impl="gather", routing=None):
+    """The single-device layer (jitted: one compile instead of many eager ones)."""
+    return jaxmoe.moe_apply(p, x, cfg, impl=impl, return_routing=True, routing=routing)
 
 
 def kept_reference(x, p, cfg, ids, ws, kept):
@@ -85,8 +101,12 @@ def np_drops(ids, n_e, n_tok, el, c):
     return kept, int((~kept).sum())
 
 
-@pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "deepseek-v3", "mixtral-8x7b", "gpt-oss-20b"])
-@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+PARITY = [("qwen3.6-35b-a3b", (8, 1)), ("qwen3.6-35b-a3b", (4, 2)), ("qwen3.6-35b-a3b", (2, 4)),
+          ("deepseek-v3", (8, 1)), ("deepseek-v3", (2, 4)), ("mixtral-8x7b", (4, 2)), ("gpt-oss-20b", (8, 1)),
+          ("gpt-oss-20b", (4, 2))]
+
+
+@pytest.mark.parametrize("preset,mesh_shape", PARITY, ids=[f"{p}-{m[0]}x{m[1]}" for p, m in PARITY])
 def test_ep_matches_single_device(preset, mesh_shape, rng):
     e = 8 if preset.startswith("mixtral") else 16
     cfg = shrunk(preset, e=e)
@@ -94,7 +114,7 @@ def test_ep_matches_single_device(preset, mesh_shape, rng):
     x = jnp.asarray(rng.standard_normal((37, cfg.d_model)), jnp.float32)  # 37: padded to the device count
     mesh = parallel.make_mesh(*mesh_shape)
     y, r, stats = parallel.moe_apply_ep(p, x, cfg, mesh, impl="gather", return_routing=True, return_stats=True)
-    y1, r1 = jaxmoe.moe_apply(p, x, cfg, impl="gather", return_routing=True)
+    y1, r1 = single(p, x, cfg)
     chex.assert_shape(y, x.shape)
     np.testing.assert_array_equal(np.asarray(r.expert_ids), np.asarray(r1.expert_ids))
     np.testing.assert_allclose(np.asarray(r.weights), np.asarray(r1.weights), **TOL)
@@ -116,12 +136,12 @@ def test_uneven_routing_one_expert_takes_most(rng):
     y, r, stats = parallel.moe_apply_ep(p, x, cfg, parallel.make_mesh(4, 2), impl="dense", return_routing=True,
                                         return_stats=True)
     assert bool((r.expert_ids[:, 0] == 5).all())
-    y1 = jaxmoe.moe_apply(p, x, cfg, impl="dense")
+    y1, _ = single(p, x, cfg, "dense")
     np.testing.assert_allclose(np.asarray(y), np.asarray(y1), **TOL)
     assert int(stats.dropped_pairs) == 0 and int(stats.expert_load[5]) == 33
 
 
-@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("mesh_shape", [(8, 1), (4, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_worst_case_all_pairs_to_one_device(mesh_shape, rng):
     """Given routing sends every pair to the experts of device 0 (and 70% to expert 1)."""
     cfg = shrunk("gpt-oss-20b", e=16)  # k = 4
@@ -140,7 +160,7 @@ def test_worst_case_all_pairs_to_one_device(mesh_shape, rng):
     x = jnp.asarray(rng.standard_normal((t, cfg.d_model)), jnp.float32)
     y, stats = parallel.moe_apply_ep(p, x, cfg, parallel.make_mesh(*mesh_shape), impl="gather", routing=routing,
                                      return_stats=True)
-    y1 = jaxmoe.moe_apply(p, x, cfg, impl="dense", routing=routing)
+    y1, _ = single(p, x, cfg, "dense", routing)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y1), **TOL)
     np.testing.assert_allclose(np.asarray(y), kept_reference(x, params_to_numpy(p), cfg, ids, ws, np.ones_like(ids, bool)),
                                **TOL64)
@@ -148,37 +168,44 @@ def test_worst_case_all_pairs_to_one_device(mesh_shape, rng):
     np.testing.assert_array_equal(np.asarray(stats.expert_load), np.bincount(ids.reshape(-1), minlength=16))
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_quantized_experts_shard(quant, rng):
+def test_quantized_experts_shard(rng):
+    """int8 (Q8_0) gate and down, int4 affine up: every QuantizedTensor leaf splits on its expert axis."""
     cfg = shrunk("qwen3.6-35b-a3b")
     p = rand_params(cfg, rng)
-    q = (lambda w: quantize_int8(w, 32)) if quant == "int8" else (lambda w: quantize_int4_affine(w, 32))
     ew = p.experts
-    p = dataclasses.replace(p, experts=jaxmoe.ExpertWeights(q(ew.w_gate), q(ew.w_up), q(ew.w_down)))
+    p = dataclasses.replace(p, experts=jaxmoe.ExpertWeights(
+        quantize_int8(ew.w_gate, 32), quantize_int4_affine(ew.w_up, 32), quantize_int8(ew.w_down, 32)))
     mesh = parallel.make_mesh(4, 2)
     ps = parallel.shard_params(p, mesh)
     assert ps.experts.w_gate.qdata.sharding.spec == jax.sharding.PartitionSpec("expert")
     assert len(ps.experts.w_down.scales.addressable_shards) == 8
     assert ps.experts.w_down.scales.addressable_shards[0].data.shape[0] == 4
+    assert ps.experts.w_up.biases.addressable_shards[0].data.shape[0] == 4
     x = jnp.asarray(rng.standard_normal((24, cfg.d_model)), jnp.float32)
     y = parallel.moe_apply_ep(ps, x, cfg, mesh, impl="gather")
-    y1 = jaxmoe.moe_apply(p, x, cfg, impl="gather")
+    y1, _ = single(p, x, cfg)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y1), **TOL)
     y64, _, _ = np_moe(np.asarray(x), params_to_numpy(p), cfg)
     np.testing.assert_allclose(np.asarray(y), y64, **TOL64)
 
 
-@pytest.mark.parametrize("mesh_shape,cf", [((8, 1), 1.0), ((4, 2), 0.6), ((2, 4), 1.0)],
-                         ids=["8x1-cf1.0", "4x2-cf0.6", "2x4-cf1.0"])
-def test_capacity_factor_drops_are_counted_exactly(mesh_shape, cf, rng):
+def skewed(rng, t=45):
+    """qwen3.6 shrunk where experts 0..3 (on device 0 of every mesh here) are in every
+    token's top 8: a skewed load that overflows a capacity factor near 1."""
     cfg = shrunk("qwen3.6-35b-a3b")
     p = rand_params(cfg, rng)
     u = rng.standard_normal(cfg.d_model)
     u /= np.linalg.norm(u)
-    # experts 0..3 (on device 0 of every mesh here) are in every token's top 8: skewed load
     p = dataclasses.replace(p, w_router=p.w_router.at[:, :4].add(jnp.asarray(2.0 * u[:, None], jnp.float32)))
-    t = 45
     x = jnp.asarray(rng.standard_normal((t, cfg.d_model)) + 4.0 * u, jnp.float32)
+    return cfg, p, x
+
+
+@pytest.mark.parametrize("mesh_shape,cf", [((8, 1), 1.0), ((4, 2), 0.6), ((2, 4), 1.0)],
+                         ids=["8x1-cf1.0", "4x2-cf0.6", "2x4-cf1.0"])
+def test_capacity_factor_drops_are_counted_exactly(mesh_shape, cf, rng):
+    cfg, p, x = skewed(rng)
+    t = x.shape[0]
     mesh = parallel.make_mesh(*mesh_shape)
     y, r, stats = parallel.moe_apply_ep(p, x, cfg, mesh, impl="gather", capacity_factor=cf, return_routing=True)
     n_e, n_tok = mesh_shape[0], mesh_shape[0] * mesh_shape[1]
@@ -197,13 +224,13 @@ def test_capacity_factor_drops_are_counted_exactly(mesh_shape, cf, rng):
 
 
 def test_capacity_factor_large_enough_drops_nothing(rng):
-    cfg = shrunk("mixtral-8x7b", e=8)
+    cfg = shrunk("qwen3.6-35b-a3b")
     p = rand_params(cfg, rng)
-    x = jnp.asarray(rng.standard_normal((32, cfg.d_model)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((37, cfg.d_model)), jnp.float32)
     y, stats = parallel.moe_apply_ep(p, x, cfg, parallel.make_mesh(4, 2), impl="gather", capacity_factor=100.0)
-    assert stats.capacity == 4 * 2  # clipped to the no-drop worst case T_local * min(k, E/n)
+    assert stats.capacity == 5 * 4  # clipped to the no-drop worst case T_local * min(k, E/n) = 5 * min(8, 4)
     assert int(stats.dropped_pairs) == 0
-    np.testing.assert_allclose(np.asarray(y), np.asarray(jaxmoe.moe_apply(p, x, cfg, impl="gather")), **TOL)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(single(p, x, cfg)[0]), **TOL)
 
 
 def _ragged_emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
@@ -224,24 +251,21 @@ def _ragged_emulated(operand, output, input_offsets, send_sizes, output_offsets,
     return output
 
 
-@pytest.mark.parametrize("cf", [None, 0.75])
-def test_ragged_exchange_matches_padded(cf, rng, monkeypatch):
+def test_ragged_exchange_matches_padded(rng, monkeypatch):
     """The ragged exchange's offsets and sizes, run through an emulation of the op."""
+    # No other test traces exchange="ragged" at these shapes, so the jit cache holds no
+    # real-op trace to collide with (the lowering test below uses T=16).
     monkeypatch.setattr(parallel, "_ragged_all_to_all", _ragged_emulated)
-    parallel._ep_jit.clear_cache()
-    cfg = shrunk("qwen3.6-35b-a3b")
-    p = rand_params(cfg, rng)
-    x = jnp.asarray(rng.standard_normal((30, cfg.d_model)), jnp.float32)
+    cfg, p, x = skewed(rng)  # with drops, so sizes < C and > C both occur
     mesh = parallel.make_mesh(4, 2)
-    outs = [parallel.moe_apply_ep(p, x, cfg, mesh, impl="gather", exchange=ex, capacity_factor=cf,
+    outs = [parallel.moe_apply_ep(p, x, cfg, mesh, impl="gather", exchange=ex, capacity_factor=0.6,
                                   return_stats=True) for ex in ("padded", "ragged")]
-    parallel._ep_jit.clear_cache()
     (yp, sp), (yr, sr) = outs
     assert sr.exchange == "ragged" and sp.exchange == "padded"
+    assert int(sp.dropped_pairs) > 0
     np.testing.assert_allclose(np.asarray(yr), np.asarray(yp), **TOL)
     assert int(sr.dropped_pairs) == int(sp.dropped_pairs)
-    if cf is None:
-        np.testing.assert_allclose(np.asarray(yr), np.asarray(jaxmoe.moe_apply(p, x, cfg, impl="gather")), **TOL)
+    np.testing.assert_array_equal(np.asarray(sr.kept), np.asarray(sp.kept))
 
 
 def test_ragged_exchange_lowers_for_gpu_and_tpu(rng):
@@ -263,13 +287,13 @@ def test_block_with_mesh_and_explicit_mesh(rng):
     x = jnp.asarray(rng.standard_normal((2, 9, cfg.d_model)), jnp.float32)
     block = jaxmoe.MoEBlock(cfg, params=p, impl="gather", mesh=jax.make_mesh((2, 4), ("expert", "data")))
     y, r = block(x, return_routing=True)
-    y1, r1 = jaxmoe.moe_apply(p, x, cfg, impl="gather", return_routing=True)
+    y1, r1 = single(p, x, cfg)
     chex.assert_shape(y, x.shape)
     np.testing.assert_array_equal(np.asarray(r.expert_ids), np.asarray(r1.expert_ids))
     np.testing.assert_allclose(np.asarray(y), np.asarray(y1), **TOL)
     rngs_block = jaxmoe.MoEBlock(cfg, rngs=nnx.Rngs(3), impl="auto", mesh=parallel.make_mesh(8))
     y2 = rngs_block(x)
-    np.testing.assert_allclose(np.asarray(y2), np.asarray(jaxmoe.moe_apply(rngs_block.params(), x, cfg, impl="dense")),
+    np.testing.assert_allclose(np.asarray(y2), np.asarray(single(rngs_block.params(), x, cfg, "dense")[0]),
                                **TOL)
 
 
@@ -280,7 +304,7 @@ def test_inside_user_jit(rng):
     x = jnp.asarray(rng.standard_normal((16, cfg.d_model)), jnp.float32)
     f = jax.jit(lambda p, x: parallel.moe_apply_ep(p, x, cfg, mesh, impl="gather") * 2.0)
     np.testing.assert_allclose(np.asarray(f(parallel.shard_params(p, mesh), x)),
-                               2.0 * np.asarray(jaxmoe.moe_apply(p, x, cfg, impl="gather")), **TOL)
+                               2.0 * np.asarray(single(p, x, cfg)[0]), **TOL)
 
 
 def test_errors_name_the_fault(rng):
@@ -310,7 +334,7 @@ def test_errors_name_the_fault(rng):
         parallel.make_mesh(4, 4)
 
 
-@settings(max_examples=20)
+@settings(max_examples=8)
 @given(t=st.integers(1, 12), k=st.integers(1, 4), n=st.sampled_from([1, 2, 4]), el=st.integers(1, 3),
        c=st.integers(1, 8), seed=st.integers(0, 2**31 - 1))
 def test_plan_matches_numpy(t, k, n, el, c, seed):
