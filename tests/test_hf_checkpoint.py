@@ -100,9 +100,16 @@ def _qwen3_next():
                                                     linear_value_head_dim=16))
 
 
+def _bailing_hybrid():
+    return T.BailingHybridForCausalLM(T.BailingHybridConfig(
+        **{**_ATT, "num_key_value_heads": 2}, **_MLA, head_dim=16, intermediate_size=96, moe_intermediate_size=F,
+        num_local_experts=E, num_experts_per_tok=K, n_group=4, topk_group=2, n_shared_experts=1,
+        first_k_dense_replace=1, layer_group_size=2, pad_token_id=0, eos_token_id=1))
+
+
 BUILDERS = {"qwen3_moe": _qwen3, "qwen3_moe_nonorm": _qwen3_nonorm, "qwen2_moe": _qwen2, "qwen3_5_moe": _qwen35,
             "mixtral": _mixtral, "gpt_oss": _gptoss, "olmoe": _olmoe, "deepseek_v3": _dsv3, "deepseek_v2": _dsv2,
-            "glm4_moe": _glm4, "qwen3_next": _qwen3_next}
+            "glm4_moe": _glm4, "qwen3_next": _qwen3_next, "bailing_hybrid": _bailing_hybrid}
 
 
 def _randomize(mlp: torch.nn.Module, rng: np.random.Generator) -> None:
@@ -429,7 +436,8 @@ def test_unknown_model_type_and_missing_keys():
 @pytest.mark.parametrize("family,preset", [("qwen3_moe", "qwen3-30b-a3b"), ("qwen2_moe", "qwen2-57b-a14b"),
                                            ("mixtral", "mixtral-8x7b"), ("deepseek_v3", "deepseek-v3"),
                                            ("deepseek_v2", "deepseek-v2-lite"), ("olmoe", "olmoe-1b-7b"),
-                                           ("gpt_oss", "gpt-oss-20b"), ("qwen3_5_moe", "qwen3.6-35b-a3b")])
+                                           ("gpt_oss", "gpt-oss-20b"), ("qwen3_5_moe", "qwen3.6-35b-a3b"),
+                                           ("bailing_moe_v2", "edge0-8b")])
 def test_hub_config_json_matches_preset(family, preset):
     """The routing fields of each family's published config.json (values quoted in the preset
     comments) map to the shipped preset's router and widths."""
@@ -456,6 +464,10 @@ def test_hub_config_json_matches_preset(family, preset):
                             num_experts=64, num_experts_per_tok=8, norm_topk_prob=False),
         "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, intermediate_size=2880,
                             num_local_experts=32, num_experts_per_tok=4, swiglu_limit=7.0),
+        "edge0-8b": dict(model_type="bailing_moe_v2", hidden_size=2048, num_hidden_layers=24, intermediate_size=5120,
+                         moe_intermediate_size=512, num_experts=128, num_experts_per_tok=8, num_shared_experts=1,
+                         n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+                         score_function="sigmoid", moe_router_enable_expert_bias=True, first_k_dense_replace=1),
         "qwen3.6-35b-a3b": dict(model_type="qwen3_5_moe", text_config=dict(
             model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40, num_experts=256,
             num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512)),

@@ -20,7 +20,7 @@ file or sharded with ``model.safetensors.index.json``). Layouts, all checked aga
   ``(E, out, in)`` (or ``{P}.experts.<proj>.weight`` with ``.bias``, gpt-oss in mlx-lm),
   MLX-quantized when ``.scales`` / ``.biases`` sit beside them (`jaxmoe.io.mlx`);
 - router ``{P}.gate.weight (E, d)`` or ``{P}.router.{weight,bias}`` (gpt-oss), selection
-  bias ``{P}.gate.e_score_correction_bias (E,)``; shared expert ``{P}.shared_expert.*``
+  bias ``{P}.gate.e_score_correction_bias (E,)`` (``{P}.gate.expert_bias`` in Ling / bailing); shared expert ``{P}.shared_expert.*``
   (Qwen) or ``{P}.shared_experts.*`` (DeepSeek, GLM), gate ``{P}.shared_expert_gate.weight (1, d)``.
 
 The layer prefix is found from the tensor names (``model.layers.``,
@@ -248,8 +248,9 @@ def load_params(st: SafetensorsDir, cfg: MoEConfig, layer: int, dtype=jnp.float3
     if cfg.router.router_bias:
         b_router = _vec(st, f"{rname}.bias", (e,), jnp.float32)
     sel = None
-    if cfg.router.use_selection_bias:
-        sel = _vec(st, f"{p}.gate.e_score_correction_bias", (e,), jnp.float32)
+    if cfg.router.use_selection_bias:  # Ling / bailing checkpoints call it gate.expert_bias
+        bname = f"{p}.gate.expert_bias" if f"{p}.gate.expert_bias" in st else f"{p}.gate.e_score_correction_bias"
+        sel = _vec(st, bname, (e,), jnp.float32)
     experts = _experts(st, p, cfg, qlookup, dtype, keep_int4, fp8_block)
     shared = _shared(st, p, cfg, qlookup, dtype, fp8_block)
     params = MoEParams(w_router, experts, b_router, sel, shared)

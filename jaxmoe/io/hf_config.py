@@ -13,7 +13,8 @@ with them (ROUTING.md section 2):
 - ``mixtral``: always ``w / sum``.
 - ``deepseek_v2``: softmax, ``topk_method`` greedy or group_limited_greedy (group
   score = max), no renormalization (HF ignores ``norm_topk_prob``), ``* routed_scaling_factor``.
-- ``deepseek_v3``, ``glm4_moe``: sigmoid, selection bias, group score = sum of the top 2,
+- ``deepseek_v3``, ``glm4_moe``, ``bailing_hybrid`` / ``bailing_moe_v2`` (Ling 2.x, edge0-8b):
+  sigmoid, selection bias, group score = sum of the top 2,
   masked with ``-inf``, ``w / (sum + 1e-20)`` when ``norm_topk_prob``, then the scale.
   Shared experts ungated, width ``moe_intermediate_size * n_shared_experts``; the
   first ``first_k_dense_replace`` layers are dense.
@@ -32,7 +33,13 @@ from jaxmoe.config import MoEConfig, RouterConfig
 
 #: model_type values this module maps (``qwen3_5_moe_text`` is the text-only config).
 FAMILIES = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "olmoe", "mixtral",
-            "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
+            "deepseek_v2", "deepseek_v3", "glm4_moe", "bailing_hybrid", "bailing_moe_v2", "gpt_oss")
+
+#: Alternative spellings of the same field (transformers' ``attribute_map`` of bailing_hybrid,
+#: whose saved config.json uses the right-hand names, as Ling's own configs do).
+_ALT_KEYS = {"num_experts_per_tok": "num_experts_per_token", "n_group": "num_expert_group",
+             "norm_topk_prob": "moe_renormalize", "n_shared_experts": "num_shared_experts",
+             "n_routed_experts": "num_experts"}
 
 _ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
 
@@ -80,7 +87,11 @@ def family_of(d: dict[str, Any], source: str = "config.json") -> str:
 
 
 def _get(d: dict[str, Any], key: str, default: Any, source: str) -> Any:
-    v = d.get(key, default)
+    v = d.get(key)
+    if v is None and key in _ALT_KEYS:
+        v = d.get(_ALT_KEYS[key])
+    if v is None:
+        v = default
     if v is None:
         v = default
     if v is None:
@@ -103,8 +114,14 @@ def dense_layers(d: dict[str, Any], family: str, num_layers: int, source: str) -
         if step < 1:
             raise ValueError(f"{source}: decoder_sparse_step must be >= 1, got {step}")
         return tuple(i for i in range(num_layers) if i in only or (i + 1) % step != 0)
-    if family in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
-        default = {"deepseek_v2": 0, "deepseek_v3": 3, "glm4_moe": 1}[family]
+    if family.startswith("bailing") and isinstance(d.get("mlp_layer_types"), list):
+        types = d["mlp_layer_types"]
+        if len(types) != num_layers or set(types) - {"dense", "sparse"}:
+            raise ValueError(f"{source}: mlp_layer_types must list 'dense' / 'sparse' for each of the {num_layers} "
+                             f"layers, got {types!r}")
+        return tuple(i for i, t in enumerate(types) if t == "dense")
+    if family in ("deepseek_v2", "deepseek_v3", "glm4_moe", "bailing_hybrid", "bailing_moe_v2"):
+        default = {"deepseek_v2": 0, "deepseek_v3": 3, "glm4_moe": 1}.get(family, 2)
         k = _int(d, "first_k_dense_replace", default, source)
         return tuple(range(min(k, num_layers)))
     return ()
@@ -151,13 +168,15 @@ def moe_config_from_hf(d: dict[str, Any], source: str = "config.json", name: str
         kw.update(activation="swiglu_oai", expert_bias=True,
                   swiglu_alpha=float(_get(d, "swiglu_alpha", 1.702, source)),
                   swiglu_limit=float(_get(d, "swiglu_limit", 7.0, source)))
-    else:  # deepseek_v2, deepseek_v3, glm4_moe
+    else:  # deepseek_v2, deepseek_v3, glm4_moe, bailing_*
         e = _int(d, "n_routed_experts", d.get("num_local_experts"), source)
+        if fam.startswith("bailing") and d.get("score_function", "sigmoid") != "sigmoid":
+            raise ValueError(f"{source}: {fam} score_function {d['score_function']!r} is not supported (sigmoid)")
         f = _int(d, "moe_intermediate_size", None, source)
         ns = _int(d, "n_shared_experts", {"deepseek_v2": 2}.get(fam, 1), source)
         if ns:
             kw.update(shared_expert_dim=f * ns, num_shared_experts=ns)
-        scale = float(_get(d, "routed_scaling_factor", {"deepseek_v3": 2.5}.get(fam, 1.0), source))
+        scale = float(_get(d, "routed_scaling_factor", 1.0 if fam in ("deepseek_v2", "glm4_moe") else 2.5, source))
         if fam == "deepseek_v2":
             method = _get(d, "topk_method", "greedy", source)
             if method == "greedy":
@@ -169,7 +188,7 @@ def moe_config_from_hf(d: dict[str, Any], source: str = "config.json", name: str
                                  "'greedy', 'group_limited_greedy' (the ones transformers implements)")
             rk.update(score_fn="softmax", group_score="max", renorm="none", routed_scaling_factor=scale)
         else:
-            g_default, tg_default = (8, 4) if fam == "deepseek_v3" else (1, 1)
+            g_default, tg_default = (1, 1) if fam == "glm4_moe" else (8, 4)
             norm = _get(d, "norm_topk_prob", True, source)
             rk.update(score_fn="sigmoid", use_selection_bias=True, group_score="top2_sum",
                       n_group=_int(d, "n_group", g_default, source), topk_group=_int(d, "topk_group", tg_default, source),
