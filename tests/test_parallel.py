@@ -359,3 +359,40 @@ def test_plan_matches_numpy(t, k, n, el, c, seed):
     np.testing.assert_array_equal(np.asarray(kept), want_slot < n * c)
     np.testing.assert_array_equal(np.asarray(sizes), np.minimum(fill, c))
     assert int(dropped) == int((fill - np.minimum(fill, c)).sum())
+
+
+def test_eval_runner_meshes_vs_single_device(tmp_path, rng):
+    """`jaxmoe eval <yaml>` hands a `runner: jaxmoe.parallel_eval` config to this runner."""
+    from jaxmoe import evaluation, parallel_eval
+
+    seed = int(rng.integers(1000))
+    cfg_text = f"""
+runner: jaxmoe.parallel_eval
+name: ep-test
+model: {{preset: mixtral-8x7b, shrink: {{d_model: 32, expert_dim: 16}}, seed: {seed}}}
+inputs: {{kind: random, seed: {seed}}}
+impls: [gather]
+tokens: [12]
+mesh: [{{expert: 4, data: 2}}, {{expert: 16}}]
+capacity_factors: [null]
+repeats: 1
+tolerance: 1.0e-5
+"""
+    path = tmp_path / "ep.yaml"
+    path.write_text(cfg_text)
+    assert evaluation.cli_main([str(path), "--out", str(tmp_path / "out")]) == 0
+    import json
+
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    ok, skipped = res["cases"]
+    assert ok["status"] == "pass" and ok["dropped_pairs"] == 0 and ok["max_rel_err"] <= 1e-5
+    assert ok["capacity"] == 2 * 2  # ceil(12 / 8) tokens per device * min(k=2, E/n=2)
+    assert skipped["status"] == "skipped" and "needs 16 devices" in skipped["reason"]
+    assert "| 12 | gather | 4x2 |" in (tmp_path / "out" / "report.md").read_text()
+    # the shipped config is valid; a bad key is exit code 2 naming it
+    shipped = parallel_eval.load(jaxmoe.config.presets_dir().parent / "evals" / "expert-parallel.yaml")
+    assert [e for e, _ in shipped["mesh"]][:4] == [1, 2, 4, 8]
+    path.write_text(cfg_text.replace("tolerance:", "tolerence:"))
+    assert evaluation.cli_main([str(path)]) == 2
+    with pytest.raises(ValueError, match="'tolerence'"):
+        parallel_eval.load(path)
