@@ -331,8 +331,40 @@ def test_deepseek_v3_mlx_checkpoint(tmp_path, rng):
         jaxmoe.from_pretrained(tmp_path, layer=0)
 
 
-def _reload(path: Path) -> dict:
-    return dict(mx.load(str(path / "model.safetensors")))
+def test_mixtral_mlx_checkpoint_group32_float16(tmp_path, rng):
+    """mlx-lm Mixtral layout (``block_sparse_moe.switch_mlp``), group size 32, float16 scales."""
+    t = {}
+    for i in range(2):
+        p = f"model.layers.{i}.block_sparse_moe"
+        for n, shp in (("gate_proj", (8, F, D)), ("up_proj", (8, F, D)), ("down_proj", (8, D, F))):
+            w = mx.array((rng.standard_normal(shp) * 0.1).astype(np.float32)).astype(mx.float16)
+            _put_q(t, f"{p}.switch_mlp.{n}", mx.quantize(w, group_size=32, bits=4))
+        t[f"{p}.gate.weight"] = mx.array(rng.standard_normal((8, D)).astype(np.float32)).astype(mx.float16)
+    config = {"model_type": "mixtral", "hidden_size": D, "num_hidden_layers": 2, "intermediate_size": F,
+              "num_local_experts": 8, "num_experts_per_tok": 2, "quantization": {"group_size": 32, "bits": 4}}
+    _write(tmp_path, t, config)
+    block = jaxmoe.from_pretrained(tmp_path, layer=0, impl="dense")
+    ew = block.params().experts
+    assert ew.w_down.group_size == 32 and ew.w_down.scales.dtype == jnp.float16
+    p = "model.layers.0.block_sparse_moe"
+    x = rng.standard_normal((T_TOK, D))
+    wr = np.array(t[f"{p}.gate.weight"].astype(mx.float32), np.float64)
+
+    def deq(n):
+        s, b = (t[f"{p}.switch_mlp.{n}.{k}"].astype(mx.float32) for k in ("scales", "biases"))
+        return np.array(mx.dequantize(t[f"{p}.switch_mlp.{n}.weight"], s, b, group_size=32, bits=4), np.float64)
+
+    wg, wu, wd = deq("gate_proj"), deq("up_proj"), deq("down_proj")
+    y_ref = np.zeros_like(x)
+    for i, xi in enumerate(x):
+        z = wr @ xi
+        ids = np.argsort(-z, kind="stable")[:2]
+        w = np.exp(z[ids] - z.max()) / np.exp(z - z.max()).sum()
+        w /= w.sum()
+        for j, wj in zip(ids, w):
+            y_ref[i] += wj * (wd[j] @ (_silu(wg[j] @ xi) * (wu[j] @ xi)))
+    y = np.asarray(block(jnp.asarray(x, jnp.float32)), np.float64)
+    assert np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref) < 1e-5
 
 
 def test_mlx_checkpoint_bad_input(tmp_path, rng):
