@@ -154,6 +154,8 @@ def random_params(cfg: MoEConfig, rng: np.random.Generator, dtype, scale: float 
         q = rng.integers(-32768, 32768, size=shape, dtype=np.int16)
         # uniform on [-a, a) has std a / sqrt(3)
         c = np.float32(scale / fan_in**0.5 * 3**0.5 / 32768.0)
+        if q.size < 1 << 22:  # small: numpy (no compile); large: XLA's threads
+            return jnp.asarray(q.astype(np.float32) * c, dtype)
         return _scale_codes(jnp.asarray(q), c).astype(dtype)
 
     ew = ExpertWeights(nrm((e, d, f), d), nrm((e, d, f), d), nrm((e, f, d), f))
