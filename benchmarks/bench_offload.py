@@ -128,7 +128,8 @@ def main(argv=None) -> int:
                                  **{k: v for k, v in d.items() if k != "per_layer"}})
                     rc = d["recall"] if d["recall"] is not None else float("nan")
                     print(f"{frac:7.3f} {pname:>11} {d['hit_rate']:6.3f} {rc:6.3f} "
-                          f"{d['bytes_loaded_per_token'] / 1e6:7.2f} {d['wait_s']:7.3f} {d['tokens_per_s']:7.1f} {same}")
+                          f"{d['bytes_loaded_per_token'] / 1e6:7.2f} {d['wait_s']:7.3f} "
+                          f"{d['tokens_per_s']:7.1f} {same}")
         res = {"device": str(jax.devices()[0]), "storage": store.kind, "layers": model.num_layers,
                "experts": cfg.num_experts, "top_k": cfg.top_k, "d_model": cfg.d_model,
                "expert_dim": cfg.expert_dim, "total_expert_bytes": total, "load": lat, "rows": rows}

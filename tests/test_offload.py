@@ -490,7 +490,8 @@ def test_sweep_writes_results_and_plot(tmp_path):
             "model": {"preset": "qwen3.6-35b-a3b", "num_layers": L, "storage": "int8",  # = the `cfg` fixture
                       "shrink": {"d_model": D, "expert_dim": F, "shared_expert_dim": 32, "num_experts": E,
                                  "top_k": K}},
-            "tokens": 6, "train_tokens": 12, "learned": {"steps": 20}, "budgets": [0.0, 0.5], "predictors": ["none", "learned"],
+            "tokens": 6, "train_tokens": 12, "learned": {"steps": 20}, "budgets": [0.0, 0.5],
+            "predictors": ["none", "learned"],
             "inputs": [{"kind": "random", "seed": 3}, {"kind": "trace", "locality": 0.7, "seed": 1}]}
     p = tmp_path / "s.yaml"
     p.write_text(yaml.safe_dump(spec))
@@ -514,3 +515,25 @@ def test_sweep_writes_results_and_plot(tmp_path):
     p.write_text(yaml.safe_dump(spec))
     with pytest.raises(ValueError, match="cache: unknown key"):
         load_sweep_config(p)
+
+
+def test_sweep_inputs_from_recorded_hidden_states_and_traces(cfg, rng, tmp_path):
+    from types import SimpleNamespace
+
+    from jaxmoe.offload.sweep import _prepare_input
+    from jaxmoe.offload.traces import load_hidden
+
+    model = SimpleNamespace(cfg=cfg, num_layers=L)
+    h = rng.standard_normal((20, D)).astype(np.float32)
+    np.save(tmp_path / "h.npy", h)
+    label, xtr, x, trtr, tr = _prepare_input({"kind": "hidden", "path": str(tmp_path / "h.npy")}, model, 8, 100)
+    assert label == "hidden:h.npy" and trtr is None and tr is None
+    np.testing.assert_array_equal(np.concatenate([xtr, x]), h)  # train rows first, measured rows after
+    ids = synthetic_trace(20, L, E, K, locality=0.5, seed=int(rng.integers(100)))
+    save_trace(tmp_path / "t.npy", ids)
+    label, xtr, x, trtr, tr = _prepare_input({"kind": "trace", "path": str(tmp_path / "t.npy")}, model, 8, 100)
+    assert label == "trace:t.npy" and x.shape == (8, D)
+    np.testing.assert_array_equal(np.concatenate([trtr, tr]), ids)
+    np.save(tmp_path / "bad.npy", h[:, :10])
+    with pytest.raises(ValueError, match=r"hidden states must be float \[tokens, 64\]"):
+        load_hidden(tmp_path / "bad.npy", D)

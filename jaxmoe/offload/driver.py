@@ -247,7 +247,8 @@ class OffloadedModel:
                        for l in range(self.num_layers)] if compact else None
         self._warmup(x, trace, full)
         L, k, d = self.num_layers, self.cfg.top_k, self.cfg.d_model
-        outs, ids_all, hid = np.zeros((n, d), np.float32), np.zeros((n, L, k), np.int32), np.zeros((n, L, d), np.float32)
+        outs, ids_all = np.zeros((n, d), np.float32), np.zeros((n, L, k), np.int32)
+        hid = np.zeros((n, L, d), np.float32)
         t0 = time.perf_counter()
         for t in range(n):
             h = jnp.asarray(x[t:t + 1])
@@ -300,7 +301,8 @@ class OffloadedModel:
         pf = Prefetcher(self.store, cache, asynchronous=ocfg.asynchronous)
         stats = [FetchStats() for _ in range(L)]
         preds: dict[tuple[int, int], np.ndarray] = {}
-        outs, ids_all, hid = np.zeros((n, d), np.float32), np.zeros((n, L, k), np.int32), np.zeros((n, L, d), np.float32)
+        outs, ids_all = np.zeros((n, d), np.float32), np.zeros((n, L, k), np.int32)
+        hid = np.zeros((n, L, d), np.float32)
         n_pad = self._n_pad(1)
         peak = 0
         try:

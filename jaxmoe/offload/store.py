@@ -106,7 +106,8 @@ class ExpertStore:
 
     def _check_index(self, layer: int, expert: int) -> None:
         if not 0 <= layer < self.num_layers:
-            raise ExpertStoreError(f"layer {layer}, expert {expert}: layer outside [0, {self.num_layers}) in {self.path}")
+            raise ExpertStoreError(
+                f"layer {layer}, expert {expert}: layer outside [0, {self.num_layers}) in {self.path}")
         if not 0 <= expert < self.cfg.num_experts:
             raise ExpertStoreError(
                 f"layer {layer}, expert {expert}: expert outside [0, {self.cfg.num_experts}) in {self.path}")

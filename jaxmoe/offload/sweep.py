@@ -53,8 +53,8 @@ from jaxmoe.offload.prerouter import PREDICTORS, make_predictor, train_learned
 from jaxmoe.offload.store import STORE_KINDS, open_store, random_layers, write_gguf_store, write_safetensors_store
 from jaxmoe.offload.traces import load_hidden, load_trace, reuse_rate, synthetic_trace
 
-_TOP = {"runner", "name", "description", "model", "impl", "tokens", "train_tokens", "inputs", "budgets", "policies", "scopes",
-        "predictors", "prefetch_k", "output_dir", "plots", "asynchronous", "learned"}
+_TOP = {"runner", "name", "description", "model", "impl", "tokens", "train_tokens", "inputs", "budgets", "policies",
+        "scopes", "predictors", "prefetch_k", "output_dir", "plots", "asynchronous", "learned"}
 _MODEL = {"preset", "num_layers", "shrink", "storage", "store", "seed"}
 _SHRINK = {"d_model", "expert_dim", "shared_expert_dim", "num_experts", "top_k"}
 _INPUT = {"kind", "seed", "path", "locality", "layer_corr", "zipf", "scale"}
