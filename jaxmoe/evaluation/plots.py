@@ -23,7 +23,9 @@ MAX_PANELS = 16
 
 
 def _grid(n: int, w: float = 4.5, h: float = 3.2):
-    cols = min(n, 4)
+    if n == 1:
+        w, h = max(w, 6.4), max(h, 4.4)
+    cols = min(n, 4 if w < 6 else 2)
     rows = math.ceil(n / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(w * cols, h * rows), squeeze=False)
     for ax in axes.flat[n:]:
@@ -52,7 +54,8 @@ def plot_expert_load(res: dict[str, Any], path: Path) -> None:
 
 def plot_routing_heatmap(res: dict[str, Any], path: Path) -> None:
     layers = res["layers"][:MAX_PANELS]
-    fig, axes = _grid(len(layers), w=5.5, h=3.6)
+    e_max = max(lay["moe_config"]["router"]["num_experts"] for lay in layers)
+    fig, axes = _grid(len(layers), w=min(12.0, max(5.5, e_max / 25)), h=3.6)  # >= ~3 px per expert
     for ax, lay in zip(axes, layers):
         sample = lay["stats"]["sample"]
         e = lay["moe_config"]["router"]["num_experts"]

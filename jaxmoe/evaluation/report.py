@@ -21,7 +21,7 @@ def _fmt(x, spec: str = ".3g") -> str:
 
 def _ms(q) -> str:
     v = _v(q)
-    return "-" if v is None else f"{v * 1e3:.3g}"
+    return "-" if v is None else f"{v * 1e3:.4g}"
 
 
 def _status(r: dict) -> str:
@@ -42,8 +42,9 @@ def case_rows(res: dict[str, Any]) -> list[list[str]]:
                 rows.append([lay["label"], r["case"], r["resolved_impl"], str(r["tokens"]), *["-"] * 8,
                              f"{_status(r)}: {r.get('reason', '')}"])
                 continue
+            ran = r["resolved_impl"] + (f" (row {r['measured_as']})" if r.get("measured_as") else "")
             rows.append([
-                lay["label"], r["case"], r["resolved_impl"], str(r["tokens"]),
+                lay["label"], r["case"], ran, str(r["tokens"]),
                 _fmt(_v(r["rel_error"])), _fmt(_v(r["max_abs_error"])), _fmt(_v(r["routing_agreement"]), ".3f"),
                 _ms(r["time_median"]), _ms(r["time_iqr"]), f"{_ms(r['time_min'])}-{_ms(r['time_max'])}",
                 _fmt(_v(r["tokens_per_s"]), ".4g"), _fmt(_v(r["bandwidth"]), ".3g"),
@@ -76,6 +77,8 @@ def render_markdown(res: dict[str, Any], plots: list[str]) -> str:
         + (f" (fewer once they exceed {cfg['time_budget_s']} s, at least 3)" if cfg.get("time_budget_s") else "")
         + f" after the compile call and {cfg['warmup']} warm-up call(s); "
         "bandwidth = weight bytes that must be read (distinct experts touched + shared + router) / median time",
+        "- `auto` rows that resolve to an impl measured in the same run reuse that row's measurement "
+        "(`ran as ... (row ...)`): the same jitted function",
         f"- **gate: {'PASSED' if gate['passed'] else 'FAILED'}** ({gate['checked']} cases checked, "
         f"{gate['skipped']} skipped by impl_max_tokens)", "",
     ]
