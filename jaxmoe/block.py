@@ -22,7 +22,7 @@ def _var(v):
 
 
 def _val(v):
-    return None if v is None else v[...] if not hasattr(v.get_value(), "qdata") else v.get_value()
+    return None if v is None else v.get_value()
 
 
 class MoEBlock(nnx.Module):

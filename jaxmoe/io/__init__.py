@@ -31,7 +31,8 @@ def _kind(path: str | os.PathLike) -> str:
         raise ValueError(f"{p}: a checkpoint directory needs a config.json")
     with open(cfgp) as f:
         cfg = json.load(f)
-    if "quantization" in cfg or "quantization_config" in cfg and cfg["quantization_config"].get("bits"):
+    qc = cfg.get("quantization_config")
+    if "quantization" in cfg or (isinstance(qc, dict) and qc.get("bits") and qc.get("group_size")):
         return "mlx"
     return "hf"
 
