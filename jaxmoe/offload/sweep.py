@@ -1,6 +1,9 @@
 """Offload sweep: cache budgets x policies x predictors x inputs -> results.json and a plot.
 
-``python -m jaxmoe.offload.sweep configs/evals/offload.yaml [--out DIR] [--tokens N]``
+``python -m jaxmoe.offload.sweep configs/evals/offload.yaml [--out DIR] [--tokens N]``, or
+``jaxmoe eval offload [--out DIR]`` (the eval CLI hands configs with ``runner:`` here).
+Exit code 0 when every streamed run was bit-identical to the resident run, 1 if not, 2 on
+a bad config.
 
 The YAML (see ``configs/evals/offload.yaml``)::
 
@@ -295,7 +298,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="output directory (default: <output_dir>/<name>)")
     ap.add_argument("--tokens", type=int, help="override tokens")
     args = ap.parse_args(argv)
-    c = load_sweep_config(args.config)
+    try:
+        c = load_sweep_config(args.config)
+    except (ValueError, OSError) as e:
+        print(f"offload sweep: config error: {e}", file=sys.stderr)
+        return 2
     if args.tokens:
         c["tokens"] = args.tokens
     out = Path(args.out) if args.out else Path(c["output_dir"]) / c["name"]
