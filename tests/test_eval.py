@@ -457,3 +457,45 @@ def test_runner_key_hands_the_config_to_its_module(tmp_path, monkeypatch, capsys
     assert cli_main(["--list"]) == 0
     assert "default" in capsys.readouterr().out.split()
     assert cli_main(["--help"]) == 0
+
+
+def test_reference_matches_transformers_deepseek_v3_moe(rng):
+    """Sigmoid scores, selection bias, top-2-sum group limit, renorm + 1e-20, x2.5 scaling and a
+    shared expert: the HF DeepseekV3MoE module (float64, router in float32 as HF computes it)."""
+    import torch
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Config, DeepseekV3MoE
+
+    d, f, e, k = 32, 16, 16, 4
+    hcfg = DeepseekV3Config(hidden_size=d, moe_intermediate_size=f, n_routed_experts=e, num_experts_per_tok=k,
+                            n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                            norm_topk_prob=True, hidden_act="silu")
+    mod = DeepseekV3MoE(hcfg).double().eval()
+    t = lambda *s: torch.tensor(rng.standard_normal(s) / np.sqrt(s[-1]), dtype=torch.float64)  # noqa: E731
+    with torch.no_grad():
+        mod.gate.weight.copy_(t(e, d).float())
+        mod.gate.e_score_correction_bias.copy_(torch.tensor(rng.standard_normal(e) * 0.2, dtype=torch.float32))
+        mod.experts.gate_up_proj.copy_(t(e, 2 * f, d))
+        mod.experts.down_proj.copy_(t(e, d, f))
+        for lin in (mod.shared_experts.gate_proj, mod.shared_experts.up_proj, mod.shared_experts.down_proj):
+            lin.weight.copy_(t(*lin.weight.shape))
+    x = rng.standard_normal((11, d))
+    with torch.no_grad():
+        y_hf = mod(torch.tensor(x)[None]).numpy()[0]
+    gu = mod.experts.gate_up_proj.detach().numpy()
+    sh = mod.shared_experts
+    params = MoEParams(
+        w_router=mod.gate.weight.detach().double().numpy().T,
+        experts=ExpertWeights(gu[:, :f, :].transpose(0, 2, 1), gu[:, f:, :].transpose(0, 2, 1),
+                              mod.experts.down_proj.detach().numpy().transpose(0, 2, 1)),
+        selection_bias=mod.gate.e_score_correction_bias.detach().double().numpy(),
+        shared=SharedWeights(sh.gate_proj.weight.detach().numpy().T, sh.up_proj.weight.detach().numpy().T,
+                             sh.down_proj.weight.detach().numpy().T))
+    cfg = shrink_config(jaxmoe.load_config("deepseek-v3"), load_eval_config("presets-sweep").model.shrink)
+    cfg = dataclasses.replace(cfg, d_model=d, expert_dim=f, shared_expert_dim=f,
+                              router=dataclasses.replace(cfg.router, top_k=k, n_group=4, topk_group=2))
+    assert cfg.router.score_fn == "sigmoid" and cfg.router.renorm == "add" and cfg.router.routed_scaling_factor == 2.5
+    with torch.no_grad():
+        _, _, hf_ids = mod.gate(torch.tensor(x))
+    y, r = reference_forward(params, x, cfg)
+    np.testing.assert_array_equal(np.sort(r.expert_ids, -1), np.sort(hf_ids.numpy(), -1))
+    assert M.errors(y, y_hf)["rel"] < 1e-6  # HF's router runs in float32
