@@ -67,7 +67,8 @@ def render_markdown(res: dict[str, Any], plots: list[str]) -> str:
     lines = [
         f"# jaxmoe eval: {res['name']}", "",
         *([res["description"], ""] if res["description"] else []),
-        f"- config: `{res['config_file']}`" + (f" with `--set {' '.join(res['overrides'])}`" if res["overrides"] else ""),
+        f"- config: `{res['config_file']}`"
+        + (f" with `--set {' '.join(res['overrides'])}`" if res["overrides"] else ""),
         f"- started {res['started_utc']}, wall time {_v(res['wall_time']):.1f} s",
         f"- device: {env['platform']} ({env['device_kind']}, {env['device_count']} device(s)), "
         f"{env['host_cpus']} host CPUs, jax {env['jax']}, jaxmoe {env['jaxmoe']}",
@@ -98,7 +99,7 @@ def render_markdown(res: dict[str, Any], plots: list[str]) -> str:
             f"{_v(s['load_entropy']):.2f} / {_v(s['load_entropy_max']):.2f}",
             f"{_v(s['routing_entropy']):.3f} / {_v(s['routing_entropy_max']):.3f}",
             _fmt(_v(s["mean_top1_weight"])), _fmt(_v(s["shared_gate_mean"])),
-            f"{(_v(lay['weight_bytes']['experts']) + _v(lay['weight_bytes']['shared']) + _v(lay['weight_bytes']['router'])) / 1e6:.1f}",
+            f"{sum(_v(lay['weight_bytes'][k]) for k in ('experts', 'shared', 'router')) / 1e6:.1f}",
             f"{_v(lay['reference']['time']):.2f}",
         ])
     lines += [_md_table(hdr, rows), ""]
@@ -125,10 +126,12 @@ def summary_table(res: dict[str, Any]) -> Table:
                 impl, _, rest = case.partition("/")
                 case = f"{impl}({r['resolved_impl']})/{rest}"
             if r["status"] != "ok":
-                tab.add_row(case, str(r["tokens"]), *["-"] * 5, r["status"], style="dim" if r["status"] == "skipped" else "red")
+                tab.add_row(case, str(r["tokens"]), *["-"] * 5, r["status"],
+                            style="dim" if r["status"] == "skipped" else "red")
                 continue
-            tab.add_row(case, str(r["tokens"]), _fmt(_v(r["rel_error"]), ".2g"), _fmt(_v(r["routing_agreement"]), ".2f"),
-                        _ms(r["time_median"]), _fmt(_v(r["tokens_per_s"]), ".0f"), _fmt(_v(r["bandwidth"]), ".2g"),
+            tab.add_row(case, str(r["tokens"]), _fmt(_v(r["rel_error"]), ".2g"),
+                        _fmt(_v(r["routing_agreement"]), ".2f"),
+                        _ms(r["time_median"]), _fmt(_v(r["tokens_per_s"]), ".0f" if _v(r["tokens_per_s"]) >= 10 else ".2g"), _fmt(_v(r["bandwidth"]), ".2g"),
                         "pass" if r["passed"] else "FAIL", style=None if r["passed"] else "red")
         tab.add_section()
     return tab

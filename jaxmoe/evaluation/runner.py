@@ -93,7 +93,8 @@ def _layer_stats(spec: LayerSpec, params, xs: np.ndarray, heat_tokens: int) -> d
         "routing_entropy": M.quantity(M.routing_entropy(r.scores), "nats (mean per token)"),
         "routing_entropy_max": M.quantity(float(np.log(cfg.num_experts)), "nats"),
         "mean_top1_weight": M.quantity(M.mean_top1_weight(r.weights), "weight"),
-        "shared_gate_mean": M.quantity(gate_mean, "sigmoid gate" if gate_mean is not None else "none (no gated shared expert)"),
+        "shared_gate_mean": M.quantity(
+            gate_mean, "sigmoid gate" if gate_mean is not None else "none (no gated shared expert)"),
         "sample": {"tokens": h, "expert_ids": r.expert_ids[:h].tolist(), "weights": r.weights[:h].tolist()},
     }
 
