@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -102,8 +101,7 @@ def np_drops(ids, n_e, n_tok, el, c):
 
 
 PARITY = [("qwen3.6-35b-a3b", (8, 1)), ("qwen3.6-35b-a3b", (4, 2)), ("qwen3.6-35b-a3b", (2, 4)),
-          ("deepseek-v3", (8, 1)), ("deepseek-v3", (2, 4)), ("mixtral-8x7b", (4, 2)), ("gpt-oss-20b", (8, 1)),
-          ("gpt-oss-20b", (4, 2))]
+          ("deepseek-v3", (8, 1)), ("mixtral-8x7b", (4, 2)), ("gpt-oss-20b", (2, 4))]
 
 
 @pytest.mark.parametrize("preset,mesh_shape", PARITY, ids=[f"{p}-{m[0]}x{m[1]}" for p, m in PARITY])
@@ -291,10 +289,9 @@ def test_block_with_mesh_and_explicit_mesh(rng):
     chex.assert_shape(y, x.shape)
     np.testing.assert_array_equal(np.asarray(r.expert_ids), np.asarray(r1.expert_ids))
     np.testing.assert_allclose(np.asarray(y), np.asarray(y1), **TOL)
-    rngs_block = jaxmoe.MoEBlock(cfg, rngs=nnx.Rngs(3), impl="auto", mesh=parallel.make_mesh(8))
-    y2 = rngs_block(x)
-    np.testing.assert_allclose(np.asarray(y2), np.asarray(single(rngs_block.params(), x, cfg, "dense")[0]),
-                               **TOL)
+    # impl="auto": the grouped path (``xla`` once registered) runs inside shard_map
+    y2 = jaxmoe.MoEBlock(cfg, params=p, impl="auto", mesh=parallel.make_mesh(8))(x)
+    np.testing.assert_allclose(np.asarray(y2), np.asarray(y1), **TOL)
 
 
 def test_inside_user_jit(rng):
@@ -334,7 +331,7 @@ def test_errors_name_the_fault(rng):
         parallel.make_mesh(4, 4)
 
 
-@settings(max_examples=8)
+@settings(max_examples=6)
 @given(t=st.integers(1, 12), k=st.integers(1, 4), n=st.sampled_from([1, 2, 4]), el=st.integers(1, 3),
        c=st.integers(1, 8), seed=st.integers(0, 2**31 - 1))
 def test_plan_matches_numpy(t, k, n, el, c, seed):
