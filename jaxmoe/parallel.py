@@ -47,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmoe import backends
 from jaxmoe.config import MoEConfig, RouterConfig
-from jaxmoe.experts import ExpertWeights, shared_expert
+from jaxmoe.experts import shared_expert
 from jaxmoe.layer import MoEParams
 from jaxmoe.routing import Routing, route, router_logits
 
