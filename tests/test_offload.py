@@ -314,8 +314,7 @@ def test_missing_and_wrong_size_expert_tensors(cfg, rng, tmp_path):
     with pytest.raises(ValueError, match=r"layer 0, expert 6: tensor experts\.6\.w_gate\.qdata .*wrong size"):
         s.load_expert(0, 6)
     # GGUF: a missing expert tensor, a wrong shape, non-finite scales
-    layers2 = [(r, dataclasses.replace(ew)) for r, ew in layers]
-    g = write_gguf_store(tmp_path / "g.gguf", cfg, layers2, qtype="Q8_0")
+    g = write_gguf_store(tmp_path / "g.gguf", cfg, layers, qtype="Q8_0")
     del g._tensors["blk.1.ffn_up_exps.weight"]
     with pytest.raises(ValueError, match=r"layer 1, expert 2: tensor blk\.1\.ffn_up_exps\.weight is missing"):
         g.load_expert(1, 2)
