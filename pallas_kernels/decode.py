@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.common import Activation
-from pallas_kernels.gmm import _fit_k
+from pallas_kernels.gmm import fit_block_k
 from pallas_kernels.quant import WeightLayout, dequantize_reference, load_tile, tile_matvec, weight_operands
 
 _HI = jax.lax.Precision.HIGHEST
@@ -147,7 +147,7 @@ def decode_gate_up(x, expert_ids, w_gate, w_up, b_gate=None, b_up=None, row_scal
         common.check_array("decode_gate_up: row_scale", row_scale, (t * k,), kinds="float")
     common.check_blocks("decode_gate_up", block_n=block_n, block_k=block_k)
     common.check_out("decode_gate_up", out, (t * k, lg.n), x.dtype)
-    spec = PairSpec(pairs=t * k, top_k=k, k=x.shape[1], n=lg.n, block_n=block_n, block_k=_fit_k(block_k, [lg, lu]),
+    spec = PairSpec(pairs=t * k, top_k=k, k=x.shape[1], n=lg.n, block_n=block_n, block_k=fit_block_k(block_k, [lg, lu]),
                     layouts=(lg, lu), gather=True, scale="input" if row_scale is not None else "none",
                     has_bias=b_gate is not None, act=Activation(activation, alpha, limit),
                     compute_dtype=x.dtype.name, out_dtype=x.dtype.name, num_warps=num_warps, num_stages=num_stages)
@@ -183,7 +183,7 @@ def decode_down(h, expert_ids, w_down, b_down=None, row_scale=None, out=None, *,
     common.check_blocks("decode_down", block_n=block_n, block_k=block_k)
     odt = jnp.dtype(out_dtype)
     common.check_out("decode_down", out, (t * k, lay.n), odt)
-    spec = PairSpec(pairs=t * k, top_k=k, k=h.shape[1], n=lay.n, block_n=block_n, block_k=_fit_k(block_k, [lay]),
+    spec = PairSpec(pairs=t * k, top_k=k, k=h.shape[1], n=lay.n, block_n=block_n, block_k=fit_block_k(block_k, [lay]),
                     layouts=(lay,), gather=False, scale="output" if row_scale is not None else "none",
                     has_bias=b_down is not None, act=None, compute_dtype=h.dtype.name, out_dtype=odt.name,
                     num_warps=num_warps, num_stages=num_stages)

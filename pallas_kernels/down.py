@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
-from pallas_kernels.gmm import GroupedSpec, _fit_k, check_plan, grouped_call, row_experts
+from pallas_kernels.gmm import GroupedSpec, fit_block_k, check_plan, grouped_call, row_experts
 from pallas_kernels.quant import dequantize_reference, weight_operands
 
 _HI = jax.lax.Precision.HIGHEST
@@ -48,12 +48,12 @@ def down_project(h, group_offsets, tile_group, tile_row, num_tiles, w_down, b_do
     """
     lay, arrs = _check("down_project", h, w_down, b_down, row_scale)
     p = h.shape[0]
-    check_plan("down_project", p, lay.num_experts, tile_group, tile_row, group_offsets, num_tiles)
+    check_plan("down_project", lay.num_experts, tile_group, tile_row, group_offsets, num_tiles)
     common.check_blocks("down_project", block_m=block_m, block_n=block_n, block_k=block_k)
     odt = jnp.dtype(out_dtype)
     common.check_out("down_project", out, (p, lay.n), odt)
     spec = GroupedSpec(rows=p, k=h.shape[1], n=lay.n, block_m=block_m, block_n=block_n,
-                       block_k=_fit_k(block_k, [lay]), layouts=(lay,), gather=False,
+                       block_k=fit_block_k(block_k, [lay]), layouts=(lay,), gather=False,
                        scale="output" if row_scale is not None else "none", has_bias=b_down is not None, act=None,
                        compute_dtype=h.dtype.name, out_dtype=odt.name, num_warps=num_warps, num_stages=num_stages)
     return grouped_call(spec, tile_group, tile_row, group_offsets, num_tiles, None, row_scale, h, [arrs],

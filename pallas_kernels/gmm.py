@@ -153,16 +153,17 @@ def grouped_call(spec: GroupedSpec, tile_group, tile_row, group_offsets, num_til
         interpret=interpret, debug=debug, name="jaxmoe_gmm")(*args)
 
 
-def check_plan(where: str, rows: int, num_experts: int, tile_group, tile_row, group_offsets, num_tiles) -> None:
+def check_plan(where: str, num_experts: int, tile_group, tile_row, group_offsets, num_tiles) -> None:
+    """ValueError unless the plan arrays have the shapes of a plan over ``num_experts``."""
     common.check_array(f"{where}: tile_group", tile_group, (None,), kinds="int")
     common.check_array(f"{where}: tile_row", tile_row, (tile_group.shape[0],), kinds="int")
     common.check_array(f"{where}: group_offsets", group_offsets, (num_experts + 1,), kinds="int")
     if jnp.size(num_tiles) != 1:
         raise ValueError(f"{where}: num_tiles must be a scalar, got shape {jnp.shape(num_tiles)}")
-    del rows
 
 
-def _fit_k(block_k: int, layouts) -> int:
+def fit_block_k(block_k: int, layouts) -> int:
+    """``block_k`` raised to a whole quantization group of every weight layout."""
     need = max(lay.min_block_k() for lay in layouts)
     return max(block_k, need)
 
@@ -188,11 +189,11 @@ def gmm(lhs, rhs, group_offsets, tile_group, tile_row, num_tiles, out=None, *, b
     common.check_array("gmm: lhs", lhs, (None, None), kinds="float")
     p, k = lhs.shape
     lay, arrs = weight_operands(rhs, "gmm: rhs", k=k)
-    check_plan("gmm", p, lay.num_experts, tile_group, tile_row, group_offsets, num_tiles)
+    check_plan("gmm", lay.num_experts, tile_group, tile_row, group_offsets, num_tiles)
     common.check_blocks("gmm", block_m=block_m, block_n=block_n, block_k=block_k)
     odt = jnp.dtype(out_dtype or lhs.dtype)
     common.check_out("gmm", out, (p, lay.n), odt)
-    spec = GroupedSpec(rows=p, k=k, n=lay.n, block_m=block_m, block_n=block_n, block_k=_fit_k(block_k, [lay]),
+    spec = GroupedSpec(rows=p, k=k, n=lay.n, block_m=block_m, block_n=block_n, block_k=fit_block_k(block_k, [lay]),
                        layouts=(lay,), gather=False, scale="none", has_bias=False, act=None,
                        compute_dtype=lhs.dtype.name, out_dtype=odt.name, num_warps=num_warps, num_stages=num_stages)
     return grouped_call(spec, tile_group, tile_row, group_offsets, num_tiles, None, None, lhs, [arrs], None, out,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import common
 from pallas_kernels.common import Activation
-from pallas_kernels.gmm import GroupedSpec, _fit_k, check_plan, grouped_call, row_experts
+from pallas_kernels.gmm import GroupedSpec, fit_block_k, check_plan, grouped_call, row_experts
 from pallas_kernels.quant import dequantize_reference, weight_operands
 
 _HI = jax.lax.Precision.HIGHEST
@@ -60,11 +60,11 @@ def gate_up_swiglu(x, token_idx, group_offsets, tile_group, tile_row, num_tiles,
     """
     (lg, ag), (lu, au) = _check("gate_up_swiglu", x, token_idx, w_gate, w_up, b_gate, b_up, row_scale)
     p = token_idx.shape[0]
-    check_plan("gate_up_swiglu", p, lg.num_experts, tile_group, tile_row, group_offsets, num_tiles)
+    check_plan("gate_up_swiglu", lg.num_experts, tile_group, tile_row, group_offsets, num_tiles)
     common.check_blocks("gate_up_swiglu", block_m=block_m, block_n=block_n, block_k=block_k)
     common.check_out("gate_up_swiglu", out, (p, lg.n), x.dtype)
     spec = GroupedSpec(rows=p, k=x.shape[1], n=lg.n, block_m=block_m, block_n=block_n,
-                       block_k=_fit_k(block_k, [lg, lu]), layouts=(lg, lu), gather=True,
+                       block_k=fit_block_k(block_k, [lg, lu]), layouts=(lg, lu), gather=True,
                        scale="input" if row_scale is not None else "none", has_bias=b_gate is not None,
                        act=Activation(activation, alpha, limit), compute_dtype=x.dtype.name, out_dtype=x.dtype.name,
                        num_warps=num_warps, num_stages=num_stages)

@@ -325,16 +325,27 @@ def _quantize(ew, how):
     return dataclasses.replace(ew, w_gate=qf(ew.w_gate), w_up=qf(ew.w_up), w_down=qf(ew.w_down))
 
 
+DECODE_TOO = ("gpt-oss-20b", "deepseek-v3", "qwen3.6-35b-a3b")
+
+
 @pytest.mark.parametrize("name", jaxmoe.list_presets())
 def test_block_pallas_equals_dense(rng, name):
+    """Every preset family (shrunk), quantized or not: grouped kernels (T * k = 96) and,
+    for three families, the decode kernels (T * k = 24); one jit per path."""
     cfg = _shrink(name)
     params = jaxmoe.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))))
     how = ("none", "int8", "int4")[sum(map(ord, name)) % 3]
     params = dataclasses.replace(params, experts=_quantize(params.experts, how))
-    for t in (2, 27):  # decode kernels, grouped kernels
-        x = jnp.asarray(rng.standard_normal((t, cfg.d_model)), jnp.float32)
-        y, r = jaxmoe.moe_apply(params, x, cfg, impl="pallas", return_routing=True)
-        want = jaxmoe.moe_apply(params, x, cfg, impl="dense", routing=r)
+
+    @jax.jit
+    def both(p, x):
+        y, r = jaxmoe.moe_apply(p, x, cfg, impl="pallas", return_routing=True)
+        return y, jaxmoe.moe_apply(p, x, cfg, impl="dense", routing=r)
+
+    for pairs in (96, 24) if name in DECODE_TOO else (96,):
+        t = pairs // cfg.top_k
+        assert t * cfg.top_k == pairs
+        y, want = both(params, jnp.asarray(rng.standard_normal((t, cfg.d_model)), jnp.float32))
         assert_close(y, want, jnp.float32, f"{name} {how} T={t}")
 
 
@@ -380,8 +391,8 @@ def test_block_bf16_pallas(rng):
     cfg = _shrink("mixtral-8x7b", e=8)
     block = jaxmoe.MoEBlock(cfg, rngs=nnx.Rngs(3), impl="pallas", dtype=jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((40, cfg.d_model)), jnp.bfloat16)
-    y, r = block(x, return_routing=True)
-    want = jaxmoe.moe_apply(block.params(), x, cfg, impl="dense", routing=r)
+    y, r = nnx.jit(lambda b, a: b(a, return_routing=True))(block, x)
+    want = jax.jit(lambda p, a, rr: jaxmoe.moe_apply(p, a, cfg, impl="dense", routing=rr))(block.params(), x, r)
     assert y.dtype == jnp.bfloat16
     assert_close(y, want, jnp.bfloat16, "bf16 block")
 
@@ -424,3 +435,28 @@ def test_bad_arguments_raise_value_error(rng):
         decode_down(jnp.zeros((7, f)), ids, jnp.swapaxes(wg, 1, 2), interpret=True)
     with pytest.raises(ValueError, match="inv"):
         combine(jnp.zeros((10, d)), jnp.zeros((9,), jnp.int32), 2)
+
+
+# ---------------------------------------------------------------- GPU script plumbing
+
+
+def test_gpu_bench_dry_run(tmp_path):
+    """benchmarks/gpu_bench.py end to end on CPU (interpret mode, tiny shapes)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bench.py"
+    spec = importlib.util.spec_from_file_location("gpu_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rc = mod.main(["--dry-run", "--out", str(tmp_path), "--shapes", "qwen3.6", "--kinds", "q8_0", "--tokens", "4",
+                   "--check-limit", "1"])
+    assert rc == 0
+    checks = json.loads((tmp_path / "check.json").read_text())
+    assert len(checks) == 1 and checks[0]["ok"] and checks[0]["rel_err_vs_dense"] < 1e-3
+    res = json.loads((tmp_path / "bench.json").read_text())
+    timed = {r["impl"]: r for r in res["rows"] if "ms" in r}
+    assert {"pallas", "ragged_dot"} <= set(timed), res["rows"]
+    assert all(r["ms"] > 0 and r["bytes"] > 0 and r["flops"] == 2 * 3 * 4 * 2 * 64 * 32 for r in timed.values())
+    assert "| qwen3.6 | q8_0 | 4 | pallas |" in (tmp_path / "bench.md").read_text()
