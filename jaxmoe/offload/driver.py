@@ -86,8 +86,9 @@ class OffloadConfig:
     """One streaming configuration.
 
     Attributes:
-      budget_bytes: device cache budget for routed experts (the step's working set of
-        ``k`` experts is separate).
+      budget_bytes: device cache budget for routed experts. Outside it: the step's
+        working set (its ``k`` experts) and the staged prefetches (at most ``2 * prefetch_k``
+        experts, see `jaxmoe.offload.prerouter.Prefetcher`).
       policy: ``lru`` or ``lfu``.
       scope: ``global`` (one cache) or ``per_layer`` (budget split evenly).
       prefetch_k: experts predicted per layer (default: top_k).
@@ -143,6 +144,7 @@ class OffloadStats:
     peak_cache_bytes: int
     expert_bytes: int
     prefetch_errors: list[str]
+    peak_staged_bytes: int = 0
 
     def total(self) -> FetchStats:
         t = FetchStats()
@@ -169,6 +171,7 @@ class OffloadStats:
                  tokens_per_s=self.tokens / self.seconds if self.seconds > 0 else None,
                  budget_bytes=self.budget_bytes, peak_cache_bytes=self.peak_cache_bytes,
                  expert_bytes=self.expert_bytes, prefetch_errors=len(self.prefetch_errors),
+                 peak_staged_bytes=self.peak_staged_bytes,
                  per_layer=[self.summarize(s, self.tokens) for s in self.layers])
         return d
 
@@ -330,12 +333,16 @@ class OffloadedModel:
                             raise ValueError(f"predictor {getattr(predictor, 'name', predictor)!r} returned expert "
                                              f"ids outside [0, {E}) for layer {tl}: {pred.tolist()}")
                         preds[(tt, tl)] = pred
-                        pf.request(tl, pred)
+                        if tl != l:  # (a one-layer model predicts its own next step: request after release)
+                            pf.request(tl, pred)
                     needed, padded, local = self.compact(ids, n_pad)
                     protect = [(l, int(e)) for e in needed]
                     dev = {int(e): pf.fetch((l, int(e)), stats[l], protect) for e in needed}
                     h = compact_step(self.resident[l], [dev[int(e)] for e in padded], h, xn,
                                      Routing(jnp.asarray(local), r.weights), self.cfg, self.impl)
+                    pf.release(l)
+                    if L == 1 and (t + 1, 0) in preds:
+                        pf.request(0, preds[(t + 1, 0)])
                     peak = max(peak, cache.used_bytes)
                     if on_step is not None:
                         on_step(t, l, cache)
@@ -346,5 +353,5 @@ class OffloadedModel:
         for l in range(L):
             stats[l].bytes_prefetch = pf.bytes_prefetch.get(l, 0)
         ost = OffloadStats(stats, n, seconds, ocfg.budget_bytes, max(peak, cache.peak_bytes),
-                           self.store.expert_nbytes(0), pf.prefetch_errors)
+                           self.store.expert_nbytes(0), pf.prefetch_errors, pf.peak_staged_bytes)
         return RunResult(outs, ids_all, hid, seconds), ost

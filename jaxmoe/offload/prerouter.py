@@ -19,9 +19,13 @@ Built-in predictors (`make_predictor` names):
 - ``oracle``: reads the true routing from a trace (an upper bound; tests and sweeps).
 
 `Prefetcher` loads predicted experts in a background thread: read from the store,
-``jax.device_put``, wait until ready, insert into the cache (as a non-access). The
-decode loop takes an expert with `Prefetcher.fetch`: a cache hit, a wait on an
-in-flight prefetch, or a synchronous load.
+``jax.device_put``, wait until ready, insert into the cache (as a non-access). A
+prefetched expert the cache has no room for is *staged*: held outside the budget until
+the step of the layer it was predicted for has run (`Prefetcher.release`), so at most
+two layers' predictions (``2 m`` experts) are staged at once; this is the double buffer
+that makes prefetching useful when the budget holds (almost) nothing. The decode loop
+takes an expert with `Prefetcher.fetch`: ready on device (cache or staged: a hit), a wait
+on an in-flight prefetch (late), or a synchronous load (miss).
 """
 
 from __future__ import annotations
@@ -333,7 +337,7 @@ class FetchStats:
     """Counters of one layer (or of all layers)."""
 
     needed: int = 0
-    hits: int = 0      # in the cache when needed
+    hits: int = 0      # ready on device when needed (in the cache, or staged by a finished prefetch)
     late: int = 0      # prefetch still in flight when needed (waited for)
     misses: int = 0    # loaded synchronously
     wait_s: float = 0.0
@@ -366,19 +370,26 @@ class Prefetcher:
         self._lock = threading.Lock()
         self.bytes_prefetch: dict[int, int] = {}
         self.prefetch_errors: list[str] = []
+        self._staged: dict[tuple[int, int], tuple] = {}
+        self._pending: set[tuple[int, int]] = set()  # requested, layer step not yet released
+        self.staged_bytes = 0
+        self.peak_staged_bytes = 0
 
     def _load(self, key, *, access: bool, protect=()):
         host = self.store.load_expert(*key)
         dev = jax.block_until_ready(self.put(host))
         nb = expert_nbytes(host)
-        self.cache.insert(key, dev, nb, access=access, protect=protect)
-        return dev, nb
+        return dev, nb, self.cache.insert(key, dev, nb, access=access, protect=protect)
 
     def _job(self, key):
         try:
-            dev, nb = self._load(key, access=False)
+            dev, nb, cached = self._load(key, access=False)
             with self._lock:
                 self.bytes_prefetch[key[0]] = self.bytes_prefetch.get(key[0], 0) + nb
+                if not cached and key in self._pending:  # no room in the cache: hold it for its layer's step
+                    self._staged[key] = (dev, nb)
+                    self.staged_bytes += nb
+                    self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
             return dev
         except Exception as e:
             self.prefetch_errors.append(str(e))
@@ -392,8 +403,9 @@ class Prefetcher:
         for e in experts:
             key = (int(layer), int(e))
             with self._lock:
-                if key in self._inflight or key in self.cache:
+                if key in self._inflight or key in self._staged or key in self.cache:
                     continue
+                self._pending.add(key)
                 if self.asynchronous:
                     self._inflight[key] = self._pool.submit(self._job, key)
                     continue
@@ -413,16 +425,30 @@ class Prefetcher:
             stats.wait_s += time.perf_counter() - t0
             stats.late += 1
             return dev
+        with self._lock:
+            staged = self._staged.pop(key, None)
+            if staged is not None:
+                self.staged_bytes -= staged[1]
+        if staged is not None:
+            stats.hits += 1
+            return staged[0]
         dev = self.cache.lookup(key)
         if dev is not None:
             stats.hits += 1
             return dev
         t0 = time.perf_counter()
-        dev, nb = self._load(key, access=True, protect=protect)
+        dev, nb, _ = self._load(key, access=True, protect=protect)
         stats.wait_s += time.perf_counter() - t0
         stats.misses += 1
         stats.bytes_sync += nb
         return dev
+
+    def release(self, layer: int) -> None:
+        """Drops staged prefetches of ``layer`` (its step is done: they were mispredictions)."""
+        with self._lock:
+            self._pending = {k for k in self._pending if k[0] != layer}
+            for key in [k for k in self._staged if k[0] == layer]:
+                self.staged_bytes -= self._staged.pop(key)[1]
 
     def drain(self) -> None:
         """Waits for every in-flight prefetch (errors stay in ``prefetch_errors``)."""
