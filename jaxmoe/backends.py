@@ -17,7 +17,8 @@ ImplFn = Callable[..., jax.Array]
 
 _IMPLS: dict[str, ImplFn] = {}
 
-#: Token-pair count (T * k) at or below which ``auto`` takes the ``gather`` path.
+#: Token-pair count (T * k) at or below which ``auto`` takes the ``gather`` path off
+#: GPU (measured crossover against ``xla``, benchmarks/README.md).
 GATHER_MAX_PAIRS = 16
 
 INTEL_PLATFORMS = ("oneapi", "sycl", "xpu")
@@ -37,17 +38,27 @@ def default_platform() -> str:
 
 
 def resolve_impl(impl: str, num_pairs: int | None = None, platform: str | None = None) -> str:
-    """The concrete implementation name for ``impl`` (``auto`` resolved)."""
+    """The concrete implementation name for ``impl`` (``auto`` resolved).
+
+    ``auto``: ``pallas`` on CUDA / ROCm (its kernels have their own decode path);
+    elsewhere (CPU, Intel GPUs through the oneAPI PJRT plugin, anything else)
+    ``gather`` for at most `GATHER_MAX_PAIRS` token pairs ``T * k``, else ``xla``.
+    Forcing ``pallas`` on an Intel platform raises ValueError: Pallas's Triton
+    backend lowers only for CUDA and ROCm.
+    """
     _load_optional()
+    platform = platform or default_platform()
     if impl != "auto":
         if impl not in _IMPLS:
             raise ValueError(f"unknown impl {impl!r}; available: {available_impls()}")
+        if impl == "pallas" and platform in INTEL_PLATFORMS:
+            raise ValueError(f"impl='pallas' cannot lower on platform {platform!r}: Pallas's Triton backend "
+                             f"targets CUDA and ROCm only; use impl='xla' (or 'auto') there")
         return impl
-    platform = platform or default_platform()
-    if num_pairs is not None and num_pairs <= GATHER_MAX_PAIRS:
-        return "gather"
     if platform in PALLAS_PLATFORMS and "pallas" in _IMPLS:
         return "pallas"
+    if num_pairs is not None and num_pairs <= GATHER_MAX_PAIRS:
+        return "gather"
     if "xla" in _IMPLS:
         return "xla"
     return "dense"

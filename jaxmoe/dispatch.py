@@ -17,6 +17,7 @@ No ``[T, E, ...]`` array is ever formed; the only expert-sized arrays are ``[E]`
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +88,11 @@ def plan_dispatch(expert_ids: jax.Array, num_experts: int, block_m: int) -> Disp
         raise ValueError(f"plan_dispatch: num_experts must be a positive int, got {num_experts!r}")
     if not isinstance(block_m, int) or block_m < 1:
         raise ValueError(f"plan_dispatch: block_m must be a positive int, got {block_m!r}")
+    return _plan(expert_ids, num_experts=num_experts, block_m=block_m)
+
+
+@functools.partial(jax.jit, static_argnames=("num_experts", "block_m"))
+def _plan(expert_ids: jax.Array, num_experts: int, block_m: int) -> DispatchPlan:
     t, k = expert_ids.shape
     p = t * k
     e = num_experts

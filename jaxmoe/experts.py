@@ -16,6 +16,7 @@ the pure-jnp references every faster path is tested against.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -158,28 +159,41 @@ def experts_dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoECon
     return y.sum(axis=1)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
 def experts_gather(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
-    """Per token, the k selected experts only (weights gathered). ``x [T, d]`` -> ``[T, d]`` float32.
+    """Per (token, slot) pair, its selected expert only. ``x [T, d]`` -> ``[T, d]`` float32.
 
-    Memory ``O(T * k * d * F)``: the decode path for a handful of tokens.
+    A loop over the ``T * k`` pairs in order; each step takes one expert's weights
+    (dequantizing a quantized one) and runs its SwiGLU on one row, so memory is
+    ``O(d * F)`` and no ``[T, k, d, F]`` copy is made: the decode path for a handful
+    of tokens. Slots are summed per token in slot order.
     """
     dt = x.dtype
     ids, w = routing.expert_ids, routing.weights
-    sub = ew.take(ids)  # leaves [T, k, ...]
-    wg, wu, wd = (materialize(a, dt) for a in (sub.w_gate, sub.w_up, sub.w_down))
-    xin = x[:, None, :]
+    t, k = ids.shape
+    p = t * k
+    xin = jnp.broadcast_to(x[:, None, :], (t, k, x.shape[1]))
     if cfg.weight_on_input:
         xin = (xin.astype(jnp.float32) * w[..., None]).astype(dt)
-    xin = jnp.broadcast_to(xin, (x.shape[0], ids.shape[1], x.shape[1]))
-    g = mm("tkd,tkdf->tkf", xin, wg)
-    u = mm("tkd,tkdf->tkf", xin, wu)
-    if sub.b_gate is not None:
-        g = g + sub.b_gate.astype(jnp.float32)
-        u = u + sub.b_up.astype(jnp.float32)
-    h = activation(g, u, cfg).astype(dt)
-    y = mm("tkf,tkfd->tkd", h, wd)
-    if sub.b_down is not None:
-        y = y + sub.b_down.astype(jnp.float32)
+    xin = xin.reshape(p, 1, x.shape[1])  # [P, 1, d]
+    flat = ids.reshape(p)
+
+    def pair(i, ys):
+        one = ew.take(flat[i])  # this pair's expert: w_gate [d, F], w_up [d, F], w_down [F, d]
+        wg, wu, wd = (materialize(a, dt) for a in (one.w_gate, one.w_up, one.w_down))
+        xi = xin[i]  # [1, d]
+        g = mm("td,df->tf", xi, wg)
+        u = mm("td,df->tf", xi, wu)
+        if one.b_gate is not None:
+            g = g + one.b_gate.astype(jnp.float32)
+            u = u + one.b_up.astype(jnp.float32)
+        h = activation(g, u, cfg).astype(dt)
+        y = mm("tf,fd->td", h, wd)
+        if one.b_down is not None:
+            y = y + one.b_down.astype(jnp.float32)
+        return jax.lax.dynamic_update_slice_in_dim(ys, y, i, axis=0)
+
+    ys = jax.lax.fori_loop(0, p, pair, jnp.zeros((p, x.shape[1]), jnp.float32)).reshape(t, k, -1)
     if not cfg.weight_on_input:
-        y = y * w[..., None]
-    return y.sum(axis=1)
+        ys = ys * w[..., None]
+    return ys.sum(axis=1)

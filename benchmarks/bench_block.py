@@ -1,0 +1,220 @@
+"""Side-by-side CPU timing of one full Qwen3.6-35B-A3B MoE layer (router + 256 routed
+experts top-8 + sigmoid-gated shared expert, d 2048, width 512, float32).
+
+Times jaxmoe ``auto``, ``xla``, ``gather``, ``ragged_dot``, ``dense`` and the Hugging Face
+``Qwen3_5MoeSparseMoeBlock`` (torch CPU, 2 threads) on the same random weights (outputs
+are checked to agree before timing), and prints ms per implementation, ratios against
+HF and against ``xla``, and two floors measured on this machine:
+
+- memory floor: bytes of the weights the layer must read (distinct experts the routing
+  touched, the shared expert and the router) / stream bandwidth of a large array copy;
+- arithmetic floor: the layer's FLOPs / the rate of a plain [2048,2048]@[2048,2048] dot.
+
+Each repeat uses a fresh input (fresh routing), so the selected experts are not all
+cache-resident; the table shows the best of ``--repeats`` runs (the machine is shared).
+
+    python benchmarks/bench_block.py                      # full layer, ~3.2 GB of f32 weights (+3.2 GB for HF)
+    python benchmarks/bench_block.py --tokens 1,8 --impls xla,gather,hf
+    python benchmarks/bench_block.py --quick              # 32 experts, T in {1, 8, 64}: a smoke run
+    XLA_FLAGS=--xla_cpu_use_onednn=true python benchmarks/bench_block.py --impls xla
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxmoe
+
+JAX_IMPLS = ("auto", "xla", "gather", "ragged_dot", "dense")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="1,8,64,256,1024", help="comma-separated token counts T")
+    ap.add_argument("--impls", default="hf,auto,xla,gather,ragged_dot,dense",
+                    help="comma-separated: hf and any of " + ",".join(JAX_IMPLS))
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per cell (best is shown)")
+    ap.add_argument("--quick", action="store_true", help="32 experts, T in {1, 8, 64}, 2 repeats")
+    ap.add_argument("--experts", type=int, default=None, help="override the number of experts")
+    ap.add_argument("--ragged-max-tokens", type=int, default=256,
+                    help="skip ragged_dot above this T (39 s at T=256 on a 2-core CPU)")
+    ap.add_argument("--gather-max-tokens", type=int, default=64, help="skip gather above this T")
+    ap.add_argument("--dense-max-bytes", type=float, default=2e9, help="skip dense if its [T,E,*] buffers exceed this")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads for the HF block")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.experts = a.experts or 32
+        a.tokens = "1,8,64" if a.tokens == ap.get_default("tokens") else a.tokens
+        a.repeats = min(a.repeats, 2)
+    a.tokens = [int(t) for t in a.tokens.split(",")]
+    a.impls = [i.strip() for i in a.impls.split(",") if i.strip()]
+    bad = [i for i in a.impls if i != "hf" and i not in JAX_IMPLS]
+    if bad:
+        ap.error(f"--impls: unknown {bad}; choose from hf,{','.join(JAX_IMPLS)}")
+    return a
+
+
+def best_ms(fn, inputs, repeats):
+    """Best and median wall time (ms) of ``fn(x)`` over fresh inputs; the first input warms up."""
+    jax.block_until_ready(fn(inputs[0]))
+    ts = []
+    for x in inputs[1: repeats + 1]:
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return min(ts), float(np.median(ts))
+
+
+def copy_bandwidth(nbytes=1 << 30, repeats=5) -> float:
+    """Stream bandwidth (bytes/s): read + write of a large float32 array copy."""
+    a = jnp.arange(nbytes // 4, dtype=jnp.float32)
+    f = jax.jit(lambda v: v * 1.0001)
+    ms, _ = best_ms(lambda _: f(a), [None] * (repeats + 1), repeats)
+    del a
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def matmul_rate(n=2048, repeats=5) -> float:
+    """FLOP/s of a plain ``[n, n] @ [n, n]`` float32 dot."""
+    a = jax.random.normal(jax.random.key(0), (n, n))
+    b = jax.random.normal(jax.random.key(1), (n, n))
+    f = jax.jit(jnp.dot)
+    ms, _ = best_ms(lambda _: f(a, b), [None] * (repeats + 1), repeats)
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def make_hf_block(p: jaxmoe.MoEParams, cfg: jaxmoe.MoEConfig, threads: int):
+    """The HF ``Qwen3_5MoeSparseMoeBlock`` holding the same weights as ``p`` (one torch copy)."""
+    import torch
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    torch.set_num_threads(threads)
+    hc = Qwen3_5MoeTextConfig(hidden_size=cfg.d_model, num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+                              moe_intermediate_size=cfg.expert_dim,
+                              shared_expert_intermediate_size=cfg.shared_expert_dim, hidden_act="silu")
+    blk = hf.Qwen3_5MoeSparseMoeBlock(hc).eval()  # torch.empty parameters: untouched until filled
+    t = lambda a: torch.from_numpy(np.asarray(a))  # noqa: E731  zero-copy view of the jax buffer
+    f = cfg.expert_dim
+    with torch.no_grad():
+        ew, sh = p.experts, p.shared
+        blk.experts.gate_up_proj[:, :f, :].copy_(t(ew.w_gate).transpose(1, 2))
+        blk.experts.gate_up_proj[:, f:, :].copy_(t(ew.w_up).transpose(1, 2))
+        blk.experts.down_proj.copy_(t(ew.w_down).transpose(1, 2))
+        blk.gate.weight.copy_(t(p.w_router).T)
+        blk.shared_expert.gate_proj.weight.copy_(t(sh.w_gate).T)
+        blk.shared_expert.up_proj.weight.copy_(t(sh.w_up).T)
+        blk.shared_expert.down_proj.weight.copy_(t(sh.w_down).T)
+        blk.shared_expert_gate.weight.copy_(t(sh.gate)[None, :])
+
+    def run(x):
+        with torch.no_grad():
+            return blk(torch.from_numpy(np.asarray(x))[None])[0].numpy()
+
+    return run
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    cfg = jaxmoe.load_config("qwen3.6-35b-a3b")
+    if a.experts:
+        cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, num_experts=a.experts))
+    d, e, k, f, fs = cfg.d_model, cfg.num_experts, cfg.top_k, cfg.expert_dim, cfg.shared_expert_dim
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; layer d={d} E={e} k={k} F={f} Fs={fs} float32")
+    bw = copy_bandwidth()
+    rate = matmul_rate()
+    print(f"measured: copy bandwidth {bw / 1e9:.1f} GB/s, matmul {rate / 1e9:.0f} GFLOP/s")
+
+    p = jaxmoe.init_params(cfg, jax.random.key(a.seed))
+    jax.block_until_ready(p)
+    gc.collect()
+    expert_bytes = 3 * d * f * 4
+    print(f"weights: {e * expert_bytes / 1e9:.2f} GB routed experts; 8 experts = {k * expert_bytes / 1e6:.1f} MB "
+          f"-> memory floor of one token's experts {k * expert_bytes / bw * 1e3:.2f} ms")
+
+    hf_run = make_hf_block(p, cfg, a.threads) if "hf" in a.impls else None
+    jitted = {i: jax.jit(lambda p, x, i=i: jaxmoe.moe_apply(p, x, cfg, impl=i)) for i in a.impls if i != "hf"}
+    route = jax.jit(lambda p, x: jaxmoe.layer.compute_routing(p, x, cfg).expert_ids)
+
+    rows = []
+    for t in a.tokens:
+        inputs = [jax.random.normal(jax.random.key(1000 * t + r), (t, d), jnp.float32) for r in range(a.repeats + 1)]
+        touched = np.mean([len(np.unique(np.asarray(route(p, x)))) for x in inputs[1:]])
+        read = touched * expert_bytes + 3 * d * fs * 4 + d * e * 4
+        flops = 2 * t * (k * 3 * d * f + 3 * d * fs + d * e)
+        row = dict(T=t, mem_floor=read / bw * 1e3, arith_floor=flops / rate * 1e3, touched=touched)
+        ref = np.asarray(jitted["xla"](p, inputs[0])) if "xla" in jitted else None
+        for impl in a.impls:
+            note = None
+            if impl == "ragged_dot" and t > a.ragged_max_tokens:
+                note = f"skipped (T > {a.ragged_max_tokens}: masked dense over all experts, > 60 s)"
+            elif impl == "gather" and t > a.gather_max_tokens:
+                note = f"skipped (T > {a.gather_max_tokens}: one pair at a time)"
+            elif impl == "dense" and t * e * (2 * f + d) * 4 * 2 > a.dense_max_bytes:
+                note = f"skipped ([T,E,*] buffers over {a.dense_max_bytes / 1e9:.0f} GB)"
+            if note:
+                print(f"T={t:5d} {impl:10s} {note}", flush=True)
+                continue
+            if impl == "hf":
+                fn = hf_run
+            else:
+                fn = lambda x, j=jitted[impl]: j(p, x)  # noqa: E731
+            reps = 1 if impl == "ragged_dot" and t >= 64 else a.repeats
+            if ref is not None:
+                out = np.asarray(fn(inputs[0]))
+                err = np.abs(out - ref).max() / (np.abs(ref).max() + 1e-30)
+                if not err < 1e-3:
+                    print(f"T={t} {impl}: output differs from xla (max rel err {err:.2e})", file=sys.stderr)
+                    return 1
+            lo, med = best_ms(fn, inputs, reps)
+            row[impl] = lo
+            print(f"T={t:5d} {impl:10s} best {lo:10.2f} ms  median {med:10.2f} ms  ({reps} runs)", flush=True)
+        rows.append(row)
+        del inputs
+        gc.collect()
+
+    print_table(rows, a.impls)
+    return 0
+
+
+def print_table(rows, impls):
+    cols = [i for i in impls if any(i in r for r in rows)]
+    head = f"{'T':>5} " + "".join(f"{c:>11}" for c in cols) + f"{'mem floor':>11}{'arith fl.':>11}"
+    print("\nms per layer call (best of the repeats; '-' = skipped)")
+    print(head)
+    for r in rows:
+        cells = "".join(f"{r[c]:11.2f}" if c in r else f"{'-':>11}" for c in cols)
+        print(f"{r['T']:5d} " + cells + f"{r['mem_floor']:11.2f}{r['arith_floor']:11.2f}")
+    for base in ("hf", "xla"):
+        if base not in cols:
+            continue
+        what = "HF ms / impl ms (>1: faster than HF)" if base == "hf" else "impl ms / xla ms (>1: slower than xla)"
+        print(f"\n{what}")
+        print(f"{'T':>5} " + "".join(f"{c:>11}" for c in cols if c != base))
+        for r in rows:
+            cells = []
+            for c in cols:
+                if c == base:
+                    continue
+                if c in r and base in r:
+                    cells.append(f"{(r[base] / r[c] if base == 'hf' else r[c] / r[base]):11.2f}")
+                else:
+                    cells.append(f"{'-':>11}")
+            print(f"{r['T']:5d} " + "".join(cells))
+    if "xla" in cols:
+        print("\nxla vs floors: " + ", ".join(
+            f"T={r['T']}: {r['xla'] / max(r['mem_floor'], r['arith_floor']):.2f}x" for r in rows if "xla" in r))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

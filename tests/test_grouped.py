@@ -1,0 +1,312 @@
+"""The XLA grouped path (``xla``), ``ragged_dot`` and the ``gather`` decode loop against
+the float64 numpy references and the dense oracle; and the ``auto`` backend choice."""
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import jaxmoe
+from jaxmoe import MoEConfig, RouterConfig, Routing, backends
+from jaxmoe.experts import ExpertWeights, experts_dense, experts_gather
+from jaxmoe.grouped import choose_block_m, experts_ragged_dot, experts_xla
+from jaxmoe.quant import quantize_int4_affine, quantize_int8
+from reference import np_act, np_moe, params_to_numpy
+
+PRESETS = jaxmoe.list_presets()
+GROUPED = ["xla", "ragged_dot"]
+F32 = dict(rtol=2e-5, atol=2e-5)
+
+
+def shrink(cfg: MoEConfig, d=64, f=32, e=16) -> MoEConfig:
+    rc = cfg.router
+    e = max(e, rc.n_group * 2) if rc.n_group > 1 else e
+    k = min(rc.top_k, e // 2)
+    if rc.n_group > 1:
+        k = min(k, rc.topk_group * (e // rc.n_group))
+    rc = dataclasses.replace(rc, num_experts=e, top_k=k)
+    fs = (f * cfg.num_shared_experts) if cfg.shared_expert_dim else 0
+    return dataclasses.replace(cfg, d_model=d, expert_dim=f, shared_expert_dim=fs, router=rc)
+
+
+def random_params(cfg, rng, dtype=jnp.float32):
+    return jaxmoe.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))), dtype=dtype)
+
+
+def np_experts(x, ids, ws, p, cfg):
+    """float64 routed-expert output for a given routing (per pair loop)."""
+    x = np.asarray(x, np.float64)
+    f = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    y = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            e, w = ids[t, s], np.float64(ws[t, s])
+            xin = x[t] * w if cfg.weight_on_input else x[t]
+            g, u = xin @ f(p["w_gate"][e]), xin @ f(p["w_up"][e])
+            if p.get("b_gate") is not None:
+                g, u = g + f(p["b_gate"][e]), u + f(p["b_up"][e])
+            o = np_act(g, u, cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit) @ f(p["w_down"][e])
+            if p.get("b_down") is not None:
+                o = o + f(p["b_down"][e])
+            y[t] += o if cfg.weight_on_input else w * o
+    return y
+
+
+def skewed_routing(rng, t, k, e, hot=None, share=0.8):
+    """Distinct ids per token; expert ``hot`` in most tokens, several experts left empty."""
+    hot = int(rng.integers(e)) if hot is None else hot
+    pool = rng.permutation(e)[: max(k + 1, e // 2)]  # the other half of the experts stays empty
+    pool = pool[pool != hot]
+    ids = np.empty((t, k), np.int32)
+    for i in range(t):
+        if rng.random() < share:
+            rest = rng.choice(pool, size=k - 1, replace=False)
+            ids[i] = rng.permutation(np.concatenate([[hot], rest]))
+        else:
+            ids[i] = rng.choice(pool, size=k, replace=False)
+    ws = rng.uniform(0.05, 1.0, size=(t, k)).astype(np.float32)
+    return ids, ws
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("impl", GROUPED)
+def test_presets_match_float64_and_dense(preset, impl, rng):
+    cfg = shrink(jaxmoe.load_config(preset))
+    p = random_params(cfg, rng)
+    x = rng.normal(size=(11, cfg.d_model)).astype(np.float32)
+    y, r = jaxmoe.moe_apply(p, jnp.asarray(x), cfg, impl=impl, return_routing=True)
+    ref, ids, _ = np_moe(x, params_to_numpy(p), cfg)
+    np.testing.assert_array_equal(np.sort(np.asarray(r.expert_ids), 1), np.sort(ids, 1))
+    np.testing.assert_allclose(np.asarray(y), ref, **F32)
+    yd = jaxmoe.moe_apply(p, jnp.asarray(x), cfg, impl="dense")
+    np.testing.assert_allclose(np.asarray(y), np.asarray(yd), **F32)
+
+
+@pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "gpt-oss-20b", "deepseek-v3", "mixtral-8x7b"])
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_experts(preset, quant, rng):
+    cfg = shrink(jaxmoe.load_config(preset))
+    p = random_params(cfg, rng)
+    q = quantize_int8 if quant == "int8" else (lambda w: quantize_int4_affine(w, 32))
+    ew = p.experts
+    p = dataclasses.replace(p, experts=dataclasses.replace(ew, w_gate=q(ew.w_gate), w_up=q(ew.w_up),
+                                                           w_down=q(ew.w_down)))
+    x = rng.normal(size=(9, cfg.d_model)).astype(np.float32)
+    ref, _, _ = np_moe(x, params_to_numpy(p), cfg)
+    for impl in GROUPED + ["gather"]:
+        y = jaxmoe.moe_apply(p, jnp.asarray(x), cfg, impl=impl)
+        np.testing.assert_allclose(np.asarray(y), ref, **F32, err_msg=impl)
+
+
+@pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "gpt-oss-20b", "mixtral-8x7b"])
+def test_bf16_matches_dense(preset, rng):
+    cfg = shrink(jaxmoe.load_config(preset))
+    p = random_params(cfg, rng, jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(13, cfg.d_model)), jnp.bfloat16)
+    yd = jaxmoe.moe_apply(p, x, cfg, impl="dense")
+    for impl in GROUPED + ["gather"]:
+        y = jaxmoe.moe_apply(p, x, cfg, impl=impl)
+        assert y.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(yd, np.float32), rtol=3e-2, atol=3e-2,
+                                   err_msg=impl)
+
+
+@pytest.mark.parametrize("t", [1, 5, 13, 37])
+@pytest.mark.parametrize("block_m", [1, 4, 8, 16])
+def test_uneven_routing_block_sizes(t, block_m, rng):
+    """One expert takes most pairs, half the experts are empty, T*k not a multiple of block_m."""
+    cfg = shrink(jaxmoe.load_config("qwen3-30b-a3b"), e=12)
+    p = random_params(cfg, rng)
+    ids, ws = skewed_routing(rng, t, cfg.top_k, cfg.num_experts)
+    x = rng.normal(size=(t, cfg.d_model)).astype(np.float32)
+    ref = np_experts(x, ids, ws, params_to_numpy(p), cfg)
+    r = Routing(jnp.asarray(ids), jnp.asarray(ws))
+    y = experts_xla(jnp.asarray(x), r, p.experts, cfg, block_m=block_m)
+    chex.assert_shape(y, (t, cfg.d_model))
+    np.testing.assert_allclose(np.asarray(y), ref, **F32)
+
+
+@pytest.mark.parametrize("impl", GROUPED + ["gather"])
+def test_forced_routing_through_moe_apply(impl, rng):
+    cfg = shrink(jaxmoe.load_config("qwen3.6-35b-a3b"))
+    p = random_params(cfg, rng)
+    t = 19
+    ids, ws = skewed_routing(rng, t, cfg.top_k, cfg.num_experts, share=0.95)
+    x = rng.normal(size=(t, cfg.d_model)).astype(np.float32)
+    routing = Routing(jnp.asarray(ids), jnp.asarray(ws))
+    y, r = jaxmoe.moe_apply(p, jnp.asarray(x), cfg, impl=impl, routing=routing, return_routing=True)
+    assert r is routing
+    yd = jaxmoe.moe_apply(p, jnp.asarray(x), cfg, impl="dense", routing=routing)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(yd), **F32)
+    pn = params_to_numpy(p)
+    shared = np_moe(x, pn | dict(w_gate=0 * pn["w_gate"], w_up=0 * pn["w_up"], w_down=0 * pn["w_down"]), cfg)[0]
+    np.testing.assert_allclose(np.asarray(y), np_experts(x, ids, ws, pn, cfg) + shared, **F32)
+
+
+def test_every_pair_on_one_expert(rng):
+    """k = 1, every token on the same expert: one group spanning many chunks."""
+    cfg = MoEConfig(d_model=32, expert_dim=16, router=RouterConfig(num_experts=8, top_k=1))
+    p = random_params(cfg, rng)
+    t = 29
+    ids = np.full((t, 1), 5, np.int32)
+    ws = rng.uniform(0.1, 1.0, size=(t, 1)).astype(np.float32)
+    x = rng.normal(size=(t, 32)).astype(np.float32)
+    ref = np_experts(x, ids, ws, params_to_numpy(p), cfg)
+    for bm in (None, 4, 64):
+        y = experts_xla(jnp.asarray(x), Routing(jnp.asarray(ids), jnp.asarray(ws)), p.experts, cfg, block_m=bm)
+        np.testing.assert_allclose(np.asarray(y), ref, **F32)
+
+
+@st.composite
+def cases(draw):
+    e = draw(st.integers(2, 12))
+    k = draw(st.integers(1, min(e, 4)))
+    t = draw(st.integers(1, 24))
+    bm = draw(st.sampled_from([None, 1, 3, 8]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    skew = draw(st.booleans())
+    return e, k, t, bm, seed, skew
+
+
+@given(cases())
+def test_xla_hypothesis(case):
+    e, k, t, bm, seed, skew = case
+    rng = np.random.default_rng(seed)
+    cfg = MoEConfig(d_model=16, expert_dim=8, router=RouterConfig(num_experts=e, top_k=k))
+    p = random_params(cfg, rng)
+    if skew and k < e:
+        ids, ws = skewed_routing(rng, t, k, e, share=0.9)
+    else:
+        ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+        ws = rng.uniform(0.05, 1, size=(t, k)).astype(np.float32)
+    x = rng.normal(size=(t, 16)).astype(np.float32)
+    y = experts_xla(jnp.asarray(x), Routing(jnp.asarray(ids), jnp.asarray(ws)), p.experts, cfg, block_m=bm)
+    np.testing.assert_allclose(np.asarray(y), np_experts(x, ids, ws, params_to_numpy(p), cfg), **F32)
+
+
+def test_weight_on_input(rng):
+    cfg = MoEConfig(d_model=32, expert_dim=16, router=RouterConfig(num_experts=8, top_k=2, score_fn="sigmoid_topk",
+                                                                 renorm="none"),
+                    shared_expert_dim=16, num_shared_experts=1, weight_on_input=True)
+    p = random_params(cfg, rng)
+    x = rng.normal(size=(10, 32)).astype(np.float32)
+    ref, _, _ = np_moe(x, params_to_numpy(p), cfg)
+    ref_out, _, _ = np_moe(x, params_to_numpy(p), dataclasses.replace(cfg, weight_on_input=False))
+    assert np.abs(ref - ref_out).max() > 1e-3  # the option matters for these inputs
+    for impl in GROUPED + ["gather"]:
+        y = jaxmoe.moe_apply(p, jnp.asarray(x), cfg, impl=impl)
+        np.testing.assert_allclose(np.asarray(y), ref, **F32, err_msg=impl)
+
+
+@pytest.mark.parametrize("impl", GROUPED + ["gather"])
+def test_nan_token_isolated(impl, rng):
+    cfg = shrink(jaxmoe.load_config("qwen3.6-35b-a3b"))
+    p = random_params(cfg, rng)
+    x = rng.normal(size=(9, cfg.d_model)).astype(np.float32)
+    x[4, 3] = np.nan
+    y = np.asarray(jaxmoe.moe_apply(p, jnp.asarray(x), cfg, impl=impl))
+    assert np.isnan(y[4]).all()
+    rest = np.delete(np.arange(9), 4)
+    ref, _, _ = np_moe(x[rest], params_to_numpy(p), cfg)
+    np.testing.assert_allclose(y[rest], ref, **F32)
+
+
+def test_single_token(rng):
+    cfg = shrink(jaxmoe.load_config("deepseek-v3"))
+    p = random_params(cfg, rng)
+    x = rng.normal(size=(1, cfg.d_model)).astype(np.float32)
+    ref, _, _ = np_moe(x, params_to_numpy(p), cfg)
+    for impl in GROUPED + ["gather"]:
+        np.testing.assert_allclose(np.asarray(jaxmoe.moe_apply(p, jnp.asarray(x), cfg, impl=impl)), ref, **F32)
+
+
+class JitParityTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_xla_jit_and_eager(self):
+        rng = np.random.default_rng(7)
+        cfg = shrink(jaxmoe.load_config("gpt-oss-20b"))
+        p = random_params(cfg, rng)
+        x = jnp.asarray(rng.normal(size=(10, cfg.d_model)), jnp.float32)
+        f = self.variant(lambda p, x: jaxmoe.moe_apply(p, x, cfg, impl="xla"))
+        ref, _, _ = np_moe(np.asarray(x), params_to_numpy(p), cfg)
+        chex.assert_trees_all_close(f(p, x), jnp.asarray(ref, jnp.float32), rtol=2e-5, atol=2e-5)
+
+
+def _all_shapes(jaxpr):
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            yield tuple(getattr(v.aval, "shape", ()))
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            yield from _all_shapes(sub)
+
+
+def test_xla_has_no_tokens_by_experts_intermediate(rng):
+    """Work grows with T*k: no array in the traced program has both a T and an E axis."""
+    t, e, k = 41, 23, 2
+    cfg = MoEConfig(d_model=16, expert_dim=8, router=RouterConfig(num_experts=e, top_k=k))
+    p = random_params(cfg, rng)
+    r = Routing(jnp.zeros((t, k), jnp.int32), jnp.ones((t, k), jnp.float32))
+    jaxpr = jax.make_jaxpr(lambda x: experts_xla(x, r, p.experts, cfg))(jnp.ones((t, 16))).jaxpr
+    shapes = set(_all_shapes(jaxpr))
+    bad = [s for s in shapes if (t in s or t * k in s) and e in s]
+    assert not bad, bad
+    dense = jax.make_jaxpr(lambda x: experts_dense(x, r, p.experts, cfg))(jnp.ones((t, 16))).jaxpr
+    assert any(t in s and e in s for s in _all_shapes(dense))  # the check itself can fail
+
+
+def test_choose_block_m():
+    assert choose_block_m(8, 256) == 1
+    assert choose_block_m(2048, 256) == 8
+    assert choose_block_m(2000, 256) == 8
+    assert choose_block_m(8192, 256) == 32
+    assert choose_block_m(10**7, 8) == 256
+
+
+def test_bad_input(rng):
+    cfg = shrink(jaxmoe.load_config("qwen3-30b-a3b"))
+    p = random_params(cfg, rng)
+    r = Routing(jnp.zeros((4, cfg.top_k), jnp.int32), jnp.ones((4, cfg.top_k)))
+    for fn in (experts_xla, experts_ragged_dot):
+        with pytest.raises(ValueError, match="x must be"):
+            fn(jnp.ones((4,)), r, p.experts, cfg)
+        with pytest.raises(ValueError, match="expert_ids"):
+            fn(jnp.ones((5, cfg.d_model)), r, p.experts, cfg)
+        with pytest.raises(ValueError, match="routing.weights"):
+            fn(jnp.ones((4, cfg.d_model)), Routing(r.expert_ids, jnp.ones((4, 1))), p.experts, cfg)
+        with pytest.raises(ValueError, match="w_gate"):
+            fn(jnp.ones((4, cfg.d_model + 1)), r, p.experts, cfg)
+
+
+# --- backend choice ---------------------------------------------------------------------
+
+
+def test_auto_resolution(monkeypatch):
+    backends.get_impl("xla")  # loads the optional modules
+    small, big = backends.GATHER_MAX_PAIRS, backends.GATHER_MAX_PAIRS + 1
+    assert backends.resolve_impl("auto", small, platform="cpu") == "gather"
+    assert backends.resolve_impl("auto", big, platform="cpu") == "xla"
+    for plat in backends.INTEL_PLATFORMS:
+        assert backends.resolve_impl("auto", big, platform=plat) == "xla"
+    monkeypatch.setitem(backends._IMPLS, "pallas", experts_dense)  # a stand-in, whether or not pallas is installed
+    for plat in ("cuda", "rocm"):
+        assert backends.resolve_impl("auto", big, platform=plat) == "pallas"
+        assert backends.resolve_impl("auto", small, platform=plat) == "pallas"  # the kernels have a decode path
+    assert backends.resolve_impl("auto", big, platform="cpu") == "xla"
+    assert backends.resolve_impl("gather", 10**6, platform="cpu") == "gather"  # explicit choices are kept
+
+
+def test_pallas_forced_where_it_cannot_lower(monkeypatch):
+    monkeypatch.setitem(backends._IMPLS, "pallas", experts_dense)
+    for plat in backends.INTEL_PLATFORMS:
+        with pytest.raises(ValueError, match="pallas.*" + plat):
+            backends.resolve_impl("pallas", 64, platform=plat)
+
+
+def test_unknown_impl():
+    with pytest.raises(ValueError, match="unknown impl 'nope'"):
+        backends.resolve_impl("nope", 8)
