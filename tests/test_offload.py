@@ -538,3 +538,28 @@ def test_sweep_inputs_from_recorded_hidden_states_and_traces(cfg, rng, tmp_path)
     np.save(tmp_path / "bad.npy", h[:, :10])
     with pytest.raises(ValueError, match=r"hidden states must be float \[tokens, 64\]"):
         load_hidden(tmp_path / "bad.npy", D)
+
+
+def test_gguf_store_reads_a_file_written_by_jaxmoe_save_gguf(cfg, rng, tmp_path):
+    from flax import nnx
+
+    block = jaxmoe.MoEBlock(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 20))))
+    path = jaxmoe.save_gguf(block, tmp_path / "q.gguf", layer=2, dtype="q8_0")
+    store = GGUFStore(path)  # config from the file's llama.cpp metadata (jaxmoe.io.gguf)
+    assert store.blocks == [2] and store.num_layers == 1 and store.cfg.num_experts == E
+    loaded = jaxmoe.from_pretrained(path, layer=2)  # the io loader's view of the same bytes
+    e = int(rng.integers(E))
+    for name in ("w_gate", "w_up", "w_down"):
+        ours = np.asarray(jaxmoe.quant.materialize(getattr(store.load_expert(0, e), name), np.float32))
+        theirs = np.asarray(jaxmoe.quant.materialize(getattr(loaded.params().experts, name)[e], np.float32))
+        np.testing.assert_array_equal(ours, theirs)
+        ref = np.asarray(getattr(block.params().experts, name)[e])  # Q8_0 error of the original weights
+        np.testing.assert_allclose(ours, ref, atol=np.abs(ref).max() / 100)
+    x = rng.standard_normal((3, D)).astype(np.float32)
+    model = OffloadedModel(store)
+    ref = model.run_resident(x)
+    xn = np.asarray(jaxmoe.offload.driver.rms_norm(x, np.ones(D, np.float32)))  # no ffn_norm in the file: ones
+    np.testing.assert_allclose(ref.outputs, x + np.asarray(loaded(xn)), rtol=1e-5, atol=1e-5)
+    out, _ = model.run_offloaded(x, OffloadConfig(0), make_predictor("next_router", resident=model.resident,
+                                                                      router_cfg=store.cfg.router))
+    np.testing.assert_array_equal(out.outputs, ref.outputs)

@@ -445,6 +445,9 @@ def _q4_0_to_qt(raw: np.ndarray) -> QuantizedTensor:
 class GGUFStore(ExpertStore):
     """Experts sliced from a memory-mapped GGUF file (llama.cpp names).
 
+    Store layer ``l`` is the ``l``-th block that has a router (``blocks[l]``), so leading
+    dense blocks are skipped; error messages name the store layer and the ``blk.N`` tensor.
+
     Args:
       path: the ``.gguf`` file.
       cfg: the layer config; when None it is read from the ``jaxmoe.config`` metadata
@@ -472,9 +475,10 @@ class GGUFStore(ExpertStore):
 
                 cfg = load_config(self.path)
         self.cfg = cfg
-        self.num_layers = 0
-        while f"blk.{self.num_layers}.ffn_gate_inp.weight" in self._tensors:
-            self.num_layers += 1
+        # the MoE layers: blocks with a router (leading dense blocks, e.g. DeepSeek's, have none)
+        self.blocks = sorted(int(n.split(".")[1]) for n in self._tensors
+                             if n.startswith("blk.") and n.endswith(".ffn_gate_inp.weight"))
+        self.num_layers = len(self.blocks)
         if self.num_layers == 0:
             raise ExpertStoreError(f"GGUF expert store {self.path}: no blk.0.ffn_gate_inp.weight (not an MoE file)")
         self.kind = "gguf"
@@ -492,7 +496,7 @@ class GGUFStore(ExpertStore):
 
         cfg = self.cfg
         e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_dim
-        tname = f"blk.{layer}.{_GGUF_PROJ[name]}.weight"
+        tname = f"blk.{self.blocks[layer]}.{_GGUF_PROJ[name]}.weight"
         t = self._get(layer, expert, tname)
         n_out, n_in = (d, f) if name == "w_down" else (f, d)
         logical = (e, n_out, n_in)
@@ -531,7 +535,7 @@ class GGUFStore(ExpertStore):
         if self.cfg.expert_bias:
             bs = []
             for n, gname in _GGUF_BIAS.items():
-                t = self._get(layer, expert, f"blk.{layer}.{gname}")
+                t = self._get(layer, expert, f"blk.{self.blocks[layer]}.{gname}")
                 bs.append(np.array(t.data[expert], np.float32))
         return ExpertWeights(*ws, *bs)
 
@@ -541,8 +545,12 @@ class GGUFStore(ExpertStore):
         return self._nbytes[layer]
 
     def resident(self, layer: int) -> ResidentLayer:
+        import gguf
+
         cfg = self.cfg
-        pre = f"blk.{layer}."
+        if not 0 <= layer < self.num_layers:
+            raise ExpertStoreError(f"layer {layer}: outside [0, {self.num_layers}) MoE layers in {self.path}")
+        pre = f"blk.{self.blocks[layer]}."
 
         def get(name, required=True, transpose=False):
             t = self._tensors.get(pre + name)
@@ -550,7 +558,10 @@ class GGUFStore(ExpertStore):
                 if required:
                     raise ExpertStoreError(f"layer {layer}: resident tensor {pre + name} is missing from {self.path}")
                 return None
-            a = np.array(t.data, np.float32)
+            if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+                a = np.array(t.data, np.float32)
+            else:  # a quantized resident tensor (e.g. a Q8_0 shared expert): float32 on device
+                a = gguf.quants.dequantize(np.array(t.data), t.tensor_type).astype(np.float32)
             return np.ascontiguousarray(a.T) if transpose else a
 
         shared = None
