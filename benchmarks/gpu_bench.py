@@ -241,12 +241,14 @@ def check(interpret: bool, small: bool, limit: int | None = None) -> list[dict]:
 # ------------------------------------------------------------------ phase 2: bench
 
 
-def bench(shapes, tokens, kinds, interpret: bool, small: bool, slow_cutoff: float) -> dict:
+def bench(shapes, tokens, kinds, interpret: bool, small: bool, slow_cutoff: float, only=None) -> dict:
     tk = dict(min_time=0.05, max_iters=3) if small else dict(min_time=0.3, max_iters=200)
     copy_bw = measure_copy_bandwidth(2**20 if small else 2**31, **tk)
     mm_rate = measure_matmul(256 if small else 8192, **tk)
     log(f"measured copy bandwidth {copy_bw / 1e9:.1f} GB/s, bf16 matmul {mm_rate / 1e12:.1f} TFLOP/s")
     impls = implementations(interpret)
+    if only:
+        impls = {k: v for k, v in impls.items() if k in only}
     rows = []
     for shape in shapes:
         cfg = jaxmoe.load_config(SHAPES[shape])
@@ -320,6 +322,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tokens", default=None, help="comma list (default 1,16,128,2048,16384; dry run 1,16,40)")
     ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--impls", default=None, help="comma list to time (default: pallas,xla,ragged_dot,tokamax)")
     ap.add_argument("--check-limit", type=int, default=None, help="run only the first N check cases")
     ap.add_argument("--slow-cutoff", type=float, default=2.0, help="skip larger T for an impl slower than this (s)")
     a = ap.parse_args(argv)
@@ -343,7 +346,8 @@ def main(argv=None) -> int:
         ok = not bad
     if a.phase in ("all", "bench"):
         tokens = [int(s) for s in (a.tokens or ("1,16,40" if a.dry_run else ",".join(map(str, TOKENS)))).split(",")]
-        res = bench(a.shapes.split(","), tokens, a.kinds.split(","), interpret, a.dry_run, a.slow_cutoff)
+        res = bench(a.shapes.split(","), tokens, a.kinds.split(","), interpret, a.dry_run, a.slow_cutoff,
+                    a.impls.split(",") if a.impls else None)
         res["env"] = env
         (out / "bench.json").write_text(json.dumps(res, indent=1))
         (out / "bench.md").write_text(markdown(res, env))

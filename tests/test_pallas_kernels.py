@@ -451,7 +451,7 @@ def test_gpu_bench_dry_run(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     rc = mod.main(["--dry-run", "--out", str(tmp_path), "--shapes", "qwen3.6", "--kinds", "q8_0", "--tokens", "4",
-                   "--check-limit", "1"])
+                   "--check-limit", "1", "--impls", "pallas,ragged_dot"])
     assert rc == 0
     checks = json.loads((tmp_path / "check.json").read_text())
     assert len(checks) == 1 and checks[0]["ok"] and checks[0]["rel_err_vs_dense"] < 1e-3
