@@ -18,8 +18,10 @@ ImplFn = Callable[..., jax.Array]
 _IMPLS: dict[str, ImplFn] = {}
 
 #: Token-pair count (T * k) at or below which ``auto`` takes the ``gather`` path off
-#: GPU (measured crossover against ``xla``, benchmarks/README.md).
-GATHER_MAX_PAIRS = 16
+#: GPU: one decode token of the top-8 families (gather 29.6 ms vs xla 31.3 ms on the
+#: Qwen3.6 layer; gather re-reads an expert per pair, so it loses once pairs repeat
+#: experts; benchmarks/README.md).
+GATHER_MAX_PAIRS = 8
 
 INTEL_PLATFORMS = ("oneapi", "sycl", "xpu")
 PALLAS_PLATFORMS = ("cuda", "rocm", "gpu")

@@ -5,6 +5,7 @@ import dataclasses
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -87,7 +88,7 @@ def test_presets_match_float64_and_dense(preset, impl, rng):
     np.testing.assert_allclose(np.asarray(y), np.asarray(yd), **F32)
 
 
-@pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "gpt-oss-20b", "deepseek-v3", "mixtral-8x7b"])
+@pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "gpt-oss-20b"])
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantized_experts(preset, quant, rng):
     cfg = shrink(jaxmoe.load_config(preset))
@@ -103,7 +104,7 @@ def test_quantized_experts(preset, quant, rng):
         np.testing.assert_allclose(np.asarray(y), ref, **F32, err_msg=impl)
 
 
-@pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "gpt-oss-20b", "mixtral-8x7b"])
+@pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "gpt-oss-20b"])
 def test_bf16_matches_dense(preset, rng):
     cfg = shrink(jaxmoe.load_config(preset))
     p = random_params(cfg, rng, jnp.bfloat16)
@@ -116,8 +117,7 @@ def test_bf16_matches_dense(preset, rng):
                                    err_msg=impl)
 
 
-@pytest.mark.parametrize("t", [1, 5, 13, 37])
-@pytest.mark.parametrize("block_m", [1, 4, 8, 16])
+@pytest.mark.parametrize("t, block_m", [(1, 1), (1, 16), (5, 4), (13, 8), (37, 4), (37, 16)])
 def test_uneven_routing_block_sizes(t, block_m, rng):
     """One expert takes most pairs, half the experts are empty, T*k not a multiple of block_m."""
     cfg = shrink(jaxmoe.load_config("qwen3-30b-a3b"), e=12)
@@ -157,36 +157,36 @@ def test_every_pair_on_one_expert(rng):
     ws = rng.uniform(0.1, 1.0, size=(t, 1)).astype(np.float32)
     x = rng.normal(size=(t, 32)).astype(np.float32)
     ref = np_experts(x, ids, ws, params_to_numpy(p), cfg)
-    for bm in (None, 4, 64):
+    for bm in (None, 64):
         y = experts_xla(jnp.asarray(x), Routing(jnp.asarray(ids), jnp.asarray(ws)), p.experts, cfg, block_m=bm)
         np.testing.assert_allclose(np.asarray(y), ref, **F32)
 
 
 @st.composite
-def cases(draw):
-    e = draw(st.integers(2, 12))
-    k = draw(st.integers(1, min(e, 4)))
-    t = draw(st.integers(1, 24))
-    bm = draw(st.sampled_from([None, 1, 3, 8]))
-    seed = draw(st.integers(0, 2**31 - 1))
-    skew = draw(st.booleans())
-    return e, k, t, bm, seed, skew
-
-
-@given(cases())
-def test_xla_hypothesis(case):
-    e, k, t, bm, seed, skew = case
-    rng = np.random.default_rng(seed)
-    cfg = MoEConfig(d_model=16, expert_dim=8, router=RouterConfig(num_experts=e, top_k=k))
-    p = random_params(cfg, rng)
-    if skew and k < e:
-        ids, ws = skewed_routing(rng, t, k, e, share=0.9)
+def routings(draw, t=24, k=3, e=12):
+    """Routings of fixed shape (one compile per block size): uniform, skewed, or few experts."""
+    mode = draw(st.sampled_from(["uniform", "skewed", "few"]))
+    r = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    if mode == "skewed":
+        ids, ws = skewed_routing(r, t, k, e, share=draw(st.floats(0.5, 1.0)))
     else:
-        ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
-        ws = rng.uniform(0.05, 1, size=(t, k)).astype(np.float32)
-    x = rng.normal(size=(t, 16)).astype(np.float32)
-    y = experts_xla(jnp.asarray(x), Routing(jnp.asarray(ids), jnp.asarray(ws)), p.experts, cfg, block_m=bm)
-    np.testing.assert_allclose(np.asarray(y), np_experts(x, ids, ws, params_to_numpy(p), cfg), **F32)
+        pool = r.choice(e, size=k + 1, replace=False) if mode == "few" else np.arange(e)
+        ids = np.stack([r.choice(pool, k, replace=False) for _ in range(t)]).astype(np.int32)
+        ws = r.uniform(0.05, 1, size=(t, k)).astype(np.float32)
+    return ids, ws, int(r.integers(1 << 30))
+
+
+XLA_CFG = MoEConfig(d_model=16, expert_dim=8, router=RouterConfig(num_experts=12, top_k=3))
+
+
+@given(routings(), st.sampled_from([None, 1, 5]))
+def test_xla_hypothesis(case, block_m):
+    ids, ws, seed = case
+    rng = np.random.default_rng(seed)
+    p = random_params(XLA_CFG, rng)
+    x = rng.normal(size=(ids.shape[0], 16)).astype(np.float32)
+    y = experts_xla(jnp.asarray(x), Routing(jnp.asarray(ids), jnp.asarray(ws)), p.experts, XLA_CFG, block_m=block_m)
+    np.testing.assert_allclose(np.asarray(y), np_experts(x, ids, ws, params_to_numpy(p), XLA_CFG), **F32)
 
 
 def test_weight_on_input(rng):
@@ -241,7 +241,7 @@ def _all_shapes(jaxpr):
     for eqn in jaxpr.eqns:
         for v in eqn.outvars:
             yield tuple(getattr(v.aval, "shape", ()))
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             yield from _all_shapes(sub)
 
 
