@@ -32,6 +32,7 @@ def register_impl(name: str, fn: ImplFn) -> None:
 
 
 def available_impls() -> list[str]:
+    _load_optional()
     return ["auto", *sorted(_IMPLS)]
 
 
@@ -77,19 +78,13 @@ _loaded = False
 
 
 def _load_optional() -> None:
-    """Imports the modules that register the grouped paths (they may be absent)."""
+    """Imports the modules that register the grouped paths (lazily: they import this one)."""
     global _loaded
     if _loaded:
         return
     _loaded = True
-    import importlib
-
-    for mod in ("jaxmoe.grouped", "pallas_kernels.impl"):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
+    import jaxmoe.grouped  # noqa: F401  registers xla, ragged_dot
+    import pallas_kernels.impl  # noqa: F401  registers pallas
 
 
 register_impl("dense", _experts.experts_dense)
