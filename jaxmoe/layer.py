@@ -59,14 +59,11 @@ class MoEParams:
                 raise ValueError(f"MoEParams.shared.gate must have shape {(d,)} (shared_expert_gate=True)")
 
 
-def init_params(cfg: MoEConfig, key: jax.Array, dtype=jnp.float32, scale: float = 1.0) -> MoEParams:
-    """Random parameters (normal, fan-in scaled) for ``cfg``."""
+def params_from_sampler(cfg: MoEConfig, nrm) -> MoEParams:
+    """Every tensor of ``cfg`` drawn by ``nrm(shape, fan_in) -> array`` (zero-mean, std
+    ``1 / sqrt(fan_in)``): router, experts (and their biases), selection bias (std 0.1),
+    shared expert and its gate."""
     d, e, f, fs = cfg.d_model, cfg.num_experts, cfg.expert_dim, cfg.shared_expert_dim
-    ks = iter(jax.random.split(key, 16))
-
-    def nrm(shape, fan_in):
-        return (jax.random.normal(next(ks), shape, jnp.float32) * (scale / fan_in**0.5)).astype(dtype)
-
     ew = ExpertWeights(nrm((e, d, f), d), nrm((e, d, f), d), nrm((e, f, d), f))
     if cfg.expert_bias:
         ew = dataclasses.replace(ew, b_gate=nrm((e, f), 4.0), b_up=nrm((e, f), 4.0), b_down=nrm((e, d), 4.0))
@@ -78,10 +75,19 @@ def init_params(cfg: MoEConfig, key: jax.Array, dtype=jnp.float32, scale: float 
         w_router=nrm((d, e), d),
         experts=ew,
         b_router=nrm((e,), 1.0) if cfg.router.router_bias else None,
-        selection_bias=(jax.random.normal(next(ks), (e,), jnp.float32) * 0.1).astype(dtype)
-        if cfg.router.use_selection_bias else None,
+        selection_bias=nrm((e,), 100.0) if cfg.router.use_selection_bias else None,
         shared=shared,
     )
+
+
+def init_params(cfg: MoEConfig, key: jax.Array, dtype=jnp.float32, scale: float = 1.0) -> MoEParams:
+    """Random parameters (normal, fan-in scaled) for ``cfg``."""
+    ks = iter(jax.random.split(key, 16))
+
+    def nrm(shape, fan_in):
+        return (jax.random.normal(next(ks), shape, jnp.float32) * (scale / fan_in**0.5)).astype(dtype)
+
+    return params_from_sampler(cfg, nrm)
 
 
 def compute_routing(params: MoEParams, x2: jax.Array, cfg: MoEConfig) -> Routing:

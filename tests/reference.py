@@ -112,3 +112,17 @@ def params_to_numpy(mp):
     if sh is not None:
         d.update(s_gate=a(sh.w_gate), s_up=a(sh.w_up), s_down=a(sh.w_down), s_sigmoid=a(sh.gate))
     return d
+
+
+def shrink(cfg, d=64, f=32, e=16):
+    """``cfg`` at test widths (d, F, E), keeping its family's routing rule valid."""
+    import dataclasses
+
+    rc = cfg.router
+    e = max(e, rc.n_group * 2) if rc.n_group > 1 else e
+    k = min(rc.top_k, e // 2)
+    if rc.n_group > 1:
+        k = min(k, rc.topk_group * (e // rc.n_group))
+    rc = dataclasses.replace(rc, num_experts=e, top_k=k)
+    fs = (f * cfg.num_shared_experts) if cfg.shared_expert_dim else 0
+    return dataclasses.replace(cfg, d_model=d, expert_dim=f, shared_expert_dim=fs, router=rc)

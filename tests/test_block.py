@@ -12,20 +12,11 @@ from flax import nnx
 import jaxmoe
 from jaxmoe import MoEBlock, MoEConfig, RouterConfig
 from jaxmoe.quant import quantize_int4_affine, quantize_int8
-from reference import np_moe, params_to_numpy
+from reference import np_moe, params_to_numpy, shrink
 
 PRESETS = jaxmoe.list_presets()
 
 
-def shrink(cfg: MoEConfig, d=64, f=32, e=16) -> MoEConfig:
-    rc = cfg.router
-    e = max(e, rc.n_group * 2) if rc.n_group > 1 else e
-    k = min(rc.top_k, e // 2)
-    if rc.n_group > 1:
-        k = min(k, rc.topk_group * (e // rc.n_group))
-    rc = dataclasses.replace(rc, num_experts=e, top_k=k)
-    fs = (f * cfg.num_shared_experts) if cfg.shared_expert_dim else 0
-    return dataclasses.replace(cfg, d_model=d, expert_dim=f, shared_expert_dim=fs, router=rc)
 
 
 def test_presets_load_with_published_dims():

@@ -14,25 +14,16 @@ from hypothesis import strategies as st
 
 import jaxmoe
 from jaxmoe import MoEConfig, RouterConfig, Routing, backends
-from jaxmoe.experts import ExpertWeights, experts_dense, experts_gather
+from jaxmoe.experts import experts_dense
 from jaxmoe.grouped import choose_block_m, experts_ragged_dot, experts_xla
 from jaxmoe.quant import quantize_int4_affine, quantize_int8
-from reference import np_act, np_moe, params_to_numpy
+from reference import np_act, np_moe, params_to_numpy, shrink
 
 PRESETS = jaxmoe.list_presets()
 GROUPED = ["xla", "ragged_dot"]
 F32 = dict(rtol=2e-5, atol=2e-5)
 
 
-def shrink(cfg: MoEConfig, d=64, f=32, e=16) -> MoEConfig:
-    rc = cfg.router
-    e = max(e, rc.n_group * 2) if rc.n_group > 1 else e
-    k = min(rc.top_k, e // 2)
-    if rc.n_group > 1:
-        k = min(k, rc.topk_group * (e // rc.n_group))
-    rc = dataclasses.replace(rc, num_experts=e, top_k=k)
-    fs = (f * cfg.num_shared_experts) if cfg.shared_expert_dim else 0
-    return dataclasses.replace(cfg, d_model=d, expert_dim=f, shared_expert_dim=fs, router=rc)
 
 
 def random_params(cfg, rng, dtype=jnp.float32):

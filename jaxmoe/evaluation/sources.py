@@ -20,8 +20,7 @@ import numpy as np
 
 from jaxmoe.config import MoEConfig, list_presets, load_config
 from jaxmoe.evaluation.config import ConfigError, EvalConfig, ShrinkSection
-from jaxmoe.experts import ExpertWeights, SharedWeights
-from jaxmoe.layer import MoEParams
+from jaxmoe.layer import MoEParams, params_from_sampler
 from jaxmoe.quant import QuantizedTensor, quantize_int4_affine, quantize_int8
 
 #: Quantization group sizes along the input dimension: GGUF Q8_0 and MLX affine 4-bit.
@@ -148,7 +147,6 @@ def random_params(cfg: MoEConfig, rng: np.random.Generator, dtype, scale: float 
     """Seeded random weights, fan-in scaled: uniform with standard deviation
     ``scale / sqrt(fan_in)``, drawn as int16 codes by numpy and scaled by XLA (a full-width
     Qwen3.6 layer in a few seconds, where ``jax.random.normal`` on CPU takes over a minute)."""
-    d, e, f, fs = cfg.d_model, cfg.num_experts, cfg.expert_dim, cfg.shared_expert_dim
 
     def nrm(shape, fan_in):
         q = rng.integers(-32768, 32768, size=shape, dtype=np.int16)
@@ -158,20 +156,7 @@ def random_params(cfg: MoEConfig, rng: np.random.Generator, dtype, scale: float 
             return jnp.asarray(q.astype(np.float32) * c, dtype)
         return _scale_codes(jnp.asarray(q), c).astype(dtype)
 
-    ew = ExpertWeights(nrm((e, d, f), d), nrm((e, d, f), d), nrm((e, f, d), f))
-    if cfg.expert_bias:
-        ew = dataclasses.replace(ew, b_gate=nrm((e, f), 4.0), b_up=nrm((e, f), 4.0), b_down=nrm((e, d), 4.0))
-    shared = None
-    if fs:
-        shared = SharedWeights(nrm((d, fs), d), nrm((d, fs), d), nrm((fs, d), fs),
-                               nrm((d,), d) if cfg.shared_expert_gate else None)
-    return MoEParams(
-        w_router=nrm((d, e), d),
-        experts=ew,
-        b_router=nrm((e,), 1.0) if cfg.router.router_bias else None,
-        selection_bias=nrm((e,), 100.0) if cfg.router.use_selection_bias else None,
-        shared=shared,
-    )
+    return params_from_sampler(cfg, nrm)
 
 
 def load_params(spec: LayerSpec, ecfg: EvalConfig) -> MoEParams:
