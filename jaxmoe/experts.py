@@ -180,17 +180,7 @@ def experts_gather(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoECo
 
     def pair(i, ys):
         one = ew.take(flat[i])  # this pair's expert: w_gate [d, F], w_up [d, F], w_down [F, d]
-        wg, wu, wd = (materialize(a, dt) for a in (one.w_gate, one.w_up, one.w_down))
-        xi = xin[i]  # [1, d]
-        g = mm("td,df->tf", xi, wg)
-        u = mm("td,df->tf", xi, wu)
-        if one.b_gate is not None:
-            g = g + one.b_gate.astype(jnp.float32)
-            u = u + one.b_up.astype(jnp.float32)
-        h = activation(g, u, cfg).astype(dt)
-        y = mm("tf,fd->td", h, wd)
-        if one.b_down is not None:
-            y = y + one.b_down.astype(jnp.float32)
+        y = swiglu_ffn(xin[i], one.w_gate, one.w_up, one.w_down, cfg, one.b_gate, one.b_up, one.b_down)
         return jax.lax.dynamic_update_slice_in_dim(ys, y, i, axis=0)
 
     ys = jax.lax.fori_loop(0, p, pair, jnp.zeros((p, x.shape[1]), jnp.float32)).reshape(t, k, -1)

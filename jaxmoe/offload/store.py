@@ -41,6 +41,7 @@ import numpy as np
 
 from jaxmoe.config import MoEConfig, config_from_dict
 from jaxmoe.experts import ExpertWeights, SharedWeights
+from jaxmoe.layer import params_from_sampler
 from jaxmoe.quant import QuantizedTensor, pack_int4, quantize_int4_affine, quantize_int8
 
 PROJS = ("w_gate", "w_up", "w_down")
@@ -592,25 +593,16 @@ def random_layers(cfg: MoEConfig, num_layers: int, seed: int = 0) -> list:
     """``num_layers`` random ``(ResidentLayer, ExpertWeights)`` pairs (float32 numpy, normal, fan-in
     scaled; RMSNorm weights ``1 + 0.1 N(0, 1)``) for ``cfg``."""
     rng = np.random.default_rng(seed)
-    d, e, f, fs = cfg.d_model, cfg.num_experts, cfg.expert_dim, cfg.shared_expert_dim
+    d = cfg.d_model
 
     def nrm(shape, fan_in):
         return (rng.standard_normal(shape, np.float32) / np.float32(np.sqrt(fan_in))).astype(np.float32)
 
     out = []
     for _ in range(num_layers):
-        ew = ExpertWeights(nrm((e, d, f), d), nrm((e, d, f), d), nrm((e, f, d), f))
-        if cfg.expert_bias:
-            ew = dataclasses.replace(ew, b_gate=nrm((e, f), 4.0), b_up=nrm((e, f), 4.0), b_down=nrm((e, d), 4.0))
-        shared = None
-        if fs:
-            shared = SharedWeights(nrm((d, fs), d), nrm((d, fs), d), nrm((fs, d), fs),
-                                   nrm((d,), d) if cfg.shared_expert_gate else None)
+        p = params_from_sampler(cfg, nrm)
         norm = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
-        res = ResidentLayer(norm, nrm((d, e), d), nrm((e,), 1.0) if cfg.router.router_bias else None,
-                            (0.1 * rng.standard_normal(e)).astype(np.float32) if cfg.router.use_selection_bias
-                            else None, shared)
-        out.append((res, ew))
+        out.append((ResidentLayer(norm, p.w_router, p.b_router, p.selection_bias, p.shared), p.experts))
     return out
 
 
