@@ -34,13 +34,13 @@ import numpy as np
 
 import jaxmoe
 
-JAX_IMPLS = ("auto", "xla", "gather", "ragged_dot", "dense")
+JAX_IMPLS = ("auto", "cpu", "xla", "gather", "ragged_dot", "dense")
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,8,64,256,1024", help="comma-separated token counts T")
-    ap.add_argument("--impls", default="hf,auto,xla,gather,ragged_dot,dense",
+    ap.add_argument("--impls", default="hf,auto,cpu,xla,gather,ragged_dot,dense",
                     help="comma-separated: hf and any of " + ",".join(JAX_IMPLS))
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per cell (best is shown)")
     ap.add_argument("--quick", action="store_true", help="32 experts, T in {1, 8, 64}, 2 repeats")

@@ -40,14 +40,25 @@ def default_platform() -> str:
     return jax.devices()[0].platform
 
 
-def resolve_impl(impl: str, num_pairs: int | None = None, platform: str | None = None) -> str:
+def resolve_impl(impl: str, num_pairs: int | None = None, platform: str | None = None, *,
+                 experts=None, dtype=None) -> str:
     """The concrete implementation name for ``impl`` (``auto`` resolved).
 
-    ``auto``: ``pallas`` on CUDA / ROCm (its kernels have their own decode path);
-    elsewhere (CPU, Intel GPUs through the oneAPI PJRT plugin, anything else)
+    ``auto``: ``pallas`` on CUDA / ROCm (its kernels have their own decode path). On the
+    CPU, ``cpu`` (the C++ kernel of `jaxmoe.cpu_kernel`, which reads the selected
+    experts in place) when ``experts`` are given, it takes them (float32 / bfloat16,
+    not quantized) and it built on this machine. Otherwise (CPU without the kernel,
+    quantized experts, Intel GPUs through the oneAPI PJRT plugin, anything else)
     ``gather`` for at most `GATHER_MAX_PAIRS` token pairs ``T * k``, else ``xla``.
     Forcing ``pallas`` on an Intel platform raises ValueError: Pallas's Triton
     backend lowers only for CUDA and ROCm.
+
+    Args:
+      impl: a registered name or ``auto``.
+      num_pairs: ``T * k`` of the call.
+      platform: the device platform (default: that of the first device).
+      experts: the call's `ExpertWeights` (lets ``auto`` pick ``cpu``).
+      dtype: the compute dtype of the activations (default float32).
     """
     _load_optional()
     platform = platform or default_platform()
@@ -57,9 +68,17 @@ def resolve_impl(impl: str, num_pairs: int | None = None, platform: str | None =
         if impl == "pallas" and platform in INTEL_PLATFORMS:
             raise ValueError(f"impl='pallas' cannot lower on platform {platform!r}: Pallas's Triton backend "
                              f"targets CUDA and ROCm only; use impl='xla' (or 'auto') there")
+        if impl == "cpu" and platform != "cpu":
+            raise ValueError(f"impl='cpu' is an XLA:CPU custom call and cannot run on platform {platform!r}; "
+                             f"use impl='auto'")
         return impl
     if platform in PALLAS_PLATFORMS and "pallas" in _IMPLS:
         return "pallas"
+    if platform == "cpu" and experts is not None and "cpu" in _IMPLS:
+        from jaxmoe import cpu_kernel
+
+        if cpu_kernel.supports(experts, dtype or "float32") is None and cpu_kernel.cpu_kernel_available():
+            return "cpu"
     if num_pairs is not None and num_pairs <= GATHER_MAX_PAIRS:
         return "gather"
     if "xla" in _IMPLS:
@@ -84,6 +103,7 @@ def _load_optional() -> None:
         return
     _loaded = True
     import jaxmoe.grouped  # noqa: F401  registers xla, ragged_dot
+    import jaxmoe.cpu_kernel  # noqa: F401  registers cpu (compiled on first use)
     import pallas_kernels.impl  # noqa: F401  registers pallas
 
 

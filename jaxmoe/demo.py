@@ -44,7 +44,7 @@ def cli_main(argv: list[str]) -> int:
         ms = float(np.median(ts) * 1e3)
         from jaxmoe.backends import resolve_impl
 
-        tab.add_row(str(t), resolve_impl(a.impl, t * cfg.top_k), f"{ms:.2f}", f"{t / ms * 1e3:.0f}",
+        tab.add_row(str(t), resolve_impl(a.impl, t * cfg.top_k, experts=block.params().experts), f"{ms:.2f}", f"{t / ms * 1e3:.0f}",
                     f"{int((load > 0).sum())}/{cfg.num_experts}", f"{load.max() / load.mean():.2f}",
                     f"{float(r.weights[:, 0].mean()):.3f}")
         if not np.isfinite(np.asarray(y)).all():

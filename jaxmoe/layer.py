@@ -114,7 +114,7 @@ def moe_apply(params: MoEParams, x: jax.Array, cfg: MoEConfig, *, impl: str = "a
     x2 = x.reshape(-1, cfg.d_model)
     if routing is None:
         routing = compute_routing(params, x2, cfg)
-    name = backends.resolve_impl(impl, x2.shape[0] * cfg.top_k)
+    name = backends.resolve_impl(impl, x2.shape[0] * cfg.top_k, experts=params.experts, dtype=x2.dtype)
     fn = backends.get_impl(name)
     with jax.named_scope(f"routed_experts_{name}"):
         y = fn(x2, routing, params.experts, cfg)

@@ -340,7 +340,8 @@ def moe_apply_ep(params: MoEParams, x: jax.Array, cfg: MoEConfig, mesh: Mesh, *,
             raise ValueError(f"moe_apply_ep: routing expert_ids {ids.shape} / weights {w.shape} must be "
                              f"[T, k] = {(t, cfg.top_k)}")
         ids, w = ids.astype(jnp.int32), w.astype(jnp.float32)
-    impl = backends.resolve_impl(impl, n * c) if impl == "auto" else impl
+    impl = (backends.resolve_impl(impl, n * c, experts=params.experts, dtype=x2.dtype) if impl == "auto"
+            else impl)
     backends.get_impl(impl)  # ValueError for unknown names, before tracing
     y, r, stats = _ep_jit(params, x2, ids, w, cfg=cfg, mesh=mesh, impl=impl, c=c, kind=kind, given=given)
     out = [y.reshape(*lead, cfg.d_model)]

@@ -1,5 +1,6 @@
-"""The XLA grouped path (``xla``), ``ragged_dot`` and the ``gather`` decode loop against
-the float64 numpy references and the dense oracle; and the ``auto`` backend choice."""
+"""The XLA grouped path (``xla``), the C++ CPU kernel (``cpu``), ``ragged_dot`` and the
+``gather`` decode loop against the float64 numpy references and the dense oracle; and the
+``auto`` backend choice."""
 
 import dataclasses
 
@@ -15,12 +16,14 @@ from hypothesis import strategies as st
 import jaxmoe
 from jaxmoe import MoEConfig, RouterConfig, Routing, backends
 from jaxmoe.experts import experts_dense
+from jaxmoe.cpu_kernel import experts_cpu
 from jaxmoe.grouped import choose_block_m, experts_ragged_dot, experts_xla
 from jaxmoe.quant import quantize_int4_affine, quantize_int8
 from reference import np_act, np_moe, params_to_numpy, shrink
 
 PRESETS = jaxmoe.list_presets()
-GROUPED = ["xla", "ragged_dot"]
+GROUPED = ["xla", "ragged_dot", "cpu"]
+QUANT_IMPLS = ["xla", "ragged_dot", "gather"]  # cpu refuses quantized experts (tests/test_cpu_kernel.py)
 F32 = dict(rtol=2e-5, atol=2e-5)
 
 
@@ -90,9 +93,10 @@ def test_quantized_experts(preset, quant, rng):
                                                            w_down=q(ew.w_down)))
     x = rng.normal(size=(9, cfg.d_model)).astype(np.float32)
     ref, _, _ = np_moe(x, params_to_numpy(p), cfg)
-    for impl in GROUPED + ["gather"]:
+    for impl in QUANT_IMPLS:
         y = jaxmoe.moe_apply(p, jnp.asarray(x), cfg, impl=impl)
         np.testing.assert_allclose(np.asarray(y), ref, **F32, err_msg=impl)
+    assert backends.resolve_impl("auto", 9 * cfg.top_k, platform="cpu", experts=p.experts) == "xla"
 
 
 @pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "gpt-oss-20b"])
@@ -262,7 +266,7 @@ def test_bad_input(rng):
     cfg = shrink(jaxmoe.load_config("qwen3-30b-a3b"))
     p = random_params(cfg, rng)
     r = Routing(jnp.zeros((4, cfg.top_k), jnp.int32), jnp.ones((4, cfg.top_k)))
-    for fn in (experts_xla, experts_ragged_dot):
+    for fn in (experts_xla, experts_ragged_dot, experts_cpu):
         with pytest.raises(ValueError, match="x must be"):
             fn(jnp.ones((4,)), r, p.experts, cfg)
         with pytest.raises(ValueError, match="expert_ids"):
@@ -289,6 +293,20 @@ def test_auto_resolution(monkeypatch):
         assert backends.resolve_impl("auto", small, platform=plat) == "pallas"  # the kernels have a decode path
     assert backends.resolve_impl("auto", big, platform="cpu") == "xla"
     assert backends.resolve_impl("gather", 10**6, platform="cpu") == "gather"  # explicit choices are kept
+
+
+def test_auto_takes_the_cpu_kernel_for_float_experts(rng):
+    cfg = shrink(jaxmoe.load_config("qwen3-30b-a3b"))
+    p = random_params(cfg, rng)
+    pb = random_params(cfg, rng, jnp.bfloat16)
+    assert backends.resolve_impl("auto", 1, platform="cpu", experts=p.experts) == "cpu"
+    assert backends.resolve_impl("auto", 10**4, platform="cpu", experts=pb.experts, dtype=jnp.bfloat16) == "cpu"
+    # bf16 compute over f32 experts would need a rounded copy of every expert: not the kernel's job
+    assert backends.resolve_impl("auto", 10**4, platform="cpu", experts=p.experts, dtype=jnp.bfloat16) == "xla"
+    for plat in backends.INTEL_PLATFORMS:  # an XLA:CPU custom call only
+        assert backends.resolve_impl("auto", 10**4, platform=plat, experts=p.experts) == "xla"
+        with pytest.raises(ValueError, match="cpu.*" + plat):
+            backends.resolve_impl("cpu", 64, platform=plat)
 
 
 def test_pallas_forced_where_it_cannot_lower(monkeypatch):

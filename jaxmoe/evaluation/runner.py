@@ -123,7 +123,7 @@ def _reference(spec: LayerSpec, ecfg: EvalConfig, params, x_route: np.ndarray, n
 
 def _run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant, t) -> dict[str, Any]:
     cfg = spec.cfg
-    resolved = backends.resolve_impl(impl, t * cfg.top_k)
+    resolved = backends.resolve_impl(impl, t * cfg.top_k, experts=params.experts, dtype=dtype)
     row: dict[str, Any] = {
         "case": case_label(impl, dtype, quant), "impl": impl, "resolved_impl": resolved, "dtype": dtype,
         "quantize": quant, "tokens": t,
@@ -240,7 +240,7 @@ def run_eval(ecfg: EvalConfig, *, source: str = "<config>", specs: list[LayerSpe
                 # concrete impls first, so an `auto` that resolves to one of them reuses its measurement
                 for impl in sorted(ecfg.impls, key=lambda i: i == "auto"):
                     for t in ecfg.tokens:
-                        resolved = backends.resolve_impl(impl, t * cfg.top_k)
+                        resolved = backends.resolve_impl(impl, t * cfg.top_k, experts=params.experts, dtype=dtype)
                         if impl == "auto" and (resolved, t) in done:
                             row = dict(done[(resolved, t)], case=case_label(impl, dtype, quant), impl=impl,
                                        measured_as=case_label(resolved, dtype, quant))
