@@ -64,7 +64,7 @@ def test_shipped_configs_validate():
         cfg = load_eval_config(n)
         assert cfg.name == n
     d = load_eval_config("default")
-    assert d.model.preset == "qwen3.6-35b-a3b" and set(d.impls) == {"auto", "xla", "gather", "dense"}
+    assert d.model.preset == "qwen3.6-35b-a3b" and set(d.impls) == {"auto", "cpu", "xla", "gather", "dense"}
     with pytest.raises(ConfigError, match=r"gguf\.yaml: key 'model.path'.*--set model.path"):
         load_eval_config("gguf")
 
@@ -335,7 +335,7 @@ def _check_png(path: Path):
 
 
 def test_eval_end_to_end(tmp_path, capsys):
-    p = _write(tmp_path, TINY)
+    p = _write(tmp_path, dict(TINY, impls=["auto", "cpu", "dense"]))  # auto resolves to cpu here
     out = tmp_path / "run"
     rc = cli_main([str(p), "--out", str(out), "--set", "tokens=[1,6]",
                    "--set", "inputs.seed=4"])
@@ -364,7 +364,7 @@ def test_eval_end_to_end(tmp_path, capsys):
     wb = {k: _q(v) for k, v in lay["weight_bytes"].items()}
     assert wb["per_expert"] == 3 * 64 * 32 * 4 and wb["router"] == 64 * 16 * 4
     rows = lay["results"]
-    assert [(r["impl"], r["tokens"]) for r in rows] == [(i, t) for i in ("auto", "gather", "dense") for t in (1, 6)]
+    assert [(r["impl"], r["tokens"]) for r in rows] == [(i, t) for i in ("auto", "cpu", "dense") for t in (1, 6)]
     for r in rows:
         assert r["status"] == "ok" and r["passed"] is True
         assert 0 <= _q(r["rel_error"]) < 1e-5 and _q(r["max_abs_error"]) >= 0
@@ -376,7 +376,7 @@ def test_eval_end_to_end(tmp_path, capsys):
         assert _q(r["weight_bytes_read"]) == touched * wb["per_expert"] + wb["shared"] + wb["router"]
         assert _q(r["bandwidth"]) == pytest.approx(_q(r["weight_bytes_read"]) / _q(r["time_median"]) / 1e9)
     auto1 = rows[0]
-    assert auto1["resolved_impl"] == "gather" and auto1["measured_as"] == "gather/float32"
+    assert auto1["resolved_impl"] == "cpu" and auto1["measured_as"] == "cpu/float32"
     assert auto1["time_median"] == rows[2]["time_median"]
     md = (out / "report.md").read_text()
     assert "| layer | case |" in md and md.count("| qwen3.6-35b-a3b/L1 |") == 7 and "gate: PASSED" in md
