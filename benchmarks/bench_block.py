@@ -9,12 +9,14 @@ HF and against ``xla``, and two floors measured on this machine:
 - memory floor: bytes of the weights the layer must read (distinct experts the routing
   touched, the shared expert and the router) / stream bandwidth of a large array copy
   (read + write bytes, so the strictest floor); "read floor": the same bytes / the rate
-  of a read-only stream (a float32 sum over 1 GiB), which on this VM is about half the
-  copy figure (per-core reads are latency-bound);
+  of a read-only stream (one numpy sum per core over 1 GiB), which on this VM is about
+  half the copy figure (each core's reads are bound by its outstanding misses);
 - arithmetic floor: the layer's FLOPs / the rate of a plain [2048,2048]@[2048,2048] dot.
 
 Each repeat uses a fresh input (fresh routing), so the selected experts are not all
-cache-resident; the table shows the best of ``--repeats`` runs (the machine is shared).
+cache-resident; within a repeat every implementation runs once on the same input, in
+turn (round robin), so load from other processes hits them alike. The table shows the
+best of ``--repeats`` runs (the machine is shared); the log lines give medians too.
 
     python benchmarks/bench_block.py                      # full layer, ~3.2 GB of f32 weights (+3.2 GB for HF)
     python benchmarks/bench_block.py --tokens 1,8 --impls xla,gather,hf
@@ -28,6 +30,7 @@ import argparse
 import dataclasses
 import gc
 import math
+import os
 import sys
 import time
 
@@ -95,12 +98,19 @@ def copy_bandwidth(nbytes=1 << 30, repeats=5) -> float:
 
 
 def read_bandwidth(nbytes=1 << 30, repeats=5) -> float:
-    """Read-only stream bandwidth (bytes/s): a float32 sum over a large array."""
-    a = jnp.arange(nbytes // 4, dtype=jnp.float32)
-    f = jax.jit(lambda v: jnp.sum(v.reshape(-1, 4096), axis=0))
-    ms, _ = best_ms(lambda _: f(a), [None] * (repeats + 1), repeats)
-    del a
-    return nbytes / (ms * 1e-3)
+    """Read-only stream bandwidth (bytes/s): one thread per core sums its own slice of a
+    large float32 array (numpy releases the GIL in the reduction)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = os.cpu_count() or 1
+    parts = np.array_split(np.arange(nbytes // 4, dtype=np.float32), n)
+    best = math.inf
+    with ThreadPoolExecutor(n) as ex:
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            list(ex.map(np.sum, parts))
+            best = min(best, time.perf_counter() - t0)
+    return nbytes / best
 
 
 def matmul_rate(n=2048, repeats=5) -> float:
@@ -177,6 +187,7 @@ def main(argv=None) -> int:
         row = dict(T=t, mem_floor=read / bw * 1e3, read_floor=read / rbw * 1e3, arith_floor=flops / rate * 1e3,
                    touched=touched)
         ref = np.asarray(jitted["xla"](p, inputs[0])) if "xla" in jitted else None
+        fns = {}
         for impl in a.impls:
             note = None
             if impl == "ragged_dot" and t > a.ragged_max_tokens:
@@ -188,20 +199,28 @@ def main(argv=None) -> int:
             if note:
                 print(f"T={t:5d} {impl:10s} {note}", flush=True)
                 continue
-            if impl == "hf":
-                fn = hf_run
-            else:
-                fn = lambda x, j=jitted[impl]: j(p, x)  # noqa: E731
-            reps = 1 if impl == "ragged_dot" and t >= 64 else a.repeats
+            fn = hf_run if impl == "hf" else (lambda x, j=jitted[impl]: j(p, x))  # noqa: E731
+            out = np.asarray(fn(inputs[0]))  # compiles; warms up
             if ref is not None:
-                out = np.asarray(fn(inputs[0]))
                 err = np.abs(out - ref).max() / (np.abs(ref).max() + 1e-30)
                 if not err < 1e-3:
                     print(f"T={t} {impl}: output differs from xla (max rel err {err:.2e})", file=sys.stderr)
                     return 1
-            lo, med = best_ms(fn, inputs, reps)
-            row[impl] = lo
-            print(f"T={t:5d} {impl:10s} best {lo:10.2f} ms  median {med:10.2f} ms  ({reps} runs)", flush=True)
+            fns[impl] = fn
+        # Round robin: every repeat times each impl once on the same fresh input, so load
+        # from other processes on the shared machine hits all of them alike.
+        times = {impl: [] for impl in fns}
+        for r, x in enumerate(inputs[1:]):
+            for impl, fn in fns.items():
+                if r >= (1 if impl == "ragged_dot" and t >= 64 else a.repeats):
+                    continue
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(x))
+                times[impl].append((time.perf_counter() - t0) * 1e3)
+        for impl, ts in times.items():
+            row[impl] = min(ts)
+            print(f"T={t:5d} {impl:10s} best {min(ts):10.2f} ms  median {np.median(ts):10.2f} ms  ({len(ts)} runs)",
+                  flush=True)
         rows.append(row)
         del inputs
         gc.collect()
