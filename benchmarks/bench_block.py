@@ -56,6 +56,7 @@ def parse_args(argv=None):
     ap.add_argument("--gather-max-tokens", type=int, default=64, help="skip gather above this T")
     ap.add_argument("--dense-max-bytes", type=float, default=2e9, help="skip dense if its [T,E,*] buffers exceed this")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for the HF block")
+    ap.add_argument("--settle", type=float, default=0.2, help="idle seconds before each timed call")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     if a.quick:
@@ -208,12 +209,17 @@ def main(argv=None) -> int:
                     return 1
             fns[impl] = fn
         # Round robin: every repeat times each impl once on the same fresh input, so load
-        # from other processes on the shared machine hits all of them alike.
+        # from other processes on the shared machine hits all of them alike. The order
+        # rotates and each call waits --settle seconds first: torch's OpenMP threads keep
+        # spinning for a while after a call and would slow whichever impl ran next.
         times = {impl: [] for impl in fns}
+        names = list(fns)
         for r, x in enumerate(inputs[1:]):
-            for impl, fn in fns.items():
+            for impl in names[r % len(names):] + names[: r % len(names)]:
                 if r >= (1 if impl == "ragged_dot" and t >= 64 else a.repeats):
                     continue
+                fn = fns[impl]
+                time.sleep(a.settle)
                 t0 = time.perf_counter()
                 jax.block_until_ready(fn(x))
                 times[impl].append((time.perf_counter() - t0) * 1e3)
