@@ -56,9 +56,6 @@ def parse_args(argv=None):
     ap.add_argument("--gather-max-tokens", type=int, default=64, help="skip gather above this T")
     ap.add_argument("--dense-max-bytes", type=float, default=2e9, help="skip dense if its [T,E,*] buffers exceed this")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for the HF block")
-    ap.add_argument("--settle", type=float, default=0.0,
-                    help="idle seconds before each timed call (0.2 s made every impl 1.5-2x slower at T=1: "
-                         "cold thread pools and caches)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     if a.quick:
@@ -221,7 +218,6 @@ def main(argv=None) -> int:
                 if r >= (1 if impl == "ragged_dot" and t >= 64 else a.repeats):
                     continue
                 fn = fns[impl]
-                time.sleep(a.settle)
                 t0 = time.perf_counter()
                 jax.block_until_ready(fn(x))
                 times[impl].append((time.perf_counter() - t0) * 1e3)

@@ -208,7 +208,8 @@ struct Task {
 };
 
 template <typename W>
-void run_gate_up(const Problem& p, const Task& t, std::vector<float>& gbuf, std::vector<float>& ubuf) {
+void run_gate_up(const Problem& p, const Task& t) {
+  thread_local std::vector<float> gbuf, ubuf;
   const int64_t e = t.expert, d = p.d, F = p.F;
   const W* wg = static_cast<const W*>(p.wg) + e * d * F + t.col0;
   const W* wu = static_cast<const W*>(p.wu) + e * d * F + t.col0;
@@ -290,6 +291,14 @@ void parallel_tasks(ffi::ThreadPool& pool, const std::vector<Task>& tasks, Fn fn
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
+// Phase 1 (h for every task of up_tasks), then phase 2 (y), W the weights' storage type.
+template <typename W>
+void run_phases(ffi::ThreadPool& pool, const Problem& p, const std::vector<Task>& up_tasks,
+                const std::vector<Task>& down_tasks) {
+  parallel_tasks(pool, up_tasks, [&p](const Task& t) { run_gate_up<W>(p, t); });
+  parallel_tasks(pool, down_tasks, [&p](const Task& t) { run_down<W>(p, t); });
+}
+
 ffi::Error GroupedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi::Buffer<ffi::S32> offsets,
                              ffi::Buffer<ffi::S32> sizes, ffi::AnyBuffer wg, ffi::AnyBuffer wu, ffi::AnyBuffer wd,
                              ffi::Buffer<ffi::F32> bg, ffi::Buffer<ffi::F32> bu, ffi::Buffer<ffi::F32> bd,
@@ -349,19 +358,10 @@ ffi::Error GroupedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi
     return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: up_block and down_block must be positive");
   const auto up_tasks = make_tasks(p, E, F, up_block);
   const auto down_tasks = make_tasks(p, E, d, down_block);
-  if (p.bf16) {
-    parallel_tasks(pool, up_tasks, [&p](const Task& t) {
-      thread_local std::vector<float> g, u;
-      run_gate_up<uint16_t>(p, t, g, u);
-    });
-    parallel_tasks(pool, down_tasks, [&p](const Task& t) { run_down<uint16_t>(p, t); });
-  } else {
-    parallel_tasks(pool, up_tasks, [&p](const Task& t) {
-      thread_local std::vector<float> g, u;
-      run_gate_up<float>(p, t, g, u);
-    });
-    parallel_tasks(pool, down_tasks, [&p](const Task& t) { run_down<float>(p, t); });
-  }
+  if (p.bf16)
+    run_phases<uint16_t>(pool, p, up_tasks, down_tasks);
+  else
+    run_phases<float>(pool, p, up_tasks, down_tasks);
   return ffi::Error::Success();
 }
 
