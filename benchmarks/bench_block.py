@@ -46,13 +46,20 @@ JAX_IMPLS = ("auto", "cpu", "xla", "gather", "ragged_dot", "dense")
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,8,64,256,1024", help="comma-separated token counts T")
-    ap.add_argument("--impls", default="hf,auto,cpu,xla,gather,ragged_dot,dense",
-                    help="comma-separated: hf and any of " + ",".join(JAX_IMPLS))
+    ap.add_argument(
+        "--impls",
+        default="hf,auto,cpu,xla,gather,ragged_dot,dense",
+        help="comma-separated: hf and any of " + ",".join(JAX_IMPLS),
+    )
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per cell (best is shown)")
     ap.add_argument("--quick", action="store_true", help="32 experts, T in {1, 8, 64}, 2 repeats")
     ap.add_argument("--experts", type=int, default=None, help="override the number of experts")
-    ap.add_argument("--ragged-max-tokens", type=int, default=256,
-                    help="skip ragged_dot above this T (39 s at T=256 on a 2-core CPU)")
+    ap.add_argument(
+        "--ragged-max-tokens",
+        type=int,
+        default=256,
+        help="skip ragged_dot above this T (39 s at T=256 on a 2-core CPU)",
+    )
     ap.add_argument("--gather-max-tokens", type=int, default=64, help="skip gather above this T")
     ap.add_argument("--dense-max-bytes", type=float, default=2e9, help="skip dense if its [T,E,*] buffers exceed this")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for the HF block")
@@ -74,7 +81,7 @@ def best_ms(fn, inputs, repeats):
     """Best and median wall time (ms) of ``fn(x)`` over fresh inputs; the first input warms up."""
     jax.block_until_ready(fn(inputs[0]))
     ts = []
-    for x in inputs[1: repeats + 1]:
+    for x in inputs[1 : repeats + 1]:
         t0 = time.perf_counter()
         jax.block_until_ready(fn(x))
         ts.append((time.perf_counter() - t0) * 1e3)
@@ -129,9 +136,14 @@ def make_hf_block(p: jaxmoe.MoEParams, cfg: jaxmoe.MoEConfig, threads: int):
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
     torch.set_num_threads(threads)
-    hc = Qwen3_5MoeTextConfig(hidden_size=cfg.d_model, num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
-                              moe_intermediate_size=cfg.expert_dim,
-                              shared_expert_intermediate_size=cfg.shared_expert_dim, hidden_act="silu")
+    hc = Qwen3_5MoeTextConfig(
+        hidden_size=cfg.d_model,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k,
+        moe_intermediate_size=cfg.expert_dim,
+        shared_expert_intermediate_size=cfg.shared_expert_dim,
+        hidden_act="silu",
+    )
     hc._experts_implementation = "eager"  # the per-expert loop of modeling_qwen3_5_moe (the default)
     blk = hf.Qwen3_5MoeSparseMoeBlock(hc).eval()  # torch.empty parameters: untouched until filled
     t = lambda a: torch.from_numpy(np.asarray(a))  # noqa: E731  zero-copy view of the jax buffer
@@ -164,15 +176,19 @@ def main(argv=None) -> int:
     bw = copy_bandwidth()
     rbw = read_bandwidth()
     rate = matmul_rate()
-    print(f"measured: copy bandwidth {bw / 1e9:.1f} GB/s, read stream {rbw / 1e9:.1f} GB/s, "
-          f"matmul {rate / 1e9:.0f} GFLOP/s")
+    print(
+        f"measured: copy bandwidth {bw / 1e9:.1f} GB/s, read stream {rbw / 1e9:.1f} GB/s, "
+        f"matmul {rate / 1e9:.0f} GFLOP/s"
+    )
 
     p = jaxmoe.init_params(cfg, jax.random.key(a.seed))
     jax.block_until_ready(p)
     gc.collect()
     expert_bytes = 3 * d * f * 4
-    print(f"weights: {e * expert_bytes / 1e9:.2f} GB routed experts; 8 experts = {k * expert_bytes / 1e6:.1f} MB "
-          f"-> memory floor of one token's experts {k * expert_bytes / bw * 1e3:.2f} ms")
+    print(
+        f"weights: {e * expert_bytes / 1e9:.2f} GB routed experts; 8 experts = {k * expert_bytes / 1e6:.1f} MB "
+        f"-> memory floor of one token's experts {k * expert_bytes / bw * 1e3:.2f} ms"
+    )
 
     hf_run = make_hf_block(p, cfg, a.threads) if "hf" in a.impls else None
     jitted = {i: jax.jit(lambda p, x, i=i: jaxmoe.moe_apply(p, x, cfg, impl=i)) for i in a.impls if i != "hf"}
@@ -184,8 +200,9 @@ def main(argv=None) -> int:
         touched = np.mean([len(np.unique(np.asarray(route(p, x)))) for x in inputs[1:]])
         read = touched * expert_bytes + 3 * d * fs * 4 + d * e * 4
         flops = 2 * t * (k * 3 * d * f + 3 * d * fs + d * e)
-        row = dict(T=t, mem_floor=read / bw * 1e3, read_floor=read / rbw * 1e3, arith_floor=flops / rate * 1e3,
-                   touched=touched)
+        row = dict(
+            T=t, mem_floor=read / bw * 1e3, read_floor=read / rbw * 1e3, arith_floor=flops / rate * 1e3, touched=touched
+        )
         ref = np.asarray(jitted["xla"](p, inputs[0])) if "xla" in jitted else None
         fns = {}
         for impl in a.impls:
@@ -214,7 +231,7 @@ def main(argv=None) -> int:
         times = {impl: [] for impl in fns}
         names = list(fns)
         for r, x in enumerate(inputs[1:]):
-            for impl in names[r % len(names):] + names[: r % len(names)]:
+            for impl in names[r % len(names) :] + names[: r % len(names)]:
                 if r >= (1 if impl == "ragged_dot" and t >= 64 else a.repeats):
                     continue
                 fn = fns[impl]
@@ -223,8 +240,10 @@ def main(argv=None) -> int:
                 times[impl].append((time.perf_counter() - t0) * 1e3)
         for impl, ts in times.items():
             row[impl] = min(ts)
-            print(f"T={t:5d} {impl:10s} best {min(ts):10.2f} ms  median {np.median(ts):10.2f} ms  ({len(ts)} runs)",
-                  flush=True)
+            print(
+                f"T={t:5d} {impl:10s} best {min(ts):10.2f} ms  median {np.median(ts):10.2f} ms  ({len(ts)} runs)",
+                flush=True,
+            )
         rows.append(row)
         del inputs
         gc.collect()
@@ -259,10 +278,14 @@ def print_table(rows, impls):
             print(f"{r['T']:5d} " + "".join(cells))
     for c in ("cpu", "xla"):
         if c in cols:
-            print(f"\n{c} / max(mem floor, arith floor): " + ", ".join(
-                f"T={r['T']}: {r[c] / max(r['mem_floor'], r['arith_floor']):.2f}x" for r in rows if c in r))
-            print(f"{c} / max(read floor, arith floor): " + ", ".join(
-                f"T={r['T']}: {r[c] / max(r['read_floor'], r['arith_floor']):.2f}x" for r in rows if c in r))
+            print(
+                f"\n{c} / max(mem floor, arith floor): "
+                + ", ".join(f"T={r['T']}: {r[c] / max(r['mem_floor'], r['arith_floor']):.2f}x" for r in rows if c in r)
+            )
+            print(
+                f"{c} / max(read floor, arith floor): "
+                + ", ".join(f"T={r['T']}: {r[c] / max(r['read_floor'], r['arith_floor']):.2f}x" for r in rows if c in r)
+            )
 
 
 if __name__ == "__main__":

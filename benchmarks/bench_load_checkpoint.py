@@ -45,10 +45,19 @@ def write(path: Path, layers: int, e: int, d: int, f: int, fs: int, rng) -> int:
         t[f"{p}.shared_expert_gate.weight"] = rng.standard_normal((1, d)).astype(ml_dtypes.bfloat16)
     save_file(t, str(path / "model.safetensors"), metadata={"format": "mlx"})
     qc = {"group_size": 64, "bits": 4}
-    cfg = {"model_type": "qwen3_5_moe", "quantization": qc,
-           "text_config": {"model_type": "qwen3_5_moe_text", "hidden_size": d, "num_hidden_layers": layers,
-                           "num_experts": e, "num_experts_per_tok": 8, "moe_intermediate_size": f,
-                           "shared_expert_intermediate_size": fs}}
+    cfg = {
+        "model_type": "qwen3_5_moe",
+        "quantization": qc,
+        "text_config": {
+            "model_type": "qwen3_5_moe_text",
+            "hidden_size": d,
+            "num_hidden_layers": layers,
+            "num_experts": e,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": f,
+            "shared_expert_intermediate_size": fs,
+        },
+    }
     (path / "config.json").write_text(json.dumps(cfg))
     return (path / "model.safetensors").stat().st_size
 
@@ -83,9 +92,11 @@ def main() -> None:
         t3 = time.perf_counter()
         ew = block.params().experts
         print(f"checkpoint {size / 2**20:.0f} MiB on disk, {a.layers} layers, E={a.experts}")
-        print(f"from_pretrained(layer={a.layers - 1}): {t1 - t0:.2f} s, read {sum(read) / 2**20:.0f} MiB "
-              f"in {len(read)} tensors; experts kept {type(ew.w_gate).__name__} "
-              f"({sum(w.nbytes for w in (ew.w_gate, ew.w_up, ew.w_down)) / 2**20:.0f} MiB)")
+        print(
+            f"from_pretrained(layer={a.layers - 1}): {t1 - t0:.2f} s, read {sum(read) / 2**20:.0f} MiB "
+            f"in {len(read)} tensors; experts kept {type(ew.w_gate).__name__} "
+            f"({sum(w.nbytes for w in (ew.w_gate, ew.w_up, ew.w_down)) / 2**20:.0f} MiB)"
+        )
         print(f"first call (T=1, gather, compile included): {t2 - t1:.2f} s; steady: {(t3 - t2) / n * 1e3:.1f} ms/call")
 
 

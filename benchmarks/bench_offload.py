@@ -34,16 +34,25 @@ import jax
 import numpy as np
 
 import jaxmoe
-from jaxmoe.offload import (OffloadConfig, OffloadedModel, make_predictor, random_layers, synthetic_trace,
-                            write_gguf_store, write_safetensors_store, open_store)
+from jaxmoe.offload import (
+    OffloadConfig,
+    OffloadedModel,
+    make_predictor,
+    open_store,
+    random_layers,
+    synthetic_trace,
+    write_gguf_store,
+    write_safetensors_store,
+)
 
 
 def build(args, tmp: Path):
     if args.store:
         return open_store(args.store)
     cfg = jaxmoe.load_config("qwen3.6-35b-a3b")
-    cfg = dataclasses.replace(cfg, num_layers=args.layers,
-                              router=dataclasses.replace(cfg.router, num_experts=args.experts))
+    cfg = dataclasses.replace(
+        cfg, num_layers=args.layers, router=dataclasses.replace(cfg.router, num_experts=args.experts)
+    )
     t0 = time.perf_counter()
 
     class Lazy(Sequence):  # one layer of float32 weights in memory at a time
@@ -77,9 +86,12 @@ def load_latency(store, n: int = 32) -> dict:
         rd.append(t1 - t0)
         put.append(t2 - t1)
     nb = store.expert_nbytes(0)
-    return {"expert_bytes": nb, "read_ms_median": 1e3 * float(np.median(rd)),
-            "device_put_ms_median": 1e3 * float(np.median(put)),
-            "read_GB_per_s": nb / float(np.median(rd)) / 1e9}
+    return {
+        "expert_bytes": nb,
+        "read_ms_median": 1e3 * float(np.median(rd)),
+        "device_put_ms_median": 1e3 * float(np.median(put)),
+        "read_GB_per_s": nb / float(np.median(rd)) / 1e9,
+    }
 
 
 def main(argv=None) -> int:
@@ -100,39 +112,66 @@ def main(argv=None) -> int:
         store = build(args, Path(td))
         cfg = store.cfg
         lat = load_latency(store)
-        print(f"one expert: {lat['expert_bytes'] / 1e6:.2f} MB, read {lat['read_ms_median']:.2f} ms "
-              f"({lat['read_GB_per_s']:.2f} GB/s, page cache), device_put {lat['device_put_ms_median']:.2f} ms")
+        print(
+            f"one expert: {lat['expert_bytes'] / 1e6:.2f} MB, read {lat['read_ms_median']:.2f} ms "
+            f"({lat['read_GB_per_s']:.2f} GB/s, page cache), device_put {lat['device_put_ms_median']:.2f} ms"
+        )
         model = OffloadedModel(store, impl="gather")
         total = store.total_expert_bytes()
         rng = np.random.default_rng(1)
         x = rng.standard_normal((args.tokens, cfg.d_model)).astype(np.float32)
-        inputs = [("random", None),
-                  (f"synthetic(locality={args.locality})",
-                   synthetic_trace(args.tokens, model.num_layers, cfg.num_experts, cfg.top_k,
-                                   locality=args.locality, seed=2))]
+        inputs = [
+            ("random", None),
+            (
+                f"synthetic(locality={args.locality})",
+                synthetic_trace(
+                    args.tokens, model.num_layers, cfg.num_experts, cfg.top_k, locality=args.locality, seed=2
+                ),
+            ),
+        ]
         rows = []
         for label, tr in inputs:
             model.run_resident(x, trace=tr)  # compiles
             ref = model.run_resident(x, trace=tr)
             print(f"\n[{label}] resident: {ref.tokens_per_s:.1f} tok/s")
-            print(f"{'budget':>7} {'predictor':>11} {'hit':>6} {'recall':>6} {'MB/tok':>7} {'wait s':>7} "
-                  f"{'tok/s':>7} identical")
+            print(
+                f"{'budget':>7} {'predictor':>11} {'hit':>6} {'recall':>6} {'MB/tok':>7} {'wait s':>7} "
+                f"{'tok/s':>7} identical"
+            )
             for frac in [float(b) for b in args.budgets.split(",")]:
                 for pname in args.predictors.split(","):
                     pred = make_predictor(pname, resident=model.resident, router_cfg=cfg.router, oracle_ids=ref.ids)
                     got, st = model.run_offloaded(x, OffloadConfig(int(frac * total), args.policy), pred, trace=tr)
                     d = st.to_dict()
                     same = bool(np.array_equal(got.outputs, ref.outputs))
-                    rows.append({"input": label, "budget_fraction": frac, "predictor": pname, "identical": same,
-                                 "resident_tokens_per_s": ref.tokens_per_s,
-                                 **{k: v for k, v in d.items() if k != "per_layer"}})
+                    rows.append(
+                        {
+                            "input": label,
+                            "budget_fraction": frac,
+                            "predictor": pname,
+                            "identical": same,
+                            "resident_tokens_per_s": ref.tokens_per_s,
+                            **{k: v for k, v in d.items() if k != "per_layer"},
+                        }
+                    )
                     rc = d["recall"] if d["recall"] is not None else float("nan")
-                    print(f"{frac:7.3f} {pname:>11} {d['hit_rate']:6.3f} {rc:6.3f} "
-                          f"{d['bytes_loaded_per_token'] / 1e6:7.2f} {d['wait_s']:7.3f} "
-                          f"{d['tokens_per_s']:7.1f} {same}")
-        res = {"device": str(jax.devices()[0]), "storage": store.kind, "layers": model.num_layers,
-               "experts": cfg.num_experts, "top_k": cfg.top_k, "d_model": cfg.d_model,
-               "expert_dim": cfg.expert_dim, "total_expert_bytes": total, "load": lat, "rows": rows}
+                    print(
+                        f"{frac:7.3f} {pname:>11} {d['hit_rate']:6.3f} {rc:6.3f} "
+                        f"{d['bytes_loaded_per_token'] / 1e6:7.2f} {d['wait_s']:7.3f} "
+                        f"{d['tokens_per_s']:7.1f} {same}"
+                    )
+        res = {
+            "device": str(jax.devices()[0]),
+            "storage": store.kind,
+            "layers": model.num_layers,
+            "experts": cfg.num_experts,
+            "top_k": cfg.top_k,
+            "d_model": cfg.d_model,
+            "expert_dim": cfg.expert_dim,
+            "total_expert_bytes": total,
+            "load": lat,
+            "rows": rows,
+        }
         if args.out:
             Path(args.out).write_text(json.dumps(res, indent=1))
         ok = all(r["identical"] for r in rows)

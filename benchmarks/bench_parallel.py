@@ -60,6 +60,7 @@ def timed(f, *args, reps: int) -> float:
 
 def exchange_only(mesh, n: int, c: int, d: int, dtype):
     """A jitted function doing just the layer's exchanges on ``[n*C, ...]`` buffers per device."""
+
     def body(x, ids, w):
         sizes = jnp.full((n,), c, jnp.int32)
         rs = jax.lax.all_to_all(sizes, parallel.EXPERT_AXIS, 0, 0, tiled=True)
@@ -70,11 +71,15 @@ def exchange_only(mesh, n: int, c: int, d: int, dtype):
         return back, ri, rw
 
     spec = P(parallel.EXPERT_AXIS)
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec, spec),
-                              check_vma=False))
+    f = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec, spec), check_vma=False)
+    )
     key = jax.random.key(0)
-    args = (jax.random.normal(key, (n * n * c, d), dtype), jnp.zeros((n * n * c,), jnp.int32),
-            jax.random.uniform(key, (n * n * c,), jnp.float32))
+    args = (
+        jax.random.normal(key, (n * n * c, d), dtype),
+        jnp.zeros((n * n * c,), jnp.int32),
+        jax.random.uniform(key, (n * n * c,), jnp.float32),
+    )
     return f, args
 
 
@@ -102,9 +107,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     base = jaxmoe.load_config(a.preset)
-    cfg = dataclasses.replace(base, d_model=a.d_model, expert_dim=a.expert_dim,
-                              shared_expert_dim=a.expert_dim if base.shared_expert_dim else 0,
-                              router=dataclasses.replace(base.router, num_experts=a.experts))
+    cfg = dataclasses.replace(
+        base,
+        d_model=a.d_model,
+        expert_dim=a.expert_dim,
+        shared_expert_dim=a.expert_dim if base.shared_expert_dim else 0,
+        router=dataclasses.replace(base.router, num_experts=a.experts),
+    )
     params = jaxmoe.init_params(cfg, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (a.tokens, cfg.d_model), jnp.float32)
     itemsize = x.dtype.itemsize
@@ -114,8 +123,17 @@ def main(argv=None) -> int:
             break
         mesh = parallel.make_mesh(n)
         ps = parallel.shard_params(params, mesh)
-        step = jax.jit(functools.partial(parallel.moe_apply_ep, cfg=cfg, mesh=mesh, impl=a.impl,
-                                         capacity_factor=a.capacity_factor, return_routing=True, return_stats=True))
+        step = jax.jit(
+            functools.partial(
+                parallel.moe_apply_ep,
+                cfg=cfg,
+                mesh=mesh,
+                impl=a.impl,
+                capacity_factor=a.capacity_factor,
+                return_routing=True,
+                return_stats=True,
+            )
+        )
         _, r, stats = step(ps, x)
         c = stats.capacity
         t_step = timed(step, ps, x, reps=a.reps)
@@ -123,22 +141,54 @@ def main(argv=None) -> int:
         t_ex = timed(f, *args, reps=a.reps)
         per_dev = n * c * (cfg.d_model * itemsize + 4 + 4) + n * c * cfg.d_model * 4 + 4 * n
         buf = n * per_dev
-        rb = ragged_bytes(np.asarray(r.expert_ids), np.asarray(stats.kept), n, cfg.num_experts // n,
-                          cfg.d_model, itemsize)
-        rows.append(dict(n=n, c=c, buf=buf / a.tokens, cross=buf * (n - 1) / n / a.tokens, ragged=rb / a.tokens,
-                         ex=t_ex, step=t_step, dropped=int(stats.dropped_pairs)))
+        rb = ragged_bytes(
+            np.asarray(r.expert_ids), np.asarray(stats.kept), n, cfg.num_experts // n, cfg.d_model, itemsize
+        )
+        rows.append(
+            dict(
+                n=n,
+                c=c,
+                buf=buf / a.tokens,
+                cross=buf * (n - 1) / n / a.tokens,
+                ragged=rb / a.tokens,
+                ex=t_ex,
+                step=t_step,
+                dropped=int(stats.dropped_pairs),
+            )
+        )
 
-    t = Table(title=f"expert parallel, {cfg.name} shrunk: d={cfg.d_model} F={cfg.expert_dim} E={cfg.num_experts} "
-                    f"k={cfg.top_k} T={a.tokens} impl={a.impl} capacity_factor={a.capacity_factor} "
-                    f"({jax.devices()[0].platform})")
-    for h in ("devices", "C", "buf B/tok", "cross B/tok", "ragged B/tok", "exchange ms", "step ms", "exch/step",
-              "step/step(n=1)", "dropped"):
+    t = Table(
+        title=f"expert parallel, {cfg.name} shrunk: d={cfg.d_model} F={cfg.expert_dim} E={cfg.num_experts} "
+        f"k={cfg.top_k} T={a.tokens} impl={a.impl} capacity_factor={a.capacity_factor} "
+        f"({jax.devices()[0].platform})"
+    )
+    for h in (
+        "devices",
+        "C",
+        "buf B/tok",
+        "cross B/tok",
+        "ragged B/tok",
+        "exchange ms",
+        "step ms",
+        "exch/step",
+        "step/step(n=1)",
+        "dropped",
+    ):
         t.add_column(h, justify="right")
     t1 = rows[0]["step"] if rows else 1.0
     for r_ in rows:
-        t.add_row(str(r_["n"]), str(r_["c"]), f"{r_['buf']:.0f}", f"{r_['cross']:.0f}", f"{r_['ragged']:.0f}",
-                  f"{r_['ex']:.2f}", f"{r_['step']:.2f}", f"{r_['ex'] / r_['step']:.2f}", f"{r_['step'] / t1:.2f}",
-                  str(r_["dropped"]))
+        t.add_row(
+            str(r_["n"]),
+            str(r_["c"]),
+            f"{r_['buf']:.0f}",
+            f"{r_['cross']:.0f}",
+            f"{r_['ragged']:.0f}",
+            f"{r_['ex']:.2f}",
+            f"{r_['step']:.2f}",
+            f"{r_['ex'] / r_['step']:.2f}",
+            f"{r_['step'] / t1:.2f}",
+            str(r_["dropped"]),
+        )
     Console(width=160).print(t)
     return 0
 

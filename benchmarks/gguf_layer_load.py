@@ -33,14 +33,26 @@ def q8_bytes(rng, shape):
 def write(path, e, n_layers, d=2048, f=512, fs=512, seed=0):
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, "qwen35moe")
-    for k, v in (("block_count", n_layers), ("embedding_length", d), ("expert_count", e), ("expert_used_count", 8),
-                 ("expert_feed_forward_length", f), ("expert_shared_feed_forward_length", fs)):
+    for k, v in (
+        ("block_count", n_layers),
+        ("embedding_length", d),
+        ("expert_count", e),
+        ("expert_used_count", 8),
+        ("expert_feed_forward_length", f),
+        ("expert_shared_feed_forward_length", fs),
+    ):
         w.add_uint32(f"qwen35moe.{k}", v)
     for i in range(n_layers):
         pre = f"blk.{i}."
         w.add_tensor(pre + "ffn_gate_inp.weight", rng.standard_normal((e, d)).astype(np.float32))
-        for n, s in (("gate_exps", (e, f, d)), ("up_exps", (e, f, d)), ("down_exps", (e, d, f)),
-                     ("gate_shexp", (fs, d)), ("up_shexp", (fs, d)), ("down_shexp", (d, fs))):
+        for n, s in (
+            ("gate_exps", (e, f, d)),
+            ("up_exps", (e, f, d)),
+            ("down_exps", (e, d, f)),
+            ("gate_shexp", (fs, d)),
+            ("up_shexp", (fs, d)),
+            ("down_shexp", (d, fs)),
+        ):
             w.add_tensor(pre + f"ffn_{n}.weight", q8_bytes(rng, s), raw_dtype=QT.Q8_0)
         w.add_tensor(pre + "ffn_gate_inp_shexp.weight", rng.standard_normal(d).astype(np.float32))
     w.write_header_to_file()
@@ -80,7 +92,9 @@ def main():
         path = os.path.join(tmp, "m.gguf")
         t0 = time.perf_counter()
         write(path, args.experts, args.layers)
-        print(f"wrote {os.path.getsize(path) / 2**20:.0f} MiB ({args.layers} layers) in {time.perf_counter() - t0:.1f} s")
+        print(
+            f"wrote {os.path.getsize(path) / 2**20:.0f} MiB ({args.layers} layers) in {time.perf_counter() - t0:.1f} s"
+        )
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -91,10 +105,14 @@ def main():
         t_load = time.perf_counter() - t0
         after = resident_bytes_by_layer(path)
         per_layer = sum(t.n_bytes for t in gguf.GGUFReader(path).tensors if t.name.startswith(f"blk.{args.layer}."))
-        print(f"from_pretrained(layer={args.layer}): {t_load:.2f} s, layer tensors {per_layer / 2**20:.1f} MiB, "
-              f"experts kept as {type(block.params().experts.w_gate).__name__}")
+        print(
+            f"from_pretrained(layer={args.layer}): {t_load:.2f} s, layer tensors {per_layer / 2**20:.1f} MiB, "
+            f"experts kept as {type(block.params().experts.w_gate).__name__}"
+        )
         for i in range(args.layers):
-            print(f"  layer {i}: resident {before.get(i, 0) / 2**20:6.1f} MiB before -> {after.get(i, 0) / 2**20:6.1f} MiB after")
+            print(
+                f"  layer {i}: resident {before.get(i, 0) / 2**20:6.1f} MiB before -> {after.get(i, 0) / 2**20:6.1f} MiB after"
+            )
         x = np.random.default_rng(1).standard_normal((1, 2048)).astype(np.float32)
         block(x).block_until_ready()
         t0 = time.perf_counter()

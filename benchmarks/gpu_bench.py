@@ -92,12 +92,16 @@ def random_experts(cfg, kind: str, key) -> jaxmoe.ExpertWeights:
     e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_dim
     ks = jax.random.split(key, 6)
     if kind == "bf16":
-        return jaxmoe.ExpertWeights(*(jax.random.normal(k_, s, jnp.bfloat16) * (1 / s[1] ** 0.5)
-                                      for k_, s in zip(ks, ((e, d, f), (e, d, f), (e, f, d)))))
+        return jaxmoe.ExpertWeights(
+            *(
+                jax.random.normal(k_, s, jnp.bfloat16) * (1 / s[1] ** 0.5)
+                for k_, s in zip(ks, ((e, d, f), (e, d, f), (e, f, d)))
+            )
+        )
 
     def q8(k1, k2, n_in, n_out):  # logical [E, n_in, n_out], stored [E, n_out, n_in]
         q = jax.random.randint(k1, (e, n_out, n_in), -127, 128, jnp.int32).astype(jnp.int8)
-        s = (jax.random.uniform(k2, (e, n_out, n_in // 32), jnp.float32, 0.5, 1.5) / (127 * n_in**0.5))
+        s = jax.random.uniform(k2, (e, n_out, n_in // 32), jnp.float32, 0.5, 1.5) / (127 * n_in**0.5)
         return QuantizedTensor(q, s.astype(jnp.float16), None, "int8", 32)
 
     return jaxmoe.ExpertWeights(q8(ks[0], ks[1], d, f), q8(ks[2], ks[3], d, f), q8(ks[4], ks[5], f, d))
@@ -153,8 +157,9 @@ def implementations(interpret: bool) -> dict:
     impls = {"pallas": functools.partial(experts_pallas, interpret=interpret)}
     if "xla" in backends.available_impls():
         impls["xla"] = backends.get_impl("xla")
-    impls["ragged_dot"] = (backends.get_impl("ragged_dot") if "ragged_dot" in backends.available_impls()
-                           else _ragged_dot_path)
+    impls["ragged_dot"] = (
+        backends.get_impl("ragged_dot") if "ragged_dot" in backends.available_impls() else _ragged_dot_path
+    )
     try:
         import tokamax  # noqa: F401
 
@@ -182,9 +187,15 @@ def check(interpret: bool, small: bool, limit: int | None = None) -> list[dict]:
     cases = []
     for preset in ("qwen3.6-35b-a3b", "gpt-oss-20b", "mixtral-8x7b"):
         c = jaxmoe.load_config(preset)
-        c = dataclasses.replace(c, d_model=d, expert_dim=f, shared_expert_dim=0, num_shared_experts=0,
-                                shared_expert_gate=False,
-                                router=dataclasses.replace(c.router, num_experts=e, top_k=min(c.top_k, 4)))
+        c = dataclasses.replace(
+            c,
+            d_model=d,
+            expert_dim=f,
+            shared_expert_dim=0,
+            num_shared_experts=0,
+            shared_expert_gate=False,
+            router=dataclasses.replace(c.router, num_experts=e, top_k=min(c.top_k, 4)),
+        )
         for kind in ("bf16", "q8_0", "int4"):
             for t in (1, 5, 300):
                 cases.append((preset, c, kind, t))
@@ -199,13 +210,15 @@ def check(interpret: bool, small: bool, limit: int | None = None) -> list[dict]:
         ew = p.experts
         dt = jnp.bfloat16
         if kind == "q8_0":
-            ew = dataclasses.replace(ew, **{n: quantize_int8(np.asarray(getattr(ew, n))) for n in
-                                            ("w_gate", "w_up", "w_down")})
+            ew = dataclasses.replace(
+                ew, **{n: quantize_int8(np.asarray(getattr(ew, n))) for n in ("w_gate", "w_up", "w_down")}
+            )
         elif kind == "int4":
-            ew = dataclasses.replace(ew, **{n: quantize_int4_affine(np.asarray(getattr(ew, n)), 32) for n in
-                                            ("w_gate", "w_up", "w_down")})
+            ew = dataclasses.replace(
+                ew, **{n: quantize_int4_affine(np.asarray(getattr(ew, n)), 32) for n in ("w_gate", "w_up", "w_down")}
+            )
         else:
-            ew = jax.tree.map(lambda a: a.astype(dt), ew)
+            ew = jax.tree.map(lambda a, dt=dt: a.astype(dt), ew)
         x = jax.random.normal(k2, (t, cfg.d_model), dt)
         r = random_routing(cfg, t, k3)
         rec = dict(preset=preset, kind=kind, T=t)
@@ -215,25 +228,62 @@ def check(interpret: bool, small: bool, limit: int | None = None) -> list[dict]:
             rec["rel_err_vs_dense"] = _err(y, ref)
             # the kernels one by one against their references (grouped or decode path)
             if t * cfg.top_k <= 64:
-                h = decode.decode_gate_up(x, r.expert_ids, ew.w_gate, ew.w_up, ew.b_gate, ew.b_up,
-                                          interpret=interpret, activation=cfg.activation)
-                rec["rel_err_kernel"] = _err(h, decode.decode_gate_up_reference(
-                    x, r.expert_ids, ew.w_gate, ew.w_up, ew.b_gate, ew.b_up, activation=cfg.activation))
+                h = decode.decode_gate_up(
+                    x,
+                    r.expert_ids,
+                    ew.w_gate,
+                    ew.w_up,
+                    ew.b_gate,
+                    ew.b_up,
+                    interpret=interpret,
+                    activation=cfg.activation,
+                )
+                rec["rel_err_kernel"] = _err(
+                    h,
+                    decode.decode_gate_up_reference(
+                        x, r.expert_ids, ew.w_gate, ew.w_up, ew.b_gate, ew.b_up, activation=cfg.activation
+                    ),
+                )
             else:
                 plan = plan_dispatch(r.expert_ids, cfg.num_experts, 32)
                 meta = (plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
-                h = swiglu.gate_up_swiglu(x, plan.token_idx, *meta, ew.w_gate, ew.w_up, ew.b_gate, ew.b_up,
-                                          block_m=32, interpret=interpret, activation=cfg.activation)
-                rec["rel_err_kernel"] = _err(h, swiglu.gate_up_swiglu_reference(
-                    x, plan.token_idx, plan.group_offsets, ew.w_gate, ew.w_up, ew.b_gate, ew.b_up,
-                    activation=cfg.activation))
+                h = swiglu.gate_up_swiglu(
+                    x,
+                    plan.token_idx,
+                    *meta,
+                    ew.w_gate,
+                    ew.w_up,
+                    ew.b_gate,
+                    ew.b_up,
+                    block_m=32,
+                    interpret=interpret,
+                    activation=cfg.activation,
+                )
+                rec["rel_err_kernel"] = _err(
+                    h,
+                    swiglu.gate_up_swiglu_reference(
+                        x,
+                        plan.token_idx,
+                        plan.group_offsets,
+                        ew.w_gate,
+                        ew.w_up,
+                        ew.b_gate,
+                        ew.b_up,
+                        activation=cfg.activation,
+                    ),
+                )
             rec["ok"] = bool(rec["rel_err_vs_dense"] <= TOL[kind] and rec["rel_err_kernel"] <= TOL[kind])
         except Exception as ex:  # record and continue: one broken case must not hide the rest
             rec.update(ok=False, error=f"{type(ex).__name__}: {ex}"[:2000])
             traceback.print_exc()
-        log(f"check {preset:16s} {kind:5s} T={t:<4d} " + " ".join(
-            f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()
-            if k not in ("preset", "kind", "T")))
+        log(
+            f"check {preset:16s} {kind:5s} T={t:<4d} "
+            + " ".join(
+                f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in rec.items()
+                if k not in ("preset", "kind", "T")
+            )
+        )
         rows.append(rec)
     return rows
 
@@ -254,9 +304,12 @@ def bench(shapes, tokens, kinds, interpret: bool, small: bool, slow_cutoff: floa
         cfg = jaxmoe.load_config(SHAPES[shape])
         cfg = dataclasses.replace(cfg, shared_expert_dim=0, num_shared_experts=0, shared_expert_gate=False)
         if small:
-            cfg = dataclasses.replace(cfg, d_model=64, expert_dim=32,
-                                      router=dataclasses.replace(cfg.router, num_experts=8,
-                                                                 top_k=min(2, cfg.top_k)))
+            cfg = dataclasses.replace(
+                cfg,
+                d_model=64,
+                expert_dim=32,
+                router=dataclasses.replace(cfg.router, num_experts=8, top_k=min(2, cfg.top_k)),
+            )
         for kind in kinds:
             ew = random_experts(cfg, kind, jax.random.key(1))
             too_slow: set[str] = set()
@@ -269,8 +322,17 @@ def bench(shapes, tokens, kinds, interpret: bool, small: bool, slow_cutoff: floa
                 floor_mem = wbytes / copy_bw
                 floor_mm = flops / mm_rate
                 for name, fn in impls.items():
-                    rec = dict(shape=shape, kind=kind, T=t, impl=name, experts_used=n_used, bytes=wbytes,
-                               flops=flops, floor_hbm_ms=floor_mem * 1e3, floor_mm_ms=floor_mm * 1e3)
+                    rec = dict(
+                        shape=shape,
+                        kind=kind,
+                        T=t,
+                        impl=name,
+                        experts_used=n_used,
+                        bytes=wbytes,
+                        flops=flops,
+                        floor_hbm_ms=floor_mem * 1e3,
+                        floor_mm_ms=floor_mm * 1e3,
+                    )
                     if name == "tokamax" and kind != "bf16":
                         rec["skipped"] = "tokamax takes bf16 weights here (its own QuantizedArray not wired)"
                     elif name in too_slow:
@@ -279,8 +341,13 @@ def bench(shapes, tokens, kinds, interpret: bool, small: bool, slow_cutoff: floa
                         try:
                             f = jax.jit(functools.partial(fn, cfg=cfg))
                             sec = timeit(f, x, r, ew, **tk)
-                            rec.update(ms=sec * 1e3, gbps=wbytes / sec / 1e9, tflops=flops / sec / 1e12,
-                                       x_hbm_floor=sec / floor_mem, frac_mm_rate=floor_mm / sec)
+                            rec.update(
+                                ms=sec * 1e3,
+                                gbps=wbytes / sec / 1e9,
+                                tflops=flops / sec / 1e12,
+                                x_hbm_floor=sec / floor_mem,
+                                frac_mm_rate=floor_mm / sec,
+                            )
                             if sec > slow_cutoff:
                                 too_slow.add(name)
                         except Exception as ex:
@@ -294,23 +361,33 @@ def bench(shapes, tokens, kinds, interpret: bool, small: bool, slow_cutoff: floa
 def fmt_row(r: dict) -> str:
     head = f"{r['shape']:8s} {r['kind']:5s} T={r['T']:<6d} {r['impl']:10s}"
     if "ms" in r:
-        return (f"{head} {r['ms']:9.3f} ms  {r['gbps']:7.1f} GB/s  {r['tflops']:7.2f} TFLOP/s  "
-                f"x{r['x_hbm_floor']:.2f} of HBM floor  {100 * r['frac_mm_rate']:.0f}% of matmul rate")
+        return (
+            f"{head} {r['ms']:9.3f} ms  {r['gbps']:7.1f} GB/s  {r['tflops']:7.2f} TFLOP/s  "
+            f"x{r['x_hbm_floor']:.2f} of HBM floor  {100 * r['frac_mm_rate']:.0f}% of matmul rate"
+        )
     return f"{head} {r.get('skipped') or r.get('error')}"
 
 
 def markdown(res: dict, env: dict) -> str:
-    lines = [f"# jaxmoe GPU bench ({env['device']}, jax {env['jax']})", "",
-             f"copy bandwidth {res['copy_bw'] / 1e9:.1f} GB/s, bf16 matmul {res['matmul_rate'] / 1e12:.1f} TFLOP/s",
-             "", "| shape | weights | T | impl | ms | GB/s | TFLOP/s | x HBM floor | % matmul rate |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# jaxmoe GPU bench ({env['device']}, jax {env['jax']})",
+        "",
+        f"copy bandwidth {res['copy_bw'] / 1e9:.1f} GB/s, bf16 matmul {res['matmul_rate'] / 1e12:.1f} TFLOP/s",
+        "",
+        "| shape | weights | T | impl | ms | GB/s | TFLOP/s | x HBM floor | % matmul rate |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in res["rows"]:
         if "ms" in r:
-            lines.append(f"| {r['shape']} | {r['kind']} | {r['T']} | {r['impl']} | {r['ms']:.3f} | {r['gbps']:.1f} | "
-                         f"{r['tflops']:.2f} | {r['x_hbm_floor']:.2f} | {100 * r['frac_mm_rate']:.0f} |")
+            lines.append(
+                f"| {r['shape']} | {r['kind']} | {r['T']} | {r['impl']} | {r['ms']:.3f} | {r['gbps']:.1f} | "
+                f"{r['tflops']:.2f} | {r['x_hbm_floor']:.2f} | {100 * r['frac_mm_rate']:.0f} |"
+            )
         else:
-            lines.append(f"| {r['shape']} | {r['kind']} | {r['T']} | {r['impl']} | "
-                         f"{r.get('skipped') or r.get('error')} | | | | |")
+            lines.append(
+                f"| {r['shape']} | {r['kind']} | {r['T']} | {r['impl']} | "
+                f"{r.get('skipped') or r.get('error')} | | | | |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -333,8 +410,14 @@ def main(argv=None) -> int:
         log(f"warning: no GPU backend ({jax.default_backend()}); running the kernels in interpret mode")
     backends.get_impl("dense")  # imports the optional impl modules (xla, pallas) before listing them
     dev = jax.devices()[0]
-    env = dict(device=getattr(dev, "device_kind", str(dev)), platform=dev.platform, jax=jax.__version__,
-               python=platform.python_version(), interpret=interpret, impls=backends.available_impls())
+    env = dict(
+        device=getattr(dev, "device_kind", str(dev)),
+        platform=dev.platform,
+        jax=jax.__version__,
+        python=platform.python_version(),
+        interpret=interpret,
+        impls=backends.available_impls(),
+    )
     (out / "env.json").write_text(json.dumps(env, indent=1))
     log(json.dumps(env))
     ok = True
@@ -346,8 +429,15 @@ def main(argv=None) -> int:
         ok = not bad
     if a.phase in ("all", "bench"):
         tokens = [int(s) for s in (a.tokens or ("1,16,40" if a.dry_run else ",".join(map(str, TOKENS)))).split(",")]
-        res = bench(a.shapes.split(","), tokens, a.kinds.split(","), interpret, a.dry_run, a.slow_cutoff,
-                    a.impls.split(",") if a.impls else None)
+        res = bench(
+            a.shapes.split(","),
+            tokens,
+            a.kinds.split(","),
+            interpret,
+            a.dry_run,
+            a.slow_cutoff,
+            a.impls.split(",") if a.impls else None,
+        )
         res["env"] = env
         (out / "bench.json").write_text(json.dumps(res, indent=1))
         (out / "bench.md").write_text(markdown(res, env))

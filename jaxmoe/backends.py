@@ -7,7 +7,7 @@ here. See DESIGN.md, "Execution strategies".
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
@@ -40,8 +40,9 @@ def default_platform() -> str:
     return jax.devices()[0].platform
 
 
-def resolve_impl(impl: str, num_pairs: int | None = None, platform: str | None = None, *,
-                 experts=None, dtype=None) -> str:
+def resolve_impl(
+    impl: str, num_pairs: int | None = None, platform: str | None = None, *, experts=None, dtype=None
+) -> str:
     """The concrete implementation name for ``impl`` (``auto`` resolved).
 
     ``auto``: ``pallas`` on CUDA / ROCm (its kernels have their own decode path). On the
@@ -66,11 +67,14 @@ def resolve_impl(impl: str, num_pairs: int | None = None, platform: str | None =
         if impl not in _IMPLS:
             raise ValueError(f"unknown impl {impl!r}; available: {available_impls()}")
         if impl == "pallas" and platform in INTEL_PLATFORMS:
-            raise ValueError(f"impl='pallas' cannot lower on platform {platform!r}: Pallas's Triton backend "
-                             f"targets CUDA and ROCm only; use impl='xla' (or 'auto') there")
+            raise ValueError(
+                f"impl='pallas' cannot lower on platform {platform!r}: Pallas's Triton backend "
+                f"targets CUDA and ROCm only; use impl='xla' (or 'auto') there"
+            )
         if impl == "cpu" and platform != "cpu":
-            raise ValueError(f"impl='cpu' is an XLA:CPU custom call and cannot run on platform {platform!r}; "
-                             f"use impl='auto'")
+            raise ValueError(
+                f"impl='cpu' is an XLA:CPU custom call and cannot run on platform {platform!r}; use impl='auto'"
+            )
         return impl
     if platform in PALLAS_PLATFORMS and "pallas" in _IMPLS:
         return "pallas"
@@ -102,8 +106,8 @@ def _load_optional() -> None:
     if _loaded:
         return
     _loaded = True
-    import jaxmoe.grouped  # noqa: F401  registers xla, ragged_dot
     import jaxmoe.cpu_kernel  # noqa: F401  registers cpu (compiled on first use)
+    import jaxmoe.grouped  # noqa: F401  registers xla, ragged_dot
     import pallas_kernels.impl  # noqa: F401  registers pallas
 
 

@@ -40,8 +40,16 @@ class MoEBlock(nnx.Module):
       mesh: a `jax.sharding.Mesh` with an ``expert`` axis for expert parallelism.
     """
 
-    def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs | None = None, impl: str = "auto",
-                 dtype=jnp.float32, params: MoEParams | None = None, mesh=None):
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        *,
+        rngs: nnx.Rngs | None = None,
+        impl: str = "auto",
+        dtype=jnp.float32,
+        params: MoEParams | None = None,
+        mesh=None,
+    ):
         self.cfg = cfg
         self.impl = impl
         self.dtype = jnp.dtype(dtype)
@@ -69,8 +77,9 @@ class MoEBlock(nnx.Module):
 
     def params(self) -> MoEParams:
         """The parameters as the `MoEParams` pytree (the functional API's input)."""
-        ew = ExpertWeights(_val(self.w_gate), _val(self.w_up), _val(self.w_down),
-                           _val(self.b_gate), _val(self.b_up), _val(self.b_down))
+        ew = ExpertWeights(
+            _val(self.w_gate), _val(self.w_up), _val(self.w_down), _val(self.b_gate), _val(self.b_up), _val(self.b_down)
+        )
         shared = None
         if self.has_shared:
             shared = SharedWeights(_val(self.s_gate), _val(self.s_up), _val(self.s_down), _val(self.s_sigmoid_gate))
@@ -85,8 +94,9 @@ class MoEBlock(nnx.Module):
         if self.mesh is not None:
             from jaxmoe import parallel  # expert parallelism
 
-            return parallel.moe_apply_ep(p, x.astype(self.dtype), self.cfg, self.mesh, impl=impl,
-                                         return_routing=return_routing)
+            return parallel.moe_apply_ep(
+                p, x.astype(self.dtype), self.cfg, self.mesh, impl=impl, return_routing=return_routing
+            )
         return _moe_apply_jit(p, x.astype(self.dtype), self.cfg, impl, return_routing)
 
 

@@ -96,8 +96,11 @@ class RouterConfig:
                 _fail(c, "n_group", f"group-limited selection is not defined for score_fn={self.score_fn!r}")
         if self.renorm in ("clamp", "add") and not self.renorm_eps > 0:
             _fail(c, "renorm_eps", f"renorm={self.renorm!r} needs renorm_eps > 0, got {self.renorm_eps}")
-        if not (isinstance(self.routed_scaling_factor, (int, float)) and math.isfinite(self.routed_scaling_factor)
-                and self.routed_scaling_factor > 0):
+        if not (
+            isinstance(self.routed_scaling_factor, (int, float))
+            and math.isfinite(self.routed_scaling_factor)
+            and self.routed_scaling_factor > 0
+        ):
             _fail(c, "routed_scaling_factor", f"must be a finite positive number, got {self.routed_scaling_factor!r}")
 
     @property
@@ -159,9 +162,12 @@ class MoEConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 _fail(c, f, f"must be a non-negative int, got {v!r}")
         if (self.shared_expert_dim == 0) != (self.num_shared_experts == 0):
-            _fail(c, "num_shared_experts",
-                  f"shared_expert_dim={self.shared_expert_dim} and num_shared_experts={self.num_shared_experts} "
-                  "must both be 0 or both positive")
+            _fail(
+                c,
+                "num_shared_experts",
+                f"shared_expert_dim={self.shared_expert_dim} and num_shared_experts={self.num_shared_experts} "
+                "must both be 0 or both positive",
+            )
         if self.shared_expert_gate and self.shared_expert_dim == 0:
             _fail(c, "shared_expert_gate", "a shared-expert gate needs a shared expert (shared_expert_dim > 0)")
         if self.activation not in ACTIVATIONS:

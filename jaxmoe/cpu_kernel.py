@@ -78,8 +78,9 @@ def _build(cxx: str) -> Path:
     import jaxlib
 
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), jaxlib.__version__, cxx, *version, *CXXFLAGS,
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), jaxlib.__version__, cxx, *version, *CXXFLAGS, _cpu_flags()]).encode()
+    ).hexdigest()[:16]
     lib = cache_dir() / f"grouped_swiglu-{key}.so"
     if lib.exists():
         return lib
@@ -127,8 +128,10 @@ def supports(ew: ExpertWeights, dtype) -> str | None:
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         return f"impl='cpu' takes float32 or bfloat16 activations, got {jnp.dtype(dtype)}"
     if jnp.dtype(dtype) == jnp.bfloat16 and jnp.dtype(ew.w_gate.dtype) == jnp.float32:
-        return ("impl='cpu' does not round float32 experts to a bfloat16 compute dtype; "
-                "store the experts in bfloat16 or use impl='xla'")
+        return (
+            "impl='cpu' does not round float32 experts to a bfloat16 compute dtype; "
+            "store the experts in bfloat16 or use impl='xla'"
+        )
     return None
 
 
@@ -190,12 +193,21 @@ def _forward(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) 
     else:
         biases = (jnp.zeros((0,), jnp.float32),) * 3
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(xs.shape, jnp.float32), vmap_method="sequential")
-    ys = call(xs, plan.group_offsets[:e].astype(jnp.int32), plan.group_sizes.astype(jnp.int32),
-              ew.w_gate, ew.w_up, ew.w_down, *biases,
-              act=np.int32(0 if cfg.activation == "swiglu" else 1),
-              alpha=np.float32(cfg.swiglu_alpha), limit=np.float32(cfg.swiglu_limit),
-              round_h=np.int32(x.dtype == jnp.bfloat16),
-              up_block=np.int32(UP_BLOCK), down_block=np.int32(DOWN_BLOCK))
+    ys = call(
+        xs,
+        plan.group_offsets[:e].astype(jnp.int32),
+        plan.group_sizes.astype(jnp.int32),
+        ew.w_gate,
+        ew.w_up,
+        ew.w_down,
+        *biases,
+        act=np.int32(0 if cfg.activation == "swiglu" else 1),
+        alpha=np.float32(cfg.swiglu_alpha),
+        limit=np.float32(cfg.swiglu_limit),
+        round_h=np.int32(x.dtype == jnp.bfloat16),
+        up_block=np.int32(UP_BLOCK),
+        down_block=np.int32(DOWN_BLOCK),
+    )
     return _combine(ys, routing, plan, cfg)
 
 

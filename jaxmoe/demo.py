@@ -27,8 +27,10 @@ def cli_main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     cfg = load_config(a.preset)
     con = Console()
-    con.print(f"[bold]{cfg.name}[/] d={cfg.d_model} E={cfg.num_experts} k={cfg.top_k} F={cfg.expert_dim} "
-              f"shared={cfg.shared_expert_dim} on {jax.devices()[0].platform}")
+    con.print(
+        f"[bold]{cfg.name}[/] d={cfg.d_model} E={cfg.num_experts} k={cfg.top_k} F={cfg.expert_dim} "
+        f"shared={cfg.shared_expert_dim} on {jax.devices()[0].platform}"
+    )
     block = MoEBlock(cfg, rngs=nnx.Rngs(a.seed), impl=a.impl)
     tab = Table("tokens", "impl", "median ms", "tok/s", "experts hit", "max/mean load", "mean top-1 w")
     for t in a.tokens:
@@ -44,9 +46,15 @@ def cli_main(argv: list[str]) -> int:
         ms = float(np.median(ts) * 1e3)
         from jaxmoe.backends import resolve_impl
 
-        tab.add_row(str(t), resolve_impl(a.impl, t * cfg.top_k, experts=block.params().experts), f"{ms:.2f}", f"{t / ms * 1e3:.0f}",
-                    f"{int((load > 0).sum())}/{cfg.num_experts}", f"{load.max() / load.mean():.2f}",
-                    f"{float(r.weights[:, 0].mean()):.3f}")
+        tab.add_row(
+            str(t),
+            resolve_impl(a.impl, t * cfg.top_k, experts=block.params().experts),
+            f"{ms:.2f}",
+            f"{t / ms * 1e3:.0f}",
+            f"{int((load > 0).sum())}/{cfg.num_experts}",
+            f"{load.max() / load.mean():.2f}",
+            f"{float(r.weights[:, 0].mean()):.3f}",
+        )
         if not np.isfinite(np.asarray(y)).all():
             con.print("[red]non-finite output[/]")
             return 1

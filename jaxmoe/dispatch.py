@@ -30,8 +30,10 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     every expert boundary falling inside a tile: at most ``min(E, P) - 1`` of them.
     """
     if num_pairs < 0 or num_experts < 1 or block_m < 1:
-        raise ValueError(f"max_tiles: need num_pairs >= 0, num_experts >= 1, block_m >= 1; got "
-                         f"num_pairs={num_pairs}, num_experts={num_experts}, block_m={block_m}")
+        raise ValueError(
+            f"max_tiles: need num_pairs >= 0, num_experts >= 1, block_m >= 1; got "
+            f"num_pairs={num_pairs}, num_experts={num_experts}, block_m={block_m}"
+        )
     row_tiles = -(-num_pairs // block_m)
     return max(1, row_tiles + min(num_experts, num_pairs) - 1)
 
@@ -116,6 +118,16 @@ def _plan(expert_ids: jax.Array, num_experts: int, block_m: int) -> DispatchPlan
         grp = jnp.minimum(grp, e - 1)
         vis_start = vis_end[grp] - n_tiles_e[grp]
         row = first_tile[grp] + (i - vis_start)
-    return DispatchPlan(sort_idx=sort_idx, token_idx=token_idx, inv=inv, group_sizes=sizes,
-                        group_offsets=offsets, tile_group=grp, tile_row=row.astype(jnp.int32),
-                        num_tiles=num_tiles, block_m=block_m, num_experts=e, top_k=k)
+    return DispatchPlan(
+        sort_idx=sort_idx,
+        token_idx=token_idx,
+        inv=inv,
+        group_sizes=sizes,
+        group_offsets=offsets,
+        tile_group=grp,
+        tile_row=row.astype(jnp.int32),
+        num_tiles=num_tiles,
+        block_m=block_m,
+        num_experts=e,
+        top_k=k,
+    )

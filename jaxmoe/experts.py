@@ -71,7 +71,7 @@ class ExpertWeights:
             if tuple(v.shape) != shape:
                 raise ValueError(f"ExpertWeights.{name} has shape {tuple(v.shape)}, expected {shape}")
 
-    def take(self, ids) -> "ExpertWeights":
+    def take(self, ids) -> ExpertWeights:
         """The experts ``ids`` (any index), quantized or not."""
         return jax.tree.map(lambda a: a[ids], self, is_leaf=lambda a: hasattr(a, "qdata"))
 

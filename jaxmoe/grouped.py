@@ -49,8 +49,9 @@ def _check(x: jax.Array, routing: Routing, ew: ExpertWeights, name: str) -> None
     if x.ndim != 2:
         raise ValueError(f"{name}: x must be [T, d], got shape {x.shape}")
     if routing.expert_ids.ndim != 2 or routing.expert_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"{name}: routing.expert_ids must be [T, k] with T = {x.shape[0]}, "
-                         f"got {routing.expert_ids.shape}")
+        raise ValueError(
+            f"{name}: routing.expert_ids must be [T, k] with T = {x.shape[0]}, got {routing.expert_ids.shape}"
+        )
     if routing.weights.shape != routing.expert_ids.shape:
         raise ValueError(f"{name}: routing.weights {routing.weights.shape} != expert_ids {routing.expert_ids.shape}")
     if ew.w_gate.shape[-2] != x.shape[1]:
@@ -76,8 +77,9 @@ def _combine(ys: jax.Array, routing: Routing, plan, cfg: MoEConfig) -> jax.Array
     return y.sum(axis=1)
 
 
-def experts_xla(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig,
-                block_m: int | None = None) -> jax.Array:
+def experts_xla(
+    x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, block_m: int | None = None
+) -> jax.Array:
     """Sorted grouped SwiGLU in plain XLA ops. ``x [T, d]`` -> ``[T, d]`` float32.
 
     Args:

@@ -69,8 +69,9 @@ def params_from_sampler(cfg: MoEConfig, nrm) -> MoEParams:
         ew = dataclasses.replace(ew, b_gate=nrm((e, f), 4.0), b_up=nrm((e, f), 4.0), b_down=nrm((e, d), 4.0))
     shared = None
     if fs:
-        shared = SharedWeights(nrm((d, fs), d), nrm((d, fs), d), nrm((fs, d), fs),
-                               nrm((d,), d) if cfg.shared_expert_gate else None)
+        shared = SharedWeights(
+            nrm((d, fs), d), nrm((d, fs), d), nrm((fs, d), fs), nrm((d,), d) if cfg.shared_expert_gate else None
+        )
     return MoEParams(
         w_router=nrm((d, e), d),
         experts=ew,
@@ -96,8 +97,15 @@ def compute_routing(params: MoEParams, x2: jax.Array, cfg: MoEConfig) -> Routing
     return route(z, cfg.router, params.selection_bias)
 
 
-def moe_apply(params: MoEParams, x: jax.Array, cfg: MoEConfig, *, impl: str = "auto",
-              return_routing: bool = False, routing: Routing | None = None):
+def moe_apply(
+    params: MoEParams,
+    x: jax.Array,
+    cfg: MoEConfig,
+    *,
+    impl: str = "auto",
+    return_routing: bool = False,
+    routing: Routing | None = None,
+):
     """One MoE layer. ``x [..., d]`` -> ``y [..., d]`` in ``x.dtype``.
 
     Args:

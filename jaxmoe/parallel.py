@@ -43,7 +43,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxmoe import backends
 from jaxmoe.config import MoEConfig, RouterConfig
@@ -94,8 +95,9 @@ def make_mesh(expert: int, data: int = 1, devices=None) -> Mesh:
             raise ValueError(f"make_mesh: {name} must be a positive int, got {v!r}")
     devs = list(jax.devices() if devices is None else devices)
     if expert * data > len(devs):
-        raise ValueError(f"make_mesh: expert={expert} x data={data} needs {expert * data} devices, "
-                         f"only {len(devs)} available")
+        raise ValueError(
+            f"make_mesh: expert={expert} x data={data} needs {expert * data} devices, only {len(devs)} available"
+        )
     arr = np.array(devs[: expert * data], dtype=object).reshape(expert, data)
     return Mesh(arr, (EXPERT_AXIS, DATA_AXIS))
 
@@ -154,8 +156,12 @@ def capacity(tokens_per_device: int, cfg: MoEConfig, n_expert: int, capacity_fac
     worst = tokens_per_device * min(k, el)
     if capacity_factor is None:
         return max(1, worst)
-    if not (isinstance(capacity_factor, (int, float)) and not isinstance(capacity_factor, bool)
-            and math.isfinite(capacity_factor) and capacity_factor > 0):
+    if not (
+        isinstance(capacity_factor, (int, float))
+        and not isinstance(capacity_factor, bool)
+        and math.isfinite(capacity_factor)
+        and capacity_factor > 0
+    ):
         raise ValueError(f"capacity_factor must be a finite positive number or None, got {capacity_factor!r}")
     return max(1, min(worst, math.ceil(capacity_factor * tokens_per_device * k / n_expert)))
 
@@ -183,8 +189,9 @@ def _exchange(buf: jax.Array, sizes: jax.Array, recv_sizes: jax.Array, n: int, c
         return out.reshape(buf.shape)
     me = jax.lax.axis_index(EXPERT_AXIS).astype(jnp.int32)
     offs = jnp.arange(n, dtype=jnp.int32) * c
-    return _ragged_all_to_all(buf, jnp.zeros_like(buf), offs, sizes, jnp.full((n,), me * c, jnp.int32),
-                              recv_sizes, axis_name=EXPERT_AXIS)
+    return _ragged_all_to_all(
+        buf, jnp.zeros_like(buf), offs, sizes, jnp.full((n,), me * c, jnp.int32), recv_sizes, axis_name=EXPERT_AXIS
+    )
 
 
 def _plan(ids: jax.Array, valid: jax.Array, n: int, el: int, c: int):
@@ -204,8 +211,23 @@ def _plan(ids: jax.Array, valid: jax.Array, n: int, el: int, c: int):
     return slot, kept, sizes, dropped
 
 
-def _ep_body(x, valid, ids, w, router, experts, shared, *, cfg: MoEConfig, n: int, c: int, impl: str,
-             kind: str, tok_axes: tuple[str, ...], all_axes: tuple[str, ...]):
+def _ep_body(
+    x,
+    valid,
+    ids,
+    w,
+    router,
+    experts,
+    shared,
+    *,
+    cfg: MoEConfig,
+    n: int,
+    c: int,
+    impl: str,
+    kind: str,
+    tok_axes: tuple[str, ...],
+    all_axes: tuple[str, ...],
+):
     """One device. ``x [Tl, d]``, ``valid [Tl]``, ``ids, w [Tl, k]`` or None (routed here)."""
     el = cfg.num_experts // n
     tl, d = x.shape
@@ -236,8 +258,11 @@ def _ep_body(x, valid, ids, w, router, experts, shared, *, cfg: MoEConfig, n: in
         y = jnp.take(back, jnp.minimum(slot, n * c - 1), axis=0)
         y = jnp.where(kept[:, None], y, 0.0).reshape(tl, k, d).sum(axis=1)
         y = y + shared_expert(x, shared, cfg)
-    load = jnp.zeros((el,), jnp.int32).at[recv_id].add((jnp.arange(n * c) % c < jnp.repeat(recv_sizes, c))
-                                                       .astype(jnp.int32))
+    load = (
+        jnp.zeros((el,), jnp.int32)
+        .at[recv_id]
+        .add((jnp.arange(n * c) % c < jnp.repeat(recv_sizes, c)).astype(jnp.int32))
+    )
     load = jax.lax.psum(load, tuple(a for a in all_axes if a != EXPERT_AXIS)) if len(all_axes) > 1 else load
     dropped = jax.lax.psum(dropped, all_axes)
     return y.astype(x.dtype), ids, w, kept.reshape(tl, k), dropped, load
@@ -269,19 +294,21 @@ def _ep_jit(params: MoEParams, x2: jax.Array, ids, w, *, cfg, mesh, impl, c, kin
         """Reshards every leaf of ``tree`` (spec: one PartitionSpec, or a tree of them)."""
         if isinstance(spec, P):
             spec = jax.tree.map(lambda _: spec, tree)
-        return jax.tree.map(lambda a, s: move(a, NamedSharding(mesh, s)), tree, spec,
-                            is_leaf=lambda z: isinstance(z, P))
+        return jax.tree.map(
+            lambda a, s: move(a, NamedSharding(mesh, s)), tree, spec, is_leaf=lambda z: isinstance(z, P)
+        )
 
     args = (x2, valid, ids, w, router, params.experts, params.shared)
     specs = (tspec, tspec, tspec, tspec, rep(router), ex_spec, P())
     args = tuple(put(a, s) for a, s in zip(args, specs))
-    body = functools.partial(_ep_body, cfg=cfg, n=n, c=c, impl=impl, kind=kind, tok_axes=tok_axes,
-                             all_axes=all_axes)
+    body = functools.partial(_ep_body, cfg=cfg, n=n, c=c, impl=impl, kind=kind, tok_axes=tok_axes, all_axes=all_axes)
     out_specs = (tspec, tspec, tspec, tspec, P(), P(EXPERT_AXIS))
     # check_vma=False: the grouped paths (e.g. ``xla``'s fori_loop over a zeros carry) are
     # written for one device and need not annotate which values vary across the mesh.
-    y, ids_o, w_o, kept, dropped, load = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs,
-                                                         check_vma=False)(*args)
+    y, ids_o, w_o, kept, dropped, load = jax.shard_map(
+        body, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False
+    )(*args)
+
     def unpad(a):  # explicit meshes cannot slice a sharded axis unevenly: gather it first
         if not pad:
             return a
@@ -292,9 +319,19 @@ def _ep_jit(params: MoEParams, x2: jax.Array, ids, w, *, cfg, mesh, impl, c, kin
     return unpad(y), Routing(unpad(ids_o), unpad(w_o)), EPStats(dropped, unpad(kept), load, c, kind)
 
 
-def moe_apply_ep(params: MoEParams, x: jax.Array, cfg: MoEConfig, mesh: Mesh, *, impl: str = "auto",
-                 return_routing: bool = False, capacity_factor: float | None = None,
-                 routing: Routing | None = None, exchange: str = "auto", return_stats: bool = False):
+def moe_apply_ep(
+    params: MoEParams,
+    x: jax.Array,
+    cfg: MoEConfig,
+    mesh: Mesh,
+    *,
+    impl: str = "auto",
+    return_routing: bool = False,
+    capacity_factor: float | None = None,
+    routing: Routing | None = None,
+    exchange: str = "auto",
+    return_stats: bool = False,
+):
     """One MoE layer, expert-parallel over ``mesh``. ``x [..., d]`` -> ``y [..., d]`` in ``x.dtype``.
 
     Equals `jaxmoe.moe_apply` up to float rounding (same routing, same per-slot expert
@@ -324,8 +361,9 @@ def moe_apply_ep(params: MoEParams, x: jax.Array, cfg: MoEConfig, mesh: Mesh, *,
     n, tok_axes = _axes(mesh)
     check_divisible(cfg, mesh)
     if params.experts.num_experts != cfg.num_experts:
-        raise ValueError(f"moe_apply_ep: params hold {params.experts.num_experts} experts, "
-                         f"cfg.num_experts is {cfg.num_experts}")
+        raise ValueError(
+            f"moe_apply_ep: params hold {params.experts.num_experts} experts, cfg.num_experts is {cfg.num_experts}"
+        )
     kind = resolve_exchange(exchange, mesh.devices.flat[0].platform)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cfg.d_model)
@@ -337,11 +375,11 @@ def moe_apply_ep(params: MoEParams, x: jax.Array, cfg: MoEConfig, mesh: Mesh, *,
     if given:
         ids, w = jnp.asarray(routing.expert_ids), jnp.asarray(routing.weights)
         if ids.shape != (t, cfg.top_k) or w.shape != (t, cfg.top_k):
-            raise ValueError(f"moe_apply_ep: routing expert_ids {ids.shape} / weights {w.shape} must be "
-                             f"[T, k] = {(t, cfg.top_k)}")
+            raise ValueError(
+                f"moe_apply_ep: routing expert_ids {ids.shape} / weights {w.shape} must be [T, k] = {(t, cfg.top_k)}"
+            )
         ids, w = ids.astype(jnp.int32), w.astype(jnp.float32)
-    impl = (backends.resolve_impl(impl, n * c, experts=params.experts, dtype=x2.dtype) if impl == "auto"
-            else impl)
+    impl = backends.resolve_impl(impl, n * c, experts=params.experts, dtype=x2.dtype) if impl == "auto" else impl
     backends.get_impl(impl)  # ValueError for unknown names, before tracing
     y, r, stats = _ep_jit(params, x2, ids, w, cfg=cfg, mesh=mesh, impl=impl, c=c, kind=kind, given=given)
     out = [y.reshape(*lead, cfg.d_model)]

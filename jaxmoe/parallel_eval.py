@@ -43,8 +43,20 @@ import sys
 import time
 from pathlib import Path
 
-_TOP = {"runner", "name", "description", "model", "inputs", "impls", "tokens", "mesh", "capacity_factors",
-        "repeats", "tolerance", "output_dir"}
+_TOP = {
+    "runner",
+    "name",
+    "description",
+    "model",
+    "inputs",
+    "impls",
+    "tokens",
+    "mesh",
+    "capacity_factors",
+    "repeats",
+    "tolerance",
+    "output_dir",
+}
 _MODEL = {"preset", "shrink", "seed"}
 _SHRINK = {"d_model", "expert_dim", "shared_expert_dim", "num_experts", "top_k"}
 _INPUTS = {"kind", "seed", "scale"}
@@ -64,8 +76,7 @@ def _keys(d, allowed, src, key):
 
 
 def _pos_ints(v, src, key):
-    if not isinstance(v, list) or not v or not all(isinstance(a, int) and not isinstance(a, bool) and a > 0
-                                                   for a in v):
+    if not isinstance(v, list) or not v or not all(isinstance(a, int) and not isinstance(a, bool) and a > 0 for a in v):
         _fail(src, key, f"must be a non-empty list of positive ints, got {v!r}")
     return [int(a) for a in v]
 
@@ -101,8 +112,11 @@ def load(path) -> dict:
         _pos_ints([e, d], src, f"mesh[{i}]")
         out_mesh.append((e, d))
     cfs = c.get("capacity_factors", [None])
-    if not isinstance(cfs, list) or not cfs or not all(
-            a is None or (isinstance(a, (int, float)) and not isinstance(a, bool) and a > 0) for a in cfs):
+    if (
+        not isinstance(cfs, list)
+        or not cfs
+        or not all(a is None or (isinstance(a, (int, float)) and not isinstance(a, bool) and a > 0) for a in cfs)
+    ):
         _fail(src, "capacity_factors", f"must be a list of null or positive numbers, got {cfs!r}")
     impls = c.get("impls", ["auto"])
     if not isinstance(impls, list) or not impls or not all(isinstance(a, str) for a in impls):
@@ -112,11 +126,22 @@ def load(path) -> dict:
         _fail(src, "tolerance", f"must be a positive number, got {tol!r}")
     repeats = c.get("repeats", 3)
     _pos_ints([repeats], src, "repeats")
-    return dict(name=c.get("name") or Path(path).stem, description=c.get("description", ""),
-                preset=m["preset"], shrink=shrink, seed=int(m.get("seed", 0)),
-                input_seed=int(inp.get("seed", 0)), scale=float(inp.get("scale", 1.0)), impls=impls,
-                tokens=_pos_ints(c.get("tokens", [16]), src, "tokens"), mesh=out_mesh, capacity_factors=cfs,
-                repeats=int(repeats), tolerance=float(tol), output_dir=c.get("output_dir", "runs"))
+    return dict(
+        name=c.get("name") or Path(path).stem,
+        description=c.get("description", ""),
+        preset=m["preset"],
+        shrink=shrink,
+        seed=int(m.get("seed", 0)),
+        input_seed=int(inp.get("seed", 0)),
+        scale=float(inp.get("scale", 1.0)),
+        impls=impls,
+        tokens=_pos_ints(c.get("tokens", [16]), src, "tokens"),
+        mesh=out_mesh,
+        capacity_factors=cfs,
+        repeats=int(repeats),
+        tolerance=float(tol),
+        output_dir=c.get("output_dir", "runs"),
+    )
 
 
 def _ensure_cpu_devices(n: int) -> None:
@@ -145,8 +170,9 @@ def run(c: dict) -> dict:
     base = jaxmoe.load_config(c["preset"])
     s = c["shrink"]
     router = dataclasses.replace(base.router, **{k: s[k] for k in ("num_experts", "top_k") if k in s})
-    cfg = dataclasses.replace(base, router=router, **{k: s[k] for k in ("d_model", "expert_dim", "shared_expert_dim")
-                                                      if k in s})
+    cfg = dataclasses.replace(
+        base, router=router, **{k: s[k] for k in ("d_model", "expert_dim", "shared_expert_dim") if k in s}
+    )
     params = jaxmoe.init_params(cfg, jax.random.key(c["seed"]))
     single = jax.jit(jaxmoe.moe_apply, static_argnames=("cfg", "impl"))
     ndev = len(jax.devices())
@@ -163,8 +189,11 @@ def run(c: dict) -> dict:
                         continue
                     mesh = parallel.make_mesh(e, d)
                     ps = parallel.shard_params(params, mesh)
-                    step = jax.jit(lambda p, x, mesh=mesh, cf=cf: parallel.moe_apply_ep(
-                        p, x, cfg, mesh, impl=impl, capacity_factor=cf, return_stats=True))
+                    step = jax.jit(
+                        lambda p, x, mesh=mesh, cf=cf, impl=impl: parallel.moe_apply_ep(
+                            p, x, cfg, mesh, impl=impl, capacity_factor=cf, return_stats=True
+                        )
+                    )
                     y, st = step(ps, x)
                     ts = []
                     for _ in range(c["repeats"]):
@@ -177,36 +206,66 @@ def run(c: dict) -> dict:
                     buf = e * d * rows * (cfg.d_model * x.dtype.itemsize + 8 + cfg.d_model * 4)
                     ok = dropped > 0 or err <= c["tolerance"]
                     ok = ok and (cf is not None or dropped == 0)
-                    cases.append({**case, "status": "pass" if ok else "fail", "max_rel_err": err,
-                                  "dropped_pairs": dropped, "pairs": t * cfg.top_k, "capacity": st.capacity,
-                                  "exchange": st.exchange, "buffer_bytes_per_token": buf / t,
-                                  "step_ms": 1e3 * float(np.median(ts))})
+                    cases.append(
+                        {
+                            **case,
+                            "status": "pass" if ok else "fail",
+                            "max_rel_err": err,
+                            "dropped_pairs": dropped,
+                            "pairs": t * cfg.top_k,
+                            "capacity": st.capacity,
+                            "exchange": st.exchange,
+                            "buffer_bytes_per_token": buf / t,
+                            "step_ms": 1e3 * float(np.median(ts)),
+                        }
+                    )
     passed = all(k["status"] != "fail" for k in cases)
-    return dict(name=c["name"], description=c["description"], config=c, model=cfg.to_dict(),
-                platform=jax.devices()[0].platform, devices=ndev, cases=cases, gate=dict(passed=passed))
+    return dict(
+        name=c["name"],
+        description=c["description"],
+        config=c,
+        model=cfg.to_dict(),
+        platform=jax.devices()[0].platform,
+        devices=ndev,
+        cases=cases,
+        gate=dict(passed=passed),
+    )
 
 
 def report_md(res: dict) -> str:
-    lines = [f"# {res['name']}", "", res["description"], "",
-             f"platform {res['platform']}, {res['devices']} devices, tolerance {res['config']['tolerance']:g} "
-             "(max relative difference from the single-device layer, when no pair is dropped)", "",
-             "| tokens | impl | expert x data | capacity factor | C | dropped / pairs | max rel err | "
-             "buffer B/token | step ms | status |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# {res['name']}",
+        "",
+        res["description"],
+        "",
+        f"platform {res['platform']}, {res['devices']} devices, tolerance {res['config']['tolerance']:g} "
+        "(max relative difference from the single-device layer, when no pair is dropped)",
+        "",
+        "| tokens | impl | expert x data | capacity factor | C | dropped / pairs | max rel err | "
+        "buffer B/token | step ms | status |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for k in res["cases"]:
         if k["status"] == "skipped":
-            lines.append(f"| {k['tokens']} | {k['impl']} | {k['expert']}x{k['data']} | {k['capacity_factor']} | "
-                         f"| | | | | skipped: {k['reason']} |")
+            lines.append(
+                f"| {k['tokens']} | {k['impl']} | {k['expert']}x{k['data']} | {k['capacity_factor']} | "
+                f"| | | | | skipped: {k['reason']} |"
+            )
             continue
-        lines.append(f"| {k['tokens']} | {k['impl']} | {k['expert']}x{k['data']} | {k['capacity_factor']} | "
-                     f"{k['capacity']} | {k['dropped_pairs']} / {k['pairs']} | {k['max_rel_err']:.2e} | "
-                     f"{k['buffer_bytes_per_token']:.0f} | {k['step_ms']:.2f} | {k['status']} |")
+        lines.append(
+            f"| {k['tokens']} | {k['impl']} | {k['expert']}x{k['data']} | {k['capacity_factor']} | "
+            f"{k['capacity']} | {k['dropped_pairs']} / {k['pairs']} | {k['max_rel_err']:.2e} | "
+            f"{k['buffer_bytes_per_token']:.0f} | {k['step_ms']:.2f} | {k['status']} |"
+        )
     lines += ["", f"gate: {'passed' if res['gate']['passed'] else 'FAILED'}", ""]
     return "\n".join(lines)
 
 
 def cli_main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jaxmoe.parallel_eval",
-                                 description="Expert-parallel eval: mesh sizes vs the single-device layer.")
+    ap = argparse.ArgumentParser(
+        prog="python -m jaxmoe.parallel_eval",
+        description="Expert-parallel eval: mesh sizes vs the single-device layer.",
+    )
     ap.add_argument("config", help="configs/evals/expert-parallel.yaml")
     ap.add_argument("--out", help="output directory (default: <output_dir>/<name>-<UTC time>)")
     a = ap.parse_args(argv)
@@ -216,7 +275,7 @@ def cli_main(argv=None) -> int:
         print(f"jaxmoe eval: config error: {e}", file=sys.stderr)
         return 2
     res = run(c)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
     out = Path(a.out) if a.out else Path(c["output_dir"]) / f"{c['name']}-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2))

@@ -46,7 +46,8 @@ class QuantizedTensor:
         if n_in % self.group_size or self.scales.shape != (*self.qdata.shape[:-1], n_in // self.group_size):
             raise ValueError(
                 f"QuantizedTensor: scales {self.scales.shape} do not match qdata {self.qdata.shape} "
-                f"({self.kind}, group {self.group_size})")
+                f"({self.kind}, group {self.group_size})"
+            )
         if self.kind == "int4" and (self.biases is None or self.biases.shape != self.scales.shape):
             raise ValueError(f"QuantizedTensor: int4 needs biases of shape {self.scales.shape}")
 
@@ -89,10 +90,15 @@ class QuantizedTensor:
             w = w + self.biases.astype(jnp.float32)[..., None]
         return jnp.swapaxes(w.reshape(*lead, out, n), -1, -2).astype(dtype)
 
-    def __getitem__(self, idx) -> "QuantizedTensor":
+    def __getitem__(self, idx) -> QuantizedTensor:
         """Indexes the leading (expert) axes only."""
-        return QuantizedTensor(self.qdata[idx], self.scales[idx],
-                               None if self.biases is None else self.biases[idx], self.kind, self.group_size)
+        return QuantizedTensor(
+            self.qdata[idx],
+            self.scales[idx],
+            None if self.biases is None else self.biases[idx],
+            self.kind,
+            self.group_size,
+        )
 
 
 def unpack_int4(packed: jax.Array) -> jax.Array:
@@ -148,8 +154,13 @@ def quantize_int4_affine(w, group_size: int = 64, scale_dtype=np.float32) -> Qua
     if n % group_size:
         raise ValueError(f"quantize_int4_affine: input dim {n} is not a multiple of the group size {group_size}")
     scales, biases, q = mlx_affine_quantize_groups(t.reshape(*lead, out, n // group_size, group_size))
-    return QuantizedTensor(jnp.asarray(pack_int4(q.reshape(*lead, out, n))), jnp.asarray(scales.astype(scale_dtype)),
-                           jnp.asarray(biases.astype(scale_dtype)), "int4", group_size)
+    return QuantizedTensor(
+        jnp.asarray(pack_int4(q.reshape(*lead, out, n))),
+        jnp.asarray(scales.astype(scale_dtype)),
+        jnp.asarray(biases.astype(scale_dtype)),
+        "int4",
+        group_size,
+    )
 
 
 def mlx_affine_quantize_groups(g: np.ndarray):

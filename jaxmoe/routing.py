@@ -64,7 +64,9 @@ def _check_inputs(logits: jax.Array, cfg: RouterConfig, selection_bias) -> None:
     if logits.ndim != 2:
         raise ValueError(f"route: logits must be [T, E], got shape {logits.shape}")
     if logits.shape[1] != cfg.num_experts:
-        raise ValueError(f"route: logits width {logits.shape[1]} != num_experts {cfg.num_experts} (shape {logits.shape})")
+        raise ValueError(
+            f"route: logits width {logits.shape[1]} != num_experts {cfg.num_experts} (shape {logits.shape})"
+        )
     if not jnp.issubdtype(logits.dtype, jnp.floating):
         raise ValueError(f"route: logits must be floating point, got {logits.dtype}")
     if selection_bias is not None:

@@ -84,5 +84,6 @@ def check_out(where: str, out, shape: tuple, dtype) -> None:
     if out is None:
         return
     if tuple(out.shape) != tuple(shape) or out.dtype != jnp.dtype(dtype):
-        raise ValueError(f"{where}: out buffer {tuple(out.shape)} {out.dtype} must be {tuple(shape)} "
-                         f"{jnp.dtype(dtype)}")
+        raise ValueError(
+            f"{where}: out buffer {tuple(out.shape)} {out.dtype} must be {tuple(shape)} {jnp.dtype(dtype)}"
+        )

@@ -77,8 +77,10 @@ def _pair_kernel(*refs, spec: PairSpec, aliased: bool):
         k0 = i * bk
         ks = k0 + jnp.arange(bk, dtype=jnp.int32)
         xr = plgpu.load(lhs_ref.at[row, pl.ds(k0, bk)], mask=ks < spec.k, other=0).astype(cdt)  # [bk]
-        return tuple(acc + tile_matvec(xr, *load_tile(lay, wr, e, k0, n0, bk, bn, cdt))
-                     for acc, lay, wr in zip(accs, spec.layouts, w_refs))
+        return tuple(
+            acc + tile_matvec(xr, *load_tile(lay, wr, e, k0, n0, bk, bn, cdt))
+            for acc, lay, wr in zip(accs, spec.layouts, w_refs)
+        )
 
     zero = jnp.zeros((bn,), jnp.float32)
     accs = jax.lax.fori_loop(0, pl.cdiv(spec.k, bk), step, tuple(zero for _ in spec.layouts))
@@ -87,8 +89,10 @@ def _pair_kernel(*refs, spec: PairSpec, aliased: bool):
     if spec.scale == "input":
         accs = tuple(a * rs for a in accs)
     if spec.has_bias:
-        accs = tuple(a + plgpu.load(b.at[e, pl.ds(n0, bn)], mask=ns < spec.n, other=0).astype(jnp.float32)
-                     for a, b in zip(accs, b_refs))
+        accs = tuple(
+            a + plgpu.load(b.at[e, pl.ds(n0, bn)], mask=ns < spec.n, other=0).astype(jnp.float32)
+            for a, b in zip(accs, b_refs)
+        )
     y = spec.act(*accs) if len(accs) == 2 else accs[0]
     if spec.scale == "output":
         y = y * rs
@@ -110,18 +114,51 @@ def _pair_call(spec: PairSpec, ids, row_scale, lhs, weight_arrays, biases, out, 
         args.append(out)
     kernel = functools.partial(_pair_kernel, spec=spec, aliased=out is not None)
     return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((spec.pairs, spec.n), jnp.dtype(spec.out_dtype)),
-        grid=(spec.pairs, pl.cdiv(spec.n, spec.block_n)), input_output_aliases=aliases,
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((spec.pairs, spec.n), jnp.dtype(spec.out_dtype)),
+        grid=(spec.pairs, pl.cdiv(spec.n, spec.block_n)),
+        input_output_aliases=aliases,
         compiler_params=common.compiler_params(spec.num_warps, spec.num_stages),
-        interpret=interpret, debug=debug, name="jaxmoe_decode")(*args)
+        interpret=interpret,
+        debug=debug,
+        name="jaxmoe_decode",
+    )(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "alpha", "limit", "block_n", "block_k", "num_warps",
-                                             "num_stages", "interpret", "debug"))
-def decode_gate_up(x, expert_ids, w_gate, w_up, b_gate=None, b_up=None, row_scale=None, out=None, *,
-                   activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0, block_n: int = 64,
-                   block_k: int = 128, num_warps: int = 4, num_stages: int = 3, interpret: bool = False,
-                   debug: bool = False):
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "activation",
+        "alpha",
+        "limit",
+        "block_n",
+        "block_k",
+        "num_warps",
+        "num_stages",
+        "interpret",
+        "debug",
+    ),
+)
+def decode_gate_up(
+    x,
+    expert_ids,
+    w_gate,
+    w_up,
+    b_gate=None,
+    b_up=None,
+    row_scale=None,
+    out=None,
+    *,
+    activation: str = "swiglu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    block_n: int = 64,
+    block_k: int = 128,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    interpret: bool = False,
+    debug: bool = False,
+):
     """Per-pair gate/up with the activation fused.
 
     Args:
@@ -147,19 +184,47 @@ def decode_gate_up(x, expert_ids, w_gate, w_up, b_gate=None, b_up=None, row_scal
         common.check_array("decode_gate_up: row_scale", row_scale, (t * k,), kinds="float")
     common.check_blocks("decode_gate_up", block_n=block_n, block_k=block_k)
     common.check_out("decode_gate_up", out, (t * k, lg.n), x.dtype)
-    spec = PairSpec(pairs=t * k, top_k=k, k=x.shape[1], n=lg.n, block_n=block_n, block_k=fit_block_k(block_k, [lg, lu]),
-                    layouts=(lg, lu), gather=True, scale="input" if row_scale is not None else "none",
-                    has_bias=b_gate is not None, act=Activation(activation, alpha, limit),
-                    compute_dtype=x.dtype.name, out_dtype=x.dtype.name, num_warps=num_warps, num_stages=num_stages)
-    return _pair_call(spec, expert_ids, row_scale, x, [ag, au], None if b_gate is None else [b_gate, b_up], out,
-                      interpret, debug)
+    spec = PairSpec(
+        pairs=t * k,
+        top_k=k,
+        k=x.shape[1],
+        n=lg.n,
+        block_n=block_n,
+        block_k=fit_block_k(block_k, [lg, lu]),
+        layouts=(lg, lu),
+        gather=True,
+        scale="input" if row_scale is not None else "none",
+        has_bias=b_gate is not None,
+        act=Activation(activation, alpha, limit),
+        compute_dtype=x.dtype.name,
+        out_dtype=x.dtype.name,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return _pair_call(
+        spec, expert_ids, row_scale, x, [ag, au], None if b_gate is None else [b_gate, b_up], out, interpret, debug
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages", "out_dtype",
-                                             "interpret", "debug"))
-def decode_down(h, expert_ids, w_down, b_down=None, row_scale=None, out=None, *, block_n: int = 64,
-                block_k: int = 128, num_warps: int = 4, num_stages: int = 3, out_dtype=jnp.float32,
-                interpret: bool = False, debug: bool = False):
+@functools.partial(
+    jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages", "out_dtype", "interpret", "debug")
+)
+def decode_down(
+    h,
+    expert_ids,
+    w_down,
+    b_down=None,
+    row_scale=None,
+    out=None,
+    *,
+    block_n: int = 64,
+    block_k: int = 128,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    out_dtype=jnp.float32,
+    interpret: bool = False,
+    debug: bool = False,
+):
     """Per-pair down projection with bias and routing weight fused.
 
     Args:
@@ -174,7 +239,9 @@ def decode_down(h, expert_ids, w_down, b_down=None, row_scale=None, out=None, *,
     common.check_array("decode_down: expert_ids", expert_ids, (None, None), kinds="int")
     t, k = expert_ids.shape
     if h.shape[0] != t * k:
-        raise ValueError(f"decode_down: h has {h.shape[0]} rows, expected T*k = {t * k} (expert_ids {expert_ids.shape})")
+        raise ValueError(
+            f"decode_down: h has {h.shape[0]} rows, expected T*k = {t * k} (expert_ids {expert_ids.shape})"
+        )
     lay, arrs = weight_operands(w_down, "decode_down: w_down", k=h.shape[1])
     if b_down is not None:
         common.check_array("decode_down: b_down", b_down, (lay.num_experts, lay.n))
@@ -183,12 +250,26 @@ def decode_down(h, expert_ids, w_down, b_down=None, row_scale=None, out=None, *,
     common.check_blocks("decode_down", block_n=block_n, block_k=block_k)
     odt = jnp.dtype(out_dtype)
     common.check_out("decode_down", out, (t * k, lay.n), odt)
-    spec = PairSpec(pairs=t * k, top_k=k, k=h.shape[1], n=lay.n, block_n=block_n, block_k=fit_block_k(block_k, [lay]),
-                    layouts=(lay,), gather=False, scale="output" if row_scale is not None else "none",
-                    has_bias=b_down is not None, act=None, compute_dtype=h.dtype.name, out_dtype=odt.name,
-                    num_warps=num_warps, num_stages=num_stages)
-    return _pair_call(spec, expert_ids, row_scale, h, [arrs], None if b_down is None else [b_down], out,
-                      interpret, debug)
+    spec = PairSpec(
+        pairs=t * k,
+        top_k=k,
+        k=h.shape[1],
+        n=lay.n,
+        block_n=block_n,
+        block_k=fit_block_k(block_k, [lay]),
+        layouts=(lay,),
+        gather=False,
+        scale="output" if row_scale is not None else "none",
+        has_bias=b_down is not None,
+        act=None,
+        compute_dtype=h.dtype.name,
+        out_dtype=odt.name,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return _pair_call(
+        spec, expert_ids, row_scale, h, [arrs], None if b_down is None else [b_down], out, interpret, debug
+    )
 
 
 def combine_pairs(y: jax.Array, top_k: int) -> jax.Array:
@@ -198,17 +279,30 @@ def combine_pairs(y: jax.Array, top_k: int) -> jax.Array:
     return y.astype(jnp.float32).reshape(-1, top_k, y.shape[1]).sum(axis=1)
 
 
-def decode_gate_up_reference(x, expert_ids, w_gate, w_up, b_gate=None, b_up=None, row_scale=None, *,
-                             activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0):
+def decode_gate_up_reference(
+    x,
+    expert_ids,
+    w_gate,
+    w_up,
+    b_gate=None,
+    b_up=None,
+    row_scale=None,
+    *,
+    activation: str = "swiglu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+):
     """Pure-jnp reference of `decode_gate_up`."""
     lg, ag = weight_operands(w_gate, "decode_gate_up_reference: w_gate", k=x.shape[1])
     lu, au = weight_operands(w_up, "decode_gate_up_reference: w_up", lg.num_experts, x.shape[1], lg.n)
     ids = expert_ids.reshape(-1)
     xs = jnp.repeat(x, expert_ids.shape[1], axis=0)  # [P, d]
-    g = jnp.einsum("pd,pdf->pf", xs, dequantize_reference(lg, ag, x.dtype)[ids], preferred_element_type=jnp.float32,
-                   precision=_HI)
-    u = jnp.einsum("pd,pdf->pf", xs, dequantize_reference(lu, au, x.dtype)[ids], preferred_element_type=jnp.float32,
-                   precision=_HI)
+    g = jnp.einsum(
+        "pd,pdf->pf", xs, dequantize_reference(lg, ag, x.dtype)[ids], preferred_element_type=jnp.float32, precision=_HI
+    )
+    u = jnp.einsum(
+        "pd,pdf->pf", xs, dequantize_reference(lu, au, x.dtype)[ids], preferred_element_type=jnp.float32, precision=_HI
+    )
     if row_scale is not None:
         g, u = g * row_scale[:, None], u * row_scale[:, None]
     if b_gate is not None:
@@ -220,8 +314,13 @@ def decode_down_reference(h, expert_ids, w_down, b_down=None, row_scale=None, ou
     """Pure-jnp reference of `decode_down`."""
     lay, arrs = weight_operands(w_down, "decode_down_reference: w_down", k=h.shape[1])
     ids = expert_ids.reshape(-1)
-    y = jnp.einsum("pf,pfd->pd", h, dequantize_reference(lay, arrs, h.dtype)[ids], preferred_element_type=jnp.float32,
-                   precision=_HI)
+    y = jnp.einsum(
+        "pf,pfd->pd",
+        h,
+        dequantize_reference(lay, arrs, h.dtype)[ids],
+        preferred_element_type=jnp.float32,
+        precision=_HI,
+    )
     if b_down is not None:
         y = y + b_down.astype(jnp.float32)[ids]
     if row_scale is not None:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
-from pallas_kernels.gmm import GroupedSpec, fit_block_k, check_plan, grouped_call, row_experts
+from pallas_kernels.gmm import GroupedSpec, check_plan, fit_block_k, grouped_call, row_experts
 from pallas_kernels.quant import dequantize_reference, weight_operands
 
 _HI = jax.lax.Precision.HIGHEST
@@ -30,11 +30,30 @@ def _check(where, h, w_down, b_down, row_scale):
     return lay, arrs
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
-                                             "out_dtype", "interpret", "debug"))
-def down_project(h, group_offsets, tile_group, tile_row, num_tiles, w_down, b_down=None, row_scale=None, out=None,
-                 *, block_m: int, block_n: int = 64, block_k: int = 64, num_warps: int = 4, num_stages: int = 3,
-                 out_dtype=jnp.float32, interpret: bool = False, debug: bool = False):
+@functools.partial(
+    jax.jit,
+    static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages", "out_dtype", "interpret", "debug"),
+)
+def down_project(
+    h,
+    group_offsets,
+    tile_group,
+    tile_row,
+    num_tiles,
+    w_down,
+    b_down=None,
+    row_scale=None,
+    out=None,
+    *,
+    block_m: int,
+    block_n: int = 64,
+    block_k: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    out_dtype=jnp.float32,
+    interpret: bool = False,
+    debug: bool = False,
+):
     """Down GMM over sorted rows with bias and per-row scale fused.
 
     Args:
@@ -52,12 +71,38 @@ def down_project(h, group_offsets, tile_group, tile_row, num_tiles, w_down, b_do
     common.check_blocks("down_project", block_m=block_m, block_n=block_n, block_k=block_k)
     odt = jnp.dtype(out_dtype)
     common.check_out("down_project", out, (p, lay.n), odt)
-    spec = GroupedSpec(rows=p, k=h.shape[1], n=lay.n, block_m=block_m, block_n=block_n,
-                       block_k=fit_block_k(block_k, [lay]), layouts=(lay,), gather=False,
-                       scale="output" if row_scale is not None else "none", has_bias=b_down is not None, act=None,
-                       compute_dtype=h.dtype.name, out_dtype=odt.name, num_warps=num_warps, num_stages=num_stages)
-    return grouped_call(spec, tile_group, tile_row, group_offsets, num_tiles, None, row_scale, h, [arrs],
-                        None if b_down is None else [b_down], out, interpret=interpret, debug=debug)
+    spec = GroupedSpec(
+        rows=p,
+        k=h.shape[1],
+        n=lay.n,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=fit_block_k(block_k, [lay]),
+        layouts=(lay,),
+        gather=False,
+        scale="output" if row_scale is not None else "none",
+        has_bias=b_down is not None,
+        act=None,
+        compute_dtype=h.dtype.name,
+        out_dtype=odt.name,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return grouped_call(
+        spec,
+        tile_group,
+        tile_row,
+        group_offsets,
+        num_tiles,
+        None,
+        row_scale,
+        h,
+        [arrs],
+        None if b_down is None else [b_down],
+        out,
+        interpret=interpret,
+        debug=debug,
+    )
 
 
 def combine(y_sorted: jax.Array, inv: jax.Array, top_k: int) -> jax.Array:
@@ -75,8 +120,9 @@ def down_project_reference(h, group_offsets, w_down, b_down=None, row_scale=None
     """Pure-jnp reference of `down_project` (materializes ``[P, F, d]``)."""
     lay, arrs = _check("down_project_reference", h, w_down, b_down, row_scale)
     ex = row_experts(group_offsets, h.shape[0])
-    y = jnp.einsum("pf,pfd->pd", h, dequantize_reference(lay, arrs, h.dtype)[ex], preferred_element_type=jnp.float32,
-                   precision=_HI)
+    y = jnp.einsum(
+        "pf,pfd->pd", h, dequantize_reference(lay, arrs, h.dtype)[ex], preferred_element_type=jnp.float32, precision=_HI
+    )
     if b_down is not None:
         y = y + b_down.astype(jnp.float32)[ex]
     if row_scale is not None:

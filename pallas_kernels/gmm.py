@@ -103,8 +103,10 @@ def _grouped_kernel(*refs, spec: GroupedSpec, aliased: bool):
             ks = k0 + jnp.arange(bk, dtype=jnp.int32)
             xm = valid[:, None] & (ks < spec.k)[None, :]
             xt = plgpu.load(lhs_ref.at[src[:, None], ks[None, :]], mask=xm, other=0).astype(cdt)  # [bm, bk]
-            return tuple(acc + tile_matmul(xt, *load_tile(lay, wr, e, k0, n0, bk, bn, cdt))
-                         for acc, lay, wr in zip(accs, spec.layouts, w_refs))
+            return tuple(
+                acc + tile_matmul(xt, *load_tile(lay, wr, e, k0, n0, bk, bn, cdt))
+                for acc, lay, wr in zip(accs, spec.layouts, w_refs)
+            )
 
         zero = jnp.zeros((bm, bn), jnp.float32)
         accs = jax.lax.fori_loop(0, pl.cdiv(spec.k, bk), step, tuple(zero for _ in spec.layouts))
@@ -113,8 +115,10 @@ def _grouped_kernel(*refs, spec: GroupedSpec, aliased: bool):
         if spec.scale == "input":
             accs = tuple(a * rs for a in accs)
         if spec.has_bias:
-            accs = tuple(a + plgpu.load(b.at[e, pl.ds(n0, bn)], mask=ns < spec.n, other=0)
-                         .astype(jnp.float32)[None, :] for a, b in zip(accs, b_refs))
+            accs = tuple(
+                a + plgpu.load(b.at[e, pl.ds(n0, bn)], mask=ns < spec.n, other=0).astype(jnp.float32)[None, :]
+                for a, b in zip(accs, b_refs)
+            )
         y = spec.act(*accs) if len(accs) == 2 else accs[0]
         if spec.scale == "output":
             y = y * rs
@@ -122,8 +126,22 @@ def _grouped_kernel(*refs, spec: GroupedSpec, aliased: bool):
         plgpu.store(out_ref.at[pl.ds(start, bm), pl.ds(n0, bn)], y.astype(out_ref.dtype), mask=om)
 
 
-def grouped_call(spec: GroupedSpec, tile_group, tile_row, group_offsets, num_tiles, row_map, row_scale,
-                 lhs, weight_arrays, biases, out=None, *, interpret: bool = False, debug: bool = False):
+def grouped_call(
+    spec: GroupedSpec,
+    tile_group,
+    tile_row,
+    group_offsets,
+    num_tiles,
+    row_map,
+    row_scale,
+    lhs,
+    weight_arrays,
+    biases,
+    out=None,
+    *,
+    interpret: bool = False,
+    debug: bool = False,
+):
     """Launches `_grouped_kernel` (arguments already checked by the public wrappers).
 
     Returns ``[P, N]`` in ``spec.out_dtype``; ``out`` (same shape and dtype) is aliased
@@ -148,9 +166,15 @@ def grouped_call(spec: GroupedSpec, tile_group, tile_row, group_offsets, num_til
     grid = (tile_group.shape[0], pl.cdiv(spec.n, spec.block_n))
     kernel = functools.partial(_grouped_kernel, spec=spec, aliased=out is not None)
     return pl.pallas_call(
-        kernel, out_shape=out_shape, grid=grid, input_output_aliases=aliases,
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        input_output_aliases=aliases,
         compiler_params=common.compiler_params(spec.num_warps, spec.num_stages),
-        interpret=interpret, debug=debug, name="jaxmoe_gmm")(*args)
+        interpret=interpret,
+        debug=debug,
+        name="jaxmoe_gmm",
+    )(*args)
 
 
 def check_plan(where: str, num_experts: int, tile_group, tile_row, group_offsets, num_tiles) -> None:
@@ -168,11 +192,28 @@ def fit_block_k(block_k: int, layouts) -> int:
     return max(block_k, need)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
-                                             "out_dtype", "interpret", "debug"))
-def gmm(lhs, rhs, group_offsets, tile_group, tile_row, num_tiles, out=None, *, block_m: int, block_n: int = 64,
-        block_k: int = 64, num_warps: int = 4, num_stages: int = 3, out_dtype=None, interpret: bool = False,
-        debug: bool = False):
+@functools.partial(
+    jax.jit,
+    static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages", "out_dtype", "interpret", "debug"),
+)
+def gmm(
+    lhs,
+    rhs,
+    group_offsets,
+    tile_group,
+    tile_row,
+    num_tiles,
+    out=None,
+    *,
+    block_m: int,
+    block_n: int = 64,
+    block_k: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    out_dtype=None,
+    interpret: bool = False,
+    debug: bool = False,
+):
     """Grouped matmul: row ``r`` of ``lhs`` times the weight of its expert.
 
     Args:
@@ -193,11 +234,38 @@ def gmm(lhs, rhs, group_offsets, tile_group, tile_row, num_tiles, out=None, *, b
     common.check_blocks("gmm", block_m=block_m, block_n=block_n, block_k=block_k)
     odt = jnp.dtype(out_dtype or lhs.dtype)
     common.check_out("gmm", out, (p, lay.n), odt)
-    spec = GroupedSpec(rows=p, k=k, n=lay.n, block_m=block_m, block_n=block_n, block_k=fit_block_k(block_k, [lay]),
-                       layouts=(lay,), gather=False, scale="none", has_bias=False, act=None,
-                       compute_dtype=lhs.dtype.name, out_dtype=odt.name, num_warps=num_warps, num_stages=num_stages)
-    return grouped_call(spec, tile_group, tile_row, group_offsets, num_tiles, None, None, lhs, [arrs], None, out,
-                        interpret=interpret, debug=debug)
+    spec = GroupedSpec(
+        rows=p,
+        k=k,
+        n=lay.n,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=fit_block_k(block_k, [lay]),
+        layouts=(lay,),
+        gather=False,
+        scale="none",
+        has_bias=False,
+        act=None,
+        compute_dtype=lhs.dtype.name,
+        out_dtype=odt.name,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return grouped_call(
+        spec,
+        tile_group,
+        tile_row,
+        group_offsets,
+        num_tiles,
+        None,
+        None,
+        lhs,
+        [arrs],
+        None,
+        out,
+        interpret=interpret,
+        debug=debug,
+    )
 
 
 def row_experts(group_offsets: jax.Array, rows: int) -> jax.Array:
@@ -211,6 +279,5 @@ def gmm_reference(lhs, rhs, group_offsets, out_dtype=None):
     from pallas_kernels.quant import dequantize_reference
 
     w = dequantize_reference(lay, arrs, lhs.dtype)[row_experts(group_offsets, lhs.shape[0])]  # [P, K, N]
-    y = jnp.einsum("pk,pkn->pn", lhs, w, preferred_element_type=jnp.float32,
-                   precision=jax.lax.Precision.HIGHEST)
+    y = jnp.einsum("pk,pkn->pn", lhs, w, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
     return y.astype(out_dtype or lhs.dtype)

@@ -35,8 +35,16 @@ def _launch(b: tuning.Blocks, grouped: bool) -> dict:
     return kw
 
 
-def experts_pallas(x: jax.Array, routing, experts, cfg, *, interpret: bool | None = None,
-                   config: tuning.KernelConfig | None = None, debug: bool = False) -> jax.Array:
+def experts_pallas(
+    x: jax.Array,
+    routing,
+    experts,
+    cfg,
+    *,
+    interpret: bool | None = None,
+    config: tuning.KernelConfig | None = None,
+    debug: bool = False,
+) -> jax.Array:
     """Routed experts with the Pallas kernels. ``x [T, d]`` -> ``[T, d]`` float32.
 
     Args:
@@ -57,9 +65,11 @@ def experts_pallas(x: jax.Array, routing, experts, cfg, *, interpret: bool | Non
     if interpret is None:
         interpret = default_interpret()
         if not interpret and jax.default_backend() not in TRITON_PLATFORMS:
-            raise ValueError(f"impl='pallas' compiles Triton kernels, which do not lower on platform "
-                             f"{jax.default_backend()!r}; use impl='xla' there (or JAXMOE_PALLAS_INTERPRET=1 to "
-                             "run the kernels in the slow interpreter)")
+            raise ValueError(
+                f"impl='pallas' compiles Triton kernels, which do not lower on platform "
+                f"{jax.default_backend()!r}; use impl='xla' there (or JAXMOE_PALLAS_INTERPRET=1 to "
+                "run the kernels in the slow interpreter)"
+            )
     kc = config or tuning.choose(t * k, d, cfg.expert_dim)
     act = activation_of(cfg)
     akw = dict(activation=act.kind, alpha=act.alpha, limit=act.limit)
@@ -71,19 +81,58 @@ def experts_pallas(x: jax.Array, routing, experts, cfg, *, interpret: bool | Non
         return jnp.zeros((0, d), jnp.float32)
     if kc.decode:
         with jax.named_scope("pallas_decode"):
-            h = decode_gate_up(x, ids, ew.w_gate, ew.w_up, ew.b_gate, ew.b_up, w if woi else None, **akw,
-                               **_launch(kc.gate_up, False), interpret=interpret, debug=debug)
-            y = decode_down(h, ids, ew.w_down, ew.b_down, None if woi else w, **_launch(kc.down, False),
-                            interpret=interpret, debug=debug)
+            h = decode_gate_up(
+                x,
+                ids,
+                ew.w_gate,
+                ew.w_up,
+                ew.b_gate,
+                ew.b_up,
+                w if woi else None,
+                **akw,
+                **_launch(kc.gate_up, False),
+                interpret=interpret,
+                debug=debug,
+            )
+            y = decode_down(
+                h,
+                ids,
+                ew.w_down,
+                ew.b_down,
+                None if woi else w,
+                **_launch(kc.down, False),
+                interpret=interpret,
+                debug=debug,
+            )
             return combine_pairs(y, k)
     with jax.named_scope("pallas_grouped"):
         plan = plan_dispatch(ids, cfg.num_experts, kc.gate_up.block_m)
         ws = w[plan.sort_idx]  # [P] sorted order
         meta = (plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
-        h = gate_up_swiglu(x, plan.token_idx, *meta, ew.w_gate, ew.w_up, ew.b_gate, ew.b_up, ws if woi else None,
-                           **akw, **_launch(kc.gate_up, True), interpret=interpret, debug=debug)
-        y = down_project(h, *meta, ew.w_down, ew.b_down, None if woi else ws, **_launch(kc.down, True),
-                         interpret=interpret, debug=debug)
+        h = gate_up_swiglu(
+            x,
+            plan.token_idx,
+            *meta,
+            ew.w_gate,
+            ew.w_up,
+            ew.b_gate,
+            ew.b_up,
+            ws if woi else None,
+            **akw,
+            **_launch(kc.gate_up, True),
+            interpret=interpret,
+            debug=debug,
+        )
+        y = down_project(
+            h,
+            *meta,
+            ew.w_down,
+            ew.b_down,
+            None if woi else ws,
+            **_launch(kc.down, True),
+            interpret=interpret,
+            debug=debug,
+        )
         return combine(y, plan.inv, k)
 
 

@@ -48,8 +48,9 @@ class WeightLayout:
         return self.group_size if self.kind != "dense" else 1
 
 
-def weight_operands(w, name: str, num_experts: int | None = None, k: int | None = None,
-                    n: int | None = None) -> tuple[WeightLayout, tuple[jax.Array, ...]]:
+def weight_operands(
+    w, name: str, num_experts: int | None = None, k: int | None = None, n: int | None = None
+) -> tuple[WeightLayout, tuple[jax.Array, ...]]:
     """The layout and arrays of an expert weight ``[E, K, N]`` (array or `QuantizedTensor`).
 
     Raises ValueError naming ``name`` when the shape differs from the expected
@@ -60,8 +61,9 @@ def weight_operands(w, name: str, num_experts: int | None = None, k: int | None 
         raise ValueError(f"{name}: expert weight must be [E, K, N], got shape {shape}")
     for got, want, what in zip(shape, (num_experts, k, n), ("E", "K", "N")):
         if want is not None and got != want:
-            raise ValueError(f"{name}: shape {shape} has {what}={got}, expected {want} "
-                             f"(want [E, K, N] = {(num_experts, k, n)})")
+            raise ValueError(
+                f"{name}: shape {shape} has {what}={got}, expected {want} (want [E, K, N] = {(num_experts, k, n)})"
+            )
     e, kk, nn = shape
     if isinstance(w, QuantizedTensor):
         g = w.group_size

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import common
 from pallas_kernels.common import Activation
-from pallas_kernels.gmm import GroupedSpec, fit_block_k, check_plan, grouped_call, row_experts
+from pallas_kernels.gmm import GroupedSpec, check_plan, fit_block_k, grouped_call, row_experts
 from pallas_kernels.quant import dequantize_reference, weight_operands
 
 _HI = jax.lax.Precision.HIGHEST
@@ -39,12 +39,46 @@ def _check(where, x, token_idx, w_gate, w_up, b_gate, b_up, row_scale):
     return (lg, ag), (lu, au)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "alpha", "limit", "block_m", "block_n", "block_k",
-                                             "num_warps", "num_stages", "interpret", "debug"))
-def gate_up_swiglu(x, token_idx, group_offsets, tile_group, tile_row, num_tiles, w_gate, w_up, b_gate=None,
-                   b_up=None, row_scale=None, out=None, *, activation: str = "swiglu", alpha: float = 1.702,
-                   limit: float = 7.0, block_m: int, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
-                   num_stages: int = 3, interpret: bool = False, debug: bool = False):
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "activation",
+        "alpha",
+        "limit",
+        "block_m",
+        "block_n",
+        "block_k",
+        "num_warps",
+        "num_stages",
+        "interpret",
+        "debug",
+    ),
+)
+def gate_up_swiglu(
+    x,
+    token_idx,
+    group_offsets,
+    tile_group,
+    tile_row,
+    num_tiles,
+    w_gate,
+    w_up,
+    b_gate=None,
+    b_up=None,
+    row_scale=None,
+    out=None,
+    *,
+    activation: str = "swiglu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    block_m: int,
+    block_n: int = 64,
+    block_k: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    interpret: bool = False,
+    debug: bool = False,
+):
     """Gate/up GMM with the activation fused, rows gathered from ``x`` by ``token_idx``.
 
     Args:
@@ -63,25 +97,64 @@ def gate_up_swiglu(x, token_idx, group_offsets, tile_group, tile_row, num_tiles,
     check_plan("gate_up_swiglu", lg.num_experts, tile_group, tile_row, group_offsets, num_tiles)
     common.check_blocks("gate_up_swiglu", block_m=block_m, block_n=block_n, block_k=block_k)
     common.check_out("gate_up_swiglu", out, (p, lg.n), x.dtype)
-    spec = GroupedSpec(rows=p, k=x.shape[1], n=lg.n, block_m=block_m, block_n=block_n,
-                       block_k=fit_block_k(block_k, [lg, lu]), layouts=(lg, lu), gather=True,
-                       scale="input" if row_scale is not None else "none", has_bias=b_gate is not None,
-                       act=Activation(activation, alpha, limit), compute_dtype=x.dtype.name, out_dtype=x.dtype.name,
-                       num_warps=num_warps, num_stages=num_stages)
-    return grouped_call(spec, tile_group, tile_row, group_offsets, num_tiles, token_idx, row_scale, x, [ag, au],
-                        None if b_gate is None else [b_gate, b_up], out, interpret=interpret, debug=debug)
+    spec = GroupedSpec(
+        rows=p,
+        k=x.shape[1],
+        n=lg.n,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=fit_block_k(block_k, [lg, lu]),
+        layouts=(lg, lu),
+        gather=True,
+        scale="input" if row_scale is not None else "none",
+        has_bias=b_gate is not None,
+        act=Activation(activation, alpha, limit),
+        compute_dtype=x.dtype.name,
+        out_dtype=x.dtype.name,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return grouped_call(
+        spec,
+        tile_group,
+        tile_row,
+        group_offsets,
+        num_tiles,
+        token_idx,
+        row_scale,
+        x,
+        [ag, au],
+        None if b_gate is None else [b_gate, b_up],
+        out,
+        interpret=interpret,
+        debug=debug,
+    )
 
 
-def gate_up_swiglu_reference(x, token_idx, group_offsets, w_gate, w_up, b_gate=None, b_up=None, row_scale=None,
-                             *, activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0):
+def gate_up_swiglu_reference(
+    x,
+    token_idx,
+    group_offsets,
+    w_gate,
+    w_up,
+    b_gate=None,
+    b_up=None,
+    row_scale=None,
+    *,
+    activation: str = "swiglu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+):
     """Pure-jnp reference of `gate_up_swiglu` (materializes ``[P, d]`` and ``[P, d, F]``)."""
     (lg, ag), (lu, au) = _check("gate_up_swiglu_reference", x, token_idx, w_gate, w_up, b_gate, b_up, row_scale)
     ex = row_experts(group_offsets, token_idx.shape[0])
     xs = x[token_idx]
-    g = jnp.einsum("pd,pdf->pf", xs, dequantize_reference(lg, ag, x.dtype)[ex], preferred_element_type=jnp.float32,
-                   precision=_HI)
-    u = jnp.einsum("pd,pdf->pf", xs, dequantize_reference(lu, au, x.dtype)[ex], preferred_element_type=jnp.float32,
-                   precision=_HI)
+    g = jnp.einsum(
+        "pd,pdf->pf", xs, dequantize_reference(lg, ag, x.dtype)[ex], preferred_element_type=jnp.float32, precision=_HI
+    )
+    u = jnp.einsum(
+        "pd,pdf->pf", xs, dequantize_reference(lu, au, x.dtype)[ex], preferred_element_type=jnp.float32, precision=_HI
+    )
     if row_scale is not None:
         g = g * row_scale[:, None]
         u = u * row_scale[:, None]

@@ -86,8 +86,10 @@ class KernelConfig:
         if self.bucket not in BUCKETS:
             raise ValueError(f"KernelConfig.bucket: unknown {self.bucket!r}; expected one of {BUCKETS}")
         if not self.decode and self.gate_up.block_m != self.down.block_m:
-            raise ValueError(f"KernelConfig: gate_up.block_m={self.gate_up.block_m} and down.block_m="
-                             f"{self.down.block_m} must match (one dispatch plan serves both)")
+            raise ValueError(
+                f"KernelConfig: gate_up.block_m={self.gate_up.block_m} and down.block_m="
+                f"{self.down.block_m} must match (one dispatch plan serves both)"
+            )
 
 
 _B = Blocks
@@ -128,8 +130,13 @@ def choose(num_pairs: int, d: int, f: int) -> KernelConfig:
 def fit_config(kc: KernelConfig, num_pairs: int, d: int, f: int) -> KernelConfig:
     """``kc`` with blocks shrunk to the shape: gate/up is ``[P, d] x [d, F]``, down ``[P, F] x [F, d]``."""
     bm = fit(kc.gate_up.block_m, num_pairs)
-    gu = dataclasses.replace(kc.gate_up, block_m=bm, block_n=fit(kc.gate_up.block_n, f),
-                             block_k=fit(kc.gate_up.block_k, d))
-    dn = dataclasses.replace(kc.down, block_m=bm if not kc.decode else fit(kc.down.block_m, num_pairs),
-                             block_n=fit(kc.down.block_n, d), block_k=fit(kc.down.block_k, f))
+    gu = dataclasses.replace(
+        kc.gate_up, block_m=bm, block_n=fit(kc.gate_up.block_n, f), block_k=fit(kc.gate_up.block_k, d)
+    )
+    dn = dataclasses.replace(
+        kc.down,
+        block_m=bm if not kc.decode else fit(kc.down.block_m, num_pairs),
+        block_n=fit(kc.down.block_n, d),
+        block_k=fit(kc.down.block_k, f),
+    )
     return KernelConfig(kc.bucket, gu, dn)

@@ -13,7 +13,9 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
-    "jaxmoe", max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "25")), deadline=None,
+    "jaxmoe",
+    max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "25")),
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile("jaxmoe")

@@ -3,8 +3,19 @@
 import numpy as np
 
 
-def np_route(logits, *, k, score_fn="softmax", bias=None, n_group=1, topk_group=1, group_score="top2_sum",
-             renorm="sum", eps=0.0, scale=1.0):
+def np_route(
+    logits,
+    *,
+    k,
+    score_fn="softmax",
+    bias=None,
+    n_group=1,
+    topk_group=1,
+    group_score="top2_sum",
+    renorm="sum",
+    eps=0.0,
+    scale=1.0,
+):
     """Per-token loop. Returns ids [T, k] (by descending selection score) and weights [T, k], float64."""
     z = np.asarray(logits, np.float64)
     t, e = z.shape
@@ -24,7 +35,7 @@ def np_route(logits, *, k, score_fn="softmax", bias=None, n_group=1, topk_group=
             per = e // n_group
             gs = []
             for g in range(n_group):
-                grp = np.sort(c[g * per:(g + 1) * per])[::-1]
+                grp = np.sort(c[g * per : (g + 1) * per])[::-1]
                 gs.append(grp[0] if group_score == "max" else grp[0] + grp[1])
             keep = sorted(range(n_group), key=lambda g: (-gs[g], g))[:topk_group]
             c = np.array([c[j] if j // per in keep else -np.inf for j in range(e)])
@@ -50,8 +61,16 @@ def np_route(logits, *, k, score_fn="softmax", bias=None, n_group=1, topk_group=
 
 def router_kwargs(rc):
     """np_route keyword arguments from a jaxmoe RouterConfig."""
-    return dict(k=rc.top_k, score_fn=rc.score_fn, n_group=rc.n_group, topk_group=rc.topk_group,
-                group_score=rc.group_score, renorm=rc.renorm, eps=rc.renorm_eps, scale=rc.routed_scaling_factor)
+    return dict(
+        k=rc.top_k,
+        score_fn=rc.score_fn,
+        n_group=rc.n_group,
+        topk_group=rc.topk_group,
+        group_score=rc.group_score,
+        renorm=rc.renorm,
+        eps=rc.renorm_eps,
+        scale=rc.routed_scaling_factor,
+    )
 
 
 def _silu(v):
@@ -106,9 +125,17 @@ def params_to_numpy(mp):
         return None if v is None else np.asarray(materialize(v, np.float32) if hasattr(v, "qdata") else v)
 
     ew, sh = mp.experts, mp.shared
-    d = dict(w_router=a(mp.w_router), b_router=a(mp.b_router), selection_bias=a(mp.selection_bias),
-             w_gate=a(ew.w_gate), w_up=a(ew.w_up), w_down=a(ew.w_down), b_gate=a(ew.b_gate), b_up=a(ew.b_up),
-             b_down=a(ew.b_down))
+    d = dict(
+        w_router=a(mp.w_router),
+        b_router=a(mp.b_router),
+        selection_bias=a(mp.selection_bias),
+        w_gate=a(ew.w_gate),
+        w_up=a(ew.w_up),
+        w_down=a(ew.w_down),
+        b_gate=a(ew.b_gate),
+        b_up=a(ew.b_up),
+        b_down=a(ew.b_down),
+    )
     if sh is not None:
         d.update(s_gate=a(sh.w_gate), s_up=a(sh.w_up), s_down=a(sh.w_down), s_sigmoid=a(sh.gate))
     return d

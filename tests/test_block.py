@@ -8,28 +8,49 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from reference import np_moe, params_to_numpy, shrink
 
 import jaxmoe
 from jaxmoe import MoEBlock, MoEConfig, RouterConfig
 from jaxmoe.quant import quantize_int4_affine, quantize_int8
-from reference import np_moe, params_to_numpy, shrink
 
 PRESETS = jaxmoe.list_presets()
 
 
-
-
 def test_presets_load_with_published_dims():
-    assert {"qwen3.6-35b-a3b", "edge0-35b", "edge0-8b", "qwen3-30b-a3b", "qwen2-57b-a14b", "mixtral-8x7b",
-            "deepseek-v3", "deepseek-v2-lite", "olmoe-1b-7b", "gpt-oss-20b"} <= set(PRESETS)
+    assert {
+        "qwen3.6-35b-a3b",
+        "edge0-35b",
+        "edge0-8b",
+        "qwen3-30b-a3b",
+        "qwen2-57b-a14b",
+        "mixtral-8x7b",
+        "deepseek-v3",
+        "deepseek-v2-lite",
+        "olmoe-1b-7b",
+        "gpt-oss-20b",
+    } <= set(PRESETS)
     q = jaxmoe.load_config("qwen3.6-35b-a3b")
     assert (q.d_model, q.num_experts, q.top_k, q.expert_dim, q.shared_expert_dim, q.num_layers) == (
-        2048, 256, 8, 512, 512, 40)
+        2048,
+        256,
+        8,
+        512,
+        512,
+        40,
+    )
     assert q.shared_expert_gate
     assert jaxmoe.load_config("edge0-35b").top_k == 4
     e8 = jaxmoe.load_config("edge0-8b")
-    assert (e8.num_experts, e8.top_k, e8.router.n_group, e8.router.topk_group, e8.router.routed_scaling_factor,
-            e8.router.score_fn, e8.dense_layers) == (128, 8, 8, 4, 2.5, "sigmoid", (0,))
+    assert (
+        e8.num_experts,
+        e8.top_k,
+        e8.router.n_group,
+        e8.router.topk_group,
+        e8.router.routed_scaling_factor,
+        e8.router.score_fn,
+        e8.dense_layers,
+    ) == (128, 8, 8, 4, 2.5, "sigmoid", (0,))
     dv3 = jaxmoe.load_config("deepseek-v3")
     assert (dv3.d_model, dv3.num_experts, dv3.expert_dim, dv3.dense_layers) == (7168, 256, 2048, (0, 1, 2))
 
@@ -52,14 +73,17 @@ def test_yaml_config_errors(tmp_path):
         jaxmoe.load_config(p)
 
 
-@pytest.mark.parametrize("kw,field", [
-    (dict(d_model=0), "d_model"),
-    (dict(expert_dim=-1), "expert_dim"),
-    (dict(shared_expert_dim=16, num_shared_experts=0), "num_shared_experts"),
-    (dict(shared_expert_gate=True), "shared_expert_gate"),
-    (dict(activation="gelu"), "activation"),
-    (dict(num_layers=4, dense_layers=(4,)), "dense_layers"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(d_model=0), "d_model"),
+        (dict(expert_dim=-1), "expert_dim"),
+        (dict(shared_expert_dim=16, num_shared_experts=0), "num_shared_experts"),
+        (dict(shared_expert_gate=True), "shared_expert_gate"),
+        (dict(activation="gelu"), "activation"),
+        (dict(num_layers=4, dense_layers=(4,)), "dense_layers"),
+    ],
+)
 def test_bad_moe_config(kw, field):
     base = dict(d_model=64, expert_dim=32, router=RouterConfig(num_experts=8, top_k=2))
     with pytest.raises(ValueError, match=f"MoEConfig.{field}"):
@@ -88,8 +112,9 @@ def test_quantized_experts_match_dequantized_reference(quant, rng):
     p = jaxmoe.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))))
     q = quantize_int8 if quant == "int8" else (lambda w: quantize_int4_affine(w, 32))
     ew = p.experts
-    p = dataclasses.replace(p, experts=dataclasses.replace(ew, w_gate=q(ew.w_gate), w_up=q(ew.w_up),
-                                                           w_down=q(ew.w_down)))
+    p = dataclasses.replace(
+        p, experts=dataclasses.replace(ew, w_gate=q(ew.w_gate), w_up=q(ew.w_up), w_down=q(ew.w_down))
+    )
     x = rng.normal(size=(7, cfg.d_model)).astype(np.float32)
     ref, _, _ = np_moe(x, params_to_numpy(p), cfg)
     for impl in ("dense", "gather"):
@@ -98,9 +123,14 @@ def test_quantized_experts_match_dequantized_reference(quant, rng):
 
 
 def test_weight_on_input_llama4(rng):
-    cfg = MoEConfig(d_model=32, expert_dim=16, router=RouterConfig(num_experts=8, top_k=1, score_fn="sigmoid_topk",
-                                                                 renorm="none"),
-                    shared_expert_dim=16, num_shared_experts=1, weight_on_input=True)
+    cfg = MoEConfig(
+        d_model=32,
+        expert_dim=16,
+        router=RouterConfig(num_experts=8, top_k=1, score_fn="sigmoid_topk", renorm="none"),
+        shared_expert_dim=16,
+        num_shared_experts=1,
+        weight_on_input=True,
+    )
     block = MoEBlock(cfg, rngs=nnx.Rngs(3))
     x = rng.normal(size=(9, 32)).astype(np.float32)
     ref, _, _ = np_moe(x, params_to_numpy(block.params()), cfg)

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import params_to_numpy, shrink
+from test_grouped import np_experts, random_params, skewed_routing
 
 import jaxmoe
 from jaxmoe import MoEConfig, RouterConfig, Routing, backends, cpu_kernel
 from jaxmoe.cpu_kernel import experts_cpu
 from jaxmoe.grouped import experts_xla
 from jaxmoe.quant import quantize_int8
-from reference import params_to_numpy, shrink
-from test_grouped import np_experts, random_params, skewed_routing
 
 F32 = dict(rtol=2e-5, atol=2e-5)
 
@@ -74,8 +74,9 @@ def test_biases_and_clamped_activation(rng):
     p = random_params(cfg, rng)
     assert p.experts.b_gate is not None and cfg.activation == "swiglu_oai"
     # large gate/up values, so the clamps at +-limit are exercised
-    p = dataclasses.replace(p, experts=dataclasses.replace(p.experts, w_gate=p.experts.w_gate * 40,
-                                                           w_up=p.experts.w_up * 40))
+    p = dataclasses.replace(
+        p, experts=dataclasses.replace(p.experts, w_gate=p.experts.w_gate * 40, w_up=p.experts.w_up * 40)
+    )
     t = 21
     ids, ws = uniform_routing(rng, t, cfg.top_k, cfg.num_experts)
     x = rng.normal(size=(t, cfg.d_model)).astype(np.float32)
@@ -88,8 +89,7 @@ def test_biases_and_clamped_activation(rng):
 
 
 @settings(max_examples=20, deadline=None)
-@given(st.sampled_from([(16, 8), (24, 40), (64, 17)]), st.integers(1, 40), st.integers(1, 4),
-       st.integers(0, 2**31 - 1))
+@given(st.sampled_from([(16, 8), (24, 40), (64, 17)]), st.integers(1, 40), st.integers(1, 4), st.integers(0, 2**31 - 1))
 def test_hypothesis_shapes_and_routings(df, t, k, seed):
     d, f = df
     rng = np.random.default_rng(seed)
@@ -129,8 +129,7 @@ def test_gradients_equal_the_dense_path(rng):
 
     gc = jax.grad(loss("cpu"), argnums=(0, 1))(p, x)
     gx = jax.grad(loss("dense"), argnums=(0, 1))(p, x)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5),
-                 gc, gx)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5), gc, gx)
     assert float(jnp.abs(gc[0].experts.w_down).max()) > 0  # the experts' gradient flows
 
 

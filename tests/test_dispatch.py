@@ -30,8 +30,14 @@ def reference_plan(ids: np.ndarray, e: int, bm: int):
     inv = [0] * len(order)
     for row, p in enumerate(order):
         inv[p] = row
-    return dict(sort_idx=order, token_idx=[p // k for p in order], inv=inv, group_sizes=sizes,
-                group_offsets=offsets, visits=visits)
+    return dict(
+        sort_idx=order,
+        token_idx=[p // k for p in order],
+        inv=inv,
+        group_sizes=sizes,
+        group_offsets=offsets,
+        visits=visits,
+    )
 
 
 def check_plan(plan: DispatchPlan, ids: np.ndarray, e: int, bm: int):
@@ -71,8 +77,14 @@ def routings(draw):
         probs = np.zeros(e)
         probs[r.choice(e, size=min(e, k + 1), replace=False)] = 1.0
         probs /= probs.sum()
-    ids = np.stack([r.choice(e, size=k, replace=False, p=probs) if np.count_nonzero(probs) >= k
-                    else r.choice(e, size=k, replace=False) for _ in range(t)]).astype(np.int32)
+    ids = np.stack(
+        [
+            r.choice(e, size=k, replace=False, p=probs)
+            if np.count_nonzero(probs) >= k
+            else r.choice(e, size=k, replace=False)
+            for _ in range(t)
+        ]
+    ).astype(np.int32)
     return ids, e, bm
 
 
@@ -115,12 +127,15 @@ def test_max_tiles_is_tight(rng):
     assert int(plan.num_tiles) == max_tiles(ids.size, e, bm) == 6
 
 
-@pytest.mark.parametrize("bad, msg", [
-    (dict(expert_ids=jnp.zeros((4,), jnp.int32)), "expert_ids must be \\[T, k\\]"),
-    (dict(expert_ids=jnp.zeros((4, 2), jnp.float32)), "expert_ids must be integer"),
-    (dict(num_experts=0), "num_experts"),
-    (dict(block_m=0), "block_m"),
-])
+@pytest.mark.parametrize(
+    "bad, msg",
+    [
+        (dict(expert_ids=jnp.zeros((4,), jnp.int32)), "expert_ids must be \\[T, k\\]"),
+        (dict(expert_ids=jnp.zeros((4, 2), jnp.float32)), "expert_ids must be integer"),
+        (dict(num_experts=0), "num_experts"),
+        (dict(block_m=0), "block_m"),
+    ],
+)
 def test_bad_arguments(bad, msg):
     args = dict(expert_ids=jnp.zeros((4, 2), jnp.int32), num_experts=4, block_m=8) | bad
     with pytest.raises(ValueError, match=msg):

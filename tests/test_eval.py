@@ -27,8 +27,11 @@ from jaxmoe.layer import MoEParams
 
 TINY = {
     "name": "tiny",
-    "model": {"preset": "qwen3.6-35b-a3b", "layers": [1],
-              "shrink": {"d_model": 64, "expert_dim": 32, "num_experts": 16}},
+    "model": {
+        "preset": "qwen3.6-35b-a3b",
+        "layers": [1],
+        "shrink": {"d_model": 64, "expert_dim": 32, "num_experts": 16},
+    },
     "inputs": {"kind": "random", "seed": 3, "scale": 1.5, "stats_tokens": 96},
     "impls": ["auto", "gather", "dense"],
     "tokens": [1, 5, 12],
@@ -69,22 +72,25 @@ def test_shipped_configs_validate():
         load_eval_config("gguf")
 
 
-@pytest.mark.parametrize("mutate, key, text", [
-    (lambda d: d.update(bogus=1), "bogus", "unknown key"),
-    (lambda d: d["model"].update(presett="x"), "model.presett", "unknown key"),
-    (lambda d: d["model"]["shrink"].update(width=3), "model.shrink.width", "unknown key"),
-    (lambda d: d.update(tokens=["a", 2]), r"tokens\[0\]", "must be an int, got str 'a'"),
-    (lambda d: d.update(repeats=2.5), "repeats", "must be an int, got float 2.5"),
-    (lambda d: d.update(plots="yes"), "plots", "must be a bool"),
-    (lambda d: d["inputs"].update(kind="video"), "inputs.kind", "must be one of"),
-    (lambda d: d.update(impls=["dense", "warp"]), r"impls\[1\]", "impl 'warp' is not available"),
-    (lambda d: d["model"].update(preset="nope-1b"), "model.preset", "unknown preset 'nope-1b'"),
-    (lambda d: d.update(tolerance={"gathr": 1e-3}), "tolerance.gathr", "matches no case"),
-    (lambda d: d.update(tokens=[4, 4]), "tokens", "duplicates"),
-    (lambda d: d.update(reference={"impl": "nope"}), "reference.impl", "must be 'float64' or an available impl"),
-    (lambda d: d["inputs"].update(kind="npy"), "inputs.path", "is required"),
-    (lambda d: d.update(model="qwen"), "model", "must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "mutate, key, text",
+    [
+        (lambda d: d.update(bogus=1), "bogus", "unknown key"),
+        (lambda d: d["model"].update(presett="x"), "model.presett", "unknown key"),
+        (lambda d: d["model"]["shrink"].update(width=3), "model.shrink.width", "unknown key"),
+        (lambda d: d.update(tokens=["a", 2]), r"tokens\[0\]", "must be an int, got str 'a'"),
+        (lambda d: d.update(repeats=2.5), "repeats", "must be an int, got float 2.5"),
+        (lambda d: d.update(plots="yes"), "plots", "must be a bool"),
+        (lambda d: d["inputs"].update(kind="video"), "inputs.kind", "must be one of"),
+        (lambda d: d.update(impls=["dense", "warp"]), r"impls\[1\]", "impl 'warp' is not available"),
+        (lambda d: d["model"].update(preset="nope-1b"), "model.preset", "unknown preset 'nope-1b'"),
+        (lambda d: d.update(tolerance={"gathr": 1e-3}), "tolerance.gathr", "matches no case"),
+        (lambda d: d.update(tokens=[4, 4]), "tokens", "duplicates"),
+        (lambda d: d.update(reference={"impl": "nope"}), "reference.impl", "must be 'float64' or an available impl"),
+        (lambda d: d["inputs"].update(kind="npy"), "inputs.path", "is required"),
+        (lambda d: d.update(model="qwen"), "model", "must be a mapping"),
+    ],
+)
 def test_config_errors_name_file_and_key(tmp_path, mutate, key, text):
     data = json.loads(json.dumps(TINY))
     mutate(data)
@@ -126,14 +132,17 @@ def test_set_overrides_are_yaml_typed_and_dotted():
     assert parse_override("plots=false") == ("plots", False)
     assert parse_override("model.path=a=b.gguf") == ("model.path", "a=b.gguf")
     assert parse_override("model.shrink=null") == ("model.shrink", None)
-    data, seen = apply_overrides({"model": {"preset": "x", "shrink": None}},
-                                 ["model.shrink.d_model=32", "inputs.seed=9", "model.preset=mixtral-8x7b"])
+    data, seen = apply_overrides(
+        {"model": {"preset": "x", "shrink": None}},
+        ["model.shrink.d_model=32", "inputs.seed=9", "model.preset=mixtral-8x7b"],
+    )
     assert data == {"model": {"preset": "mixtral-8x7b", "shrink": {"d_model": 32}}, "inputs": {"seed": 9}}
     assert seen["inputs.seed"] == "inputs.seed=9"
     with pytest.raises(ConfigError, match="holds str 'x', not a mapping"):
         apply_overrides({"model": {"preset": "x"}}, ["model.preset.name=3"])
-    cfg = config_from_mapping(TINY, "t.yaml", ["tokens=[2,3]", "model.seed=4", "tolerance.dense=2e-3",
-                                               "reference=gather", "inputs.scale=0.5"])
+    cfg = config_from_mapping(
+        TINY, "t.yaml", ["tokens=[2,3]", "model.seed=4", "tolerance.dense=2e-3", "reference=gather", "inputs.scale=0.5"]
+    )
     assert cfg.tokens == (2, 3) and cfg.model.seed == 4 and cfg.inputs.scale == 0.5
     assert cfg.ref.impl == "gather" and cfg.ref.max_tokens == 64
     assert case_tolerance(cfg, "dense", "float32", "none") == 2e-3
@@ -143,8 +152,12 @@ def test_set_overrides_are_yaml_typed_and_dotted():
 
 
 def test_case_tolerance_picks_label_then_largest_component():
-    data = dict(TINY, dtypes=["float32", "bfloat16"], quantize=["none", "int4"],
-                tolerance={"default": 1e-5, "bfloat16": 1e-2, "int4": 0.2, "gather/bfloat16": 5e-3})
+    data = dict(
+        TINY,
+        dtypes=["float32", "bfloat16"],
+        quantize=["none", "int4"],
+        tolerance={"default": 1e-5, "bfloat16": 1e-2, "int4": 0.2, "gather/bfloat16": 5e-3},
+    )
     cfg = config_from_mapping(data)
     assert case_tolerance(cfg, "dense", "float32", "none") == 1e-5
     assert case_tolerance(cfg, "dense", "bfloat16", "none") == 1e-2
@@ -198,11 +211,11 @@ def _loop_reference(p: MoEParams, x: np.ndarray, cfg: MoEConfig):
             per = e // rc.n_group
             score = []
             for g in range(rc.n_group):
-                grp = sorted(c[g * per:(g + 1) * per], reverse=True)
+                grp = sorted(c[g * per : (g + 1) * per], reverse=True)
                 score.append(grp[0] if rc.group_score == "max" else grp[0] + grp[1])
-            kept = sorted(range(rc.n_group), key=lambda g: (-score[g], g))[:rc.topk_group]
+            kept = sorted(range(rc.n_group), key=lambda g: (-score[g], g))[: rc.topk_group]
             c = [c[j] if j // per in kept else -np.inf for j in range(e)]
-        ids = sorted(range(e), key=lambda j: (-c[j], j))[:rc.top_k]
+        ids = sorted(range(e), key=lambda j: (-c[j], j))[: rc.top_k]
         if rc.score_fn == "softmax_topk":
             w = np.exp(z[ids] - z[ids].max()) / np.exp(z[ids] - z[ids].max()).sum()
         elif rc.score_fn == "sigmoid_topk":
@@ -240,16 +253,37 @@ def _random_params(cfg: MoEConfig, rng) -> MoEParams:
     if cfg.expert_bias:
         ew = dataclasses.replace(ew, b_gate=n(e, f), b_up=n(e, f), b_down=n(e, d))
     shared = SharedWeights(n(d, fs), n(d, fs), n(fs, d), n(d) if cfg.shared_expert_gate else None) if fs else None
-    return MoEParams(n(d, e), ew, n(e) if cfg.router.router_bias else None,
-                     jnp.asarray(rng.standard_normal(e) * 0.3, jnp.float32) if cfg.router.use_selection_bias else None,
-                     shared)
+    return MoEParams(
+        n(d, e),
+        ew,
+        n(e) if cfg.router.router_bias else None,
+        jnp.asarray(rng.standard_normal(e) * 0.3, jnp.float32) if cfg.router.use_selection_bias else None,
+        shared,
+    )
 
 
-LLAMA4_LIKE = MoEConfig(d_model=32, expert_dim=16, shared_expert_dim=16, num_shared_experts=1, weight_on_input=True,
-                        router=RouterConfig(num_experts=8, top_k=1, score_fn="sigmoid_topk", renorm="none"))
-CLAMP_LIKE = MoEConfig(d_model=32, expert_dim=16, router=RouterConfig(
-    num_experts=12, top_k=3, score_fn="softmax", renorm="clamp", renorm_eps=2.0**-14, n_group=4, topk_group=2,
-    group_score="max"))
+LLAMA4_LIKE = MoEConfig(
+    d_model=32,
+    expert_dim=16,
+    shared_expert_dim=16,
+    num_shared_experts=1,
+    weight_on_input=True,
+    router=RouterConfig(num_experts=8, top_k=1, score_fn="sigmoid_topk", renorm="none"),
+)
+CLAMP_LIKE = MoEConfig(
+    d_model=32,
+    expert_dim=16,
+    router=RouterConfig(
+        num_experts=12,
+        top_k=3,
+        score_fn="softmax",
+        renorm="clamp",
+        renorm_eps=2.0**-14,
+        n_group=4,
+        topk_group=2,
+        group_score="max",
+    ),
+)
 
 
 @pytest.mark.parametrize("name", [*jaxmoe.list_presets(), "llama4-like", "clamp-like"])
@@ -260,8 +294,13 @@ def test_reference_matches_loop_and_dense(name, rng):
         cfg = CLAMP_LIKE
     else:
         cfg = shrink_config(jaxmoe.load_config(name), load_eval_config("presets-sweep").model.shrink)
-        cfg = dataclasses.replace(cfg, d_model=32, expert_dim=16, shared_expert_dim=min(cfg.shared_expert_dim, 24),
-                                  num_shared_experts=min(cfg.num_shared_experts, 1 if cfg.shared_expert_dim else 0))
+        cfg = dataclasses.replace(
+            cfg,
+            d_model=32,
+            expert_dim=16,
+            shared_expert_dim=min(cfg.shared_expert_dim, 24),
+            num_shared_experts=min(cfg.num_shared_experts, 1 if cfg.shared_expert_dim else 0),
+        )
     p = _random_params(cfg, rng)
     x = rng.standard_normal((9, cfg.d_model)) * 2.0
     y, r = reference_forward(p, x, cfg)
@@ -274,17 +313,32 @@ def test_reference_matches_loop_and_dense(name, rng):
 
 
 def test_reference_dequantizes_quantized_experts(rng):
-    cfg = dataclasses.replace(LLAMA4_LIKE, weight_on_input=False, router=dataclasses.replace(
-        LLAMA4_LIKE.router, top_k=2, score_fn="softmax", renorm="sum"))
+    cfg = dataclasses.replace(
+        LLAMA4_LIKE,
+        weight_on_input=False,
+        router=dataclasses.replace(LLAMA4_LIKE.router, top_k=2, score_fn="softmax", renorm="sum"),
+    )
     p = _random_params(cfg, rng)
-    q = dataclasses.replace(p, experts=dataclasses.replace(
-        p.experts, w_gate=jaxmoe.quant.quantize_int8(p.experts.w_gate), w_up=jaxmoe.quant.quantize_int8(p.experts.w_up),
-        w_down=jaxmoe.quant.quantize_int4_affine(np.asarray(p.experts.w_down), group_size=16)))
+    q = dataclasses.replace(
+        p,
+        experts=dataclasses.replace(
+            p.experts,
+            w_gate=jaxmoe.quant.quantize_int8(p.experts.w_gate),
+            w_up=jaxmoe.quant.quantize_int8(p.experts.w_up),
+            w_down=jaxmoe.quant.quantize_int4_affine(np.asarray(p.experts.w_down), group_size=16),
+        ),
+    )
     for w in (q.experts.w_gate, q.experts.w_down):  # numpy dequantization == the library's
         np.testing.assert_allclose(dequantize_f64(w), np.asarray(w.dequantize(jnp.float32)), rtol=1e-6, atol=1e-7)
-    deq = dataclasses.replace(p, experts=dataclasses.replace(
-        p.experts, w_gate=dequantize_f64(q.experts.w_gate), w_up=dequantize_f64(q.experts.w_up),
-        w_down=dequantize_f64(q.experts.w_down)))
+    deq = dataclasses.replace(
+        p,
+        experts=dataclasses.replace(
+            p.experts,
+            w_gate=dequantize_f64(q.experts.w_gate),
+            w_up=dequantize_f64(q.experts.w_up),
+            w_down=dequantize_f64(q.experts.w_down),
+        ),
+    )
     x = rng.standard_normal((6, cfg.d_model))
     y_q, _ = reference_forward(q, x, cfg)
     y_loop, _ = _loop_reference(deq, x, cfg)
@@ -337,13 +391,18 @@ def _check_png(path: Path):
 def test_eval_end_to_end(tmp_path, capsys):
     p = _write(tmp_path, dict(TINY, impls=["auto", "cpu", "dense"]))  # auto resolves to cpu here
     out = tmp_path / "run"
-    rc = cli_main([str(p), "--out", str(out), "--set", "tokens=[1,6]",
-                   "--set", "inputs.seed=4"])
+    rc = cli_main([str(p), "--out", str(out), "--set", "tokens=[1,6]", "--set", "inputs.seed=4"])
     assert rc == 0, capsys.readouterr()
     printed = capsys.readouterr().out
     assert "gate passed" in printed and str(out) in printed
-    for f in ("results.json", "report.md", "config.yaml", "expert_load.png", "routing_heatmap.png",
-              "time_vs_tokens.png"):
+    for f in (
+        "results.json",
+        "report.md",
+        "config.yaml",
+        "expert_load.png",
+        "routing_heatmap.png",
+        "time_vs_tokens.png",
+    ):
         assert (out / f).is_file(), f
     res = json.loads((out / "results.json").read_text())
     assert res["schema"] == "jaxmoe.eval/1" and res["name"] == "tiny"
@@ -388,14 +447,30 @@ def test_eval_end_to_end(tmp_path, capsys):
 def test_eval_gate_fails_on_impossible_tolerance(tmp_path, capsys):
     p = _write(tmp_path, TINY)
     out = tmp_path / "run"
-    rc = cli_main([str(p), "--no-progress", "--out", str(out), "--set", "impls=[gather]", "--set", "tokens=[3]",
-                   "--set", "tolerance.default=1e-12", "--set", "plots=false"])
+    rc = cli_main(
+        [
+            str(p),
+            "--no-progress",
+            "--out",
+            str(out),
+            "--set",
+            "impls=[gather]",
+            "--set",
+            "tokens=[3]",
+            "--set",
+            "tolerance.default=1e-12",
+            "--set",
+            "plots=false",
+        ]
+    )
     assert rc == 1
     assert "FAIL" in capsys.readouterr().out
     res = json.loads((out / "results.json").read_text())
     assert res["gate"]["passed"] is False
-    assert res["gate"]["failures"] == [f"qwen3.6-35b-a3b/L1 gather/float32 T=3: rel_error "
-                                       f"{_q(res['layers'][0]['results'][0]['rel_error']):.3g} > tolerance 1e-12"]
+    assert res["gate"]["failures"] == [
+        f"qwen3.6-35b-a3b/L1 gather/float32 T=3: rel_error "
+        f"{_q(res['layers'][0]['results'][0]['rel_error']):.3g} > tolerance 1e-12"
+    ]
     assert not list(out.glob("*.png"))
 
 
@@ -403,9 +478,17 @@ def test_eval_quantized_and_npy_inputs(tmp_path, rng):
     x = rng.standard_normal((2, 10, 64)).astype(np.float32)
     np.save(tmp_path / "h.npy", x)
     model = dict(TINY["model"], shrink={"d_model": 64, "expert_dim": 64, "num_experts": 16})
-    data = dict(TINY, model=model, impls=["gather"], tokens=[20], quantize=["none", "int8", "int4"], plots=False,
-                inputs={"kind": "npy", "path": str(tmp_path / "h.npy"), "stats_tokens": 64},
-                tolerance={"default": 1e-5, "int8": 0.05, "int4": 0.3}, min_routing_agreement=0.0)
+    data = dict(
+        TINY,
+        model=model,
+        impls=["gather"],
+        tokens=[20],
+        quantize=["none", "int8", "int4"],
+        plots=False,
+        inputs={"kind": "npy", "path": str(tmp_path / "h.npy"), "stats_tokens": 64},
+        tolerance={"default": 1e-5, "int8": 0.05, "int4": 0.3},
+        min_routing_agreement=0.0,
+    )
     out = tmp_path / "run"
     assert cli_main([str(_write(tmp_path, data)), "--no-progress", "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
@@ -427,9 +510,24 @@ def test_eval_reads_a_gguf_file(tmp_path, rng):
     block = jaxmoe.MoEBlock(cfg, params=_random_params(cfg, rng))
     path = jaxmoe.save_gguf(block, tmp_path / "m.gguf", layer=0, dtype="q8_0")
     out = tmp_path / "run"
-    rc = cli_main(["gguf", "--no-progress", "--out", str(out), "--set", f"model.path={path}",
-                   "--set", "impls=[gather]", "--set", "tokens=[1,6]", "--set", "plots=false",
-                   "--set", "min_routing_agreement=1.0"])
+    rc = cli_main(
+        [
+            "gguf",
+            "--no-progress",
+            "--out",
+            str(out),
+            "--set",
+            f"model.path={path}",
+            "--set",
+            "impls=[gather]",
+            "--set",
+            "tokens=[1,6]",
+            "--set",
+            "plots=false",
+            "--set",
+            "min_routing_agreement=1.0",
+        ]
+    )
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     lay = res["layers"][0]
@@ -466,9 +564,18 @@ def test_reference_matches_transformers_deepseek_v3_moe(rng):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Config, DeepseekV3MoE
 
     d, f, e, k = 32, 16, 16, 4
-    hcfg = DeepseekV3Config(hidden_size=d, moe_intermediate_size=f, n_routed_experts=e, num_experts_per_tok=k,
-                            n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
-                            norm_topk_prob=True, hidden_act="silu")
+    hcfg = DeepseekV3Config(
+        hidden_size=d,
+        moe_intermediate_size=f,
+        n_routed_experts=e,
+        num_experts_per_tok=k,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        hidden_act="silu",
+    )
     mod = DeepseekV3MoE(hcfg).double().eval()
     t = lambda *s: torch.tensor(rng.standard_normal(s) / np.sqrt(s[-1]), dtype=torch.float64)  # noqa: E731
     with torch.no_grad():
@@ -485,14 +592,26 @@ def test_reference_matches_transformers_deepseek_v3_moe(rng):
     sh = mod.shared_experts
     params = MoEParams(
         w_router=mod.gate.weight.detach().double().numpy().T,
-        experts=ExpertWeights(gu[:, :f, :].transpose(0, 2, 1), gu[:, f:, :].transpose(0, 2, 1),
-                              mod.experts.down_proj.detach().numpy().transpose(0, 2, 1)),
+        experts=ExpertWeights(
+            gu[:, :f, :].transpose(0, 2, 1),
+            gu[:, f:, :].transpose(0, 2, 1),
+            mod.experts.down_proj.detach().numpy().transpose(0, 2, 1),
+        ),
         selection_bias=mod.gate.e_score_correction_bias.detach().double().numpy(),
-        shared=SharedWeights(sh.gate_proj.weight.detach().numpy().T, sh.up_proj.weight.detach().numpy().T,
-                             sh.down_proj.weight.detach().numpy().T))
+        shared=SharedWeights(
+            sh.gate_proj.weight.detach().numpy().T,
+            sh.up_proj.weight.detach().numpy().T,
+            sh.down_proj.weight.detach().numpy().T,
+        ),
+    )
     cfg = shrink_config(jaxmoe.load_config("deepseek-v3"), load_eval_config("presets-sweep").model.shrink)
-    cfg = dataclasses.replace(cfg, d_model=d, expert_dim=f, shared_expert_dim=f,
-                              router=dataclasses.replace(cfg.router, top_k=k, n_group=4, topk_group=2))
+    cfg = dataclasses.replace(
+        cfg,
+        d_model=d,
+        expert_dim=f,
+        shared_expert_dim=f,
+        router=dataclasses.replace(cfg.router, top_k=k, n_group=4, topk_group=2),
+    )
     assert cfg.router.score_fn == "sigmoid" and cfg.router.renorm == "add" and cfg.router.routed_scaling_factor == 2.5
     with torch.no_grad():
         _, _, hf_ids = mod.gate(torch.tensor(x))

@@ -36,7 +36,7 @@ def kquant_bytes(rng, shape, qtype) -> np.ndarray:
         b[:, 0:2] = rng.uniform(1e-3, 4e-3, (n_blocks, 1)).astype(np.float16).view(np.uint8)
         b[:, 2:4] = rng.uniform(1e-3, 4e-3, (n_blocks, 1)).astype(np.float16).view(np.uint8)
     elif qtype == QT.Q6_K:  # d at the end
-        b[:, size - 2:] = rng.uniform(1e-4, 4e-4, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+        b[:, size - 2 :] = rng.uniform(1e-4, 4e-4, (n_blocks, 1)).astype(np.float16).view(np.uint8)
     else:
         raise ValueError(qtype)
     return b.reshape(*shape[:-1], shape[-1] // block * size)
@@ -109,7 +109,7 @@ def np_moe(x, t: dict, *, k, gating, norm, scale=1.0, n_group=1, group_used=1, o
         c = p + t.get("probs_b", 0.0)
         if n_group > 1:
             per = e // n_group
-            gs = [np.sort(c[g * per:(g + 1) * per])[-2:].sum() for g in range(n_group)]
+            gs = [np.sort(c[g * per : (g + 1) * per])[-2:].sum() for g in range(n_group)]
             keep = np.argsort(-np.asarray(gs), kind="stable")[:group_used]
             c = np.where(np.isin(np.arange(e) // per, keep), c, -np.inf)
         ids = np.argsort(-c, kind="stable")[:k]
@@ -200,8 +200,12 @@ def make_layer(rng, c: Case, layer: int):
     if fs:
         put("ffn_gate_shexp.weight", "sh_gate", (rng.standard_normal((fs, d)) * sc).astype(np.float32), c.shared_q)
         put("ffn_up_shexp.weight", "sh_up", (rng.standard_normal((fs, d)) * sc).astype(np.float32), c.shared_q)
-        put("ffn_down_shexp.weight", "sh_down", (rng.standard_normal((d, fs)) / np.sqrt(fs)).astype(np.float32),
-            c.shared_q)
+        put(
+            "ffn_down_shexp.weight",
+            "sh_down",
+            (rng.standard_normal((d, fs)) / np.sqrt(fs)).astype(np.float32),
+            c.shared_q,
+        )
         if c.gated_shared:
             put("ffn_gate_inp_shexp.weight", "sh_inp", rng.standard_normal(d).astype(np.float32) * sc)
     return out, ref
@@ -221,59 +225,145 @@ def write_case(rng, path, c: Case, layers=None):
 
 
 CASES = {
-    "qwen35moe-f32-merged": Case("qwen35moe", {"expert_used_count": 4, "expert_feed_forward_length": 32,
-                                               "expert_shared_feed_forward_length": 48},
-                                 dict(k=4, gating="softmax", norm=True, gated_shared=True),
-                                 fs=48, gated_shared=True, merged=True),
-    "qwen35moe-q8_0-shared-q8_0": Case("qwen35moe", {"expert_used_count": 4, "expert_feed_forward_length": 32,
-                                                     "expert_shared_feed_forward_length": 64},
-                                       dict(k=4, gating="softmax", norm=True, gated_shared=True),
-                                       fs=64, gated_shared=True, qtypes=(QT.Q8_0,) * 3, shared_q=QT.Q8_0),
-    "qwen3moe-q8_0": Case("qwen3moe", {"expert_used_count": 4, "expert_feed_forward_length": 32},
-                          dict(k=4, gating="softmax", norm=True), qtypes=(QT.Q8_0,) * 3),
-    "qwen3moe-f16-ff-over-k": Case("qwen3moe", {"expert_used_count": 2, "feed_forward_length": 64},
-                                   dict(k=2, gating="softmax", norm=True), qtypes=(QT.F16,) * 3),
-    "qwen3moe-kquants": Case("qwen3moe", {"expert_used_count": 2, "expert_feed_forward_length": 256},
-                             dict(k=2, gating="softmax", norm=True), e=4, d=256, f=256,
-                             qtypes=(QT.Q4_K, QT.Q5_K, QT.Q6_K)),
-    "qwen2moe-q4_0": Case("qwen2moe", {"expert_used_count": 4, "expert_feed_forward_length": 32,
-                                       "feed_forward_length": 96},
-                          dict(k=4, gating="softmax", norm=False, gated_shared=True),
-                          fs=96, gated_shared=True, qtypes=(QT.Q4_0,) * 3, shared_q=QT.Q4_0),
-    "qwen3next-q5_0": Case("qwen3next", {"expert_used_count": 4, "expert_feed_forward_length": 32,
-                                         "expert_shared_feed_forward_length": 32},
-                           dict(k=4, gating="softmax", norm=True, gated_shared=True),
-                           fs=32, gated_shared=True, qtypes=(QT.Q5_0, QT.Q5_1, QT.Q4_1)),
-    "qwen3next-no-shared": Case("qwen3next", {"expert_used_count": 4, "expert_feed_forward_length": 32},
-                                dict(k=4, gating="softmax", norm=True)),
-    "deepseek2-v3-q4_0": Case("deepseek2", {"expert_used_count": 4, "expert_feed_forward_length": 32,
-                                            "expert_shared_count": 2, "expert_group_count": 4,
-                                            "expert_group_used_count": 2, "expert_weights_scale": 2.5,
-                                            "expert_weights_norm": True, "expert_gating_func": 2,
-                                            "leading_dense_block_count": 1, "feed_forward_length": 128},
-                              dict(k=4, gating="sigmoid", norm=True, scale=2.5, n_group=4, group_used=2),
-                              fs=64, probs_b=True, qtypes=(QT.Q4_0,) * 3),
-    "deepseek2-v2-defaults": Case("deepseek2", {"expert_used_count": 3, "expert_feed_forward_length": 32,
-                                                "expert_shared_count": 1, "expert_weights_scale": 1.0},
-                                  dict(k=3, gating="softmax", norm=False), fs=32),
-    "glm4moe-defaults": Case("glm4moe", {"expert_used_count": 4, "expert_feed_forward_length": 32,
-                                         "expert_shared_count": 1, "expert_weights_scale": 1.5,
-                                         "expert_weights_norm": True},
-                             dict(k=4, gating="sigmoid", norm=True, scale=1.5), fs=32, probs_b=True, merged=True),
-    "bailingmoe2": Case("bailingmoe2", {"expert_used_count": 4, "expert_feed_forward_length": 32,
-                                        "expert_shared_count": 1, "expert_shared_feed_forward_length": 64,
-                                        "expert_weights_scale": 2.5, "expert_weights_norm": True,
-                                        "expert_gating_func": 2, "expert_group_count": 8,
-                                        "expert_group_used_count": 4},
-                        dict(k=4, gating="sigmoid", norm=True, scale=2.5, n_group=8, group_used=4),
-                        fs=64, probs_b=True),
-    "gpt-oss-mxfp4": Case("gpt-oss", {"expert_used_count": 4, "expert_feed_forward_length": 32},
-                          dict(k=4, gating="softmax_weight", norm=False, oai=True), oai=True,
-                          qtypes=(QT.MXFP4,) * 3),
-    "llama-mixtral-bf16": Case("llama", {"expert_used_count": 2, "feed_forward_length": 32},
-                               dict(k=2, gating="softmax", norm=True), e=8, qtypes=(QT.BF16,) * 3),
-    "olmoe-f16": Case("olmoe", {"expert_used_count": 8, "expert_feed_forward_length": 32},
-                      dict(k=8, gating="softmax", norm=False), qtypes=(QT.F16, QT.F32, QT.F16)),
+    "qwen35moe-f32-merged": Case(
+        "qwen35moe",
+        {"expert_used_count": 4, "expert_feed_forward_length": 32, "expert_shared_feed_forward_length": 48},
+        dict(k=4, gating="softmax", norm=True, gated_shared=True),
+        fs=48,
+        gated_shared=True,
+        merged=True,
+    ),
+    "qwen35moe-q8_0-shared-q8_0": Case(
+        "qwen35moe",
+        {"expert_used_count": 4, "expert_feed_forward_length": 32, "expert_shared_feed_forward_length": 64},
+        dict(k=4, gating="softmax", norm=True, gated_shared=True),
+        fs=64,
+        gated_shared=True,
+        qtypes=(QT.Q8_0,) * 3,
+        shared_q=QT.Q8_0,
+    ),
+    "qwen3moe-q8_0": Case(
+        "qwen3moe",
+        {"expert_used_count": 4, "expert_feed_forward_length": 32},
+        dict(k=4, gating="softmax", norm=True),
+        qtypes=(QT.Q8_0,) * 3,
+    ),
+    "qwen3moe-f16-ff-over-k": Case(
+        "qwen3moe",
+        {"expert_used_count": 2, "feed_forward_length": 64},
+        dict(k=2, gating="softmax", norm=True),
+        qtypes=(QT.F16,) * 3,
+    ),
+    "qwen3moe-kquants": Case(
+        "qwen3moe",
+        {"expert_used_count": 2, "expert_feed_forward_length": 256},
+        dict(k=2, gating="softmax", norm=True),
+        e=4,
+        d=256,
+        f=256,
+        qtypes=(QT.Q4_K, QT.Q5_K, QT.Q6_K),
+    ),
+    "qwen2moe-q4_0": Case(
+        "qwen2moe",
+        {"expert_used_count": 4, "expert_feed_forward_length": 32, "feed_forward_length": 96},
+        dict(k=4, gating="softmax", norm=False, gated_shared=True),
+        fs=96,
+        gated_shared=True,
+        qtypes=(QT.Q4_0,) * 3,
+        shared_q=QT.Q4_0,
+    ),
+    "qwen3next-q5_0": Case(
+        "qwen3next",
+        {"expert_used_count": 4, "expert_feed_forward_length": 32, "expert_shared_feed_forward_length": 32},
+        dict(k=4, gating="softmax", norm=True, gated_shared=True),
+        fs=32,
+        gated_shared=True,
+        qtypes=(QT.Q5_0, QT.Q5_1, QT.Q4_1),
+    ),
+    "qwen3next-no-shared": Case(
+        "qwen3next", {"expert_used_count": 4, "expert_feed_forward_length": 32}, dict(k=4, gating="softmax", norm=True)
+    ),
+    "deepseek2-v3-q4_0": Case(
+        "deepseek2",
+        {
+            "expert_used_count": 4,
+            "expert_feed_forward_length": 32,
+            "expert_shared_count": 2,
+            "expert_group_count": 4,
+            "expert_group_used_count": 2,
+            "expert_weights_scale": 2.5,
+            "expert_weights_norm": True,
+            "expert_gating_func": 2,
+            "leading_dense_block_count": 1,
+            "feed_forward_length": 128,
+        },
+        dict(k=4, gating="sigmoid", norm=True, scale=2.5, n_group=4, group_used=2),
+        fs=64,
+        probs_b=True,
+        qtypes=(QT.Q4_0,) * 3,
+    ),
+    "deepseek2-v2-defaults": Case(
+        "deepseek2",
+        {
+            "expert_used_count": 3,
+            "expert_feed_forward_length": 32,
+            "expert_shared_count": 1,
+            "expert_weights_scale": 1.0,
+        },
+        dict(k=3, gating="softmax", norm=False),
+        fs=32,
+    ),
+    "glm4moe-defaults": Case(
+        "glm4moe",
+        {
+            "expert_used_count": 4,
+            "expert_feed_forward_length": 32,
+            "expert_shared_count": 1,
+            "expert_weights_scale": 1.5,
+            "expert_weights_norm": True,
+        },
+        dict(k=4, gating="sigmoid", norm=True, scale=1.5),
+        fs=32,
+        probs_b=True,
+        merged=True,
+    ),
+    "bailingmoe2": Case(
+        "bailingmoe2",
+        {
+            "expert_used_count": 4,
+            "expert_feed_forward_length": 32,
+            "expert_shared_count": 1,
+            "expert_shared_feed_forward_length": 64,
+            "expert_weights_scale": 2.5,
+            "expert_weights_norm": True,
+            "expert_gating_func": 2,
+            "expert_group_count": 8,
+            "expert_group_used_count": 4,
+        },
+        dict(k=4, gating="sigmoid", norm=True, scale=2.5, n_group=8, group_used=4),
+        fs=64,
+        probs_b=True,
+    ),
+    "gpt-oss-mxfp4": Case(
+        "gpt-oss",
+        {"expert_used_count": 4, "expert_feed_forward_length": 32},
+        dict(k=4, gating="softmax_weight", norm=False, oai=True),
+        oai=True,
+        qtypes=(QT.MXFP4,) * 3,
+    ),
+    "llama-mixtral-bf16": Case(
+        "llama",
+        {"expert_used_count": 2, "feed_forward_length": 32},
+        dict(k=2, gating="softmax", norm=True),
+        e=8,
+        qtypes=(QT.BF16,) * 3,
+    ),
+    "olmoe-f16": Case(
+        "olmoe",
+        {"expert_used_count": 8, "expert_feed_forward_length": 32},
+        dict(k=8, gating="softmax", norm=False),
+        qtypes=(QT.F16, QT.F32, QT.F16),
+    ),
 }
 
 
@@ -300,8 +390,9 @@ def test_gguf_layer_matches_llama_cpp_reference(name, rng, tmp_path):
         assert isinstance(wt, QuantizedTensor) == (qt in (QT.Q8_0, QT.Q4_0)), (wname, qt)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.MXFP4, QT.BF16, QT.F16,
-                                   QT.Q4_K, QT.Q5_K, QT.Q6_K])
+@pytest.mark.parametrize(
+    "qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.MXFP4, QT.BF16, QT.F16, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+)
 def test_weight_conversion_bit_exact_with_gguf_dequantize(qtype, rng):
     shape = (3, 4, 256)  # [E, out, in]
     data, raw = encode(rng, rng.standard_normal(shape).astype(np.float32), qtype)
@@ -384,9 +475,13 @@ def small_block(preset: str, seed: int = 0, **router_kw) -> jaxmoe.MoEBlock:
     cfg = jaxmoe.load_config(preset)
     fs = 32 * cfg.num_shared_experts if cfg.shared_expert_dim else 0
     d, e, f = 64, 16, 32
-    cfg = dataclasses.replace(cfg, d_model=d, expert_dim=f, shared_expert_dim=fs,
-                              router=dataclasses.replace(cfg.router, num_experts=e, top_k=min(cfg.top_k, 4),
-                                                         **router_kw))
+    cfg = dataclasses.replace(
+        cfg,
+        d_model=d,
+        expert_dim=f,
+        shared_expert_dim=fs,
+        router=dataclasses.replace(cfg.router, num_experts=e, top_k=min(cfg.top_k, 4), **router_kw),
+    )
     rng = np.random.default_rng(seed)
 
     def n(*shape, fan=1.0):
@@ -397,10 +492,16 @@ def small_block(preset: str, seed: int = 0, **router_kw) -> jaxmoe.MoEBlock:
         ew = dataclasses.replace(ew, b_gate=n(e, f, fan=4), b_up=n(e, f, fan=4), b_down=n(e, d, fan=4))
     shared = None
     if fs:
-        shared = jaxmoe.SharedWeights(n(d, fs, fan=d), n(d, fs, fan=d), n(fs, d, fan=fs),
-                                      n(d, fan=d) if cfg.shared_expert_gate else None)
-    params = jaxmoe.MoEParams(n(d, e, fan=d), ew, n(e) if cfg.router.router_bias else None,
-                              n(e, fan=100) if cfg.router.use_selection_bias else None, shared)
+        shared = jaxmoe.SharedWeights(
+            n(d, fs, fan=d), n(d, fs, fan=d), n(fs, d, fan=fs), n(d, fan=d) if cfg.shared_expert_gate else None
+        )
+    params = jaxmoe.MoEParams(
+        n(d, e, fan=d),
+        ew,
+        n(e) if cfg.router.router_bias else None,
+        n(e, fan=100) if cfg.router.use_selection_bias else None,
+        shared,
+    )
     return jaxmoe.MoEBlock(cfg, params=params)
 
 
@@ -420,8 +521,13 @@ def dense_np(w) -> np.ndarray:
 def expected_after(w, qtype) -> np.ndarray:
     """What a float weight [.., in, out] becomes after a trip through ``qtype`` (gguf-py)."""
     t = np.ascontiguousarray(np.swapaxes(dense_np(w), -1, -2))
-    data, raw = (t, None) if qtype == QT.F32 else (t.astype(np.float16), None) if qtype == QT.F16 else \
-        (gguf.quants.quantize(t, qtype), qtype)
+    data, raw = (
+        (t, None)
+        if qtype == QT.F32
+        else (t.astype(np.float16), None)
+        if qtype == QT.F16
+        else (gguf.quants.quantize(t, qtype), qtype)
+    )
     return np.swapaxes(deq(data, raw).astype(np.float32).reshape(t.shape), -1, -2)
 
 
@@ -442,8 +548,9 @@ def test_export_round_trip(dtype, rng, tmp_path):
     loaded = jaxmoe.from_pretrained(path, layer=5)
     p0, p1 = block.params(), loaded.params()
     for part in ("w_gate", "w_up", "w_down"):
-        np.testing.assert_array_equal(dense_np(getattr(p1.experts, part)),
-                                      expected_after(getattr(p0.experts, part), qt))
+        np.testing.assert_array_equal(
+            dense_np(getattr(p1.experts, part)), expected_after(getattr(p0.experts, part), qt)
+        )
     for part in ("w_gate", "w_up", "w_down"):
         np.testing.assert_array_equal(dense_np(getattr(p1.shared, part)), expected_after(getattr(p0.shared, part), qt))
     np.testing.assert_array_equal(np.asarray(p1.w_router), np.asarray(p0.w_router))
@@ -453,8 +560,9 @@ def test_export_round_trip(dtype, rng, tmp_path):
     assert dataclasses.replace(c1, router=dataclasses.replace(c1.router, renorm="sum", renorm_eps=0.0)) == c0
     x = rng.standard_normal((6, 64)).astype(np.float32)
     if dtype == "f32":
-        np.testing.assert_allclose(np.asarray(loaded(x, impl="dense")), np.asarray(block(x, impl="dense")),
-                                   rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(loaded(x, impl="dense")), np.asarray(block(x, impl="dense")), rtol=1e-6, atol=1e-6
+        )
     if dtype in ("q8_0", "q4_0"):  # re-exporting quantized experts writes the very same bytes
         path2 = jaxmoe.save_gguf(loaded, tmp_path / f"rt2_{dtype}.gguf", layer=5, dtype=dtype)
         rd2 = {t.name: t for t in gguf.GGUFReader(path2).tensors}
@@ -462,9 +570,16 @@ def test_export_round_trip(dtype, rng, tmp_path):
             np.testing.assert_array_equal(np.asarray(rd2[n].data), np.asarray(t.data), err_msg=n)
 
 
-@pytest.mark.parametrize("preset,arch", [("deepseek-v3", "deepseek2"), ("gpt-oss-20b", "gpt-oss"),
-                                         ("mixtral-8x7b", "llama"), ("qwen2-57b-a14b", "qwen2moe"),
-                                         ("edge0-8b", "bailingmoe2")])
+@pytest.mark.parametrize(
+    "preset,arch",
+    [
+        ("deepseek-v3", "deepseek2"),
+        ("gpt-oss-20b", "gpt-oss"),
+        ("mixtral-8x7b", "llama"),
+        ("qwen2-57b-a14b", "qwen2moe"),
+        ("edge0-8b", "bailingmoe2"),
+    ],
+)
 def test_export_other_archs(preset, arch, rng, tmp_path):
     kw = {"n_group": 4, "topk_group": 2} if preset in ("deepseek-v3", "edge0-8b") else {}
     block = small_block(preset, seed=3, **kw)
@@ -479,15 +594,34 @@ def test_export_other_archs(preset, arch, rng, tmp_path):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(k))
     if arch in ("deepseek2", "gpt-oss"):  # the whole layer, including its routing rule
         x = rng.standard_normal((9, 64)).astype(np.float32)
-        np.testing.assert_allclose(np.asarray(loaded(x, impl="dense")), np.asarray(block(x, impl="dense")),
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(loaded(x, impl="dense")), np.asarray(block(x, impl="dense")), rtol=1e-5, atol=1e-6
+        )
     c0, c1 = block.cfg, loaded.cfg
     r0, r1 = c0.router, c1.router
-    assert (r1.score_fn, r1.top_k, r1.n_group, r1.topk_group, r1.routed_scaling_factor, r1.use_selection_bias,
-            r1.router_bias) == (r0.score_fn, r0.top_k, r0.n_group, r0.topk_group, r0.routed_scaling_factor,
-                                r0.use_selection_bias, r0.router_bias)
-    assert (c1.shared_expert_dim, c1.num_shared_experts, c1.dense_layers, c1.activation) == \
-        (c0.shared_expert_dim, c0.num_shared_experts, c0.dense_layers, c0.activation)
+    assert (
+        r1.score_fn,
+        r1.top_k,
+        r1.n_group,
+        r1.topk_group,
+        r1.routed_scaling_factor,
+        r1.use_selection_bias,
+        r1.router_bias,
+    ) == (
+        r0.score_fn,
+        r0.top_k,
+        r0.n_group,
+        r0.topk_group,
+        r0.routed_scaling_factor,
+        r0.use_selection_bias,
+        r0.router_bias,
+    )
+    assert (c1.shared_expert_dim, c1.num_shared_experts, c1.dense_layers, c1.activation) == (
+        c0.shared_expert_dim,
+        c0.num_shared_experts,
+        c0.dense_layers,
+        c0.activation,
+    )
 
 
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "f16"])
@@ -498,8 +632,10 @@ def test_export_of_other_quantized_experts(dtype, tmp_path):
 
     block = small_block("qwen3-30b-a3b", seed=5)
     p = block.params()
-    ew = jaxmoe.ExpertWeights(*(quantize_int4_affine(np.asarray(w), group_size=64)
-                                for w in (p.experts.w_gate, p.experts.w_up)), p.experts.w_down)
+    ew = jaxmoe.ExpertWeights(
+        *(quantize_int4_affine(np.asarray(w), group_size=64) for w in (p.experts.w_gate, p.experts.w_up)),
+        p.experts.w_down,
+    )
     qblock = jaxmoe.MoEBlock(block.cfg, params=dataclasses.replace(p, experts=ew))
     path = jaxmoe.save_gguf(qblock, tmp_path / "mlx.gguf", layer=2, dtype=dtype)
     loaded = jaxmoe.from_pretrained(path, layer=2).params()
@@ -614,8 +750,10 @@ def test_unsupported_tensor_type(rng, tmp_path):
     c = CASES["qwen3moe-q8_0"]
     tensors, _ = make_layer(rng, c, 1)
     block, size = GGML_QUANT_SIZES[QT.Q8_1]
-    tensors["blk.1.ffn_down_exps.weight"] = (rng.integers(0, 255, (16, 64, 32 // block * size), dtype=np.uint8),
-                                             QT.Q8_1)
+    tensors["blk.1.ffn_down_exps.weight"] = (
+        rng.integers(0, 255, (16, 64, 32 // block * size), dtype=np.uint8),
+        QT.Q8_1,
+    )
     p = tmp_path / "t.gguf"
     write_gguf(p, "qwen3moe", {"block_count": 3, "embedding_length": 64, "expert_count": 16, **c.kv}, tensors)
     with pytest.raises(CheckpointError, match=r"blk\.1\.ffn_down_exps\.weight has type Q8_1"):
@@ -630,34 +768,77 @@ def test_required_gating_key_and_non_moe_file(rng, tmp_path):
     with pytest.raises(CheckpointError, match="bailingmoe2.expert_gating_func is missing"):
         jaxmoe.load_config(str(p))
     q = tmp_path / "dense.gguf"
-    write_gguf(q, "llama", {"block_count": 2, "embedding_length": 64, "feed_forward_length": 128},
-               {"blk.0.ffn_up.weight": (rng.standard_normal((128, 64)).astype(np.float32), None)})
+    write_gguf(
+        q,
+        "llama",
+        {"block_count": 2, "embedding_length": 64, "feed_forward_length": 128},
+        {"blk.0.ffn_up.weight": (rng.standard_normal((128, 64)).astype(np.float32), None)},
+    )
     with pytest.raises(CheckpointError, match="not an MoE model"):
         jaxmoe.load_config(str(q))
 
 
-@pytest.mark.parametrize("preset,arch,kv,names", [
-    # the metadata of the packaged Qwen3.6-35B-A3B GGUF (as read by the Treebeard seed)
-    ("qwen3.6-35b-a3b", "qwen35moe", {"block_count": 40, "embedding_length": 2048, "expert_count": 256,
-                                      "expert_used_count": 8, "expert_feed_forward_length": 512,
-                                      "expert_shared_feed_forward_length": 512}, ["blk.0.ffn_up_shexp.weight"]),
-    # DeepSeek-V3 as convert_hf_to_gguf writes it
-    ("deepseek-v3", "deepseek2", {"block_count": 61, "embedding_length": 7168, "expert_count": 256,
-                                  "expert_used_count": 8, "expert_feed_forward_length": 2048,
-                                  "expert_shared_count": 1, "expert_group_count": 8, "expert_group_used_count": 4,
-                                  "expert_weights_scale": 2.5, "expert_weights_norm": True, "expert_gating_func": 2,
-                                  "leading_dense_block_count": 3, "feed_forward_length": 18432},
-     ["blk.3.exp_probs_b.bias"]),
-    ("gpt-oss-20b", "gpt-oss", {"block_count": 24, "embedding_length": 2880, "expert_count": 32,
-                                "expert_used_count": 4, "expert_feed_forward_length": 2880}, []),
-])
+@pytest.mark.parametrize(
+    "preset,arch,kv,names",
+    [
+        # the metadata of the packaged Qwen3.6-35B-A3B GGUF (as read by the Treebeard seed)
+        (
+            "qwen3.6-35b-a3b",
+            "qwen35moe",
+            {
+                "block_count": 40,
+                "embedding_length": 2048,
+                "expert_count": 256,
+                "expert_used_count": 8,
+                "expert_feed_forward_length": 512,
+                "expert_shared_feed_forward_length": 512,
+            },
+            ["blk.0.ffn_up_shexp.weight"],
+        ),
+        # DeepSeek-V3 as convert_hf_to_gguf writes it
+        (
+            "deepseek-v3",
+            "deepseek2",
+            {
+                "block_count": 61,
+                "embedding_length": 7168,
+                "expert_count": 256,
+                "expert_used_count": 8,
+                "expert_feed_forward_length": 2048,
+                "expert_shared_count": 1,
+                "expert_group_count": 8,
+                "expert_group_used_count": 4,
+                "expert_weights_scale": 2.5,
+                "expert_weights_norm": True,
+                "expert_gating_func": 2,
+                "leading_dense_block_count": 3,
+                "feed_forward_length": 18432,
+            },
+            ["blk.3.exp_probs_b.bias"],
+        ),
+        (
+            "gpt-oss-20b",
+            "gpt-oss",
+            {
+                "block_count": 24,
+                "embedding_length": 2880,
+                "expert_count": 32,
+                "expert_used_count": 4,
+                "expert_feed_forward_length": 2880,
+            },
+            [],
+        ),
+    ],
+)
 def test_full_size_metadata_gives_the_preset(preset, arch, kv, names, tmp_path):
     """Only metadata and tensor names are read: a full-size header with tiny tensors suffices."""
     p = tmp_path / "meta.gguf"
     write_gguf(p, arch, {"general.name": preset, **kv}, {n: (np.arange(4, dtype=np.float32) + 1, None) for n in names})
     got, want = jaxmoe.load_config(str(p)), jaxmoe.load_config(preset)
-    assert (got.router.renorm, got.router.renorm_eps) == (("clamp", 2.0**-14) if want.router.renorm != "none"
-                                                          else ("none", 0.0))
-    got = dataclasses.replace(got, router=dataclasses.replace(got.router, renorm=want.router.renorm,
-                                                               renorm_eps=want.router.renorm_eps))
+    assert (got.router.renorm, got.router.renorm_eps) == (
+        ("clamp", 2.0**-14) if want.router.renorm != "none" else ("none", 0.0)
+    )
+    got = dataclasses.replace(
+        got, router=dataclasses.replace(got.router, renorm=want.router.renorm, renorm_eps=want.router.renorm_eps)
+    )
     assert got == want

@@ -12,21 +12,19 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from reference import np_act, np_moe, params_to_numpy, shrink
 
 import jaxmoe
 from jaxmoe import MoEConfig, RouterConfig, Routing, backends
-from jaxmoe.experts import experts_dense
 from jaxmoe.cpu_kernel import experts_cpu
+from jaxmoe.experts import experts_dense
 from jaxmoe.grouped import choose_block_m, experts_ragged_dot, experts_xla
 from jaxmoe.quant import quantize_int4_affine, quantize_int8
-from reference import np_act, np_moe, params_to_numpy, shrink
 
 PRESETS = jaxmoe.list_presets()
 GROUPED = ["xla", "ragged_dot", "cpu"]
 QUANT_IMPLS = ["xla", "ragged_dot", "gather"]  # cpu refuses quantized experts (tests/test_cpu_kernel.py)
 F32 = dict(rtol=2e-5, atol=2e-5)
-
-
 
 
 def random_params(cfg, rng, dtype=jnp.float32):
@@ -89,8 +87,9 @@ def test_quantized_experts(preset, quant, rng):
     p = random_params(cfg, rng)
     q = quantize_int8 if quant == "int8" else (lambda w: quantize_int4_affine(w, 32))
     ew = p.experts
-    p = dataclasses.replace(p, experts=dataclasses.replace(ew, w_gate=q(ew.w_gate), w_up=q(ew.w_up),
-                                                           w_down=q(ew.w_down)))
+    p = dataclasses.replace(
+        p, experts=dataclasses.replace(ew, w_gate=q(ew.w_gate), w_up=q(ew.w_up), w_down=q(ew.w_down))
+    )
     x = rng.normal(size=(9, cfg.d_model)).astype(np.float32)
     ref, _, _ = np_moe(x, params_to_numpy(p), cfg)
     for impl in QUANT_IMPLS:
@@ -108,8 +107,9 @@ def test_bf16_matches_dense(preset, rng):
     for impl in GROUPED + ["gather"]:
         y = jaxmoe.moe_apply(p, x, cfg, impl=impl)
         assert y.dtype == jnp.bfloat16
-        np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(yd, np.float32), rtol=3e-2, atol=3e-2,
-                                   err_msg=impl)
+        np.testing.assert_allclose(
+            np.asarray(y, np.float32), np.asarray(yd, np.float32), rtol=3e-2, atol=3e-2, err_msg=impl
+        )
 
 
 @pytest.mark.parametrize("t, block_m", [(1, 1), (1, 16), (5, 4), (13, 8), (37, 4), (37, 16)])
@@ -185,9 +185,14 @@ def test_xla_hypothesis(case, block_m):
 
 
 def test_weight_on_input(rng):
-    cfg = MoEConfig(d_model=32, expert_dim=16, router=RouterConfig(num_experts=8, top_k=2, score_fn="sigmoid_topk",
-                                                                 renorm="none"),
-                    shared_expert_dim=16, num_shared_experts=1, weight_on_input=True)
+    cfg = MoEConfig(
+        d_model=32,
+        expert_dim=16,
+        router=RouterConfig(num_experts=8, top_k=2, score_fn="sigmoid_topk", renorm="none"),
+        shared_expert_dim=16,
+        num_shared_experts=1,
+        weight_on_input=True,
+    )
     p = random_params(cfg, rng)
     x = rng.normal(size=(10, 32)).astype(np.float32)
     ref, _, _ = np_moe(x, params_to_numpy(p), cfg)

@@ -28,88 +28,200 @@ _ATT = dict(vocab_size=32, hidden_size=D, num_hidden_layers=2, num_attention_hea
 
 
 def _qwen3():
-    return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**_ATT, head_dim=16, intermediate_size=64, moe_intermediate_size=F,
-                                                  num_experts=E, num_experts_per_tok=K, norm_topk_prob=True))
+    return T.Qwen3MoeForCausalLM(
+        T.Qwen3MoeConfig(
+            **_ATT,
+            head_dim=16,
+            intermediate_size=64,
+            moe_intermediate_size=F,
+            num_experts=E,
+            num_experts_per_tok=K,
+            norm_topk_prob=True,
+        )
+    )
 
 
 def _qwen3_nonorm():
-    return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**_ATT, head_dim=16, intermediate_size=64, moe_intermediate_size=F,
-                                                  num_experts=E, num_experts_per_tok=K, norm_topk_prob=False))
+    return T.Qwen3MoeForCausalLM(
+        T.Qwen3MoeConfig(
+            **_ATT,
+            head_dim=16,
+            intermediate_size=64,
+            moe_intermediate_size=F,
+            num_experts=E,
+            num_experts_per_tok=K,
+            norm_topk_prob=False,
+        )
+    )
 
 
 def _qwen2():
-    return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**_ATT, intermediate_size=64, moe_intermediate_size=F,
-                                                  shared_expert_intermediate_size=FS, num_experts=E,
-                                                  num_experts_per_tok=K))
+    return T.Qwen2MoeForCausalLM(
+        T.Qwen2MoeConfig(
+            **_ATT,
+            intermediate_size=64,
+            moe_intermediate_size=F,
+            shared_expert_intermediate_size=FS,
+            num_experts=E,
+            num_experts_per_tok=K,
+        )
+    )
 
 
 def _qwen35():
-    return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**_ATT, head_dim=16, moe_intermediate_size=F,
-                                                      shared_expert_intermediate_size=FS, num_experts=E,
-                                                      num_experts_per_tok=K, linear_num_key_heads=2,
-                                                      linear_num_value_heads=2, linear_key_head_dim=16,
-                                                      linear_value_head_dim=16))
+    return Qwen3_5MoeForCausalLM(
+        Qwen3_5MoeTextConfig(
+            **_ATT,
+            head_dim=16,
+            moe_intermediate_size=F,
+            shared_expert_intermediate_size=FS,
+            num_experts=E,
+            num_experts_per_tok=K,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+        )
+    )
 
 
 def _mixtral():
-    return T.MixtralForCausalLM(T.MixtralConfig(**_ATT, head_dim=16, intermediate_size=F, num_local_experts=8,
-                                                num_experts_per_tok=2))
+    return T.MixtralForCausalLM(
+        T.MixtralConfig(**_ATT, head_dim=16, intermediate_size=F, num_local_experts=8, num_experts_per_tok=2)
+    )
 
 
 def _gptoss():
-    return T.GptOssForCausalLM(T.GptOssConfig(**_ATT, head_dim=16, intermediate_size=F, num_local_experts=8,
-                                              num_experts_per_tok=K, layer_types=["sliding_attention",
-                                                                                  "full_attention"]))
+    return T.GptOssForCausalLM(
+        T.GptOssConfig(
+            **_ATT,
+            head_dim=16,
+            intermediate_size=F,
+            num_local_experts=8,
+            num_experts_per_tok=K,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+    )
 
 
 def _olmoe():
-    return T.OlmoeForCausalLM(T.OlmoeConfig(**_ATT, intermediate_size=F, num_experts=E, num_experts_per_tok=K,
-                                            pad_token_id=0, eos_token_id=1))
+    return T.OlmoeForCausalLM(
+        T.OlmoeConfig(**_ATT, intermediate_size=F, num_experts=E, num_experts_per_tok=K, pad_token_id=0, eos_token_id=1)
+    )
 
 
 _MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
 
 
 def _dsv3():
-    return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(**{**_ATT, "num_key_value_heads": 2}, **_MLA, intermediate_size=96,
-                                                      moe_intermediate_size=F, n_routed_experts=E, num_experts_per_tok=K,
-                                                      n_group=4, topk_group=2, n_shared_experts=2,
-                                                      first_k_dense_replace=1, routed_scaling_factor=2.5))
+    return T.DeepseekV3ForCausalLM(
+        T.DeepseekV3Config(
+            **{**_ATT, "num_key_value_heads": 2},
+            **_MLA,
+            intermediate_size=96,
+            moe_intermediate_size=F,
+            n_routed_experts=E,
+            num_experts_per_tok=K,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+        )
+    )
 
 
 def _dsv2():
-    return T.DeepseekV2ForCausalLM(T.DeepseekV2Config(**{**_ATT, "num_key_value_heads": 2}, **_MLA, intermediate_size=96,
-                                                      moe_intermediate_size=F, n_routed_experts=E, num_experts_per_tok=K,
-                                                      n_shared_experts=2, first_k_dense_replace=1,
-                                                      topk_method="group_limited_greedy", n_group=4, topk_group=2,
-                                                      routed_scaling_factor=1.5))
+    return T.DeepseekV2ForCausalLM(
+        T.DeepseekV2Config(
+            **{**_ATT, "num_key_value_heads": 2},
+            **_MLA,
+            intermediate_size=96,
+            moe_intermediate_size=F,
+            n_routed_experts=E,
+            num_experts_per_tok=K,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+        )
+    )
 
 
 def _glm4():
-    return T.Glm4MoeForCausalLM(T.Glm4MoeConfig(**_ATT, head_dim=16, intermediate_size=96, moe_intermediate_size=F,
-                                                n_routed_experts=E, num_experts_per_tok=K, n_shared_experts=1,
-                                                n_group=2, topk_group=1, first_k_dense_replace=1,
-                                                routed_scaling_factor=1.8, norm_topk_prob=False))
+    return T.Glm4MoeForCausalLM(
+        T.Glm4MoeConfig(
+            **_ATT,
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=F,
+            n_routed_experts=E,
+            num_experts_per_tok=K,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.8,
+            norm_topk_prob=False,
+        )
+    )
 
 
 def _qwen3_next():
-    return T.Qwen3NextForCausalLM(T.Qwen3NextConfig(**_ATT, head_dim=16, intermediate_size=64, moe_intermediate_size=F,
-                                                    shared_expert_intermediate_size=FS, num_experts=E,
-                                                    num_experts_per_tok=K, linear_num_key_heads=2,
-                                                    linear_num_value_heads=2, linear_key_head_dim=16,
-                                                    linear_value_head_dim=16))
+    return T.Qwen3NextForCausalLM(
+        T.Qwen3NextConfig(
+            **_ATT,
+            head_dim=16,
+            intermediate_size=64,
+            moe_intermediate_size=F,
+            shared_expert_intermediate_size=FS,
+            num_experts=E,
+            num_experts_per_tok=K,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+        )
+    )
 
 
 def _bailing_hybrid():
-    return T.BailingHybridForCausalLM(T.BailingHybridConfig(
-        **{**_ATT, "num_key_value_heads": 2}, **_MLA, head_dim=16, intermediate_size=96, moe_intermediate_size=F,
-        num_local_experts=E, num_experts_per_tok=K, n_group=4, topk_group=2, n_shared_experts=1,
-        first_k_dense_replace=1, layer_group_size=2, pad_token_id=0, eos_token_id=1))
+    return T.BailingHybridForCausalLM(
+        T.BailingHybridConfig(
+            **{**_ATT, "num_key_value_heads": 2},
+            **_MLA,
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=F,
+            num_local_experts=E,
+            num_experts_per_tok=K,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            layer_group_size=2,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    )
 
 
-BUILDERS = {"qwen3_moe": _qwen3, "qwen3_moe_nonorm": _qwen3_nonorm, "qwen2_moe": _qwen2, "qwen3_5_moe": _qwen35,
-            "mixtral": _mixtral, "gpt_oss": _gptoss, "olmoe": _olmoe, "deepseek_v3": _dsv3, "deepseek_v2": _dsv2,
-            "glm4_moe": _glm4, "qwen3_next": _qwen3_next, "bailing_hybrid": _bailing_hybrid}
+BUILDERS = {
+    "qwen3_moe": _qwen3,
+    "qwen3_moe_nonorm": _qwen3_nonorm,
+    "qwen2_moe": _qwen2,
+    "qwen3_5_moe": _qwen35,
+    "mixtral": _mixtral,
+    "gpt_oss": _gptoss,
+    "olmoe": _olmoe,
+    "deepseek_v3": _dsv3,
+    "deepseek_v2": _dsv2,
+    "glm4_moe": _glm4,
+    "qwen3_next": _qwen3_next,
+    "bailing_hybrid": _bailing_hybrid,
+}
 
 
 def _randomize(mlp: torch.nn.Module, rng: np.random.Generator) -> None:
@@ -272,8 +384,10 @@ def test_gpt_oss_mxfp4_checkpoint(tmp_path, rng):
     for i in range(2):
         for name in ("gate_up_proj", "down_proj"):
             del tensors[f"model.layers.{i}.mlp.experts.{name}"]
-            tensors[f"model.layers.{i}.mlp.experts.{name}_blocks"], tensors[f"model.layers.{i}.mlp.experts.{name}_scales"] \
-                = packed[name]
+            (
+                tensors[f"model.layers.{i}.mlp.experts.{name}_blocks"],
+                tensors[f"model.layers.{i}.mlp.experts.{name}_scales"],
+            ) = packed[name]
     q = tmp_path / "mxfp4"
     q.mkdir()
     safetensors.numpy.save_file(tensors, str(q / "model.safetensors"))
@@ -328,8 +442,12 @@ def test_deepseek_v3_fp8_block_scaled_checkpoint(tmp_path, rng):
     q.mkdir()
     save_file(tensors, str(q / "model.safetensors"))
     config = json.loads((tmp_path / "float" / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [bo, bi]}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [bo, bi],
+    }
     (q / "config.json").write_text(json.dumps(config))
     with SafetensorsDir(q) as st:
         assert st.dtype("model.layers.1.mlp.experts.3.up_proj.weight") == "F8_E4M3"
@@ -425,66 +543,192 @@ def test_unknown_model_type_and_missing_keys():
     with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
         moe_config_from_hf({"model_type": "llama", "hidden_size": 8})
     with pytest.raises(ValueError, match="needs key 'num_experts_per_tok'"):
-        moe_config_from_hf({"model_type": "mixtral", "hidden_size": 8, "num_hidden_layers": 2, "num_local_experts": 4,
-                            "intermediate_size": 8})
+        moe_config_from_hf(
+            {
+                "model_type": "mixtral",
+                "hidden_size": 8,
+                "num_hidden_layers": 2,
+                "num_local_experts": 4,
+                "intermediate_size": 8,
+            }
+        )
     with pytest.raises(ValueError, match="topk_method 'noaux_tc'"):
-        moe_config_from_hf({"model_type": "deepseek_v2", "hidden_size": 8, "num_hidden_layers": 2,
-                            "num_experts_per_tok": 2, "n_routed_experts": 4, "moe_intermediate_size": 8,
-                            "topk_method": "noaux_tc"})
+        moe_config_from_hf(
+            {
+                "model_type": "deepseek_v2",
+                "hidden_size": 8,
+                "num_hidden_layers": 2,
+                "num_experts_per_tok": 2,
+                "n_routed_experts": 4,
+                "moe_intermediate_size": 8,
+                "topk_method": "noaux_tc",
+            }
+        )
 
 
-@pytest.mark.parametrize("family,preset", [("qwen3_moe", "qwen3-30b-a3b"), ("qwen2_moe", "qwen2-57b-a14b"),
-                                           ("mixtral", "mixtral-8x7b"), ("deepseek_v3", "deepseek-v3"),
-                                           ("deepseek_v2", "deepseek-v2-lite"), ("olmoe", "olmoe-1b-7b"),
-                                           ("gpt_oss", "gpt-oss-20b"), ("qwen3_5_moe", "qwen3.6-35b-a3b"),
-                                           ("bailing_moe_v2", "edge0-8b")])
+@pytest.mark.parametrize(
+    "family,preset",
+    [
+        ("qwen3_moe", "qwen3-30b-a3b"),
+        ("qwen2_moe", "qwen2-57b-a14b"),
+        ("mixtral", "mixtral-8x7b"),
+        ("deepseek_v3", "deepseek-v3"),
+        ("deepseek_v2", "deepseek-v2-lite"),
+        ("olmoe", "olmoe-1b-7b"),
+        ("gpt_oss", "gpt-oss-20b"),
+        ("qwen3_5_moe", "qwen3.6-35b-a3b"),
+        ("bailing_moe_v2", "edge0-8b"),
+    ],
+)
 def test_hub_config_json_matches_preset(family, preset):
     """The routing fields of each family's published config.json (values quoted in the preset
     comments) map to the shipped preset's router and widths."""
     hub = {
-        "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_experts=128,
-                              num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
-                              decoder_sparse_step=1, mlp_only_layers=[]),
-        "qwen2-57b-a14b": dict(model_type="qwen2_moe", hidden_size=3584, num_hidden_layers=28, num_experts=64,
-                               num_experts_per_tok=8, moe_intermediate_size=2560,
-                               shared_expert_intermediate_size=20480, norm_topk_prob=False),
-        "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
-                             num_local_experts=8, num_experts_per_tok=2),
-        "deepseek-v3": dict(model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=61, intermediate_size=18432,
-                            moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8,
-                            n_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5,
-                            scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
-                            first_k_dense_replace=3),
-        "deepseek-v2-lite": dict(model_type="deepseek_v2", hidden_size=2048, num_hidden_layers=27,
-                                 intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64,
-                                 num_experts_per_tok=6, n_shared_experts=2, n_group=1, topk_group=1,
-                                 topk_method="greedy", scoring_func="softmax", norm_topk_prob=False,
-                                 routed_scaling_factor=1.0, first_k_dense_replace=1),
-        "olmoe-1b-7b": dict(model_type="olmoe", hidden_size=2048, num_hidden_layers=16, intermediate_size=1024,
-                            num_experts=64, num_experts_per_tok=8, norm_topk_prob=False),
-        "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, intermediate_size=2880,
-                            num_local_experts=32, num_experts_per_tok=4, swiglu_limit=7.0),
-        "edge0-8b": dict(model_type="bailing_moe_v2", hidden_size=2048, num_hidden_layers=24, intermediate_size=5120,
-                         moe_intermediate_size=512, num_experts=128, num_experts_per_tok=8, num_shared_experts=1,
-                         n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
-                         score_function="sigmoid", moe_router_enable_expert_bias=True, first_k_dense_replace=1),
-        "qwen3.6-35b-a3b": dict(model_type="qwen3_5_moe", text_config=dict(
-            model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40, num_experts=256,
-            num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512)),
+        "qwen3-30b-a3b": dict(
+            model_type="qwen3_moe",
+            hidden_size=2048,
+            num_hidden_layers=48,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+        "qwen2-57b-a14b": dict(
+            model_type="qwen2_moe",
+            hidden_size=3584,
+            num_hidden_layers=28,
+            num_experts=64,
+            num_experts_per_tok=8,
+            moe_intermediate_size=2560,
+            shared_expert_intermediate_size=20480,
+            norm_topk_prob=False,
+        ),
+        "mixtral-8x7b": dict(
+            model_type="mixtral",
+            hidden_size=4096,
+            num_hidden_layers=32,
+            intermediate_size=14336,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        ),
+        "deepseek-v3": dict(
+            model_type="deepseek_v3",
+            hidden_size=7168,
+            num_hidden_layers=61,
+            intermediate_size=18432,
+            moe_intermediate_size=2048,
+            n_routed_experts=256,
+            num_experts_per_tok=8,
+            n_shared_experts=1,
+            n_group=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+            scoring_func="sigmoid",
+            topk_method="noaux_tc",
+            norm_topk_prob=True,
+            first_k_dense_replace=3,
+        ),
+        "deepseek-v2-lite": dict(
+            model_type="deepseek_v2",
+            hidden_size=2048,
+            num_hidden_layers=27,
+            intermediate_size=10944,
+            moe_intermediate_size=1408,
+            n_routed_experts=64,
+            num_experts_per_tok=6,
+            n_shared_experts=2,
+            n_group=1,
+            topk_group=1,
+            topk_method="greedy",
+            scoring_func="softmax",
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+            first_k_dense_replace=1,
+        ),
+        "olmoe-1b-7b": dict(
+            model_type="olmoe",
+            hidden_size=2048,
+            num_hidden_layers=16,
+            intermediate_size=1024,
+            num_experts=64,
+            num_experts_per_tok=8,
+            norm_topk_prob=False,
+        ),
+        "gpt-oss-20b": dict(
+            model_type="gpt_oss",
+            hidden_size=2880,
+            num_hidden_layers=24,
+            intermediate_size=2880,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            swiglu_limit=7.0,
+        ),
+        "edge0-8b": dict(
+            model_type="bailing_moe_v2",
+            hidden_size=2048,
+            num_hidden_layers=24,
+            intermediate_size=5120,
+            moe_intermediate_size=512,
+            num_experts=128,
+            num_experts_per_tok=8,
+            num_shared_experts=1,
+            n_group=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            first_k_dense_replace=1,
+        ),
+        "qwen3.6-35b-a3b": dict(
+            model_type="qwen3_5_moe",
+            text_config=dict(
+                model_type="qwen3_5_moe_text",
+                hidden_size=2048,
+                num_hidden_layers=40,
+                num_experts=256,
+                num_experts_per_tok=8,
+                moe_intermediate_size=512,
+                shared_expert_intermediate_size=512,
+            ),
+        ),
     }[preset]
     got = moe_config_from_hf(hub)
     want = jaxmoe.load_config(preset)
     assert got.family == want.family or (preset.startswith("qwen3.6") and got.family == "qwen3_5_moe")
     assert got.router == want.router
-    for f in ("d_model", "expert_dim", "shared_expert_dim", "num_shared_experts", "shared_expert_gate", "activation",
-              "expert_bias", "num_layers", "dense_layers", "dense_dim"):
+    for f in (
+        "d_model",
+        "expert_dim",
+        "shared_expert_dim",
+        "num_shared_experts",
+        "shared_expert_gate",
+        "activation",
+        "expert_bias",
+        "num_layers",
+        "dense_layers",
+        "dense_dim",
+    ):
         assert getattr(got, f) == getattr(want, f), f
 
 
 def test_qwen_sparse_step_and_mlp_only_layers():
-    c = moe_config_from_hf(dict(model_type="qwen3_moe", hidden_size=8, num_hidden_layers=6, num_experts=4,
-                                num_experts_per_tok=2, moe_intermediate_size=8, decoder_sparse_step=2,
-                                mlp_only_layers=[3]))
+    c = moe_config_from_hf(
+        dict(
+            model_type="qwen3_moe",
+            hidden_size=8,
+            num_hidden_layers=6,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=8,
+            decoder_sparse_step=2,
+            mlp_only_layers=[3],
+        )
+    )
     assert c.dense_layers == (0, 2, 3, 4)
-    assert hf_io.moe_prefix(["model.layers.5.mlp.gate.weight", "model.layers.5.self_attn.q.weight"], 5, "x") \
+    assert (
+        hf_io.moe_prefix(["model.layers.5.mlp.gate.weight", "model.layers.5.self_attn.q.weight"], 5, "x")
         == "model.layers.5.mlp"
+    )

@@ -5,11 +5,10 @@ at random (selection biases included, negative ones too), copied into `MoEParams
 the outputs and selected expert sets compared.
 """
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-
-import jax.numpy as jnp
 
 import jaxmoe
 from jaxmoe import MoEBlock, MoEConfig, RouterConfig
@@ -40,7 +39,7 @@ def _mlp(m):
 def _randomize(module, seed):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for _name, p in module.named_parameters():
             p.copy_(torch.randn(p.shape, generator=g) * (0.5 if p.ndim > 1 else 0.3))
         for name, b in module.named_buffers():
             if "bias" in name:  # DeepSeek e_score_correction_bias: negative and positive values
@@ -51,8 +50,9 @@ def qwen3_moe():
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    c = Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=F, num_experts=E, num_experts_per_tok=4,
-                       norm_topk_prob=True)
+    c = Qwen3MoeConfig(
+        hidden_size=D, moe_intermediate_size=F, num_experts=E, num_experts_per_tok=4, norm_topk_prob=True
+    )
     m = Qwen3MoeSparseMoeBlock(c)
     cfg = MoEConfig(d_model=D, expert_dim=F, router=RouterConfig(num_experts=E, top_k=4, renorm="sum"))
     return m, cfg, lambda: MoEParams(_np(m.gate.weight).T, ExpertWeights(*_fused(m.experts)))
@@ -62,11 +62,23 @@ def qwen2_moe():
     from transformers import Qwen2MoeConfig
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
-    c = Qwen2MoeConfig(hidden_size=D, moe_intermediate_size=F, shared_expert_intermediate_size=FS, num_experts=E,
-                       num_experts_per_tok=4, norm_topk_prob=False)
+    c = Qwen2MoeConfig(
+        hidden_size=D,
+        moe_intermediate_size=F,
+        shared_expert_intermediate_size=FS,
+        num_experts=E,
+        num_experts_per_tok=4,
+        norm_topk_prob=False,
+    )
     m = Qwen2MoeSparseMoeBlock(c)
-    cfg = MoEConfig(d_model=D, expert_dim=F, shared_expert_dim=FS, num_shared_experts=1, shared_expert_gate=True,
-                    router=RouterConfig(num_experts=E, top_k=4, renorm="none"))
+    cfg = MoEConfig(
+        d_model=D,
+        expert_dim=F,
+        shared_expert_dim=FS,
+        num_shared_experts=1,
+        shared_expert_gate=True,
+        router=RouterConfig(num_experts=E, top_k=4, renorm="none"),
+    )
 
     def conv():
         sw = _mlp(m.shared_expert)
@@ -80,14 +92,16 @@ def qwen3_5_moe():
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
-    c = Qwen3_5MoeTextConfig(hidden_size=D, moe_intermediate_size=F, shared_expert_intermediate_size=FS,
-                             num_experts=E, num_experts_per_tok=8)
+    c = Qwen3_5MoeTextConfig(
+        hidden_size=D, moe_intermediate_size=F, shared_expert_intermediate_size=FS, num_experts=E, num_experts_per_tok=8
+    )
     m = Qwen3_5MoeSparseMoeBlock(c)
     base = jaxmoe.load_config("qwen3.6-35b-a3b")
     import dataclasses
 
-    cfg = dataclasses.replace(base, d_model=D, expert_dim=F, shared_expert_dim=FS,
-                              router=dataclasses.replace(base.router, num_experts=E))
+    cfg = dataclasses.replace(
+        base, d_model=D, expert_dim=F, shared_expert_dim=FS, router=dataclasses.replace(base.router, num_experts=E)
+    )
 
     def conv():
         sw = _mlp(m.shared_expert)
@@ -101,17 +115,43 @@ def deepseek_v3():
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-    c = DeepseekV3Config(hidden_size=D, moe_intermediate_size=F, n_routed_experts=E, num_experts_per_tok=4,
-                         n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+    c = DeepseekV3Config(
+        hidden_size=D,
+        moe_intermediate_size=F,
+        n_routed_experts=E,
+        num_experts_per_tok=4,
+        n_shared_experts=2,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
     m = DeepseekV3MoE(c)
-    cfg = MoEConfig(d_model=D, expert_dim=F, shared_expert_dim=2 * F, num_shared_experts=2,
-                    router=RouterConfig(num_experts=E, top_k=4, score_fn="sigmoid", use_selection_bias=True,
-                                        n_group=4, topk_group=2, renorm="add", renorm_eps=1e-20,
-                                        routed_scaling_factor=2.5))
+    cfg = MoEConfig(
+        d_model=D,
+        expert_dim=F,
+        shared_expert_dim=2 * F,
+        num_shared_experts=2,
+        router=RouterConfig(
+            num_experts=E,
+            top_k=4,
+            score_fn="sigmoid",
+            use_selection_bias=True,
+            n_group=4,
+            topk_group=2,
+            renorm="add",
+            renorm_eps=1e-20,
+            routed_scaling_factor=2.5,
+        ),
+    )
 
     def conv():
-        return MoEParams(_np(m.gate.weight).T, ExpertWeights(*_fused(m.experts)),
-                         selection_bias=_np(m.gate.e_score_correction_bias), shared=_mlp(m.shared_experts))
+        return MoEParams(
+            _np(m.gate.weight).T,
+            ExpertWeights(*_fused(m.experts)),
+            selection_bias=_np(m.gate.e_score_correction_bias),
+            shared=_mlp(m.shared_experts),
+        )
 
     return m, cfg, conv
 
@@ -146,8 +186,14 @@ def gpt_oss():
     return m, cfg, conv
 
 
-FAMILIES = dict(qwen3_moe=qwen3_moe, qwen2_moe=qwen2_moe, qwen3_5_moe=qwen3_5_moe, deepseek_v3=deepseek_v3,
-                mixtral=mixtral, gpt_oss=gpt_oss)
+FAMILIES = dict(
+    qwen3_moe=qwen3_moe,
+    qwen2_moe=qwen2_moe,
+    qwen3_5_moe=qwen3_5_moe,
+    deepseek_v3=deepseek_v3,
+    mixtral=mixtral,
+    gpt_oss=gpt_oss,
+)
 
 
 def _hf_router_ids(m, x2):

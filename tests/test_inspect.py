@@ -24,9 +24,16 @@ def _gguf(tmp_path, rng):
     """deepseek2: layer 0 dense (F32 ffn), layer 1 MoE with Q8_0 experts and an F16 shared expert."""
     p = tmp_path / "ds.gguf"
     w = gguf.GGUFWriter(str(p), "deepseek2")
-    for k, v in (("block_count", 2), ("embedding_length", D), ("expert_count", E), ("expert_used_count", 2),
-                 ("expert_feed_forward_length", F), ("expert_shared_count", 1), ("leading_dense_block_count", 1),
-                 ("feed_forward_length", 96)):
+    for k, v in (
+        ("block_count", 2),
+        ("embedding_length", D),
+        ("expert_count", E),
+        ("expert_used_count", 2),
+        ("expert_feed_forward_length", F),
+        ("expert_shared_count", 1),
+        ("leading_dense_block_count", 1),
+        ("feed_forward_length", 96),
+    ):
         w.add_uint32(f"deepseek2.{k}", v)
     w.add_float32("deepseek2.expert_weights_scale", 1.0)
     r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
@@ -79,9 +86,19 @@ def test_inspect_gguf(tmp_path, rng, capsys):
 def _hf_dir(tmp_path, rng, sharded: bool):
     d = tmp_path / ("hf_sharded" if sharded else "hf")
     d.mkdir()
-    cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": D,
-           "num_hidden_layers": 2, "num_experts": E, "num_experts_per_tok": 2, "moe_intermediate_size": F,
-           "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "intermediate_size": 96}
+    cfg = {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": D,
+        "num_hidden_layers": 2,
+        "num_experts": E,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": F,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "intermediate_size": 96,
+    }
     (d / "config.json").write_text(json.dumps(cfg))
     shards = [{}, {}]
     for layer in range(2):
@@ -130,31 +147,56 @@ def test_inspect_fused_bf16_and_mlx_dirs(tmp_path, rng, capsys):
 
     d = tmp_path / "fused"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"text_config": {"model_type": "qwen3_5_moe_text", "num_experts": E,
-                                                               "num_hidden_layers": 1}, "model_type": "qwen3_5_moe"}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "text_config": {"model_type": "qwen3_5_moe_text", "num_experts": E, "num_hidden_layers": 1},
+                "model_type": "qwen3_5_moe",
+            }
+        )
+    )
     gu = torch.from_numpy(rng.standard_normal((E, 2 * F, D)).astype(np.float32)).to(torch.bfloat16)
-    safetensors.torch.save_file({"model.language_model.layers.0.mlp.experts.gate_up_proj": gu},
-                                str(d / "model.safetensors"))
+    safetensors.torch.save_file(
+        {"model.language_model.layers.0.mlp.experts.gate_up_proj": gu}, str(d / "model.safetensors")
+    )
     rep = _json(capsys, str(d))
     assert rep["arch"] == "qwen3_5_moe_text" and rep["fields"]["num_experts"] == E
     (row,) = rep["tensors"]
-    assert (row["name"], row["dtype"], row["shape"], row["nbytes"]) == \
-        ("mlp.experts.gate_up_proj", "BF16", [E, 2 * F, D], E * 2 * F * D * 2)
+    assert (row["name"], row["dtype"], row["shape"], row["nbytes"]) == (
+        "mlp.experts.gate_up_proj",
+        "BF16",
+        [E, 2 * F, D],
+        E * 2 * F * D * 2,
+    )
     # mlx-lm switch_mlp layout: 4-bit codes in uint32 words, group-64 scales / biases.
     m = tmp_path / "mlx"
     m.mkdir()
-    (m / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": E, "num_hidden_layers": 1,
-                                               "quantization": {"group_size": 64, "bits": 4}}))
+    (m / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen3_moe",
+                "num_experts": E,
+                "num_hidden_layers": 1,
+                "quantization": {"group_size": 64, "bits": 4},
+            }
+        )
+    )
     pre = "model.layers.0.mlp.switch_mlp.gate_proj."
-    safetensors.numpy.save_file({pre + "weight": rng.integers(0, 2**32, (E, F, D // 8), dtype=np.uint32),
-                                 pre + "scales": rng.standard_normal((E, F, D // 64)).astype(np.float16),
-                                 pre + "biases": rng.standard_normal((E, F, D // 64)).astype(np.float16)},
-                                str(m / "model.safetensors"))
+    safetensors.numpy.save_file(
+        {
+            pre + "weight": rng.integers(0, 2**32, (E, F, D // 8), dtype=np.uint32),
+            pre + "scales": rng.standard_normal((E, F, D // 64)).astype(np.float16),
+            pre + "biases": rng.standard_normal((E, F, D // 64)).astype(np.float16),
+        },
+        str(m / "model.safetensors"),
+    )
     rep = _json(capsys, str(m))
     assert rep["format"] == "mlx" and rep["fields"]["quantization"] == {"group_size": 64, "bits": 4}
     rows = {t["name"]: t for t in rep["tensors"]}
-    assert (rows["mlp.switch_mlp.gate_proj.weight"]["dtype"], rows["mlp.switch_mlp.gate_proj.weight"]["nbytes"]) == \
-        ("U32", E * F * D // 8 * 4)
+    assert (rows["mlp.switch_mlp.gate_proj.weight"]["dtype"], rows["mlp.switch_mlp.gate_proj.weight"]["nbytes"]) == (
+        "U32",
+        E * F * D // 8 * 4,
+    )
     assert rows["mlp.switch_mlp.gate_proj.scales"]["nbytes"] == E * F * (D // 64) * 2
 
 

@@ -45,8 +45,14 @@ def _random_weight(rng, shape, kind: int) -> np.ndarray:
     return w.astype(np.float32)
 
 
-@given(out=st.integers(1, 6), groups=st.integers(1, 4), lead=st.integers(1, 3), kind=st.integers(0, 3),
-       dtype=st.sampled_from(sorted(MX_DTYPES)), seed=st.integers(0, 2**31 - 1))
+@given(
+    out=st.integers(1, 6),
+    groups=st.integers(1, 4),
+    lead=st.integers(1, 3),
+    kind=st.integers(0, 3),
+    dtype=st.sampled_from(sorted(MX_DTYPES)),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_quantize_bit_exact_with_mlx(out, groups, lead, kind, dtype, seed):
     rng = np.random.default_rng(seed)
     w32 = _random_weight(rng, (lead, out, 64 * groups), kind)
@@ -68,9 +74,11 @@ def test_dequantize_equals_mlx(dtype, rng):
     q, s, b = mx.quantize(w, group_size=64, bits=4)
     s32, b32 = s.astype(mx.float32), b.astype(mx.float32)
     ref = np.array(mx.dequantize(q, s32, b32, group_size=64, bits=4))  # (3, 8, 256) float32
-    qt = mlxio.to_quantized_tensor(np.array(q), np.array(s) if dtype != "bfloat16" else
-                                   np.array(s32).astype(jnp.bfloat16),
-                                   np.array(b) if dtype != "bfloat16" else np.array(b32).astype(jnp.bfloat16))
+    qt = mlxio.to_quantized_tensor(
+        np.array(q),
+        np.array(s) if dtype != "bfloat16" else np.array(s32).astype(jnp.bfloat16),
+        np.array(b) if dtype != "bfloat16" else np.array(b32).astype(jnp.bfloat16),
+    )
     assert qt.kind == "int4" and qt.group_size == 64 and qt.shape == (3, 256, 8)
     assert qt.scales.dtype == jnp.dtype(dtype)
     np.testing.assert_array_equal(np.swapaxes(np.asarray(qt.dequantize(jnp.float32)), -1, -2), ref)
@@ -79,8 +87,9 @@ def test_dequantize_equals_mlx(dtype, rng):
     # in the scales' own dtype MLX rounds twice (scale * q, then + bias); we round once from float32
     own = np.array(mx.dequantize(q, s, b, group_size=64, bits=4).astype(mx.float32))
     tol = {"float32": 0, "bfloat16": 2**-7, "float16": 2**-10}[dtype]
-    np.testing.assert_allclose(np.swapaxes(np.asarray(qt.dequantize(jnp.float32)), -1, -2), own,
-                               rtol=tol, atol=tol * np.abs(own).max())
+    np.testing.assert_allclose(
+        np.swapaxes(np.asarray(qt.dequantize(jnp.float32)), -1, -2), own, rtol=tol, atol=tol * np.abs(own).max()
+    )
 
 
 def test_words_to_quantized_tensor_is_a_byte_view(rng):
@@ -162,16 +171,27 @@ def _qwen35_checkpoint(path: Path, rng) -> dict:
         _put_q(t, f"{p}.shared_expert.gate_proj", _q(rng, (FS, D)))
         _put_q(t, f"{p}.shared_expert.up_proj", _q(rng, (FS, D)))
         _put_q(t, f"{p}.shared_expert.down_proj", _q(rng, (D, FS)))
-        t[f"{p}.shared_expert_gate.weight"] = mx.array(rng.standard_normal((1, D)).astype(np.float32) * 0.1
-                                                       ).astype(mx.bfloat16)
+        t[f"{p}.shared_expert_gate.weight"] = mx.array(rng.standard_normal((1, D)).astype(np.float32) * 0.1).astype(
+            mx.bfloat16
+        )
     quantization = {"group_size": 64, "bits": 4}
     for i in range(2):
         quantization[f"{pre}.{i}.mlp.gate"] = {"group_size": 64, "bits": 8}
         quantization[f"{pre}.{i}.mlp.shared_expert_gate"] = False
-    config = {"model_type": "qwen3_5_moe", "quantization": quantization, "quantization_config": quantization,
-              "text_config": {"model_type": "qwen3_5_moe_text", "hidden_size": D, "num_hidden_layers": 2,
-                              "num_experts": E, "num_experts_per_tok": K, "moe_intermediate_size": F,
-                              "shared_expert_intermediate_size": FS}}
+    config = {
+        "model_type": "qwen3_5_moe",
+        "quantization": quantization,
+        "quantization_config": quantization,
+        "text_config": {
+            "model_type": "qwen3_5_moe_text",
+            "hidden_size": D,
+            "num_hidden_layers": 2,
+            "num_experts": E,
+            "num_experts_per_tok": K,
+            "moe_intermediate_size": F,
+            "shared_expert_intermediate_size": FS,
+        },
+    }
     _write(path, t, config)
     return t
 
@@ -191,10 +211,22 @@ def _dsv3_checkpoint(path: Path, rng) -> dict:
     _put_q(t, f"{p}.shared_experts.gate_proj", _q(rng, (2 * F, D), dtype=mx.float32))
     _put_q(t, f"{p}.shared_experts.up_proj", _q(rng, (2 * F, D), dtype=mx.float32))
     _put_q(t, f"{p}.shared_experts.down_proj", _q(rng, (D, 2 * F), dtype=mx.float32))
-    config = {"model_type": "deepseek_v3", "hidden_size": D, "num_hidden_layers": 2, "intermediate_size": 96,
-              "moe_intermediate_size": F, "n_routed_experts": E, "num_experts_per_tok": K, "n_shared_experts": 2,
-              "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
-              "first_k_dense_replace": 1, "quantization": {"group_size": 64, "bits": 4}}
+    config = {
+        "model_type": "deepseek_v3",
+        "hidden_size": D,
+        "num_hidden_layers": 2,
+        "intermediate_size": 96,
+        "moe_intermediate_size": F,
+        "n_routed_experts": E,
+        "num_experts_per_tok": K,
+        "n_shared_experts": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "first_k_dense_replace": 1,
+        "quantization": {"group_size": 64, "bits": 4},
+    }
     _write(path, t, config)
     return t
 
@@ -213,8 +245,16 @@ def _gptoss_checkpoint(path: Path, rng) -> dict:
     quantization = {"group_size": 64, "bits": 4}
     for i in range(2):
         quantization[f"model.layers.{i}.mlp.router"] = {"group_size": 64, "bits": 8}
-    config = {"model_type": "gpt_oss", "hidden_size": D, "num_hidden_layers": 2, "intermediate_size": F,
-              "num_local_experts": E, "num_experts_per_tok": K, "swiglu_limit": 7.0, "quantization": quantization}
+    config = {
+        "model_type": "gpt_oss",
+        "hidden_size": D,
+        "num_hidden_layers": 2,
+        "intermediate_size": F,
+        "num_local_experts": E,
+        "num_experts_per_tok": K,
+        "swiglu_limit": 7.0,
+        "quantization": quantization,
+    }
     _write(path, t, config)
     return t
 
@@ -229,8 +269,10 @@ def test_gpt_oss_mlx_checkpoint(tmp_path, rng):
     wr = _deq(t, f"{p}.router", 8)
     br = np.array(t[f"{p}.router.bias"].astype(mx.float32), np.float64)
     wg, wu, wd = (_deq(t, f"{p}.experts.{n}") for n in ("gate_proj", "up_proj", "down_proj"))
-    bg, bu, bd = (np.array(t[f"{p}.experts.{n}.bias"].astype(mx.float32), np.float64)
-                  for n in ("gate_proj", "up_proj", "down_proj"))
+    bg, bu, bd = (
+        np.array(t[f"{p}.experts.{n}.bias"].astype(mx.float32), np.float64)
+        for n in ("gate_proj", "up_proj", "down_proj")
+    )
     y_ref = np.zeros_like(x)
     ids_ref = []
     clamped = 0
@@ -282,8 +324,11 @@ def _silu(a):
 
 def _ref_block(x: np.ndarray, t: dict, p: str, cfg, router_bits: int, shared: str | None, gated: bool):
     wr = _deq(t, f"{p}.gate", router_bits)  # (E, d)
-    bias = np.array(t[f"{p}.gate.e_score_correction_bias"], np.float64) if f"{p}.gate.e_score_correction_bias" in t \
+    bias = (
+        np.array(t[f"{p}.gate.e_score_correction_bias"], np.float64)
+        if f"{p}.gate.e_score_correction_bias" in t
         else None
+    )
     wg, wu, wd = (_deq(t, f"{p}.switch_mlp.{n}") for n in ("gate_proj", "up_proj", "down_proj"))
     y = np.zeros_like(x)
     all_ids = []
@@ -340,8 +385,15 @@ def test_mixtral_mlx_checkpoint_group32_float16(tmp_path, rng):
             w = mx.array((rng.standard_normal(shp) * 0.1).astype(np.float32)).astype(mx.float16)
             _put_q(t, f"{p}.switch_mlp.{n}", mx.quantize(w, group_size=32, bits=4))
         t[f"{p}.gate.weight"] = mx.array(rng.standard_normal((8, D)).astype(np.float32)).astype(mx.float16)
-    config = {"model_type": "mixtral", "hidden_size": D, "num_hidden_layers": 2, "intermediate_size": F,
-              "num_local_experts": 8, "num_experts_per_tok": 2, "quantization": {"group_size": 32, "bits": 4}}
+    config = {
+        "model_type": "mixtral",
+        "hidden_size": D,
+        "num_hidden_layers": 2,
+        "intermediate_size": F,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "quantization": {"group_size": 32, "bits": 4},
+    }
     _write(tmp_path, t, config)
     block = jaxmoe.from_pretrained(tmp_path, layer=0, impl="dense")
     ew = block.params().experts

@@ -16,9 +16,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxmoe
-from jaxmoe.offload import (ExpertCache, ExpertStoreError, OffloadConfig, OffloadedModel, GGUFStore,
-                            SafetensorsStore, load_trace, make_cache, make_predictor, random_layers, reuse_rate,
-                            save_trace, synthetic_trace, train_learned, write_gguf_store, write_safetensors_store)
+from jaxmoe.offload import (
+    ExpertCache,
+    ExpertStoreError,
+    GGUFStore,
+    OffloadConfig,
+    OffloadedModel,
+    SafetensorsStore,
+    load_trace,
+    make_cache,
+    make_predictor,
+    random_layers,
+    reuse_rate,
+    save_trace,
+    synthetic_trace,
+    train_learned,
+    write_gguf_store,
+    write_safetensors_store,
+)
 from jaxmoe.offload.prerouter import PredictQuery
 from jaxmoe.offload.store import ResidentLayer
 
@@ -28,8 +43,15 @@ L, E, K, D, F = 3, 16, 4, 64, 32
 def small_cfg(preset="qwen3.6-35b-a3b", **router):
     cfg = jaxmoe.load_config(preset)
     fs = 32 if cfg.shared_expert_dim else 0
-    return dataclasses.replace(cfg, d_model=D, expert_dim=F, shared_expert_dim=fs, num_layers=L, dense_layers=(),
-                               router=dataclasses.replace(cfg.router, num_experts=E, top_k=K, **router))
+    return dataclasses.replace(
+        cfg,
+        d_model=D,
+        expert_dim=F,
+        shared_expert_dim=fs,
+        num_layers=L,
+        dense_layers=(),
+        router=dataclasses.replace(cfg.router, num_experts=E, top_k=K, **router),
+    )
 
 
 def fresh_layers(cfg, rng):
@@ -67,16 +89,19 @@ def reference_stack(layers, x, cfg, dequant=None):
             top = np.argsort(-p, kind="stable")[: cfg.top_k]
             w = p[top] / p[top].sum()
             ids_all[t, l] = np.sort(top)
-            ws = {nm: (dequant(l, nm) if dequant else np.asarray(getattr(ew, nm), np.float64))
-                  for nm in ("w_gate", "w_up", "w_down")}
+            ws = {
+                nm: (dequant(l, nm) if dequant else np.asarray(getattr(ew, nm), np.float64))
+                for nm in ("w_gate", "w_up", "w_down")
+            }
             y = np.zeros(cfg.d_model)
             for e, we in zip(top, w):
                 hmid = _silu(xn @ ws["w_gate"][e]) * (xn @ ws["w_up"][e])
                 y += we * (hmid @ ws["w_down"][e])
             sh = res.shared
             if sh is not None:
-                ys = (_silu(xn @ np.asarray(sh.w_gate, np.float64)) * (xn @ np.asarray(sh.w_up, np.float64))) \
-                    @ np.asarray(sh.w_down, np.float64)
+                ys = (
+                    _silu(xn @ np.asarray(sh.w_gate, np.float64)) * (xn @ np.asarray(sh.w_up, np.float64))
+                ) @ np.asarray(sh.w_down, np.float64)
                 if sh.gate is not None:
                     ys = ys / (1.0 + np.exp(-(xn @ np.asarray(sh.gate, np.float64))))
                 y += ys
@@ -108,7 +133,7 @@ def test_resident_run_matches_float64_reference(cfg, stack, rng):
     # the driver's full-stack layer is jaxmoe.moe_apply itself: same bits as the block's own path
     apply = jax.jit(lambda p, xn: jaxmoe.moe_apply(p, xn, cfg, impl="gather"))
     h = x[:1]
-    for l, (r, ew) in enumerate(layers):
+    for r, ew in layers:
         xn = np.asarray(jaxmoe.offload.driver.rms_norm(h, r.norm))
         h = h + np.asarray(apply(jaxmoe.MoEParams(r.w_router, ew, None, None, r.shared), xn))
     np.testing.assert_allclose(res.outputs[0], h[0], rtol=1e-6, atol=1e-6)
@@ -125,8 +150,9 @@ def test_streamed_outputs_bit_identical_across_budgets_and_predictors(cfg, stack
     for slots in (0, 1, 7, L * E):
         budget = slots * nb
         for name in ("none", "prev_token", "next_router", "learned", "oracle"):
-            pred = make_predictor(name, resident=model.resident, router_cfg=cfg.router, learned=learned,
-                                  oracle_ids=ref.ids)
+            pred = make_predictor(
+                name, resident=model.resident, router_cfg=cfg.router, learned=learned, oracle_ids=ref.ids
+            )
             seen = []
 
             def check(t, l, cache, budget=budget, seen=seen):
@@ -173,8 +199,9 @@ def test_quantized_store_streams_bit_identical(cfg, rng, tmp_path, kind):
     refo, _ = reference_stack(layers, x, cfg, dequant=deq)
     np.testing.assert_allclose(ref.outputs, refo, rtol=2e-5, atol=2e-5)
     for slots in (0, 3):
-        out, _ = model.run_offloaded(x, OffloadConfig(slots * store.expert_nbytes(), "lfu"),
-                                     make_predictor("prev_token"))
+        out, _ = model.run_offloaded(
+            x, OffloadConfig(slots * store.expert_nbytes(), "lfu"), make_predictor("prev_token")
+        )
         np.testing.assert_array_equal(out.outputs, ref.outputs)
 
 
@@ -213,8 +240,11 @@ def test_oracle_prefetch_overlaps_and_hides_every_load_after_the_first(cfg, stac
     model = OffloadedModel(store)
     ref = model.run_resident(x)
     for slots in (L * E, 0):  # everything fits / nothing fits: staged prefetches are the double buffer
-        out, s = model.run_offloaded(x, OffloadConfig(slots * store.expert_nbytes(), asynchronous=True),
-                                     make_predictor("oracle", oracle_ids=ref.ids))
+        out, s = model.run_offloaded(
+            x,
+            OffloadConfig(slots * store.expert_nbytes(), asynchronous=True),
+            make_predictor("oracle", oracle_ids=ref.ids),
+        )
         np.testing.assert_array_equal(out.outputs, ref.outputs)
         tot = s.total()
         assert tot.misses == K  # only layer 0 of token 0 was never predicted
@@ -228,7 +258,7 @@ def test_gguf_store_slices_match_gguf_dequantize_and_stream(cfg, rng, tmp_path):
         reader = gguf.GGUFReader(str(tmp_path / f"m_{qtype}.gguf"))
         tens = {t.name: t for t in reader.tensors}
 
-        def deq(l, name):
+        def deq(l, name, tens=tens):
             t = tens[f"blk.{l}.ffn_{name[2:]}_exps.weight"]
             full = gguf.quants.dequantize(np.array(t.data), t.tensor_type).astype(np.float64)  # [E, out, in]
             return np.swapaxes(full, -1, -2)
@@ -245,8 +275,11 @@ def test_gguf_store_slices_match_gguf_dequantize_and_stream(cfg, rng, tmp_path):
         ref = model.run_resident(x)
         refo, _ = reference_stack(layers, x, cfg, dequant=deq)
         np.testing.assert_allclose(ref.outputs, refo, rtol=1e-4, atol=1e-4)
-        out, _ = model.run_offloaded(x, OffloadConfig(5 * store.expert_nbytes(), "lru", "per_layer"),
-                                     make_predictor("next_router", resident=model.resident, router_cfg=cfg.router))
+        out, _ = model.run_offloaded(
+            x,
+            OffloadConfig(5 * store.expert_nbytes(), "lru", "per_layer"),
+            make_predictor("next_router", resident=model.resident, router_cfg=cfg.router),
+        )
         np.testing.assert_array_equal(out.outputs, ref.outputs)
 
 
@@ -326,7 +359,7 @@ def test_missing_and_wrong_size_expert_tensors(cfg, rng, tmp_path):
     raw = bytearray((tmp_path / "g.gguf").read_bytes())
     t = {x.name: x for x in gguf.GGUFReader(str(tmp_path / "g.gguf")).tensors}["blk.2.ffn_down_exps.weight"]
     off = t.data_offset + 9 * (t.n_bytes // E)  # expert 9's first Q8_0 block: its f16 scale
-    raw[off:off + 2] = np.float16(np.nan).tobytes()
+    raw[off : off + 2] = np.float16(np.nan).tobytes()
     (tmp_path / "g2.gguf").write_bytes(bytes(raw))
     with pytest.raises(ValueError, match=r"layer 2, expert 9: .*non-finite"):
         GGUFStore(tmp_path / "g2.gguf").load_expert(2, 9)
@@ -371,8 +404,16 @@ class RefCache:
         return True
 
 
-ops = st.lists(st.tuples(st.sampled_from(["get", "put", "prefetch"]), st.integers(0, 9), st.integers(1, 5),
-                         st.lists(st.integers(0, 9), max_size=2)), min_size=1, max_size=60)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["get", "put", "prefetch"]),
+        st.integers(0, 9),
+        st.integers(1, 5),
+        st.lists(st.integers(0, 9), max_size=2),
+    ),
+    min_size=1,
+    max_size=60,
+)
 
 
 @settings(max_examples=40)
@@ -471,8 +512,9 @@ def test_driver_replays_a_trace_and_reports_locality_benefit(cfg, stack, rng):
     ref = model.run_resident(x, trace=tr)
     np.testing.assert_array_equal(ref.ids, tr)
     budget = L * K * store.expert_nbytes()
-    out_p, sp = model.run_offloaded(x, OffloadConfig(budget, asynchronous=False), make_predictor("prev_token"),
-                                    trace=tr)
+    out_p, sp = model.run_offloaded(
+        x, OffloadConfig(budget, asynchronous=False), make_predictor("prev_token"), trace=tr
+    )
     out_n, sn = model.run_offloaded(x, OffloadConfig(budget, asynchronous=False), make_predictor("none"), trace=tr)
     np.testing.assert_array_equal(out_p.outputs, ref.outputs)
     np.testing.assert_array_equal(out_n.outputs, ref.outputs)
@@ -487,13 +529,22 @@ def test_sweep_writes_results_and_plot(tmp_path):
 
     from jaxmoe.offload.sweep import load_sweep_config, run_sweep
 
-    spec = {"runner": "jaxmoe.offload.sweep", "name": "t",
-            "model": {"preset": "qwen3.6-35b-a3b", "num_layers": L, "storage": "int8",  # = the `cfg` fixture
-                      "shrink": {"d_model": D, "expert_dim": F, "shared_expert_dim": 32, "num_experts": E,
-                                 "top_k": K}},
-            "tokens": 6, "train_tokens": 12, "learned": {"steps": 20}, "budgets": [0.0, 0.5],
-            "predictors": ["none", "learned"],
-            "inputs": [{"kind": "random", "seed": 3}, {"kind": "trace", "locality": 0.7, "seed": 1}]}
+    spec = {
+        "runner": "jaxmoe.offload.sweep",
+        "name": "t",
+        "model": {
+            "preset": "qwen3.6-35b-a3b",
+            "num_layers": L,
+            "storage": "int8",  # = the `cfg` fixture
+            "shrink": {"d_model": D, "expert_dim": F, "shared_expert_dim": 32, "num_experts": E, "top_k": K},
+        },
+        "tokens": 6,
+        "train_tokens": 12,
+        "learned": {"steps": 20},
+        "budgets": [0.0, 0.5],
+        "predictors": ["none", "learned"],
+        "inputs": [{"kind": "random", "seed": 3}, {"kind": "trace", "locality": 0.7, "seed": 1}],
+    }
     p = tmp_path / "s.yaml"
     p.write_text(yaml.safe_dump(spec))
     c = load_sweep_config(p)
@@ -501,7 +552,9 @@ def test_sweep_writes_results_and_plot(tmp_path):
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert len(saved["configurations"]) == 2 * 2 * 2 and saved["all_identical"]
     assert {r["input"] for r in saved["configurations"]} == {
-        "random(seed=3)", "synthetic(locality=0.7, layer_corr=0.0, zipf=0.0)"}
+        "random(seed=3)",
+        "synthetic(locality=0.7, layer_corr=0.0, zipf=0.0)",
+    }
     for r in saved["configurations"]:
         assert 0.0 <= r["hit_rate"] <= 1.0 and r["bytes_loaded_per_token"] > 0
         if r["budget_fraction"] == 0.0 and r["predictor"] == "none":
@@ -560,6 +613,7 @@ def test_gguf_store_reads_a_file_written_by_jaxmoe_save_gguf(cfg, rng, tmp_path)
     ref = model.run_resident(x)
     xn = np.asarray(jaxmoe.offload.driver.rms_norm(x, np.ones(D, np.float32)))  # no ffn_norm in the file: ones
     np.testing.assert_allclose(ref.outputs, x + np.asarray(loaded(xn)), rtol=1e-5, atol=1e-5)
-    out, _ = model.run_offloaded(x, OffloadConfig(0), make_predictor("next_router", resident=model.resident,
-                                                                      router_cfg=store.cfg.router))
+    out, _ = model.run_offloaded(
+        x, OffloadConfig(0), make_predictor("next_router", resident=model.resident, router_cfg=store.cfg.router)
+    )
     np.testing.assert_array_equal(out.outputs, ref.outputs)

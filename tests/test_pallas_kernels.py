@@ -19,8 +19,13 @@ import jaxmoe
 from jaxmoe.dispatch import plan_dispatch
 from jaxmoe.quant import QuantizedTensor, pack_int4, quantize_int4_affine, quantize_int8
 from pallas_kernels import tuning
-from pallas_kernels.decode import (combine_pairs, decode_down, decode_down_reference, decode_gate_up,
-                                   decode_gate_up_reference)
+from pallas_kernels.decode import (
+    combine_pairs,
+    decode_down,
+    decode_down_reference,
+    decode_gate_up,
+    decode_gate_up_reference,
+)
 from pallas_kernels.down import combine, down_project, down_project_reference
 from pallas_kernels.gmm import gmm, gmm_reference
 from pallas_kernels.impl import experts_pallas
@@ -121,16 +126,21 @@ def test_dequantize_reference_matches_core_and_gguf(rng, kind):
         src = (rng.standard_normal((2, 64, 40)) / 8).astype(np.float32)
         qt = q8_0_from_gguf(src) if kind == "int8" else q4_0_from_gguf(src)
         lay, arrs = weight_operands(qt, "w")
-        np.testing.assert_allclose(np.asarray(dequantize_reference(lay, arrs)),
-                                   gguf_dequant(kind, src), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(
+            np.asarray(dequantize_reference(lay, arrs)), gguf_dequant(kind, src), rtol=1e-6, atol=1e-7
+        )
 
 
 # ---------------------------------------------------------------- grouped kernels
 
 
 GROUPED_CASES = [  # (scenario, T, k, E, weight kind): every kind and every scenario at least once
-    ("uneven", 37, 2, 8, "f32"), ("uneven", 37, 2, 8, "int8"), ("one_expert", 21, 2, 8, "bf16"),
-    ("one_expert", 21, 2, 8, "q4_0"), ("t1", 1, 2, 8, "int4_mlx64"), ("t1", 1, 2, 8, "f32"),
+    ("uneven", 37, 2, 8, "f32"),
+    ("uneven", 37, 2, 8, "int8"),
+    ("one_expert", 21, 2, 8, "bf16"),
+    ("one_expert", 21, 2, 8, "q4_0"),
+    ("t1", 1, 2, 8, "int4_mlx64"),
+    ("t1", 1, 2, 8, "f32"),
     ("random", 50, 4, 16, "bf16"),
 ]
 
@@ -164,9 +174,21 @@ def test_nan_poison_catches_unwritten_rows(rng):
     plan = plan_dispatch(ids, e, 16)
     x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
     wg, _ = make_weight(rng, (e, d, f), "f32")
-    h = gate_up_swiglu(x, plan.token_idx, plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles - 1,
-                       wg, wg, out=nan_buf((t * k, f), jnp.float32), block_m=16, block_n=32, block_k=64,
-                       interpret=True)
+    h = gate_up_swiglu(
+        x,
+        plan.token_idx,
+        plan.group_offsets,
+        plan.tile_group,
+        plan.tile_row,
+        plan.num_tiles - 1,
+        wg,
+        wg,
+        out=nan_buf((t * k, f), jnp.float32),
+        block_m=16,
+        block_n=32,
+        block_k=64,
+        interpret=True,
+    )
     last = int(plan.num_tiles) - 1
     e_last, row = int(plan.tile_group[last]), int(plan.tile_row[last])
     lo = max(int(plan.group_offsets[e_last]), row * 16)
@@ -185,13 +207,32 @@ def test_gate_up_biases_and_input_scale(rng, act):
     wu, _ = make_weight(rng, (e, d, f), "f32")
     bg, bu = (jnp.asarray(rng.standard_normal((e, f)), jnp.float32) for _ in range(2))
     rs = jnp.asarray(rng.uniform(0.2, 2.0, t * k), jnp.float32)
-    h = gate_up_swiglu(x, plan.token_idx, *plan_meta(plan), wg, wu, bg, bu, rs, nan_buf((t * k, f), jnp.float32),
-                       activation=act, block_m=16, block_n=16, block_k=32, interpret=True)
+    h = gate_up_swiglu(
+        x,
+        plan.token_idx,
+        *plan_meta(plan),
+        wg,
+        wu,
+        bg,
+        bu,
+        rs,
+        nan_buf((t * k, f), jnp.float32),
+        activation=act,
+        block_m=16,
+        block_n=16,
+        block_k=32,
+        interpret=True,
+    )
     ref = gate_up_swiglu_reference(x, plan.token_idx, plan.group_offsets, wg, wu, bg, bu, rs, activation=act)
     assert_close(h, ref, jnp.float32, act)
     if act == "swiglu_oai":
-        g = np.asarray(jnp.einsum("pd,pdf->pf", x[plan.token_idx], wg[jnp.asarray(
-            np.searchsorted(np.asarray(plan.group_offsets[1:]), np.arange(t * k), side="right"))]))
+        g = np.asarray(
+            jnp.einsum(
+                "pd,pdf->pf",
+                x[plan.token_idx],
+                wg[jnp.asarray(np.searchsorted(np.asarray(plan.group_offsets[1:]), np.arange(t * k), side="right"))],
+            )
+        )
         assert (g * np.asarray(rs)[:, None] > 7).any(), "inputs never reach the gpt-oss clamp"
 
 
@@ -205,13 +246,22 @@ def test_plain_gmm(rng, kind):
     np.testing.assert_array_equal(np.asarray(plan.group_offsets), off)
     lhs = jnp.asarray(rng.standard_normal((sizes.sum(), k_in)), jnp.float32)
     w, _ = make_weight(rng, (e, k_in, n), kind)
-    y = gmm(lhs, w, *plan_meta(plan), nan_buf((sizes.sum(), n), jnp.float32), block_m=bm, block_n=32, block_k=64,
-            interpret=True)
+    y = gmm(
+        lhs,
+        w,
+        *plan_meta(plan),
+        nan_buf((sizes.sum(), n), jnp.float32),
+        block_m=bm,
+        block_n=32,
+        block_k=64,
+        interpret=True,
+    )
     assert_close(y, gmm_reference(lhs, w, plan.group_offsets), jnp.float32, kind)
 
 
-@pytest.mark.parametrize("t,k,kind", [(1, 1, "f32"), (1, 8, "int8"), (5, 4, "bf16"), (5, 4, "q4_0"),
-                                      (1, 8, "int4_mlx64")])
+@pytest.mark.parametrize(
+    "t,k,kind", [(1, 1, "f32"), (1, 8, "int8"), (5, 4, "bf16"), (5, 4, "q4_0"), (1, 8, "int4_mlx64")]
+)
 def test_decode_kernels(rng, t, k, kind):
     e, d, f = 16, 192, 64
     dt = compute_dtype(kind)
@@ -224,8 +274,9 @@ def test_decode_kernels(rng, t, k, kind):
     h_ref = decode_gate_up_reference(x, ids, wg, wu)
     assert_close(h, h_ref, dt, f"decode gate_up {kind}")
     w = jnp.asarray(rng.uniform(0.1, 1, t * k), jnp.float32)
-    y = decode_down(h_ref, ids, wd, row_scale=w, out=nan_buf((t * k, d), jnp.float32), block_n=64, block_k=64,
-                    interpret=True)
+    y = decode_down(
+        h_ref, ids, wd, row_scale=w, out=nan_buf((t * k, d), jnp.float32), block_n=64, block_k=64, interpret=True
+    )
     assert_close(y, decode_down_reference(h_ref, ids, wd, row_scale=w), dt, f"decode down {kind}")
     assert combine_pairs(y, k).shape == (t, d)
 
@@ -239,8 +290,20 @@ def test_decode_biases_oai(rng):
     bg, bu = (jnp.asarray(rng.standard_normal((e, f)), jnp.float32) for _ in range(2))
     bd = jnp.asarray(rng.standard_normal((e, d)), jnp.float32)
     rs = jnp.asarray(rng.uniform(0.2, 2, t * k), jnp.float32)
-    h = decode_gate_up(x, ids, wg, wu, bg, bu, rs, nan_buf((t * k, f), jnp.float32), activation="swiglu_oai",
-                       block_n=64, block_k=64, interpret=True)
+    h = decode_gate_up(
+        x,
+        ids,
+        wg,
+        wu,
+        bg,
+        bu,
+        rs,
+        nan_buf((t * k, f), jnp.float32),
+        activation="swiglu_oai",
+        block_n=64,
+        block_k=64,
+        interpret=True,
+    )
     assert_close(h, decode_gate_up_reference(x, ids, wg, wu, bg, bu, rs, activation="swiglu_oai"), jnp.float32)
     y = decode_down(h, ids, wd, bd, rs, nan_buf((t * k, d), jnp.float32), block_n=32, block_k=32, interpret=True)
     assert_close(y, decode_down_reference(h, ids, wd, bd, rs), jnp.float32)
@@ -270,11 +333,22 @@ def test_every_table_config(rng, kc, kind):
         t, k = 3, 2
         ids = jnp.asarray(routing_ids(rng, "random", t, k, e))
         x = jnp.asarray(rng.standard_normal((t, d)), dt)
-        h = decode_gate_up(x, ids, wg, wu, out=nan_buf((t * k, f), dt), block_n=gu.block_n, block_k=gu.block_k,
-                           num_warps=gu.num_warps, num_stages=gu.num_stages, interpret=True)
+        h = decode_gate_up(
+            x,
+            ids,
+            wg,
+            wu,
+            out=nan_buf((t * k, f), dt),
+            block_n=gu.block_n,
+            block_k=gu.block_k,
+            num_warps=gu.num_warps,
+            num_stages=gu.num_stages,
+            interpret=True,
+        )
         assert_close(h, decode_gate_up_reference(x, ids, wg, wu), dt, "decode gate_up")
-        y = decode_down(h, ids, wd, out=nan_buf((t * k, d), jnp.float32), block_n=dn.block_n, block_k=dn.block_k,
-                        interpret=True)
+        y = decode_down(
+            h, ids, wd, out=nan_buf((t * k, d), jnp.float32), block_n=dn.block_n, block_k=dn.block_k, interpret=True
+        )
         assert_close(y, decode_down_reference(h, ids, wd), dt, "decode down")
         return
     k = 2
@@ -283,11 +357,21 @@ def test_every_table_config(rng, kc, kind):
     plan = plan_dispatch(ids, e, gu.block_m)
     x = jnp.asarray(rng.standard_normal((t, d)), dt)
     bk = dict(block_m=gu.block_m, num_warps=gu.num_warps, num_stages=gu.num_stages, interpret=True)
-    h = gate_up_swiglu(x, plan.token_idx, *plan_meta(plan), wg, wu, out=nan_buf((t * k, f), dt),
-                       block_n=gu.block_n, block_k=gu.block_k, **bk)
+    h = gate_up_swiglu(
+        x,
+        plan.token_idx,
+        *plan_meta(plan),
+        wg,
+        wu,
+        out=nan_buf((t * k, f), dt),
+        block_n=gu.block_n,
+        block_k=gu.block_k,
+        **bk,
+    )
     assert_close(h, gate_up_swiglu_reference(x, plan.token_idx, plan.group_offsets, wg, wu), dt, "gate_up")
-    y = down_project(h, *plan_meta(plan), wd, out=nan_buf((t * k, d), jnp.float32), block_n=dn.block_n,
-                     block_k=dn.block_k, **bk)
+    y = down_project(
+        h, *plan_meta(plan), wd, out=nan_buf((t * k, d), jnp.float32), block_n=dn.block_n, block_k=dn.block_k, **bk
+    )
     assert_close(y, down_project_reference(h, plan.group_offsets, wd), dt, "down")
 
 
@@ -311,8 +395,9 @@ def _shrink(name, e=16):
     cfg = jaxmoe.load_config(name)
     r = cfg.router
     n_group = r.n_group if e % r.n_group == 0 and e // r.n_group >= 2 else 1
-    router = dataclasses.replace(r, num_experts=e, n_group=n_group, topk_group=min(r.topk_group, n_group),
-                                 top_k=min(r.top_k, e))
+    router = dataclasses.replace(
+        r, num_experts=e, n_group=n_group, topk_group=min(r.topk_group, n_group), top_k=min(r.top_k, e)
+    )
     fs = 32 * cfg.num_shared_experts if cfg.shared_expert_dim else 0
     return dataclasses.replace(cfg, d_model=64, expert_dim=32, shared_expert_dim=fs, router=router)
 
@@ -320,8 +405,11 @@ def _shrink(name, e=16):
 def _quantize(ew, how):
     if how == "none":
         return ew
-    qf = (lambda w: quantize_int8(np.asarray(w))) if how == "int8" else (lambda w: quantize_int4_affine(
-        np.asarray(w), group_size=32))
+    qf = (
+        (lambda w: quantize_int8(np.asarray(w)))
+        if how == "int8"
+        else (lambda w: quantize_int4_affine(np.asarray(w), group_size=32))
+    )
     return dataclasses.replace(ew, w_gate=qf(ew.w_gate), w_up=qf(ew.w_up), w_down=qf(ew.w_down))
 
 
@@ -371,8 +459,15 @@ def _loop64(x, ids, wts, wg, wu, wd, cfg, bg=None, bu=None, bd=None):
     return out
 
 
-@pytest.mark.parametrize("name,woi,t", [("gpt-oss-20b", False, 3), ("gpt-oss-20b", False, 40),
-                                        ("qwen3.6-35b-a3b", True, 2), ("qwen3.6-35b-a3b", True, 33)])
+@pytest.mark.parametrize(
+    "name,woi,t",
+    [
+        ("gpt-oss-20b", False, 3),
+        ("gpt-oss-20b", False, 40),
+        ("qwen3.6-35b-a3b", True, 2),
+        ("qwen3.6-35b-a3b", True, 33),
+    ],
+)
 def test_pallas_impl_matches_float64_loop(rng, name, woi, t):
     cfg = dataclasses.replace(_shrink(name), weight_on_input=woi)
     ew = jaxmoe.init_params(cfg, jax.random.key(int(rng.integers(1 << 30)))).experts
@@ -381,8 +476,10 @@ def test_pallas_impl_matches_float64_loop(rng, name, woi, t):
     wts = rng.uniform(0.05, 1, ids.shape).astype(np.float32)
     r = jaxmoe.Routing(jnp.asarray(ids), jnp.asarray(wts))
     y = experts_pallas(x, r, ew, cfg)
-    a = {f: None if getattr(ew, f) is None else np.asarray(getattr(ew, f), np.float64)
-         for f in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")}
+    a = {
+        f: None if getattr(ew, f) is None else np.asarray(getattr(ew, f), np.float64)
+        for f in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+    }
     want = _loop64(x, ids, wts, a["w_gate"], a["w_up"], a["w_down"], cfg, a["b_gate"], a["b_up"], a["b_down"])
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
 
@@ -424,13 +521,20 @@ def test_bad_arguments_raise_value_error(rng):
     with pytest.raises(ValueError, match="block_n"):
         gate_up_swiglu(x, plan.token_idx, *plan_meta(plan), wg, wg, block_m=16, block_n=24, interpret=True)
     with pytest.raises(ValueError, match="out buffer"):
-        gate_up_swiglu(x, plan.token_idx, *plan_meta(plan), wg, wg, out=jnp.zeros((10, 16)), block_m=16,
-                       interpret=True)
+        gate_up_swiglu(x, plan.token_idx, *plan_meta(plan), wg, wg, out=jnp.zeros((10, 16)), block_m=16, interpret=True)
     with pytest.raises(ValueError, match=r"w_down.*K=32, expected 48"):
         down_project(jnp.zeros((10, 48)), *plan_meta(plan), jnp.swapaxes(wg, 1, 2), block_m=16, interpret=True)
     with pytest.raises(ValueError, match="group_offsets"):
-        gmm(jnp.zeros((10, d)), wg, plan.group_offsets[:3], plan.tile_group, plan.tile_row, plan.num_tiles,
-            block_m=16, interpret=True)
+        gmm(
+            jnp.zeros((10, d)),
+            wg,
+            plan.group_offsets[:3],
+            plan.tile_group,
+            plan.tile_row,
+            plan.num_tiles,
+            block_m=16,
+            interpret=True,
+        )
     with pytest.raises(ValueError, match=r"decode_down: h has 7 rows"):
         decode_down(jnp.zeros((7, f)), ids, jnp.swapaxes(wg, 1, 2), interpret=True)
     with pytest.raises(ValueError, match="inv"):
@@ -450,8 +554,23 @@ def test_gpu_bench_dry_run(tmp_path):
     spec = importlib.util.spec_from_file_location("gpu_bench", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    rc = mod.main(["--dry-run", "--out", str(tmp_path), "--shapes", "qwen3.6", "--kinds", "q8_0", "--tokens", "4",
-                   "--check-limit", "1", "--impls", "pallas,ragged_dot"])
+    rc = mod.main(
+        [
+            "--dry-run",
+            "--out",
+            str(tmp_path),
+            "--shapes",
+            "qwen3.6",
+            "--kinds",
+            "q8_0",
+            "--tokens",
+            "4",
+            "--check-limit",
+            "1",
+            "--impls",
+            "pallas,ragged_dot",
+        ]
+    )
     assert rc == 0
     checks = json.loads((tmp_path / "check.json").read_text())
     assert len(checks) == 1 and checks[0]["ok"] and checks[0]["rel_err_vs_dense"] < 1e-3

@@ -51,8 +51,9 @@ def weights(rng, e, d, f, kind, dtype=jnp.float32):
 
 def _cfg(d, f, e, k, **kw):
     cfg = jaxmoe.load_config("qwen3-30b-a3b")
-    return dataclasses.replace(cfg, d_model=d, expert_dim=f, router=dataclasses.replace(cfg.router, num_experts=e,
-                                                                                           top_k=k), **kw)
+    return dataclasses.replace(
+        cfg, d_model=d, expert_dim=f, router=dataclasses.replace(cfg.router, num_experts=e, top_k=k), **kw
+    )
 
 
 @pytest.mark.parametrize("key", sorted(tuning.TABLE), ids=lambda k: f"{k[0]}-{k[1]}x{k[2]}")
@@ -98,8 +99,10 @@ def test_each_kernel_lowers(rng, kind):
     ws = jnp.ones((t * k,), jnp.float32)
     calls = [
         (lambda a, w: gmm(a, w, *meta, block_m=16, block_n=32, block_k=64), (lhs, wg)),
-        (lambda a, w1, w2: gate_up_swiglu(a, plan.token_idx, *meta, w1, w2, block_m=16, block_n=32, block_k=64),
-         (x, wg, wu)),
+        (
+            lambda a, w1, w2: gate_up_swiglu(a, plan.token_idx, *meta, w1, w2, block_m=16, block_n=32, block_k=64),
+            (x, wg, wu),
+        ),
         (lambda a, w, s: down_project(a, *meta, w, row_scale=s, block_m=16, block_n=64, block_k=64), (h, wd, ws)),
         (lambda a, w1, w2: decode_gate_up(a, ids, w1, w2, block_n=32, block_k=64), (x, wg, wu)),
         (lambda a, w, s: decode_down(a, ids, w, row_scale=s, block_n=32, block_k=64), (h, wd, ws)),

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import np_act, np_moe, params_to_numpy
 
 import jaxmoe
 from jaxmoe import parallel
 from jaxmoe.quant import quantize_int4_affine, quantize_int8
-from reference import np_act, np_moe, params_to_numpy
 
 TOL = dict(atol=2e-5, rtol=2e-5)  # float32, EP vs single device
 TOL64 = dict(atol=2e-4, rtol=2e-4)  # float32 vs the float64 loop
@@ -27,8 +27,9 @@ TOL64 = dict(atol=2e-4, rtol=2e-4)  # float32 vs the float64 loop
 def shrunk(name, e=16, d=64, f=32):
     cfg = jaxmoe.load_config(name)
     fs = 48 if cfg.shared_expert_dim else 0
-    return dataclasses.replace(cfg, d_model=d, expert_dim=f, shared_expert_dim=fs,
-                               router=dataclasses.replace(cfg.router, num_experts=e))
+    return dataclasses.replace(
+        cfg, d_model=d, expert_dim=f, shared_expert_dim=fs, router=dataclasses.replace(cfg.router, num_experts=e)
+    )
 
 
 def rand_params(cfg, rng):
@@ -43,10 +44,16 @@ def rand_params(cfg, rng):
         ew = dataclasses.replace(ew, b_gate=nrm(e, f, fan_in=4), b_up=nrm(e, f, fan_in=4), b_down=nrm(e, d, fan_in=4))
     shared = None
     if fs:
-        shared = jaxmoe.SharedWeights(nrm(d, fs), nrm(d, fs), nrm(fs, d), nrm(d, fan_in=d) if cfg.shared_expert_gate
-                                      else None)
-    return jaxmoe.MoEParams(nrm(d, e), ew, nrm(e, fan_in=1) if cfg.router.router_bias else None,
-                            nrm(e, fan_in=100) if cfg.router.use_selection_bias else None, shared)
+        shared = jaxmoe.SharedWeights(
+            nrm(d, fs), nrm(d, fs), nrm(fs, d), nrm(d, fan_in=d) if cfg.shared_expert_gate else None
+        )
+    return jaxmoe.MoEParams(
+        nrm(d, e),
+        ew,
+        nrm(e, fan_in=1) if cfg.router.router_bias else None,
+        nrm(e, fan_in=100) if cfg.router.use_selection_bias else None,
+        shared,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"))
@@ -100,8 +107,14 @@ def np_drops(ids, n_e, n_tok, el, c):
     return kept, int((~kept).sum())
 
 
-PARITY = [("qwen3.6-35b-a3b", (8, 1)), ("qwen3.6-35b-a3b", (4, 2)), ("qwen3.6-35b-a3b", (2, 4)),
-          ("deepseek-v3", (8, 1)), ("mixtral-8x7b", (4, 2)), ("gpt-oss-20b", (2, 4))]
+PARITY = [
+    ("qwen3.6-35b-a3b", (8, 1)),
+    ("qwen3.6-35b-a3b", (4, 2)),
+    ("qwen3.6-35b-a3b", (2, 4)),
+    ("deepseek-v3", (8, 1)),
+    ("mixtral-8x7b", (4, 2)),
+    ("gpt-oss-20b", (2, 4)),
+]
 
 
 @pytest.mark.parametrize("preset,mesh_shape", PARITY, ids=[f"{p}-{m[0]}x{m[1]}" for p, m in PARITY])
@@ -121,8 +134,9 @@ def test_ep_matches_single_device(preset, mesh_shape, rng):
     np.testing.assert_array_equal(np.asarray(r.expert_ids), ids64)
     np.testing.assert_allclose(np.asarray(y), y64, **TOL64)
     assert int(stats.dropped_pairs) == 0 and bool(stats.kept.all())
-    np.testing.assert_array_equal(np.asarray(stats.expert_load),
-                                  np.bincount(ids64.reshape(-1), minlength=cfg.num_experts))
+    np.testing.assert_array_equal(
+        np.asarray(stats.expert_load), np.bincount(ids64.reshape(-1), minlength=cfg.num_experts)
+    )
 
 
 def test_uneven_routing_one_expert_takes_most(rng):
@@ -131,8 +145,9 @@ def test_uneven_routing_one_expert_takes_most(rng):
     p = rand_params(cfg, rng)
     p = dataclasses.replace(p, selection_bias=p.selection_bias.at[5].set(50.0))
     x = jnp.asarray(rng.standard_normal((3, 11, cfg.d_model)), jnp.float32)
-    y, r, stats = parallel.moe_apply_ep(p, x, cfg, parallel.make_mesh(4, 2), impl="dense", return_routing=True,
-                                        return_stats=True)
+    y, r, stats = parallel.moe_apply_ep(
+        p, x, cfg, parallel.make_mesh(4, 2), impl="dense", return_routing=True, return_stats=True
+    )
     assert bool((r.expert_ids[:, 0] == 5).all())
     y1, _ = single(p, x, cfg, "dense")
     np.testing.assert_allclose(np.asarray(y), np.asarray(y1), **TOL)
@@ -156,8 +171,9 @@ def test_worst_case_all_pairs_to_one_device(mesh_shape, rng):
     ws = rng.random((t, k)).astype(np.float32) + 0.1
     routing = jaxmoe.Routing(jnp.asarray(ids, jnp.int32), jnp.asarray(ws))
     x = jnp.asarray(rng.standard_normal((t, cfg.d_model)), jnp.float32)
-    y, stats = parallel.moe_apply_ep(p, x, cfg, parallel.make_mesh(*mesh_shape), impl="gather", routing=routing,
-                                     return_stats=True)
+    y, stats = parallel.moe_apply_ep(
+        p, x, cfg, parallel.make_mesh(*mesh_shape), impl="gather", routing=routing, return_stats=True
+    )
     y1, _ = single(p, x, cfg, "dense", routing)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y1), **TOL)
     ref = kept_reference(x, params_to_numpy(p), cfg, ids, ws, np.ones_like(ids, bool))
@@ -171,8 +187,12 @@ def test_quantized_experts_shard(rng):
     cfg = shrunk("qwen3.6-35b-a3b")
     p = rand_params(cfg, rng)
     ew = p.experts
-    p = dataclasses.replace(p, experts=jaxmoe.ExpertWeights(
-        quantize_int8(ew.w_gate, 32), quantize_int4_affine(ew.w_up, 32), quantize_int8(ew.w_down, 32)))
+    p = dataclasses.replace(
+        p,
+        experts=jaxmoe.ExpertWeights(
+            quantize_int8(ew.w_gate, 32), quantize_int4_affine(ew.w_up, 32), quantize_int8(ew.w_down, 32)
+        ),
+    )
     mesh = parallel.make_mesh(4, 2)
     ps = parallel.shard_params(p, mesh)
     assert ps.experts.w_gate.qdata.sharding.spec == jax.sharding.PartitionSpec("expert")
@@ -199,8 +219,9 @@ def skewed(rng, t=45):
     return cfg, p, x
 
 
-@pytest.mark.parametrize("mesh_shape,cf", [((8, 1), 1.0), ((4, 2), 0.6), ((2, 4), 1.0)],
-                         ids=["8x1-cf1.0", "4x2-cf0.6", "2x4-cf1.0"])
+@pytest.mark.parametrize(
+    "mesh_shape,cf", [((8, 1), 1.0), ((4, 2), 0.6), ((2, 4), 1.0)], ids=["8x1-cf1.0", "4x2-cf0.6", "2x4-cf1.0"]
+)
 def test_capacity_factor_drops_are_counted_exactly(mesh_shape, cf, rng):
     cfg, p, x = skewed(rng)
     t = x.shape[0]
@@ -215,8 +236,7 @@ def test_capacity_factor_drops_are_counted_exactly(mesh_shape, cf, rng):
     assert dropped > 0
     assert int(stats.dropped_pairs) == dropped
     np.testing.assert_array_equal(np.asarray(stats.kept), kept)
-    np.testing.assert_array_equal(np.asarray(stats.expert_load),
-                                  np.bincount(ids[kept], minlength=cfg.num_experts))
+    np.testing.assert_array_equal(np.asarray(stats.expert_load), np.bincount(ids[kept], minlength=cfg.num_experts))
     ref = kept_reference(x, params_to_numpy(p), cfg, ids, np.asarray(r.weights), kept)
     np.testing.assert_allclose(np.asarray(y), ref, **TOL64)
 
@@ -256,8 +276,10 @@ def test_ragged_exchange_matches_padded(rng, monkeypatch):
     monkeypatch.setattr(parallel, "_ragged_all_to_all", _ragged_emulated)
     cfg, p, x = skewed(rng)  # with drops, so sizes < C and > C both occur
     mesh = parallel.make_mesh(4, 2)
-    outs = [parallel.moe_apply_ep(p, x, cfg, mesh, impl="gather", exchange=ex, capacity_factor=0.6,
-                                  return_stats=True) for ex in ("padded", "ragged")]
+    outs = [
+        parallel.moe_apply_ep(p, x, cfg, mesh, impl="gather", exchange=ex, capacity_factor=0.6, return_stats=True)
+        for ex in ("padded", "ragged")
+    ]
     (yp, sp), (yr, sr) = outs
     assert sr.exchange == "ragged" and sp.exchange == "padded"
     assert int(sp.dropped_pairs) > 0
@@ -270,8 +292,9 @@ def test_ragged_exchange_lowers_for_gpu_and_tpu(rng):
     cfg = shrunk("qwen3.6-35b-a3b")
     p = rand_params(cfg, rng)
     x = jnp.asarray(rng.standard_normal((16, cfg.d_model)), jnp.float32)
-    tr = parallel._ep_jit.trace(p, x, None, None, cfg=cfg, mesh=parallel.make_mesh(4, 2), impl="gather", c=4,
-                                kind="ragged", given=False)
+    tr = parallel._ep_jit.trace(
+        p, x, None, None, cfg=cfg, mesh=parallel.make_mesh(4, 2), impl="gather", c=4, kind="ragged", given=False
+    )
     for plat in ("cuda", "tpu"):
         txt = tr.lower(lowering_platforms=(plat,)).as_text()
         assert txt.count("ragged_all_to_all") == 4, plat  # x, ids, weights out; results back
@@ -300,8 +323,9 @@ def test_inside_user_jit(rng):
     mesh = parallel.make_mesh(8)
     x = jnp.asarray(rng.standard_normal((16, cfg.d_model)), jnp.float32)
     f = jax.jit(lambda p, x: parallel.moe_apply_ep(p, x, cfg, mesh, impl="gather") * 2.0)
-    np.testing.assert_allclose(np.asarray(f(parallel.shard_params(p, mesh), x)),
-                               2.0 * np.asarray(single(p, x, cfg)[0]), **TOL)
+    np.testing.assert_allclose(
+        np.asarray(f(parallel.shard_params(p, mesh), x)), 2.0 * np.asarray(single(p, x, cfg)[0]), **TOL
+    )
 
 
 def test_errors_name_the_fault(rng):
@@ -321,8 +345,9 @@ def test_errors_name_the_fault(rng):
     with pytest.raises(ValueError, match="capacity_factor"):
         parallel.moe_apply_ep(p, x, cfg, parallel.make_mesh(8), capacity_factor=0.0)
     with pytest.raises(ValueError, match="routing expert_ids"):
-        parallel.moe_apply_ep(p, x, cfg, parallel.make_mesh(8),
-                              routing=jaxmoe.Routing(jnp.zeros((8, 2), jnp.int32), jnp.ones((8, 2))))
+        parallel.moe_apply_ep(
+            p, x, cfg, parallel.make_mesh(8), routing=jaxmoe.Routing(jnp.zeros((8, 2), jnp.int32), jnp.ones((8, 2)))
+        )
     with pytest.raises(ValueError, match="exchange"):
         parallel.moe_apply_ep(p, x, cfg, parallel.make_mesh(8), exchange="nccl")
     with pytest.raises(ValueError, match="width 32 but d_model is 64"):
@@ -332,8 +357,14 @@ def test_errors_name_the_fault(rng):
 
 
 @settings(max_examples=6)
-@given(t=st.integers(1, 12), k=st.integers(1, 4), n=st.sampled_from([1, 2, 4]), el=st.integers(1, 3),
-       c=st.integers(1, 8), seed=st.integers(0, 2**31 - 1))
+@given(
+    t=st.integers(1, 12),
+    k=st.integers(1, 4),
+    n=st.sampled_from([1, 2, 4]),
+    el=st.integers(1, 3),
+    c=st.integers(1, 8),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_plan_matches_numpy(t, k, n, el, c, seed):
     """The send-buffer plan (row per pair, kept mask, sizes, drops) against a numpy loop."""
     r = np.random.default_rng(seed)
@@ -342,7 +373,8 @@ def test_plan_matches_numpy(t, k, n, el, c, seed):
     ids = np.stack([r.permutation(e)[:k] for _ in range(t)])
     valid = r.random(t) < 0.8
     slot, kept, sizes, dropped = jax.jit(parallel._plan, static_argnums=(2, 3, 4))(
-        jnp.asarray(ids, jnp.int32), jnp.asarray(valid), n, el, c)
+        jnp.asarray(ids, jnp.int32), jnp.asarray(valid), n, el, c
+    )
     fill = np.zeros(n, int)
     want_slot = np.full(t * k, n * c)
     for i in range(t * k):

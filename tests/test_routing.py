@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from reference import np_route, router_kwargs
 
 import jaxmoe
 from jaxmoe import RouterConfig, route
-from reference import np_route, router_kwargs
 
 # One rule per family of ROUTING.md section 2 (shrunk to E=16 or 32).
 FAMILIES = {
@@ -21,10 +21,20 @@ FAMILIES = {
     "qwen2_moe": RouterConfig(num_experts=16, top_k=4, renorm="none"),
     "qwen3_moe": RouterConfig(num_experts=16, top_k=4, renorm="sum"),
     "mixtral": RouterConfig(num_experts=8, top_k=2, renorm="sum"),
-    "deepseek_v2_group_max": RouterConfig(num_experts=32, top_k=6, n_group=8, topk_group=3, group_score="max",
-                                          renorm="none", routed_scaling_factor=16.0),
-    "deepseek_v3": RouterConfig(num_experts=32, top_k=8, score_fn="sigmoid", use_selection_bias=True, n_group=8,
-                                topk_group=4, renorm="add", renorm_eps=1e-20, routed_scaling_factor=2.5),
+    "deepseek_v2_group_max": RouterConfig(
+        num_experts=32, top_k=6, n_group=8, topk_group=3, group_score="max", renorm="none", routed_scaling_factor=16.0
+    ),
+    "deepseek_v3": RouterConfig(
+        num_experts=32,
+        top_k=8,
+        score_fn="sigmoid",
+        use_selection_bias=True,
+        n_group=8,
+        topk_group=4,
+        renorm="add",
+        renorm_eps=1e-20,
+        routed_scaling_factor=2.5,
+    ),
     "ernie4_5": RouterConfig(num_experts=16, top_k=4, use_selection_bias=True, renorm="clamp", renorm_eps=1e-12),
     "granite": RouterConfig(num_experts=16, top_k=4, score_fn="softmax_topk", renorm="none"),
     "gpt_oss": RouterConfig(num_experts=32, top_k=4, score_fn="softmax_topk", router_bias=True, renorm="none"),
@@ -37,8 +47,9 @@ def _check(rc, logits, bias):
     chex.assert_shape(r.expert_ids, (logits.shape[0], rc.top_k))
     chex.assert_type(r.expert_ids, jnp.int32)
     chex.assert_type(r.weights, jnp.float32)
-    ids, ws = np_route(logits.astype(np.float32), bias=None if bias is None else bias.astype(np.float32),
-                       **router_kwargs(rc))
+    ids, ws = np_route(
+        logits.astype(np.float32), bias=None if bias is None else bias.astype(np.float32), **router_kwargs(rc)
+    )
     np.testing.assert_array_equal(np.asarray(r.expert_ids), ids)
     np.testing.assert_allclose(np.asarray(r.weights), ws, rtol=2e-6, atol=1e-7)
     return r
@@ -98,8 +109,9 @@ def test_bias_changes_selection_not_weights(rng):
     r = route(logits, rc, jnp.asarray(bias))
     assert set(np.asarray(r.expert_ids).ravel()) == {3, 7, 11, 13}
     s = jax.nn.sigmoid(logits)
-    np.testing.assert_allclose(np.asarray(r.weights), np.take_along_axis(np.asarray(s), np.asarray(r.expert_ids), 1),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(r.weights), np.take_along_axis(np.asarray(s), np.asarray(r.expert_ids), 1), rtol=1e-6
+    )
     assert np.asarray(r.weights).max() < 1.0  # unbiased scores, not score + 10
 
 
@@ -154,18 +166,21 @@ def test_bad_selection_bias(rng):
         route(z, rc, jnp.ones(8))
 
 
-@pytest.mark.parametrize("kw,field", [
-    (dict(num_experts=16, top_k=17), "top_k"),
-    (dict(num_experts=16, top_k=2, n_group=3), "n_group"),
-    (dict(num_experts=16, top_k=2, n_group=4, topk_group=5), "topk_group"),
-    (dict(num_experts=16, top_k=2, score_fn="relu"), "score_fn"),
-    (dict(num_experts=16, top_k=2, renorm="max"), "renorm"),
-    (dict(num_experts=16, top_k=2, renorm="clamp"), "renorm_eps"),
-    (dict(num_experts=0, top_k=1), "num_experts"),
-    (dict(num_experts=16, top_k=2, n_group=16, topk_group=2), "n_group"),
-    (dict(num_experts=16, top_k=12, n_group=4, topk_group=2), "top_k"),
-    (dict(num_experts=16, top_k=2, routed_scaling_factor=float("nan")), "routed_scaling_factor"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(num_experts=16, top_k=17), "top_k"),
+        (dict(num_experts=16, top_k=2, n_group=3), "n_group"),
+        (dict(num_experts=16, top_k=2, n_group=4, topk_group=5), "topk_group"),
+        (dict(num_experts=16, top_k=2, score_fn="relu"), "score_fn"),
+        (dict(num_experts=16, top_k=2, renorm="max"), "renorm"),
+        (dict(num_experts=16, top_k=2, renorm="clamp"), "renorm_eps"),
+        (dict(num_experts=0, top_k=1), "num_experts"),
+        (dict(num_experts=16, top_k=2, n_group=16, topk_group=2), "n_group"),
+        (dict(num_experts=16, top_k=12, n_group=4, topk_group=2), "top_k"),
+        (dict(num_experts=16, top_k=2, routed_scaling_factor=float("nan")), "routed_scaling_factor"),
+    ],
+)
 def test_bad_router_config(kw, field):
     with pytest.raises(ValueError, match=f"RouterConfig.{field}"):
         RouterConfig(**kw)

@@ -19,22 +19,49 @@ import sys
 from pathlib import Path
 
 from jaxmoe.evaluation.config import (
-    ConfigError, EvalConfig, config_from_mapping, find_config, list_eval_configs, load_eval_config)
+    ConfigError,
+    EvalConfig,
+    config_from_mapping,
+    find_config,
+    list_eval_configs,
+    load_eval_config,
+)
 
-__all__ = ["cli_main", "run", "EvalConfig", "ConfigError", "load_eval_config", "config_from_mapping",
-           "list_eval_configs", "find_config"]
+__all__ = [
+    "cli_main",
+    "run",
+    "EvalConfig",
+    "ConfigError",
+    "load_eval_config",
+    "config_from_mapping",
+    "list_eval_configs",
+    "find_config",
+]
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="jaxmoe eval", description="Run a config-driven MoE evaluation (configs/evals/*.yaml).",
-        epilog="exit codes: 0 all cases within tolerance, 1 a case over tolerance or failing, 2 config error")
-    ap.add_argument("config", nargs="?", default="default",
-                    help="a YAML file or the name of a shipped config (default: %(default)s)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config key (dotted, YAML value), e.g. --set tokens=[1,8] --set model.seed=3")
-    ap.add_argument("--out", default=None, help="write the run into this directory instead of "
-                                                "<output_dir>/<name>-<timestamp>")
+        prog="jaxmoe eval",
+        description="Run a config-driven MoE evaluation (configs/evals/*.yaml).",
+        epilog="exit codes: 0 all cases within tolerance, 1 a case over tolerance or failing, 2 config error",
+    )
+    ap.add_argument(
+        "config",
+        nargs="?",
+        default="default",
+        help="a YAML file or the name of a shipped config (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (dotted, YAML value), e.g. --set tokens=[1,8] --set model.seed=3",
+    )
+    ap.add_argument(
+        "--out", default=None, help="write the run into this directory instead of <output_dir>/<name>-<timestamp>"
+    )
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--list", action="store_true", help="list the shipped configs and exit")
     return ap
@@ -48,8 +75,9 @@ class _Bar:
         self.prog.update(self.task, advance=1, description=msg)
 
 
-def run(ecfg: EvalConfig, *, source: str = "<config>", out=None, overrides=None, progress: bool = True,
-        console=None) -> tuple[dict, Path]:
+def run(
+    ecfg: EvalConfig, *, source: str = "<config>", out=None, overrides=None, progress: bool = True, console=None
+) -> tuple[dict, Path]:
     """Runs ``ecfg`` and writes the run directory. Returns (results mapping, run directory)."""
     import yaml
     from rich.console import Console
@@ -64,8 +92,14 @@ def run(ecfg: EvalConfig, *, source: str = "<config>", out=None, overrides=None,
     specs = layer_specs(ecfg, source)
     run_dir = make_run_dir(ecfg, out)
     if progress:
-        with Progress(TextColumn("[bold]{task.description:<48}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=Console(stderr=True), transient=False) as prog:
+        with Progress(
+            TextColumn("[bold]{task.description:<48}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=False,
+        ) as prog:
             task = prog.add_task(f"{ecfg.name}: starting", total=count_steps(ecfg, specs))
             res = run_eval(ecfg, source=source, specs=specs, progress=_Bar(prog, task), overrides=overrides)
     else:

@@ -56,12 +56,16 @@ class _Loader(yaml.SafeLoader):
 
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
                  |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
                  |\.[0-9_]+(?:[eE][-+][0-9]+)?
                  |[-+]?\.(?:inf|Inf|INF)
-                 |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
+                 |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
 
 
 def yaml_load(text_or_stream):
@@ -170,8 +174,7 @@ def _tname(tp) -> str:
     if tp is type(None):
         return "null"
     if isinstance(tp, type):
-        return {"int": "an int", "float": "a number", "str": "a string", "bool": "a bool"}.get(
-            tp.__name__, tp.__name__)
+        return {"int": "an int", "float": "a number", "str": "a string", "bool": "a bool"}.get(tp.__name__, tp.__name__)
     if typing.get_origin(tp) is Literal:
         return "one of " + ", ".join(map(repr, typing.get_args(tp)))
     if typing.get_origin(tp) in (tuple, list):
@@ -215,8 +218,11 @@ def _coerce(value: Any, tp: Any, key: str, ctx: _Ctx) -> Any:
                 errors.append(e)
         if len(errors) == 1:
             raise errors[0]
-        ctx.fail(key, f"must be {' or '.join(_tname(a) for a in args if a is not type(None))}, "
-                      f"got {type(value).__name__} {value!r}")
+        ctx.fail(
+            key,
+            f"must be {' or '.join(_tname(a) for a in args if a is not type(None))}, "
+            f"got {type(value).__name__} {value!r}",
+        )
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
@@ -314,8 +320,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, dict[str, s
             if nxt is None:
                 nxt = node[p] = {}
             elif not isinstance(nxt, dict):
-                raise ConfigError(f"--set {text!r}: key '{'.'.join(parts[:i + 1])}' holds "
-                                  f"{type(nxt).__name__} {nxt!r}, not a mapping")
+                raise ConfigError(
+                    f"--set {text!r}: key '{'.'.join(parts[: i + 1])}' holds "
+                    f"{type(nxt).__name__} {nxt!r}, not a mapping"
+                )
             node = nxt
         node[parts[-1]] = value
         seen[key] = text
@@ -349,12 +357,14 @@ def find_config(name_or_path: str | os.PathLike) -> Path:
     cand = evals_dir() / f"{name_or_path}.yaml"
     if p.suffix not in (".yaml", ".yml") and cand.is_file():
         return cand
-    raise ConfigError(f"eval config {str(name_or_path)!r} not found (not a file, not one of "
-                      f"{list_eval_configs()} in {evals_dir()})")
+    raise ConfigError(
+        f"eval config {str(name_or_path)!r} not found (not a file, not one of {list_eval_configs()} in {evals_dir()})"
+    )
 
 
-def config_from_mapping(data: Any, source: str = "<mapping>", overrides: list[str] | None = None,
-                        default_name: str = "eval") -> EvalConfig:
+def config_from_mapping(
+    data: Any, source: str = "<mapping>", overrides: list[str] | None = None, default_name: str = "eval"
+) -> EvalConfig:
     """Validates a raw mapping (with ``--set`` overrides applied) into an `EvalConfig`."""
     if data is None:
         data = {}
@@ -396,8 +406,11 @@ def check(cfg: EvalConfig, ctx: _Ctx) -> None:
 
     m = cfg.model
     if m.preset is None and m.path is None:
-        ctx.fail("model.path", "neither model.preset (preset name(s) or 'all') nor model.path (a model YAML, "
-                               "GGUF file or HF / MLX checkpoint dir) is set; give one, e.g. --set model.path=FILE")
+        ctx.fail(
+            "model.path",
+            "neither model.preset (preset name(s) or 'all') nor model.path (a model YAML, "
+            "GGUF file or HF / MLX checkpoint dir) is set; give one, e.g. --set model.path=FILE",
+        )
     if m.preset is not None and m.path is not None:
         ctx.fail("model", "give only one of model.preset and model.path")
     if m.preset is not None:
@@ -463,8 +476,10 @@ def check(cfg: EvalConfig, ctx: _Ctx) -> None:
         ctx.fail("quantize", f"must be a non-empty list without duplicates, got {list(cfg.quantize)}")
     ref = cfg.ref
     if ref.impl != FLOAT64_REFERENCE and ref.impl not in impls:
-        ctx.fail("reference.impl" if isinstance(cfg.reference, ReferenceSection) else "reference",
-                 f"must be {FLOAT64_REFERENCE!r} or an available impl {impls}, got {ref.impl!r}")
+        ctx.fail(
+            "reference.impl" if isinstance(cfg.reference, ReferenceSection) else "reference",
+            f"must be {FLOAT64_REFERENCE!r} or an available impl {impls}, got {ref.impl!r}",
+        )
     if ref.max_tokens < 1:
         ctx.fail("reference.max_tokens", f"must be >= 1, got {ref.max_tokens}")
     if cfg.repeats < 1:
@@ -482,8 +497,11 @@ def check(cfg: EvalConfig, ctx: _Ctx) -> None:
     labels = {case_label(i, d, q) for i in cfg.impls for d in cfg.case_dtypes for q in cfg.quantize}
     for k, v in cfg.tolerance.items():
         if k not in vocab and k not in labels:
-            ctx.fail(f"tolerance.{k}", f"matches no case; use 'default', an impl, dtype or quantize "
-                                       f"name of this config, or a case label such as {sorted(labels)[0]!r}")
+            ctx.fail(
+                f"tolerance.{k}",
+                f"matches no case; use 'default', an impl, dtype or quantize "
+                f"name of this config, or a case label such as {sorted(labels)[0]!r}",
+            )
         if not v > 0:
             ctx.fail(f"tolerance.{k}", f"must be > 0, got {v}")
     if not 0.0 <= cfg.min_routing_agreement <= 1.0:

@@ -74,8 +74,13 @@ def timing(samples_s: list[float], tokens: int) -> dict[str, float]:
         raise ValueError("timing: no samples")
     q1, med, q3 = np.percentile(t, [25, 50, 75])
     return {
-        "median_s": float(med), "q1_s": float(q1), "q3_s": float(q3), "iqr_s": float(q3 - q1),
-        "min_s": float(t.min()), "max_s": float(t.max()), "tokens_per_s": tokens / float(med),
+        "median_s": float(med),
+        "q1_s": float(q1),
+        "q3_s": float(q3),
+        "iqr_s": float(q3 - q1),
+        "min_s": float(t.min()),
+        "max_s": float(t.max()),
+        "tokens_per_s": tokens / float(med),
     }
 
 

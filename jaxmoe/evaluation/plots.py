@@ -41,8 +41,10 @@ def plot_expert_load(res: dict[str, Any], path: Path) -> None:
         counts = np.asarray(s["expert_load"]["value"])
         ax.bar(np.arange(counts.size), counts, width=1.0, color="tab:blue")
         ax.axhline(counts.mean(), color="tab:red", lw=1, label=f"mean {counts.mean():.1f}")
-        ax.set_title(f"{lay['label']}\nmax/mean {s['load_max_over_mean']['value']:.2f}, "
-                     f"idle {s['idle_experts']['value']}", fontsize=9)
+        ax.set_title(
+            f"{lay['label']}\nmax/mean {s['load_max_over_mean']['value']:.2f}, idle {s['idle_experts']['value']}",
+            fontsize=9,
+        )
         ax.set_xlabel("expert id")
         ax.set_ylabel(f"(token, slot) pairs of {s['tokens']['value']} tokens", fontsize=8)
         ax.legend(fontsize=7)

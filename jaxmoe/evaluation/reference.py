@@ -99,7 +99,7 @@ def route_f64(logits: np.ndarray, rc: RouterConfig, selection_bias: np.ndarray |
         gs = g.max(axis=-1) if rc.group_score == "max" else -np.sort(-g, axis=-1)[..., :2].sum(axis=-1)
         order = np.lexsort((np.broadcast_to(np.arange(rc.n_group), gs.shape), -gs), axis=-1)
         keep = np.zeros((t, rc.n_group), bool)
-        np.put_along_axis(keep, order[:, :rc.topk_group], True, axis=-1)
+        np.put_along_axis(keep, order[:, : rc.topk_group], True, axis=-1)
         c = np.where(np.repeat(keep, per, axis=1), c, -np.inf)
     # stable sort of -c: equal scores keep ascending expert id
     ids = np.argsort(-c, axis=-1, kind="stable")[:, :k]

@@ -30,8 +30,21 @@ def _status(r: dict) -> str:
     return r["status"]
 
 
-CASE_COLUMNS = ("layer", "case", "ran as", "T", "rel err", "max abs err", "routing agree", "median ms",
-                "IQR ms", "min-max ms", "tok/s", "GB/s", "status")
+CASE_COLUMNS = (
+    "layer",
+    "case",
+    "ran as",
+    "T",
+    "rel err",
+    "max abs err",
+    "routing agree",
+    "median ms",
+    "IQR ms",
+    "min-max ms",
+    "tok/s",
+    "GB/s",
+    "status",
+)
 
 
 def case_rows(res: dict[str, Any]) -> list[list[str]]:
@@ -39,17 +52,35 @@ def case_rows(res: dict[str, Any]) -> list[list[str]]:
     for lay in res["layers"]:
         for r in lay["results"]:
             if r["status"] != "ok":
-                rows.append([lay["label"], r["case"], r["resolved_impl"], str(r["tokens"]), *["-"] * 8,
-                             f"{_status(r)}: {r.get('reason', '')}"])
+                rows.append(
+                    [
+                        lay["label"],
+                        r["case"],
+                        r["resolved_impl"],
+                        str(r["tokens"]),
+                        *["-"] * 8,
+                        f"{_status(r)}: {r.get('reason', '')}",
+                    ]
+                )
                 continue
             ran = r["resolved_impl"] + (f" (row {r['measured_as']})" if r.get("measured_as") else "")
-            rows.append([
-                lay["label"], r["case"], ran, str(r["tokens"]),
-                _fmt(_v(r["rel_error"])), _fmt(_v(r["max_abs_error"])), _fmt(_v(r["routing_agreement"]), ".3f"),
-                _ms(r["time_median"]), _ms(r["time_iqr"]), f"{_ms(r['time_min'])}-{_ms(r['time_max'])}",
-                _fmt(_v(r["tokens_per_s"]), ".4g"), _fmt(_v(r["bandwidth"]), ".3g"),
-                _status(r) + ("" if r["passed"] else f": {r.get('reason', '')}"),
-            ])
+            rows.append(
+                [
+                    lay["label"],
+                    r["case"],
+                    ran,
+                    str(r["tokens"]),
+                    _fmt(_v(r["rel_error"])),
+                    _fmt(_v(r["max_abs_error"])),
+                    _fmt(_v(r["routing_agreement"]), ".3f"),
+                    _ms(r["time_median"]),
+                    _ms(r["time_iqr"]),
+                    f"{_ms(r['time_min'])}-{_ms(r['time_max'])}",
+                    _fmt(_v(r["tokens_per_s"]), ".4g"),
+                    _fmt(_v(r["bandwidth"]), ".3g"),
+                    _status(r) + ("" if r["passed"] else f": {r.get('reason', '')}"),
+                ]
+            )
     return rows
 
 
@@ -65,7 +96,8 @@ def render_markdown(res: dict[str, Any], plots: list[str]) -> str:
     cfg = res["config"]
     gate = res["gate"]
     lines = [
-        f"# jaxmoe eval: {res['name']}", "",
+        f"# jaxmoe eval: {res['name']}",
+        "",
         *([res["description"], ""] if res["description"] else []),
         f"- config: `{res['config_file']}`"
         + (f" with `--set {' '.join(res['overrides'])}`" if res["overrides"] else ""),
@@ -81,27 +113,49 @@ def render_markdown(res: dict[str, Any], plots: list[str]) -> str:
         "- `auto` rows that resolve to an impl measured in the same run reuse that row's measurement "
         "(`ran as ... (row ...)`): the same jitted function",
         f"- **gate: {'PASSED' if gate['passed'] else 'FAILED'}** ({gate['checked']} cases checked, "
-        f"{gate['skipped']} skipped by impl_max_tokens)", "",
+        f"{gate['skipped']} skipped by impl_max_tokens)",
+        "",
     ]
     if gate["failures"]:
         lines += ["## Failures", ""] + [f"- {f}" for f in gate["failures"]] + [""]
     lines += ["## Accuracy and speed", "", _md_table(CASE_COLUMNS, case_rows(res)), ""]
     lines += ["## Routing statistics per layer", ""]
-    hdr = ("layer", "E", "k", "tokens", "max/mean load", "CV", "idle experts", "load entropy (bits)",
-           "routing entropy (nats)", "mean top-1 weight", "shared gate mean", "weights MB", "ref s")
+    hdr = (
+        "layer",
+        "E",
+        "k",
+        "tokens",
+        "max/mean load",
+        "CV",
+        "idle experts",
+        "load entropy (bits)",
+        "routing entropy (nats)",
+        "mean top-1 weight",
+        "shared gate mean",
+        "weights MB",
+        "ref s",
+    )
     rows = []
     for lay in res["layers"]:
         s = lay["stats"]
         mc = lay["moe_config"]
-        rows.append([
-            lay["label"], str(mc["router"]["num_experts"]), str(mc["router"]["top_k"]), str(_v(s["tokens"])),
-            _fmt(_v(s["load_max_over_mean"])), _fmt(_v(s["load_cv"])), str(_v(s["idle_experts"])),
-            f"{_v(s['load_entropy']):.2f} / {_v(s['load_entropy_max']):.2f}",
-            f"{_v(s['routing_entropy']):.3f} / {_v(s['routing_entropy_max']):.3f}",
-            _fmt(_v(s["mean_top1_weight"])), _fmt(_v(s["shared_gate_mean"])),
-            f"{sum(_v(lay['weight_bytes'][k]) for k in ('experts', 'shared', 'router')) / 1e6:.1f}",
-            f"{_v(lay['reference']['time']):.2f}",
-        ])
+        rows.append(
+            [
+                lay["label"],
+                str(mc["router"]["num_experts"]),
+                str(mc["router"]["top_k"]),
+                str(_v(s["tokens"])),
+                _fmt(_v(s["load_max_over_mean"])),
+                _fmt(_v(s["load_cv"])),
+                str(_v(s["idle_experts"])),
+                f"{_v(s['load_entropy']):.2f} / {_v(s['load_entropy_max']):.2f}",
+                f"{_v(s['routing_entropy']):.3f} / {_v(s['routing_entropy_max']):.3f}",
+                _fmt(_v(s["mean_top1_weight"])),
+                _fmt(_v(s["shared_gate_mean"])),
+                f"{sum(_v(lay['weight_bytes'][k]) for k in ('experts', 'shared', 'router')) / 1e6:.1f}",
+                f"{_v(lay['reference']['time']):.2f}",
+            ]
+        )
     lines += [_md_table(hdr, rows), ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
@@ -111,9 +165,14 @@ def render_markdown(res: dict[str, Any], plots: list[str]) -> str:
 def summary_table(res: dict[str, Any]) -> Table:
     """The short table printed at the end of a run (one section per layer)."""
     gate = res["gate"]
-    tab = Table(title=f"jaxmoe eval {res['name']}: gate {'passed' if gate['passed'] else 'FAILED'} "
-                      f"({_v(res['wall_time']):.1f} s)", box=None, padding=(0, 1), pad_edge=False,
-                header_style="bold underline")
+    tab = Table(
+        title=f"jaxmoe eval {res['name']}: gate {'passed' if gate['passed'] else 'FAILED'} "
+        f"({_v(res['wall_time']):.1f} s)",
+        box=None,
+        padding=(0, 1),
+        pad_edge=False,
+        header_style="bold underline",
+    )
     tab.add_column("case (ran as)", no_wrap=True, overflow="fold")
     for c, w in (("T", 4), ("rel err", 7), ("agree", 5), ("median ms", 9), ("tok/s", 7), ("GB/s", 5)):
         tab.add_column(c, justify="right", no_wrap=True, min_width=w)
@@ -126,12 +185,20 @@ def summary_table(res: dict[str, Any]) -> Table:
                 impl, _, rest = case.partition("/")
                 case = f"{impl}({r['resolved_impl']})/{rest}"
             if r["status"] != "ok":
-                tab.add_row(case, str(r["tokens"]), *["-"] * 5, r["status"],
-                            style="dim" if r["status"] == "skipped" else "red")
+                tab.add_row(
+                    case, str(r["tokens"]), *["-"] * 5, r["status"], style="dim" if r["status"] == "skipped" else "red"
+                )
                 continue
-            tab.add_row(case, str(r["tokens"]), _fmt(_v(r["rel_error"]), ".2g"),
-                        _fmt(_v(r["routing_agreement"]), ".2f"),
-                        _ms(r["time_median"]), _fmt(_v(r["tokens_per_s"]), ".0f" if _v(r["tokens_per_s"]) >= 10 else ".2g"), _fmt(_v(r["bandwidth"]), ".2g"),
-                        "pass" if r["passed"] else "FAIL", style=None if r["passed"] else "red")
+            tab.add_row(
+                case,
+                str(r["tokens"]),
+                _fmt(_v(r["rel_error"]), ".2g"),
+                _fmt(_v(r["routing_agreement"]), ".2f"),
+                _ms(r["time_median"]),
+                _fmt(_v(r["tokens_per_s"]), ".0f" if _v(r["tokens_per_s"]) >= 10 else ".2g"),
+                _fmt(_v(r["bandwidth"]), ".2g"),
+                "pass" if r["passed"] else "FAIL",
+                style=None if r["passed"] else "red",
+            )
         tab.add_section()
     return tab

@@ -44,9 +44,14 @@ def _environment() -> dict[str, Any]:
 
     dev = jax.devices()[0]
     return {
-        "jax": jax.__version__, "jaxmoe": jaxmoe.__version__, "python": platform.python_version(),
-        "platform": dev.platform, "device_kind": dev.device_kind, "device_count": jax.device_count(),
-        "host_cpus": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "jax": jax.__version__,
+        "jaxmoe": jaxmoe.__version__,
+        "python": platform.python_version(),
+        "platform": dev.platform,
+        "device_kind": dev.device_kind,
+        "device_count": jax.device_count(),
+        "host_cpus": os.cpu_count(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "impls_available": backends.available_impls(),
     }
 
@@ -56,7 +61,7 @@ def make_run_dir(ecfg: EvalConfig, out: str | os.PathLike | None = None) -> Path
     if out is not None:
         d = Path(out)
     else:
-        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
         d = Path(ecfg.output_dir) / f"{ecfg.name}-{stamp}"
         n = 1
         while d.exists():
@@ -94,7 +99,8 @@ def _layer_stats(spec: LayerSpec, params, xs: np.ndarray, heat_tokens: int) -> d
         "routing_entropy_max": M.quantity(float(np.log(cfg.num_experts)), "nats"),
         "mean_top1_weight": M.quantity(M.mean_top1_weight(r.weights), "weight"),
         "shared_gate_mean": M.quantity(
-            gate_mean, "sigmoid gate" if gate_mean is not None else "none (no gated shared expert)"),
+            gate_mean, "sigmoid gate" if gate_mean is not None else "none (no gated shared expert)"
+        ),
         "sample": {"tokens": h, "expert_ids": r.expert_ids[:h].tolist(), "weights": r.weights[:h].tolist()},
     }
 
@@ -125,8 +131,12 @@ def _run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant,
     cfg = spec.cfg
     resolved = backends.resolve_impl(impl, t * cfg.top_k, experts=params.experts, dtype=dtype)
     row: dict[str, Any] = {
-        "case": case_label(impl, dtype, quant), "impl": impl, "resolved_impl": resolved, "dtype": dtype,
-        "quantize": quant, "tokens": t,
+        "case": case_label(impl, dtype, quant),
+        "impl": impl,
+        "resolved_impl": resolved,
+        "dtype": dtype,
+        "quantize": quant,
+        "tokens": t,
     }
     caps = [ecfg.impl_max_tokens[n] for n in {impl, resolved} if n in ecfg.impl_max_tokens]
     if caps and t > min(caps):
@@ -158,7 +168,8 @@ def _run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant,
     tm = M.timing(samples, t)
     nbytes, touched = M.bytes_to_read(wb, ids)
     row.update(
-        status="ok", finite=err["finite"],
+        status="ok",
+        finite=err["finite"],
         compared_tokens=M.quantity(n, "tokens (output error)"),
         routed_tokens=M.quantity(n_route, "tokens (routing agreement)"),
         max_abs_error=M.quantity(err["max_abs"], "abs (output units)"),
@@ -166,9 +177,12 @@ def _run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant,
         rms_rel_error=M.quantity(err["rms_rel"], "ratio (||err||_2 / ||ref||_2)"),
         routing_agreement=M.quantity(agree, "fraction of tokens with the reference's expert set"),
         first_call=M.quantity(first, "s (includes compile)"),
-        time_median=M.quantity(tm["median_s"], "s"), time_q1=M.quantity(tm["q1_s"], "s"),
-        time_q3=M.quantity(tm["q3_s"], "s"), time_iqr=M.quantity(tm["iqr_s"], "s"),
-        time_min=M.quantity(tm["min_s"], "s"), time_max=M.quantity(tm["max_s"], "s"),
+        time_median=M.quantity(tm["median_s"], "s"),
+        time_q1=M.quantity(tm["q1_s"], "s"),
+        time_q3=M.quantity(tm["q3_s"], "s"),
+        time_iqr=M.quantity(tm["iqr_s"], "s"),
+        time_min=M.quantity(tm["min_s"], "s"),
+        time_max=M.quantity(tm["max_s"], "s"),
         repeats=M.quantity(len(samples), "calls"),
         tokens_per_s=M.quantity(tm["tokens_per_s"], "tokens/s"),
         experts_touched=M.quantity(touched, "experts"),
@@ -205,8 +219,14 @@ def count_steps(ecfg: EvalConfig, specs: list[LayerSpec]) -> int:
     return len(specs) * (2 + cases)
 
 
-def run_eval(ecfg: EvalConfig, *, source: str = "<config>", specs: list[LayerSpec] | None = None,
-             progress=None, overrides: list[str] | None = None) -> dict[str, Any]:
+def run_eval(
+    ecfg: EvalConfig,
+    *,
+    source: str = "<config>",
+    specs: list[LayerSpec] | None = None,
+    progress=None,
+    overrides: list[str] | None = None,
+) -> dict[str, Any]:
     """Runs ``ecfg``; returns the ``results.json`` mapping (no files written).
 
     ``progress`` is any object with ``advance(msg)`` (one call per step of `count_steps`).
@@ -214,7 +234,7 @@ def run_eval(ecfg: EvalConfig, *, source: str = "<config>", specs: list[LayerSpe
     progress = progress or _NullProgress()
     specs = specs if specs is not None else layer_specs(ecfg, source)
     t_start = time.perf_counter()
-    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    started = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     tmax = max(ecfg.tokens)
     layers = []
     for spec in specs:
@@ -229,7 +249,7 @@ def run_eval(ecfg: EvalConfig, *, source: str = "<config>", specs: list[LayerSpe
         x_base = np.asarray(jnp.asarray(x_all, ecfg.model.dtype).astype(jnp.float32))
         n_ref = min(ecfg.ref.max_tokens, tmax)
         y_ref, ids_ref, t_ref = _reference(spec, ecfg, base, x_base[:tmax], n_ref)
-        stats = _layer_stats(spec, base, x_base[:ecfg.inputs.stats_tokens], ecfg.heatmap_tokens)
+        stats = _layer_stats(spec, base, x_base[: ecfg.inputs.stats_tokens], ecfg.heatmap_tokens)
         progress.advance(f"{spec.label}: reference")
         rows = []
         for dtype in ecfg.case_dtypes:
@@ -242,8 +262,12 @@ def run_eval(ecfg: EvalConfig, *, source: str = "<config>", specs: list[LayerSpe
                     for t in ecfg.tokens:
                         resolved = backends.resolve_impl(impl, t * cfg.top_k, experts=params.experts, dtype=dtype)
                         if impl == "auto" and (resolved, t) in done:
-                            row = dict(done[(resolved, t)], case=case_label(impl, dtype, quant), impl=impl,
-                                       measured_as=case_label(resolved, dtype, quant))
+                            row = dict(
+                                done[(resolved, t)],
+                                case=case_label(impl, dtype, quant),
+                                impl=impl,
+                                measured_as=case_label(resolved, dtype, quant),
+                            )
                         else:
                             row = _run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant, t)
                         done[(impl, t)] = judge(row, ecfg)
@@ -253,20 +277,30 @@ def run_eval(ecfg: EvalConfig, *, source: str = "<config>", specs: list[LayerSpe
                 del params
         wb_base = M.weight_bytes(base)
         del base
-        layers.append({
-            "label": spec.label, "model": spec.model, "layer": spec.layer,
-            "weights": "checkpoint" if spec.checkpoint else f"random (seed {ecfg.model.seed})",
-            "moe_config": cfg.to_dict(),
-            "weight_bytes": {k: M.quantity(v, "B") for k, v in wb_base.items()},
-            "load_time": M.quantity(t_load, "s"),
-            "reference": {"impl": ecfg.ref.impl, "tokens": M.quantity(n_ref, "tokens"),
-                          "time": M.quantity(t_ref, "s")},
-            "stats": stats,
-            "results": rows,
-        })
-    failures = [f"{lay['label']} {r['case']} T={r['tokens']}: {r.get('reason', r['status'])}"
-                for lay in layers for r in lay["results"]
-                if r["status"] == "error" or (r["status"] == "ok" and not r["passed"])]
+        layers.append(
+            {
+                "label": spec.label,
+                "model": spec.model,
+                "layer": spec.layer,
+                "weights": "checkpoint" if spec.checkpoint else f"random (seed {ecfg.model.seed})",
+                "moe_config": cfg.to_dict(),
+                "weight_bytes": {k: M.quantity(v, "B") for k, v in wb_base.items()},
+                "load_time": M.quantity(t_load, "s"),
+                "reference": {
+                    "impl": ecfg.ref.impl,
+                    "tokens": M.quantity(n_ref, "tokens"),
+                    "time": M.quantity(t_ref, "s"),
+                },
+                "stats": stats,
+                "results": rows,
+            }
+        )
+    failures = [
+        f"{lay['label']} {r['case']} T={r['tokens']}: {r.get('reason', r['status'])}"
+        for lay in layers
+        for r in lay["results"]
+        if r["status"] == "error" or (r["status"] == "ok" and not r["passed"])
+    ]
     return {
         "schema": SCHEMA,
         "name": ecfg.name,
@@ -278,7 +312,10 @@ def run_eval(ecfg: EvalConfig, *, source: str = "<config>", specs: list[LayerSpe
         "wall_time": M.quantity(time.perf_counter() - t_start, "s"),
         "environment": _environment(),
         "layers": layers,
-        "gate": {"passed": not failures, "failures": failures,
-                 "checked": sum(r["status"] != "skipped" for lay in layers for r in lay["results"]),
-                 "skipped": sum(r["status"] == "skipped" for lay in layers for r in lay["results"])},
+        "gate": {
+            "passed": not failures,
+            "failures": failures,
+            "checked": sum(r["status"] != "skipped" for lay in layers for r in lay["results"]),
+            "skipped": sum(r["status"] == "skipped" for lay in layers for r in lay["results"]),
+        },
     }

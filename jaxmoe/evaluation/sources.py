@@ -60,15 +60,18 @@ def shrink_config(cfg: MoEConfig, s: ShrinkSection) -> MoEConfig:
     if n_group > 1:
         per = e // n_group if e % n_group == 0 else 0
         if per < (2 if rc.group_score == "top2_sum" else 1) or k > topk_group * per:
-            raise ValueError(f"model.shrink: num_experts={e} cannot keep the group limit of {cfg.name} "
-                             f"(n_group={n_group}, topk_group={topk_group}, top_k={k})")
+            raise ValueError(
+                f"model.shrink: num_experts={e} cannot keep the group limit of {cfg.name} "
+                f"(n_group={n_group}, topk_group={topk_group}, top_k={k})"
+            )
     f = s.expert_dim or cfg.expert_dim
     fs = cfg.shared_expert_dim
     if fs:
         fs = s.shared_expert_dim or max(1, round(fs * f / cfg.expert_dim))
     router = dataclasses.replace(rc, num_experts=e, top_k=k)
-    return dataclasses.replace(cfg, d_model=s.d_model or cfg.d_model, expert_dim=f, shared_expert_dim=fs,
-                               router=router, dense_dim=0)
+    return dataclasses.replace(
+        cfg, d_model=s.d_model or cfg.d_model, expert_dim=f, shared_expert_dim=fs, router=router, dense_dim=0
+    )
 
 
 def _is_checkpoint(path: str) -> bool:
@@ -88,7 +91,7 @@ def layer_specs(ecfg: EvalConfig, source: str) -> list[LayerSpec]:
         names = (m.preset,) if isinstance(m.preset, str) else m.preset
         expanded: list[str] = []
         for n in names:
-            for x in (list_presets() if n == "all" else [n]):
+            for x in list_presets() if n == "all" else [n]:
                 if x not in expanded:
                     expanded.append(x)
         for n in expanded:
@@ -113,13 +116,19 @@ def layer_specs(ecfg: EvalConfig, source: str) -> list[LayerSpec]:
             if layer >= cfg.num_layers:
                 fail("model.layers", f"{name} has {cfg.num_layers} layers; layer {layer} does not exist")
             if not cfg.is_moe_layer(layer):
-                fail("model.layers", f"layer {layer} of {name} is a dense layer (dense_layers "
-                                     f"{list(cfg.dense_layers)}); pick an MoE layer")
+                fail(
+                    "model.layers",
+                    f"layer {layer} of {name} is a dense layer (dense_layers "
+                    f"{list(cfg.dense_layers)}); pick an MoE layer",
+                )
             for q in ecfg.quantize:
                 g = GROUP_SIZE.get(q)
                 if g and (cfg.d_model % g or cfg.expert_dim % g):
-                    fail("quantize", f"{q} needs d_model and expert_dim divisible by {g}; {name} has "
-                                     f"d_model={cfg.d_model}, expert_dim={cfg.expert_dim}")
+                    fail(
+                        "quantize",
+                        f"{q} needs d_model and expert_dim divisible by {g}; {name} has "
+                        f"d_model={cfg.d_model}, expert_dim={cfg.expert_dim}",
+                    )
             label = f"{Path(name).name if ckpt or name.endswith(('.yaml', '.yml')) else name}/L{layer}"
             specs.append(LayerSpec(label, name, layer, cfg, ckpt))
     if ecfg.inputs.kind == "npy":
@@ -129,8 +138,10 @@ def layer_specs(ecfg: EvalConfig, source: str) -> list[LayerSpec]:
                 fail("inputs.path", f"{ecfg.inputs.path} has shape {shape}; {s.label} needs [..., {s.cfg.d_model}]")
             rows = int(np.prod(shape[:-1]))
             if rows < max(ecfg.tokens):
-                fail("inputs.path", f"{ecfg.inputs.path} holds {rows} tokens (shape {shape}); "
-                                    f"tokens asks for up to {max(ecfg.tokens)}")
+                fail(
+                    "inputs.path",
+                    f"{ecfg.inputs.path} holds {rows} tokens (shape {shape}); tokens asks for up to {max(ecfg.tokens)}",
+                )
     return specs
 
 
@@ -206,5 +217,6 @@ def case_params(base: MoEParams, dtype: str, quantize: str) -> MoEParams:
         return quantize_int4_affine(dense, group_size=g)
 
     ew = p.experts
-    return dataclasses.replace(p, experts=dataclasses.replace(ew, w_gate=q(ew.w_gate), w_up=q(ew.w_up),
-                                                              w_down=q(ew.w_down)))
+    return dataclasses.replace(
+        p, experts=dataclasses.replace(ew, w_gate=q(ew.w_gate), w_up=q(ew.w_up), w_down=q(ew.w_down))
+    )

@@ -101,20 +101,47 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen3moe": ArchSpec("qwen3_moe", True, GATING_SOFTMAX, None, "none", "exp_or_ff_over_k"),
     "llama": ArchSpec("mixtral", True, GATING_SOFTMAX, None, "none", "ff"),
     "olmoe": ArchSpec("olmoe", False, GATING_SOFTMAX, None, "none", "exp_or_ff"),
-    "deepseek2": ArchSpec("deepseek_v2", None, None, GATING_SOFTMAX, "count", "exp",
-                          reads_scale=True, reads_dense_lead=True, selection_bias=True),
-    "glm4moe": ArchSpec("glm4_moe", None, None, GATING_SIGMOID, "count", "exp",
-                        reads_scale=True, reads_dense_lead=True, selection_bias=True),
-    "bailingmoe2": ArchSpec("bailing_moe_v2", None, None, None, "count", "exp",
-                            reads_scale=True, reads_dense_lead=True, selection_bias=True),
+    "deepseek2": ArchSpec(
+        "deepseek_v2",
+        None,
+        None,
+        GATING_SOFTMAX,
+        "count",
+        "exp",
+        reads_scale=True,
+        reads_dense_lead=True,
+        selection_bias=True,
+    ),
+    "glm4moe": ArchSpec(
+        "glm4_moe",
+        None,
+        None,
+        GATING_SIGMOID,
+        "count",
+        "exp",
+        reads_scale=True,
+        reads_dense_lead=True,
+        selection_bias=True,
+    ),
+    "bailingmoe2": ArchSpec(
+        "bailing_moe_v2", None, None, None, "count", "exp", reads_scale=True, reads_dense_lead=True, selection_bias=True
+    ),
     "gpt-oss": ArchSpec("gpt_oss", False, GATING_SOFTMAX_WEIGHT, None, "none", "exp", gpt_oss=True),
 }
 
 #: jaxmoe family -> GGUF arch written by `save_gguf`.
 FAMILY_TO_ARCH = {
-    "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
-    "mixtral": "llama", "olmoe": "olmoe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
-    "glm4_moe": "glm4moe", "bailing_moe_v2": "bailingmoe2", "gpt_oss": "gpt-oss",
+    "qwen3_5_moe": "qwen35moe",
+    "qwen3_next": "qwen3next",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",
+    "olmoe": "olmoe",
+    "deepseek_v2": "deepseek2",
+    "deepseek_v3": "deepseek2",
+    "glm4_moe": "glm4moe",
+    "bailing_moe_v2": "bailingmoe2",
+    "gpt_oss": "gpt-oss",
 }
 
 
@@ -137,8 +164,10 @@ def open_reader(path: str | os.PathLike) -> gguf.GGUFReader:
     size = p.stat().st_size
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
-            raise CheckpointError(f"{p}: truncated GGUF file: tensor {t.name} ends at byte "
-                                  f"{t.data_offset + t.n_bytes} but the file has {size} bytes")
+            raise CheckpointError(
+                f"{p}: truncated GGUF file: tensor {t.name} ends at byte "
+                f"{t.data_offset + t.n_bytes} but the file has {size} bytes"
+            )
     return reader
 
 
@@ -152,8 +181,9 @@ def _arch(meta: dict[str, Any], path) -> str:
     if not isinstance(arch, str):
         raise CheckpointError(f"{path}: key general.architecture is missing")
     if arch not in ARCHS:
-        raise CheckpointError(f"{path}: unsupported GGUF architecture {arch!r} for an MoE layer; "
-                              f"supported: {sorted(ARCHS)}")
+        raise CheckpointError(
+            f"{path}: unsupported GGUF architecture {arch!r} for an MoE layer; supported: {sorted(ARCHS)}"
+        )
     return arch
 
 
@@ -197,8 +227,10 @@ def config_from_reader(reader: gguf.GGUFReader, path="<gguf>") -> MoEConfig:
     d = k.int("embedding_length", required=True)
     e = k.int("expert_count")
     if not e:
-        raise CheckpointError(f"{path}: {arch} file has no experts ({k.full('expert_count')} is "
-                              f"{'missing' if e is None else e}); it is not an MoE model")
+        raise CheckpointError(
+            f"{path}: {arch} file has no experts ({k.full('expert_count')} is "
+            f"{'missing' if e is None else e}); it is not an MoE model"
+        )
     top_k = k.int("expert_used_count", required=True)
     if not 0 < top_k <= e:
         raise CheckpointError(f"{path}: {k.full('expert_used_count')}={top_k} must lie in [1, expert_count={e}]")
@@ -219,11 +251,14 @@ def config_from_reader(reader: gguf.GGUFReader, path="<gguf>") -> MoEConfig:
     topk_group = k.int("expert_group_used_count", required=n_group > 1, default=1)
     if n_group > 1:
         if e % n_group:
-            raise CheckpointError(f"{path}: {k.full('expert_count')}={e} is not divisible by "
-                                  f"{k.full('expert_group_count')}={n_group}")
+            raise CheckpointError(
+                f"{path}: {k.full('expert_count')}={e} is not divisible by {k.full('expert_group_count')}={n_group}"
+            )
         if not 0 < topk_group < n_group:
-            raise CheckpointError(f"{path}: {k.full('expert_group_used_count')}={topk_group} must lie in "
-                                  f"[1, expert_group_count={n_group})")
+            raise CheckpointError(
+                f"{path}: {k.full('expert_group_used_count')}={topk_group} must lie in "
+                f"[1, expert_group_count={n_group})"
+            )
 
     if spec.gating is not None:
         gating = spec.gating
@@ -232,8 +267,10 @@ def config_from_reader(reader: gguf.GGUFReader, path="<gguf>") -> MoEConfig:
         if gating is None:
             raise CheckpointError(f"{path}: required key {k.full('expert_gating_func')} is missing")
     if gating not in _GATING_TO_SCORE:
-        raise CheckpointError(f"{path}: {k.full('expert_gating_func')}={gating} is not supported "
-                              f"(1 softmax, 2 sigmoid, 3 softmax over the selected)")
+        raise CheckpointError(
+            f"{path}: {k.full('expert_gating_func')}={gating} is not supported "
+            f"(1 softmax, 2 sigmoid, 3 softmax over the selected)"
+        )
     norm = spec.norm if spec.norm is not None else bool(k.raw("expert_weights_norm", False))
     scale = 1.0
     if spec.reads_scale:
@@ -247,8 +284,9 @@ def config_from_reader(reader: gguf.GGUFReader, path="<gguf>") -> MoEConfig:
 
     dense_lead = k.int("leading_dense_block_count", default=0) if spec.reads_dense_lead else 0
     if dense_lead > n_layers:
-        raise CheckpointError(f"{path}: {k.full('leading_dense_block_count')}={dense_lead} exceeds "
-                              f"block_count={n_layers}")
+        raise CheckpointError(
+            f"{path}: {k.full('leading_dense_block_count')}={dense_lead} exceeds block_count={n_layers}"
+        )
 
     shared_dim = n_shared = 0
     gated = False
@@ -256,9 +294,11 @@ def config_from_reader(reader: gguf.GGUFReader, path="<gguf>") -> MoEConfig:
         # llama.cpp builds the shared branch only where its tensors exist (qwen3next)
         fs = k.int("expert_shared_feed_forward_length") or n_ff
         if not fs:
-            raise CheckpointError(f"{path}: {arch} has a shared expert but neither "
-                                  f"{k.full('expert_shared_feed_forward_length')} nor "
-                                  f"{k.full('feed_forward_length')} gives its width")
+            raise CheckpointError(
+                f"{path}: {arch} has a shared expert but neither "
+                f"{k.full('expert_shared_feed_forward_length')} nor "
+                f"{k.full('feed_forward_length')} gives its width"
+            )
         shared_dim, n_shared, gated = fs, 1, True
     elif spec.shared == "count":
         n_shared = k.int("expert_shared_count", default=0)
@@ -269,20 +309,38 @@ def config_from_reader(reader: gguf.GGUFReader, path="<gguf>") -> MoEConfig:
             shared_dim = per * n_shared
 
     router = RouterConfig(
-        num_experts=e, top_k=top_k, score_fn=_GATING_TO_SCORE[gating], n_group=n_group,
-        topk_group=topk_group if n_group > 1 else 1, group_score="top2_sum", use_selection_bias=use_bias,
-        router_bias=spec.gpt_oss, renorm="clamp" if norm else "none",
-        renorm_eps=F16_MIN_NORMAL if norm else 0.0, routed_scaling_factor=scale)
+        num_experts=e,
+        top_k=top_k,
+        score_fn=_GATING_TO_SCORE[gating],
+        n_group=n_group,
+        topk_group=topk_group if n_group > 1 else 1,
+        group_score="top2_sum",
+        use_selection_bias=use_bias,
+        router_bias=spec.gpt_oss,
+        renorm="clamp" if norm else "none",
+        renorm_eps=F16_MIN_NORMAL if norm else 0.0,
+        routed_scaling_factor=scale,
+    )
     family = spec.family
     if arch == "deepseek2" and gating == GATING_SIGMOID:
         family = "deepseek_v3"
     name = meta.get("general.name")
     try:
         return MoEConfig(
-            d_model=d, expert_dim=f_exp, router=router, shared_expert_dim=shared_dim, num_shared_experts=n_shared,
-            shared_expert_gate=gated, activation="swiglu_oai" if spec.gpt_oss else "swiglu",
-            expert_bias=spec.gpt_oss, num_layers=n_layers, dense_layers=tuple(range(dense_lead)),
-            dense_dim=(n_ff or 0) if dense_lead else 0, name=name if isinstance(name, str) else "", family=family)
+            d_model=d,
+            expert_dim=f_exp,
+            router=router,
+            shared_expert_dim=shared_dim,
+            num_shared_experts=n_shared,
+            shared_expert_gate=gated,
+            activation="swiglu_oai" if spec.gpt_oss else "swiglu",
+            expert_bias=spec.gpt_oss,
+            num_layers=n_layers,
+            dense_layers=tuple(range(dense_lead)),
+            dense_dim=(n_ff or 0) if dense_lead else 0,
+            name=name if isinstance(name, str) else "",
+            family=family,
+        )
     except ValueError as err:
         raise CheckpointError(f"{path}: the metadata gives an invalid MoE config: {err}") from err
 
@@ -305,8 +363,10 @@ def _layer_plan(reader, cfg: MoEConfig, layer: int, path) -> dict[str, tuple[Any
     if not 0 <= layer < cfg.num_layers:
         raise CheckpointError(f"{path}: layer {layer} is outside [0, block_count={cfg.num_layers})")
     if layer in cfg.dense_layers:
-        raise CheckpointError(f"{path}: layer {layer} is a dense layer (leading_dense_block_count="
-                              f"{len(cfg.dense_layers)}); it has no experts")
+        raise CheckpointError(
+            f"{path}: layer {layer} is a dense layer (leading_dense_block_count="
+            f"{len(cfg.dense_layers)}); it has no experts"
+        )
     tensors = {t.name: t for t in reader.tensors}
     pre = f"blk.{layer}."
     e, d, f, fs = cfg.num_experts, cfg.d_model, cfg.expert_dim, cfg.shared_expert_dim
@@ -315,16 +375,18 @@ def _layer_plan(reader, cfg: MoEConfig, layer: int, path) -> dict[str, tuple[Any
     def need(role: str, name: str, shape: tuple[int, ...], alt_shapes=()):
         t = tensors.get(pre + name)
         if t is None:
-            have = sorted(n[len(pre):] for n in tensors if n.startswith(pre))
+            have = sorted(n[len(pre) :] for n in tensors if n.startswith(pre))
             raise CheckpointError(f"{path}: tensor {pre + name} is missing (layer {layer} has: {have})")
         got = _np_shape(t)
         if got != shape and got not in alt_shapes:
             raise CheckpointError(
                 f"{path}: tensor {pre + name} has shape {got} but the metadata (expert_count={e}, "
-                f"embedding_length={d}, expert width={f}, shared width={fs}) implies {shape}")
+                f"embedding_length={d}, expert width={f}, shared width={fs}) implies {shape}"
+            )
         if not gq.can_dequantize(t.tensor_type):
-            raise CheckpointError(f"{path}: tensor {pre + name} has type {t.tensor_type.name}, which gguf-py "
-                                  "cannot dequantize")
+            raise CheckpointError(
+                f"{path}: tensor {pre + name} has type {t.tensor_type.name}, which gguf-py cannot dequantize"
+            )
         plan[role] = (t, shape)
 
     need("router", "ffn_gate_inp.weight", (e, d))
@@ -354,8 +416,7 @@ def _layer_plan(reader, cfg: MoEConfig, layer: int, path) -> dict[str, tuple[Any
     return plan
 
 
-def load_layer_params(reader, cfg: MoEConfig, layer: int, dtype=jnp.float32, path="<gguf>",
-                      _read=None) -> MoEParams:
+def load_layer_params(reader, cfg: MoEConfig, layer: int, dtype=jnp.float32, path="<gguf>", _read=None) -> MoEParams:
     """The `MoEParams` of layer ``layer`` (only that layer's tensors are read).
 
     ``_read(name)`` is called with each tensor name before its bytes are touched (tests
@@ -373,7 +434,7 @@ def load_layer_params(reader, cfg: MoEConfig, layer: int, dtype=jnp.float32, pat
     def mat(role, rows=None):  # [..., out, in] in the file -> [..., in, out]
         raw, qt = data(role)
         if rows is not None:  # output rows of a merged tensor (quant blocks run along `in`)
-            raw = raw[..., rows[0]:rows[1], :]
+            raw = raw[..., rows[0] : rows[1], :]
         return gq.weight_from_gguf(raw, qt, dtype)
 
     def vec(role) -> jnp.ndarray:
@@ -402,10 +463,12 @@ def load_layer_params(reader, cfg: MoEConfig, layer: int, dtype=jnp.float32, pat
         gate = vec("s_sigmoid_gate") if cfg.shared_expert_gate else None
         shared = SharedWeights(mat("s_gate"), mat("s_up"), mat("s_down"), gate)
     params = MoEParams(
-        w_router=w_router, experts=experts,
+        w_router=w_router,
+        experts=experts,
         b_router=vec("router_bias") if cfg.router.router_bias else None,
         selection_bias=vec("selection_bias") if cfg.router.use_selection_bias else None,
-        shared=shared)
+        shared=shared,
+    )
     try:
         params.check(cfg)
     except ValueError as err:
@@ -488,8 +551,9 @@ def _check_exportable(cfg: MoEConfig, arch: str, layer: int) -> ArchSpec:
     return spec
 
 
-def save_gguf(block, path: str | os.PathLike, layer: int = 0, dtype: str = "f16", arch: str | None = None,
-              name: str | None = None) -> Path:
+def save_gguf(
+    block, path: str | os.PathLike, layer: int = 0, dtype: str = "f16", arch: str | None = None, name: str | None = None
+) -> Path:
     """Writes one MoE layer as a GGUF file with llama.cpp's names and keys.
 
     Args:
@@ -581,5 +645,16 @@ def save_gguf(block, path: str | os.PathLike, layer: int = 0, dtype: str = "f16"
     return path
 
 
-__all__ = ["ARCHS", "ArchSpec", "CheckpointError", "FAMILY_TO_ARCH", "config_from_reader", "from_pretrained",
-           "load_config", "load_layer_params", "open_reader", "read_metadata", "save_gguf"]
+__all__ = [
+    "ARCHS",
+    "ArchSpec",
+    "CheckpointError",
+    "FAMILY_TO_ARCH",
+    "config_from_reader",
+    "from_pretrained",
+    "load_config",
+    "load_layer_params",
+    "open_reader",
+    "read_metadata",
+    "save_gguf",
+]

@@ -178,6 +178,8 @@ def weight_to_gguf(w, qtype: QT, name: str) -> tuple[np.ndarray, QT | None]:
         return dense.astype(np.float16), None
     block, _ = GGML_QUANT_SIZES[qtype]
     if dense.shape[-1] % block:
-        raise ValueError(f"save_gguf: tensor {name} has input dim {dense.shape[-1]}, not a multiple of the "
-                         f"{qtype.name} block size {block}")
+        raise ValueError(
+            f"save_gguf: tensor {name} has input dim {dense.shape[-1]}, not a multiple of the "
+            f"{qtype.name} block size {block}"
+        )
     return gguf.quants.quantize(dense, qtype), qtype

@@ -65,8 +65,10 @@ def moe_prefix(keys, layer: int, source: str) -> str:
         if m and int(m["i"]) == layer and not any(s in m["base"] for s in _SKIP_BASES):
             found[m["base"]] = f"{m['base']}layers.{layer}.{m['mod']}"
     if not found:
-        raise ValueError(f"{source}: no MLP tensors for layer {layer} (no '*layers.{layer}.mlp.*' or "
-                         f"'*layers.{layer}.block_sparse_moe.*' names)")
+        raise ValueError(
+            f"{source}: no MLP tensors for layer {layer} (no '*layers.{layer}.mlp.*' or "
+            f"'*layers.{layer}.block_sparse_moe.*' names)"
+        )
     if len(found) > 1:
         raise ValueError(f"{source}: layer {layer} appears under several prefixes {sorted(found)}")
     return next(iter(found.values()))
@@ -87,8 +89,9 @@ def _float_linear(st: SafetensorsDir, module: str, shape: tuple[int, ...], fp8_b
     return w.astype(np.float32) * s
 
 
-def read_linear(st: SafetensorsDir, module: str, shape: tuple[int, ...], qlookup=None, keep_int4: bool = False,
-                fp8_block=None):
+def read_linear(
+    st: SafetensorsDir, module: str, shape: tuple[int, ...], qlookup=None, keep_int4: bool = False, fp8_block=None
+):
     """``{module}.weight`` of logical torch shape ``(..., out, in)``.
 
     Returns a float ndarray ``(..., out, in)`` (stored dtype), or a `QuantizedTensor`
@@ -97,13 +100,16 @@ def read_linear(st: SafetensorsDir, module: str, shape: tuple[int, ...], qlookup
     spec = qlookup(module) if qlookup is not None else None
     if spec is None:
         if st.dtype(f"{module}.weight") == "U32":
-            raise ValueError(f"{st.path}: tensor {module + '.weight'!r} is packed uint32 but the module is not "
-                             "quantized in config.json (no .scales / 'quantization' entry)")
+            raise ValueError(
+                f"{st.path}: tensor {module + '.weight'!r} is packed uint32 but the module is not "
+                "quantized in config.json (no .scales / 'quantization' entry)"
+            )
         return _float_linear(st, module, shape, fp8_block)
     *lead, out, n_in = shape
     if (n_in * spec.bits) % 32 or n_in % spec.group_size:
-        raise ValueError(f"{st.path}: {module}: input width {n_in} does not fit {spec.bits}-bit words / "
-                         f"groups of {spec.group_size}")
+        raise ValueError(
+            f"{st.path}: {module}: input width {n_in} does not fit {spec.bits}-bit words / groups of {spec.group_size}"
+        )
     w = st.get(f"{module}.weight", (*lead, out, n_in * spec.bits // 32))
     gshape = (*lead, out, n_in // spec.group_size)
     s = st.get(f"{module}.scales", gshape)
@@ -114,8 +120,9 @@ def read_linear(st: SafetensorsDir, module: str, shape: tuple[int, ...], qlookup
 
 
 #: The 16 FP4 (E2M1) values of MXFP4 codes 0..15.
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                      np.float32)
+FP4_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32
+)
 
 
 def read_mxfp4(st: SafetensorsDir, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -146,8 +153,9 @@ def _vec(st: SafetensorsDir, name: str, shape, dtype):
     return jnp.asarray(st.get(name, shape)).astype(dtype)
 
 
-def _experts(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, keep_int4: bool, fp8_block=None
-             ) -> ExpertWeights:
+def _experts(
+    st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, keep_int4: bool, fp8_block=None
+) -> ExpertWeights:
     e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_dim
     per_expert = [names for names in _PROJ_NAMES if f"{p}.experts.0.{names[0]}.weight" in st]
     stacked = [f"{p}.{grp}" for grp in ("switch_mlp", "experts") if f"{p}.{grp}.gate_proj.weight" in st]
@@ -156,8 +164,10 @@ def _experts(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, keep_in
     if layouts == 0:
         if f"{p}.gate_proj.weight" in st or f"{p}.w1.weight" in st:
             raise ValueError(f"{st.path}: {p} holds a dense MLP, not experts (is this layer dense?)")
-        raise ValueError(f"{st.path}: no routed-expert tensors under {p!r} (looked for {p}.experts.0.gate_proj.weight, "
-                         f"{p}.experts.gate_up_proj, {p}.switch_mlp.gate_proj.weight)")
+        raise ValueError(
+            f"{st.path}: no routed-expert tensors under {p!r} (looked for {p}.experts.0.gate_proj.weight, "
+            f"{p}.experts.gate_up_proj, {p}.switch_mlp.gate_proj.weight)"
+        )
     if layouts > 1:
         raise ValueError(f"{st.path}: {p} mixes expert layouts (per-expert / stacked / fused); refusing to guess")
     bias = {}
@@ -177,9 +187,11 @@ def _experts(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, keep_in
         wu = read_linear(st, f"{s}.up_proj", (e, f, d), qlookup, keep_int4, fp8_block)
         wd = read_linear(st, f"{s}.down_proj", (e, d, f), qlookup, keep_int4, fp8_block)
         if cfg.expert_bias:
-            bias = dict(b_gate=_vec(st, f"{s}.gate_proj.bias", (e, f), dtype),
-                        b_up=_vec(st, f"{s}.up_proj.bias", (e, f), dtype),
-                        b_down=_vec(st, f"{s}.down_proj.bias", (e, d), dtype))
+            bias = dict(
+                b_gate=_vec(st, f"{s}.gate_proj.bias", (e, f), dtype),
+                b_up=_vec(st, f"{s}.up_proj.bias", (e, f), dtype),
+                b_down=_vec(st, f"{s}.down_proj.bias", (e, d), dtype),
+            )
     else:
         gu_name, dn_name = f"{p}.experts.gate_up_proj", f"{p}.experts.down_proj"
         if cfg.family == "gpt_oss":
@@ -194,8 +206,11 @@ def _experts(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, keep_in
                 wd = np.swapaxes(dn, -1, -2)  # (E, d, F)
             if cfg.expert_bias:
                 gub = st.get(f"{gu_name}_bias", (e, 2 * f))
-                bias = dict(b_gate=jnp.asarray(gub[..., 0::2]).astype(dtype), b_up=jnp.asarray(gub[..., 1::2]).astype(dtype),
-                            b_down=_vec(st, f"{dn_name}_bias", (e, d), dtype))
+                bias = dict(
+                    b_gate=jnp.asarray(gub[..., 0::2]).astype(dtype),
+                    b_up=jnp.asarray(gub[..., 1::2]).astype(dtype),
+                    b_down=_vec(st, f"{dn_name}_bias", (e, d), dtype),
+                )
         else:  # torch (out, in): rows [0:F] gate, [F:2F] up
             gu = st.get(gu_name, (e, 2 * f, d))
             wg, wu = gu[:, :f], gu[:, f:]
@@ -211,8 +226,10 @@ def _shared(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, fp8_bloc
         return None
     names = [f"{p}.{n}" for n in ("shared_expert", "shared_experts") if f"{p}.{n}.gate_proj.weight" in st]
     if not names:
-        raise ValueError(f"{st.path}: missing tensor {p + '.shared_expert.gate_proj.weight'!r} "
-                         f"(or {p + '.shared_experts.gate_proj.weight'!r}); the config has a shared expert of width {fs}")
+        raise ValueError(
+            f"{st.path}: missing tensor {p + '.shared_expert.gate_proj.weight'!r} "
+            f"(or {p + '.shared_experts.gate_proj.weight'!r}); the config has a shared expert of width {fs}"
+        )
     s = names[0]
     wg = read_linear(st, f"{s}.gate_proj", (fs, d), qlookup, fp8_block=fp8_block)
     wu = read_linear(st, f"{s}.up_proj", (fs, d), qlookup, fp8_block=fp8_block)
@@ -224,8 +241,15 @@ def _shared(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, fp8_bloc
     return SharedWeights(_xw(wg, dtype), _xw(wu, dtype), _xw(wd, dtype), gate)
 
 
-def load_params(st: SafetensorsDir, cfg: MoEConfig, layer: int, dtype=jnp.float32, qlookup=None,
-                keep_int4: bool = False, fp8_block: tuple[int, int] | None = None) -> MoEParams:
+def load_params(
+    st: SafetensorsDir,
+    cfg: MoEConfig,
+    layer: int,
+    dtype=jnp.float32,
+    qlookup=None,
+    keep_int4: bool = False,
+    fp8_block: tuple[int, int] | None = None,
+) -> MoEParams:
     """`MoEParams` of MoE layer ``layer`` (router and its biases in float32, the rest in ``dtype``).
 
     ``qlookup``: MLX quantization per module (`jaxmoe.io.mlx.quant_lookup`); ``keep_int4``: keep
@@ -238,8 +262,7 @@ def load_params(st: SafetensorsDir, cfg: MoEConfig, layer: int, dtype=jnp.float3
     e, d = cfg.num_experts, cfg.d_model
     p = moe_prefix(st.keys(), layer, str(st.path))
     if (f"{p}.gate_proj.weight" in st or f"{p}.w1.weight" in st) and f"{p}.gate.weight" not in st:
-        raise ValueError(f"{st.path}: {p} holds a dense MLP, not experts (is layer {layer} dense? the config "
-                         f"says MoE)")
+        raise ValueError(f"{st.path}: {p} holds a dense MLP, not experts (is layer {layer} dense? the config says MoE)")
     rname = f"{p}.router" if f"{p}.router.weight" in st else f"{p}.gate"
     if f"{rname}.weight" not in st:
         raise ValueError(f"{st.path}: missing tensor {p + '.gate.weight'!r} (the router of layer {layer})")
@@ -269,8 +292,9 @@ def fp8_block_size(raw: dict, source: str) -> tuple[int, int] | None:
     return int(b[0]), int(b[1])
 
 
-def from_pretrained(path: str | os.PathLike, layer: int = 0, dtype=jnp.float32, impl: str = "auto",
-                    quantized: bool | None = None):
+def from_pretrained(
+    path: str | os.PathLike, layer: int = 0, dtype=jnp.float32, impl: str = "auto", quantized: bool | None = None
+):
     """An `MoEBlock` for MoE layer ``layer`` of an HF (or mlx-lm) checkpoint directory.
 
     Args:
@@ -289,7 +313,10 @@ def from_pretrained(path: str | os.PathLike, layer: int = 0, dtype=jnp.float32, 
         quantized = "quantization" in raw
     fp8_block = fp8_block_size(raw, str(p / "config.json"))
     with SafetensorsDir(p) as st:
-        qlookup = _mlx.quant_lookup(hf_config.text_config(raw), st.keys(), str(p / "config.json")) if quantized else None
-        params = load_params(st, cfg, layer, dtype=dtype, qlookup=qlookup, keep_int4=bool(quantized),
-                             fp8_block=fp8_block)
+        qlookup = (
+            _mlx.quant_lookup(hf_config.text_config(raw), st.keys(), str(p / "config.json")) if quantized else None
+        )
+        params = load_params(
+            st, cfg, layer, dtype=dtype, qlookup=qlookup, keep_int4=bool(quantized), fp8_block=fp8_block
+        )
     return MoEBlock(cfg, params=params, dtype=dtype, impl=impl)

@@ -32,14 +32,30 @@ from typing import Any
 from jaxmoe.config import MoEConfig, RouterConfig
 
 #: model_type values this module maps (``qwen3_5_moe_text`` is the text-only config).
-FAMILIES = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "olmoe", "mixtral",
-            "deepseek_v2", "deepseek_v3", "glm4_moe", "bailing_hybrid", "bailing_moe_v2", "gpt_oss")
+FAMILIES = (
+    "qwen2_moe",
+    "qwen3_moe",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "olmoe",
+    "mixtral",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "bailing_hybrid",
+    "bailing_moe_v2",
+    "gpt_oss",
+)
 
 #: Alternative spellings of the same field (transformers' ``attribute_map`` of bailing_hybrid,
 #: whose saved config.json uses the right-hand names, as Ling's own configs do).
-_ALT_KEYS = {"num_experts_per_tok": "num_experts_per_token", "n_group": "num_expert_group",
-             "norm_topk_prob": "moe_renormalize", "n_shared_experts": "num_shared_experts",
-             "n_routed_experts": "num_experts"}
+_ALT_KEYS = {
+    "num_experts_per_tok": "num_experts_per_token",
+    "n_group": "num_expert_group",
+    "norm_topk_prob": "moe_renormalize",
+    "n_shared_experts": "num_shared_experts",
+    "n_routed_experts": "num_experts",
+}
 
 _ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
 
@@ -81,8 +97,9 @@ def family_of(d: dict[str, Any], source: str = "config.json") -> str:
     mt = d.get("model_type")
     mt = _ALIASES.get(mt, mt)
     if mt not in FAMILIES:
-        raise ValueError(f"{source}: unknown or unsupported model_type {d.get('model_type')!r}; "
-                         f"supported: {', '.join(FAMILIES)}")
+        raise ValueError(
+            f"{source}: unknown or unsupported model_type {d.get('model_type')!r}; supported: {', '.join(FAMILIES)}"
+        )
     return mt
 
 
@@ -117,8 +134,10 @@ def dense_layers(d: dict[str, Any], family: str, num_layers: int, source: str) -
     if family.startswith("bailing") and isinstance(d.get("mlp_layer_types"), list):
         types = d["mlp_layer_types"]
         if len(types) != num_layers or set(types) - {"dense", "sparse"}:
-            raise ValueError(f"{source}: mlp_layer_types must list 'dense' / 'sparse' for each of the {num_layers} "
-                             f"layers, got {types!r}")
+            raise ValueError(
+                f"{source}: mlp_layer_types must list 'dense' / 'sparse' for each of the {num_layers} "
+                f"layers, got {types!r}"
+            )
         return tuple(i for i, t in enumerate(types) if t == "dense")
     if family in ("deepseek_v2", "deepseek_v3", "glm4_moe", "bailing_hybrid", "bailing_moe_v2"):
         default = {"deepseek_v2": 0, "deepseek_v3": 3, "glm4_moe": 1}.get(family, 2)
@@ -165,9 +184,12 @@ def moe_config_from_hf(d: dict[str, Any], source: str = "config.json", name: str
         e = _int(d, "num_local_experts", None, source)
         f = _int(d, "intermediate_size", None, source)
         rk.update(score_fn="softmax_topk", router_bias=True, renorm="none")
-        kw.update(activation="swiglu_oai", expert_bias=True,
-                  swiglu_alpha=float(_get(d, "swiglu_alpha", 1.702, source)),
-                  swiglu_limit=float(_get(d, "swiglu_limit", 7.0, source)))
+        kw.update(
+            activation="swiglu_oai",
+            expert_bias=True,
+            swiglu_alpha=float(_get(d, "swiglu_alpha", 1.702, source)),
+            swiglu_limit=float(_get(d, "swiglu_limit", 7.0, source)),
+        )
     else:  # deepseek_v2, deepseek_v3, glm4_moe, bailing_*
         e = _int(d, "n_routed_experts", d.get("num_local_experts"), source)
         if fam.startswith("bailing") and d.get("score_function", "sigmoid") != "sigmoid":
@@ -184,22 +206,39 @@ def moe_config_from_hf(d: dict[str, Any], source: str = "config.json", name: str
             elif method == "group_limited_greedy":
                 rk.update(n_group=_int(d, "n_group", None, source), topk_group=_int(d, "topk_group", None, source))
             else:
-                raise ValueError(f"{source}: deepseek_v2 topk_method {method!r} is not one of "
-                                 "'greedy', 'group_limited_greedy' (the ones transformers implements)")
+                raise ValueError(
+                    f"{source}: deepseek_v2 topk_method {method!r} is not one of "
+                    "'greedy', 'group_limited_greedy' (the ones transformers implements)"
+                )
             rk.update(score_fn="softmax", group_score="max", renorm="none", routed_scaling_factor=scale)
         else:
             g_default, tg_default = (1, 1) if fam == "glm4_moe" else (8, 4)
             norm = _get(d, "norm_topk_prob", True, source)
-            rk.update(score_fn="sigmoid", use_selection_bias=True, group_score="top2_sum",
-                      n_group=_int(d, "n_group", g_default, source), topk_group=_int(d, "topk_group", tg_default, source),
-                      renorm="add" if norm else "none", renorm_eps=1e-20 if norm else 0.0,
-                      routed_scaling_factor=scale)
+            rk.update(
+                score_fn="sigmoid",
+                use_selection_bias=True,
+                group_score="top2_sum",
+                n_group=_int(d, "n_group", g_default, source),
+                topk_group=_int(d, "topk_group", tg_default, source),
+                renorm="add" if norm else "none",
+                renorm_eps=1e-20 if norm else 0.0,
+                routed_scaling_factor=scale,
+            )
         dense_dim = int(d.get("intermediate_size") or 0)
     dl = dense_layers(d, fam, layers, source)
     try:
         router = RouterConfig(num_experts=e, top_k=k, **rk)
-        return MoEConfig(d_model=hidden, expert_dim=f, router=router, num_layers=layers, dense_layers=dl,
-                         dense_dim=dense_dim if dl else 0, name=name, family=fam, **kw)
+        return MoEConfig(
+            d_model=hidden,
+            expert_dim=f,
+            router=router,
+            num_layers=layers,
+            dense_layers=dl,
+            dense_dim=dense_dim if dl else 0,
+            name=name,
+            family=fam,
+            **kw,
+        )
     except ValueError as err:
         raise ValueError(f"{source}: {err}") from None
 

@@ -30,22 +30,62 @@ from jaxmoe.io.errors import CheckpointError
 
 #: config.json keys that describe the MoE layers (HF and mlx-lm spellings).
 HF_MOE_KEYS = (
-    "num_experts", "n_routed_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-    "intermediate_size", "shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts",
-    "norm_topk_prob", "scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor",
-    "first_k_dense_replace", "decoder_sparse_step", "mlp_only_layers", "moe_layer_freq", "hidden_size",
-    "num_hidden_layers", "swiglu_limit", "router_aux_loss_coef", "quantization",
+    "num_experts",
+    "n_routed_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "intermediate_size",
+    "shared_expert_intermediate_size",
+    "n_shared_experts",
+    "num_shared_experts",
+    "norm_topk_prob",
+    "scoring_func",
+    "topk_method",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "first_k_dense_replace",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "moe_layer_freq",
+    "hidden_size",
+    "num_hidden_layers",
+    "swiglu_limit",
+    "router_aux_loss_coef",
+    "quantization",
 )
 
-_GGUF_MOE = re.compile(r"^blk\.(\d+)\.(ffn_gate_inp(_shexp)?|ffn_(gate|up|down|gate_up)_(exps|shexp|chexps)|"
-                       r"exp_probs_b|ffn_(gate|up|down))(\.\w+)?$")
+_GGUF_MOE = re.compile(
+    r"^blk\.(\d+)\.(ffn_gate_inp(_shexp)?|ffn_(gate|up|down|gate_up)_(exps|shexp|chexps)|"
+    r"exp_probs_b|ffn_(gate|up|down))(\.\w+)?$"
+)
 _HF_LAYER = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(.+)$")
-_HF_MOE_PART = re.compile(r"(^|\.)(experts|switch_mlp|shared_experts?|shared_expert_gate|block_sparse_moe|router)"
-                          r"(\.|$)|(^|\.)mlp\.gate\.")
+_HF_MOE_PART = re.compile(
+    r"(^|\.)(experts|switch_mlp|shared_experts?|shared_expert_gate|block_sparse_moe|router)"
+    r"(\.|$)|(^|\.)mlp\.gate\."
+)
 _PER_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
-_ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
-                   "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 0.5}
+_ST_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "F4": 0.5,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,13 +151,19 @@ def inspect_gguf(path: str | Path) -> Report:
         if not m:
             continue
         layer = int(m.group(1))
-        rows.append(TensorRow(layer, t.name[len(f"blk.{layer}."):], t.tensor_type.name,
-                              tuple(int(x) for x in reversed(t.shape.tolist())), int(t.n_bytes)))
+        rows.append(
+            TensorRow(
+                layer,
+                t.name[len(f"blk.{layer}.") :],
+                t.tensor_type.name,
+                tuple(int(x) for x in reversed(t.shape.tolist())),
+                int(t.n_bytes),
+            )
+        )
     if n_layers is None:
         n_layers = 1 + max((r.layer for r in rows), default=-1)
     layers = {i: ("dense" if i in dense else "moe") for i in range(n_layers)}
-    return Report(str(path), "gguf", arch, fields, layers, tuple(sorted(rows, key=lambda r: (r.layer, r.name))),
-                  note)
+    return Report(str(path), "gguf", arch, fields, layers, tuple(sorted(rows, key=lambda r: (r.layer, r.name))), note)
 
 
 def _flatten(d: dict[str, Any], pre: str = "") -> dict[str, Any]:
@@ -177,8 +223,9 @@ def inspect_dir(path: str | Path) -> Report:
                     acc[1] += nbytes
         except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError subclasses only Exception
             raise CheckpointError(f"{fp}: cannot read the safetensors header ({type(e).__name__}: {e})") from e
-    rows = tuple(TensorRow(layer, name, dt, shape, acc[1], acc[0])
-                 for (layer, name, dt, shape), acc in sorted(folded.items()))
+    rows = tuple(
+        TensorRow(layer, name, dt, shape, acc[1], acc[0]) for (layer, name, dt, shape), acc in sorted(folded.items())
+    )
     moe_layers = {r.layer for r in rows if "experts" in r.name or "switch_mlp" in r.name}
     if not isinstance(n_layers, int):
         n_layers = 1 + max((r.layer for r in rows), default=-1)
@@ -220,9 +267,16 @@ def render(report: Report, console, layers: list[int] | None = None) -> None:
         console.print(f"note: {report.note}")
     shape_note = "numpy order (GGUF dims reversed)" if report.format == "gguf" else "as stored"
     tab = Table(title=f"MoE tensors per layer (shapes in {shape_note})", show_header=True)
-    for col, kw in (("layer", dict(justify="right")), ("kind", {}), ("tensor", dict(overflow="fold")), ("type", {}),
-                    ("shape", {}), ("count", dict(justify="right")), ("bytes", dict(justify="right")),
-                    ("size", dict(justify="right"))):
+    for col, kw in (
+        ("layer", dict(justify="right")),
+        ("kind", {}),
+        ("tensor", dict(overflow="fold")),
+        ("type", {}),
+        ("shape", {}),
+        ("count", dict(justify="right")),
+        ("bytes", dict(justify="right")),
+        ("size", dict(justify="right")),
+    ):
         tab.add_column(col, **kw)
     by_layer: dict[int, list[TensorRow]] = {}
     for r in report.tensors:
@@ -238,8 +292,16 @@ def render(report: Report, console, layers: list[int] | None = None) -> None:
             empty.append(layer)
         for i, r in enumerate(rows):
             total += r.nbytes
-            tab.add_row(str(layer) if i == 0 else "", kind if i == 0 else "", r.name, r.dtype,
-                        "x".join(map(str, r.shape)), str(r.count), str(r.nbytes), _human(r.nbytes))
+            tab.add_row(
+                str(layer) if i == 0 else "",
+                kind if i == 0 else "",
+                r.name,
+                r.dtype,
+                "x".join(map(str, r.shape)),
+                str(r.count),
+                str(r.nbytes),
+                _human(r.nbytes),
+            )
         tab.add_section()
     console.print(tab)
     if empty:
@@ -261,8 +323,9 @@ def _ranges(xs: list[int]) -> str:
 
 def cli_main(argv: list[str] | None = None) -> int:
     """``jaxmoe inspect FILE_OR_DIR [--layer N ...] [--json]``; returns the exit code."""
-    ap = argparse.ArgumentParser(prog="jaxmoe inspect",
-                                 description="Print the MoE layout of a GGUF file or an HF / MLX checkpoint dir.")
+    ap = argparse.ArgumentParser(
+        prog="jaxmoe inspect", description="Print the MoE layout of a GGUF file or an HF / MLX checkpoint dir."
+    )
     ap.add_argument("path", help="a .gguf file or a directory with config.json and *.safetensors")
     ap.add_argument("--layer", type=int, action="append", help="only these layers (repeatable)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -58,12 +59,16 @@ def _check_packed(w: np.ndarray, scales: np.ndarray, biases: np.ndarray, spec: Q
     n_in = w.shape[-1] * 32 // spec.bits
     want = (*w.shape[:-1], n_in // spec.group_size)
     if (w.shape[-1] * 32) % spec.bits or n_in % spec.group_size:
-        raise ValueError(f"{name}.weight: packed width {w.shape[-1]} does not hold whole groups of "
-                         f"{spec.group_size} at {spec.bits} bits")
+        raise ValueError(
+            f"{name}.weight: packed width {w.shape[-1]} does not hold whole groups of "
+            f"{spec.group_size} at {spec.bits} bits"
+        )
     for what, a in (("scales", scales), ("biases", biases)):
         if tuple(a.shape) != want:
-            raise ValueError(f"{name}.{what} has shape {tuple(a.shape)}, expected {want} "
-                             f"(weight {tuple(w.shape)}, {spec.bits} bits, group {spec.group_size})")
+            raise ValueError(
+                f"{name}.{what} has shape {tuple(a.shape)}, expected {want} "
+                f"(weight {tuple(w.shape)}, {spec.bits} bits, group {spec.group_size})"
+            )
     return n_in
 
 
@@ -72,7 +77,7 @@ def unpack_codes(w: np.ndarray, bits: int) -> np.ndarray:
     w = np.ascontiguousarray(w, dtype=np.uint32)
     if bits in (2, 4, 8):
         per = 32 // bits
-        shifts = (np.arange(per, dtype=np.uint32) * bits)
+        shifts = np.arange(per, dtype=np.uint32) * bits
         q = (w[..., None] >> shifts) & np.uint32((1 << bits) - 1)
         return q.reshape(*w.shape[:-1], w.shape[-1] * per).astype(np.uint8)
     by = w.view(np.uint8)  # little-endian host: byte order of the stream
@@ -92,8 +97,9 @@ def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(by).view(np.uint32)
 
 
-def dequantize(w: np.ndarray, scales: np.ndarray, biases: np.ndarray, spec: QuantSpec, name: str = "weight"
-               ) -> np.ndarray:
+def dequantize(
+    w: np.ndarray, scales: np.ndarray, biases: np.ndarray, spec: QuantSpec, name: str = "weight"
+) -> np.ndarray:
     """float32 ``[..., out, in]`` from an MLX packed weight (``scale * q + bias`` in float32)."""
     n_in = _check_packed(w, scales, biases, spec, name)
     q = unpack_codes(w, spec.bits)[..., :n_in].astype(np.float32)
@@ -103,8 +109,9 @@ def dequantize(w: np.ndarray, scales: np.ndarray, biases: np.ndarray, spec: Quan
     return out.reshape(*w.shape[:-1], n_in)
 
 
-def to_quantized_tensor(w: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int = 64,
-                        name: str = "weight") -> QuantizedTensor:
+def to_quantized_tensor(
+    w: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int = 64, name: str = "weight"
+) -> QuantizedTensor:
     """An MLX 4-bit affine weight ``(..., out, in/8)`` uint32 as a `QuantizedTensor` (a byte view).
 
     The logical weight is ``[..., in, out]``; scales and biases keep their dtype.
@@ -168,18 +175,19 @@ def quant_lookup(config: dict[str, Any], keys, source: str = "config.json") -> Q
         has_scales = f"{module}.scales" in keys
         if ov is False:
             if has_scales:
-                raise ValueError(f"{source}: quantization marks {module!r} as float (false) but "
-                                 f"{module}.scales exists")
+                raise ValueError(f"{source}: quantization marks {module!r} as float (false) but {module}.scales exists")
             return None
         if isinstance(ov, dict):
             try:
-                spec = QuantSpec(int(ov.get("bits", top.bits)), int(ov.get("group_size", top.group_size)),
-                                 ov.get("mode", top.mode))
+                spec = QuantSpec(
+                    int(ov.get("bits", top.bits)), int(ov.get("group_size", top.group_size)), ov.get("mode", top.mode)
+                )
             except ValueError as e:
                 raise ValueError(f"{source}: quantization[{module!r}]: {e}") from None
             if not has_scales:
-                raise ValueError(f"{source}: quantization[{module!r}] says quantized but tensor "
-                                 f"{module + '.scales'!r} is missing")
+                raise ValueError(
+                    f"{source}: quantization[{module!r}] says quantized but tensor {module + '.scales'!r} is missing"
+                )
             return spec
         if ov is not None and ov is not True:
             raise ValueError(f"{source}: quantization[{module!r}] must be an object or false, got {ov!r}")

@@ -55,7 +55,9 @@ class SafetensorsDir:
             for fname in files:
                 for name in self._open(fname).keys():
                     if name in self._where:
-                        raise ValueError(f"{self.path}: tensor {name!r} appears in both {self._where[name]} and {fname}")
+                        raise ValueError(
+                            f"{self.path}: tensor {name!r} appears in both {self._where[name]} and {fname}"
+                        )
                     self._where[name] = fname
 
     def _open(self, fname: str):
@@ -72,7 +74,7 @@ class SafetensorsDir:
         self._stack.close()
         self._handles.clear()
 
-    def __enter__(self) -> "SafetensorsDir":
+    def __enter__(self) -> SafetensorsDir:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -12,16 +12,53 @@ that prefetch, a multi-layer decode driver, routing traces and the sweep (issue 
 
 from jaxmoe.offload.cache import ExpertCache, LayeredCache, make_cache
 from jaxmoe.offload.driver import OffloadConfig, OffloadedModel, OffloadStats, RunResult
-from jaxmoe.offload.prerouter import (PREDICTORS, LearnedPredictor, Prefetcher, PredictQuery, make_predictor,
-                                      train_learned)
-from jaxmoe.offload.store import (ExpertStore, ExpertStoreError, GGUFStore, ResidentLayer, SafetensorsStore,
-                                  open_store, random_layers, write_gguf_store, write_safetensors_store)
+from jaxmoe.offload.prerouter import (
+    PREDICTORS,
+    LearnedPredictor,
+    PredictQuery,
+    Prefetcher,
+    make_predictor,
+    train_learned,
+)
+from jaxmoe.offload.store import (
+    ExpertStore,
+    ExpertStoreError,
+    GGUFStore,
+    ResidentLayer,
+    SafetensorsStore,
+    open_store,
+    random_layers,
+    write_gguf_store,
+    write_safetensors_store,
+)
 from jaxmoe.offload.traces import load_hidden, load_trace, reuse_rate, save_trace, synthetic_trace
 
 __all__ = [
-    "ExpertCache", "LayeredCache", "make_cache", "OffloadConfig", "OffloadedModel", "OffloadStats", "RunResult",
-    "PREDICTORS", "LearnedPredictor", "Prefetcher", "PredictQuery", "make_predictor", "train_learned",
-    "ExpertStore", "ExpertStoreError", "GGUFStore", "ResidentLayer", "SafetensorsStore", "open_store",
-    "random_layers", "write_gguf_store", "write_safetensors_store", "load_hidden", "load_trace", "reuse_rate",
-    "save_trace", "synthetic_trace",
+    "ExpertCache",
+    "LayeredCache",
+    "make_cache",
+    "OffloadConfig",
+    "OffloadedModel",
+    "OffloadStats",
+    "RunResult",
+    "PREDICTORS",
+    "LearnedPredictor",
+    "Prefetcher",
+    "PredictQuery",
+    "make_predictor",
+    "train_learned",
+    "ExpertStore",
+    "ExpertStoreError",
+    "GGUFStore",
+    "ResidentLayer",
+    "SafetensorsStore",
+    "open_store",
+    "random_layers",
+    "write_gguf_store",
+    "write_safetensors_store",
+    "load_hidden",
+    "load_trace",
+    "reuse_rate",
+    "save_trace",
+    "synthetic_trace",
 ]

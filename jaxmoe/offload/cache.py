@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 POLICIES = ("lru", "lfu")
 SCOPES = ("global", "per_layer")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -66,16 +66,18 @@ def route_replay(res: ResidentLayer, h: jax.Array, ids: jax.Array, cfg: MoEConfi
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"))
-def expert_step(res: ResidentLayer, experts, h: jax.Array, x: jax.Array, routing: Routing, cfg: MoEConfig,
-                impl: str) -> jax.Array:
+def expert_step(
+    res: ResidentLayer, experts, h: jax.Array, x: jax.Array, routing: Routing, cfg: MoEConfig, impl: str
+) -> jax.Array:
     """``h + moe(x)`` with the given expert stack (full or compact) and routing into it."""
     p = MoEParams(res.w_router, experts, res.b_router, res.selection_bias, res.shared)
     return h + moe_apply(p, x, cfg, impl=impl, routing=routing).astype(h.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"))
-def compact_step(res: ResidentLayer, experts: list, h: jax.Array, x: jax.Array, routing: Routing, cfg: MoEConfig,
-                 impl: str) -> jax.Array:
+def compact_step(
+    res: ResidentLayer, experts: list, h: jax.Array, x: jax.Array, routing: Routing, cfg: MoEConfig, impl: str
+) -> jax.Array:
     """`expert_step` on the compact stack of ``experts`` (a list of per-expert pytrees), stacked
     inside the jitted step (one dispatch per layer)."""
     return expert_step(res, stack_experts(list(experts), jnp), h, x, routing, cfg, impl)
@@ -157,22 +159,30 @@ class OffloadStats:
     def summarize(s: FetchStats, tokens: int) -> dict:
         n = max(s.needed, 1)
         return {
-            "hit_rate": s.hits / n, "late_rate": s.late / n, "miss_rate": s.misses / n,
+            "hit_rate": s.hits / n,
+            "late_rate": s.late / n,
+            "miss_rate": s.misses / n,
             "recall": s.recall_sum / s.recall_n if s.recall_n else None,
             "bytes_loaded_per_token": (s.bytes_sync + s.bytes_prefetch) / max(tokens, 1),
             "bytes_sync_per_token": s.bytes_sync / max(tokens, 1),
             "bytes_prefetch_per_token": s.bytes_prefetch / max(tokens, 1),
-            "wait_s": s.wait_s, "needed": s.needed,
+            "wait_s": s.wait_s,
+            "needed": s.needed,
         }
 
     def to_dict(self) -> dict:
         d = self.summarize(self.total(), self.tokens)
-        d.update(tokens=self.tokens, seconds=self.seconds,
-                 tokens_per_s=self.tokens / self.seconds if self.seconds > 0 else None,
-                 budget_bytes=self.budget_bytes, peak_cache_bytes=self.peak_cache_bytes,
-                 expert_bytes=self.expert_bytes, prefetch_errors=len(self.prefetch_errors),
-                 peak_staged_bytes=self.peak_staged_bytes,
-                 per_layer=[self.summarize(s, self.tokens) for s in self.layers])
+        d.update(
+            tokens=self.tokens,
+            seconds=self.seconds,
+            tokens_per_s=self.tokens / self.seconds if self.seconds > 0 else None,
+            budget_bytes=self.budget_bytes,
+            peak_cache_bytes=self.peak_cache_bytes,
+            expert_bytes=self.expert_bytes,
+            prefetch_errors=len(self.prefetch_errors),
+            peak_staged_bytes=self.peak_staged_bytes,
+            per_layer=[self.summarize(s, self.tokens) for s in self.layers],
+        )
         return d
 
 
@@ -192,8 +202,7 @@ class OffloadedModel:
         if not 1 <= self.num_layers <= store.num_layers:
             raise ValueError(f"OffloadedModel: num_layers={num_layers} outside [1, {store.num_layers}]")
         self.impl = impl
-        self.resident = [jax.device_put(jax.tree.map(jnp.asarray, store.resident(l)))
-                         for l in range(self.num_layers)]
+        self.resident = [jax.device_put(jax.tree.map(jnp.asarray, store.resident(l))) for l in range(self.num_layers)]
         self._full = None
 
     # ------------------------------------------------------------------ helpers
@@ -246,15 +255,21 @@ class OffloadedModel:
         n = x.shape[0]
         trace = self._trace(trace, n)
         full = [self.full_experts(l) for l in range(self.num_layers)]
-        dev_experts = [[jax.tree.map(lambda a: a[e], full[l]) for e in range(self.cfg.num_experts)]
-                       for l in range(self.num_layers)] if compact else None
+        dev_experts = (
+            [
+                [jax.tree.map(lambda a, e=e: a[e], full[l]) for e in range(self.cfg.num_experts)]
+                for l in range(self.num_layers)
+            ]
+            if compact
+            else None
+        )
         self._warmup(x, trace, full)
         L, k, d = self.num_layers, self.cfg.top_k, self.cfg.d_model
         outs, ids_all = np.zeros((n, d), np.float32), np.zeros((n, L, k), np.int32)
         hid = np.zeros((n, L, d), np.float32)
         t0 = time.perf_counter()
         for t in range(n):
-            h = jnp.asarray(x[t:t + 1])
+            h = jnp.asarray(x[t : t + 1])
             for l in range(L):
                 hid[t, l] = np.asarray(h[0])
                 xn, r = self._route(l, h, trace, t)
@@ -262,8 +277,15 @@ class OffloadedModel:
                 ids_all[t, l] = ids[0]
                 if compact:
                     _, padded, local = self.compact(ids, self._n_pad(1))
-                    h = compact_step(self.resident[l], [dev_experts[l][e] for e in padded], h, xn,
-                                     Routing(jnp.asarray(local), r.weights), self.cfg, self.impl)
+                    h = compact_step(
+                        self.resident[l],
+                        [dev_experts[l][e] for e in padded],
+                        h,
+                        xn,
+                        Routing(jnp.asarray(local), r.weights),
+                        self.cfg,
+                        self.impl,
+                    )
                 else:
                     h = expert_step(self.resident[l], full[l], h, xn, r, self.cfg, self.impl)
             outs[t] = np.asarray(h[0])
@@ -279,11 +301,13 @@ class OffloadedModel:
         ids = np.asarray(r.expert_ids)
         _, padded, local = self.compact(ids, n_pad)
         experts = [jax.device_put(self.store.load_expert(0, int(e))) for e in padded]
-        jax.block_until_ready(compact_step(self.resident[0], experts, h, xn, Routing(jnp.asarray(local), r.weights),
-                                           self.cfg, self.impl))
+        jax.block_until_ready(
+            compact_step(self.resident[0], experts, h, xn, Routing(jnp.asarray(local), r.weights), self.cfg, self.impl)
+        )
 
-    def run_offloaded(self, inputs, ocfg: OffloadConfig, predictor: Predictor, *, trace=None,
-                      on_step: Callable | None = None) -> tuple[RunResult, OffloadStats]:
+    def run_offloaded(
+        self, inputs, ocfg: OffloadConfig, predictor: Predictor, *, trace=None, on_step: Callable | None = None
+    ) -> tuple[RunResult, OffloadStats]:
         """Streams experts through a fresh cache while decoding ``inputs [N, d]`` one token at a time.
 
         Args:
@@ -311,7 +335,7 @@ class OffloadedModel:
         try:
             t0 = time.perf_counter()
             for t in range(n):
-                h = jnp.asarray(x[t:t + 1])
+                h = jnp.asarray(x[t : t + 1])
                 for l in range(L):
                     hid[t, l] = np.asarray(h[0])
                     xn, r = self._route(l, h, trace, t)
@@ -325,21 +349,35 @@ class OffloadedModel:
                     # predict the next layer (or layer 0 of the next token) and prefetch it
                     tl, tt = (l + 1, t) if l + 1 < L else (0, t + 1)
                     if tt < n and m > 0:
-                        q = PredictQuery(tl, tt, m, hidden=hid[t, l] if tl > 0 else None,
-                                         cur_ids=ids[0] if tl > 0 else None,
-                                         prev_ids=ids_all[tt - 1, tl] if tt > 0 else None)
+                        q = PredictQuery(
+                            tl,
+                            tt,
+                            m,
+                            hidden=hid[t, l] if tl > 0 else None,
+                            cur_ids=ids[0] if tl > 0 else None,
+                            prev_ids=ids_all[tt - 1, tl] if tt > 0 else None,
+                        )
                         pred = np.asarray(predictor.predict(q), np.int32)
                         if pred.size and (pred.min() < 0 or pred.max() >= E):
-                            raise ValueError(f"predictor {getattr(predictor, 'name', predictor)!r} returned expert "
-                                             f"ids outside [0, {E}) for layer {tl}: {pred.tolist()}")
+                            raise ValueError(
+                                f"predictor {getattr(predictor, 'name', predictor)!r} returned expert "
+                                f"ids outside [0, {E}) for layer {tl}: {pred.tolist()}"
+                            )
                         preds[(tt, tl)] = pred
                         if tl != l:  # (a one-layer model predicts its own next step: request after release)
                             pf.request(tl, pred)
                     needed, padded, local = self.compact(ids, n_pad)
                     protect = [(l, int(e)) for e in needed]
                     dev = {int(e): pf.fetch((l, int(e)), stats[l], protect) for e in needed}
-                    h = compact_step(self.resident[l], [dev[int(e)] for e in padded], h, xn,
-                                     Routing(jnp.asarray(local), r.weights), self.cfg, self.impl)
+                    h = compact_step(
+                        self.resident[l],
+                        [dev[int(e)] for e in padded],
+                        h,
+                        xn,
+                        Routing(jnp.asarray(local), r.weights),
+                        self.cfg,
+                        self.impl,
+                    )
                     pf.release(l)
                     if L == 1 and (t + 1, 0) in preds:
                         pf.request(0, preds[(t + 1, 0)])
@@ -352,6 +390,14 @@ class OffloadedModel:
             pf.close()
         for l in range(L):
             stats[l].bytes_prefetch = pf.bytes_prefetch.get(l, 0)
-        ost = OffloadStats(stats, n, seconds, ocfg.budget_bytes, max(peak, cache.peak_bytes),
-                           self.store.expert_nbytes(0), pf.prefetch_errors, pf.peak_staged_bytes)
+        ost = OffloadStats(
+            stats,
+            n,
+            seconds,
+            ocfg.budget_bytes,
+            max(peak, cache.peak_bytes),
+            self.store.expert_nbytes(0),
+            pf.prefetch_errors,
+            pf.peak_staged_bytes,
+        )
         return RunResult(outs, ids_all, hid, seconds), ost

@@ -35,7 +35,8 @@ import dataclasses
 import functools
 import threading
 import time
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -180,7 +181,7 @@ class LearnedPredictor:
     def scores(self, layer: int, hidden, cur_ids, prev_ids) -> np.ndarray:
         x = _features(hidden, cur_ids, prev_ids, self.num_experts, self.use_hidden, self.d_model)
         p = {k: np.asarray(v[layer - 1]) for k, v in self.params.items()}
-        prev = x[-self.num_experts:]
+        prev = x[-self.num_experts :]
         if "w1" in p:
             x = np.maximum(x @ p["w1"] + p["b1"], 0.0)
         return x @ p["w2"] + p["b2"] + p["reuse"] * prev
@@ -222,7 +223,7 @@ def _loss(p, x, y):
     return optax.sigmoid_binary_cross_entropy(_fwd(p, x), y).mean()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _optimizer(learning_rate: float):
     import optax
 
@@ -242,9 +243,18 @@ def _train_step(p, s, x, y, opt, weight_decay: float):
     return optax.apply_updates(p, upd), s
 
 
-def train_learned(ids: np.ndarray, num_experts: int, hidden: np.ndarray | None = None, *, hidden_dim: int = 0,
-                  steps: int = 400, learning_rate: float = 3e-2, weight_decay: float = 1e-3,
-                  val_fraction: float = 0.2, seed: int = 0) -> LearnedPredictor:
+def train_learned(
+    ids: np.ndarray,
+    num_experts: int,
+    hidden: np.ndarray | None = None,
+    *,
+    hidden_dim: int = 0,
+    steps: int = 400,
+    learning_rate: float = 3e-2,
+    weight_decay: float = 1e-3,
+    val_fraction: float = 0.2,
+    seed: int = 0,
+) -> LearnedPredictor:
     """Trains a `LearnedPredictor` with optax (Adam, sigmoid cross-entropy on multi-hot targets).
 
     Args:
@@ -274,24 +284,34 @@ def train_learned(ids: np.ndarray, num_experts: int, hidden: np.ndarray | None =
     for l in range(1, L):
         xl, yl = [], []
         for t in range(n):
-            xl.append(_features(hidden[t, l - 1] if use_hidden else None, ids[t, l - 1],
-                                ids[t - 1, l] if t > 0 else None, e, use_hidden, d))
+            xl.append(
+                _features(
+                    hidden[t, l - 1] if use_hidden else None,
+                    ids[t, l - 1],
+                    ids[t - 1, l] if t > 0 else None,
+                    e,
+                    use_hidden,
+                    d,
+                )
+            )
             yl.append(_multi_hot(ids[t, l], e))
         xs.append(np.stack(xl))
         ys.append(np.stack(yl))
     X = np.stack(xs)  # [L-1, N, n_in]
     Y = np.stack(ys)  # [L-1, N, E]
     n_val = int(round(n * val_fraction)) if n >= 10 else 0
-    Xv, Yv = jnp.asarray(X[:, n - n_val:]), jnp.asarray(Y[:, n - n_val:])
-    X, Y = jnp.asarray(X[:, :n - n_val]), jnp.asarray(Y[:, :n - n_val])
+    Xv, Yv = jnp.asarray(X[:, n - n_val :]), jnp.asarray(Y[:, n - n_val :])
+    X, Y = jnp.asarray(X[:, : n - n_val]), jnp.asarray(Y[:, : n - n_val])
     n_in = X.shape[-1]
     key = jax.random.PRNGKey(seed)
     k1, k2 = jax.random.split(key)
     if hidden_dim > 0:
-        params = {"w1": jax.random.normal(k1, (L - 1, n_in, hidden_dim)) / np.sqrt(n_in),
-                  "b1": jnp.zeros((L - 1, hidden_dim)),
-                  "w2": jax.random.normal(k2, (L - 1, hidden_dim, e)) * (0.1 / np.sqrt(hidden_dim)),
-                  "b2": jnp.zeros((L - 1, e))}
+        params = {
+            "w1": jax.random.normal(k1, (L - 1, n_in, hidden_dim)) / np.sqrt(n_in),
+            "b1": jnp.zeros((L - 1, hidden_dim)),
+            "w2": jax.random.normal(k2, (L - 1, hidden_dim, e)) * (0.1 / np.sqrt(hidden_dim)),
+            "b2": jnp.zeros((L - 1, e)),
+        }
     else:
         params = {"w2": jnp.zeros((L - 1, n_in, e)), "b2": jnp.zeros((L - 1, e))}  # convex: start at 0
     params["reuse"] = jnp.ones((L - 1,))
@@ -310,8 +330,9 @@ def train_learned(ids: np.ndarray, num_experts: int, hidden: np.ndarray | None =
     return LearnedPredictor({k: np.asarray(v) for k, v in best.items()}, e, use_hidden, d)
 
 
-def make_predictor(name: str, *, resident=None, router_cfg=None, learned: LearnedPredictor | None = None,
-                   oracle_ids=None) -> Predictor:
+def make_predictor(
+    name: str, *, resident=None, router_cfg=None, learned: LearnedPredictor | None = None, oracle_ids=None
+) -> Predictor:
     """A built-in predictor by name (see module doc); raises ValueError naming what is missing."""
     if name == "none":
         return NoPredictor()
@@ -337,9 +358,9 @@ class FetchStats:
     """Counters of one layer (or of all layers)."""
 
     needed: int = 0
-    hits: int = 0      # ready on device when needed (in the cache, or staged by a finished prefetch)
-    late: int = 0      # prefetch still in flight when needed (waited for)
-    misses: int = 0    # loaded synchronously
+    hits: int = 0  # ready on device when needed (in the cache, or staged by a finished prefetch)
+    late: int = 0  # prefetch still in flight when needed (waited for)
+    misses: int = 0  # loaded synchronously
     wait_s: float = 0.0
     bytes_sync: int = 0
     bytes_prefetch: int = 0
@@ -359,8 +380,9 @@ class Prefetcher:
       workers: worker threads.
     """
 
-    def __init__(self, store: ExpertStore, cache, *, put: Callable | None = None, asynchronous: bool = True,
-                 workers: int = 1):
+    def __init__(
+        self, store: ExpertStore, cache, *, put: Callable | None = None, asynchronous: bool = True, workers: int = 1
+    ):
         self.store = store
         self.cache = cache
         self.put = put or jax.device_put

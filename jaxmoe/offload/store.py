@@ -108,10 +108,12 @@ class ExpertStore:
     def _check_index(self, layer: int, expert: int) -> None:
         if not 0 <= layer < self.num_layers:
             raise ExpertStoreError(
-                f"layer {layer}, expert {expert}: layer outside [0, {self.num_layers}) in {self.path}")
+                f"layer {layer}, expert {expert}: layer outside [0, {self.num_layers}) in {self.path}"
+            )
         if not 0 <= expert < self.cfg.num_experts:
             raise ExpertStoreError(
-                f"layer {layer}, expert {expert}: expert outside [0, {self.cfg.num_experts}) in {self.path}")
+                f"layer {layer}, expert {expert}: expert outside [0, {self.cfg.num_experts}) in {self.path}"
+            )
 
     def load_stack(self, layer: int) -> ExpertWeights:
         """All experts of ``layer`` stacked ``[E, ...]`` (host arrays): the fully resident reference."""
@@ -163,8 +165,9 @@ def _host(a):
     return None if a is None else np.asarray(a)
 
 
-def write_safetensors_store(root, cfg: MoEConfig, layers: list, *, kind: str = "float32",
-                            group_size: int = 32) -> "SafetensorsStore":
+def write_safetensors_store(
+    root, cfg: MoEConfig, layers: list, *, kind: str = "float32", group_size: int = 32
+) -> SafetensorsStore:
     """Writes a layer stack to ``root`` and returns the opened `SafetensorsStore`.
 
     Args:
@@ -207,8 +210,12 @@ def write_safetensors_store(root, cfg: MoEConfig, layers: list, *, kind: str = "
             if b is not None:
                 for e in range(cfg.num_experts):
                     tensors[f"experts.{e}.{name}"] = np.asarray(b[e], np.float32)
-        meta = {"format": FORMAT, "layer": str(l), "kind": kind,
-                "checksum64": json.dumps({k: _checksum(v) for k, v in tensors.items()})}
+        meta = {
+            "format": FORMAT,
+            "layer": str(l),
+            "kind": kind,
+            "checksum64": json.dumps({k: _checksum(v) for k, v in tensors.items()}),
+        }
         save_file(tensors, str(_layer_file(root, l)), metadata=meta)
         pre = f"layers.{l}."
         resident[pre + "norm"] = np.asarray(res.norm, np.float32)
@@ -222,8 +229,13 @@ def write_safetensors_store(root, cfg: MoEConfig, layers: list, *, kind: str = "
                 if v is not None:
                     resident[pre + "shared." + name] = np.asarray(v, np.float32)
     save_file(resident, str(root / "resident.safetensors"), metadata={"format": FORMAT})
-    info = {"format": FORMAT, "kind": kind, "group_size": group_size, "num_layers": len(layers),
-            "config": cfg.to_dict()}
+    info = {
+        "format": FORMAT,
+        "kind": kind,
+        "group_size": group_size,
+        "num_layers": len(layers),
+        "config": cfg.to_dict(),
+    }
     (root / "store.json").write_text(json.dumps(info, indent=1))
     return SafetensorsStore(root)
 
@@ -271,7 +283,8 @@ class SafetensorsStore(ExpertStore):
                 crcs = json.loads(meta.get("checksum64", "{}"))
             except Exception as e:  # safetensors raises its own error type on bad headers / sizes
                 raise ExpertStoreError(
-                    f"layer {layer}, expert {expert}: store file {p} is unreadable or truncated ({e})") from None
+                    f"layer {layer}, expert {expert}: store file {p} is unreadable or truncated ({e})"
+                ) from None
             self._handles[layer] = (h, crcs)
             return self._handles[layer]
 
@@ -285,17 +298,22 @@ class SafetensorsStore(ExpertStore):
                 raise ExpertStoreError(f"layer {layer}, expert {expert}: tensor {key} is missing from {p}") from None
             raise ExpertStoreError(f"layer {layer}, expert {expert}: tensor {key} in {p} is unreadable ({e})") from None
         if tuple(a.shape) != tuple(shape) or a.dtype != np.dtype(dtype):
-            raise ExpertStoreError(f"layer {layer}, expert {expert}: tensor {key} in {p} has shape {a.shape} "
-                                   f"{a.dtype}, expected {tuple(shape)} {np.dtype(dtype)} (wrong size)")
+            raise ExpertStoreError(
+                f"layer {layer}, expert {expert}: tensor {key} in {p} has shape {a.shape} "
+                f"{a.dtype}, expected {tuple(shape)} {np.dtype(dtype)} (wrong size)"
+            )
         if self.verify:
             want = crcs.get(key)
             if want is None:
-                raise ExpertStoreError(f"layer {layer}, expert {expert}: tensor {key} in {p} has no checksum in "
-                                       "the header")
+                raise ExpertStoreError(
+                    f"layer {layer}, expert {expert}: tensor {key} in {p} has no checksum in the header"
+                )
             got = _checksum(a)
             if got != want:
-                raise ExpertStoreError(f"layer {layer}, expert {expert}: tensor {key} in {p} is corrupt "
-                                       f"(checksum {got:016x} != {want:016x})")
+                raise ExpertStoreError(
+                    f"layer {layer}, expert {expert}: tensor {key} in {p} is corrupt "
+                    f"(checksum {got:016x} != {want:016x})"
+                )
         return a
 
     def _proj(self, layer: int, expert: int, name: str):
@@ -320,8 +338,10 @@ class SafetensorsStore(ExpertStore):
         bs = [None, None, None]
         if self.cfg.expert_bias:
             d, f = self.cfg.d_model, self.cfg.expert_dim
-            bs = [self._tensor(layer, expert, f"experts.{expert}.{n}", (s,), np.float32)
-                  for n, s in zip(BIASES, (f, f, d))]
+            bs = [
+                self._tensor(layer, expert, f"experts.{expert}.{n}", (s,), np.float32)
+                for n, s in zip(BIASES, (f, f, d))
+            ]
         return ExpertWeights(*ws, *bs)
 
     def expert_nbytes(self, layer: int = 0) -> int:
@@ -352,10 +372,19 @@ class SafetensorsStore(ExpertStore):
         cfg = self.cfg
         shared = None
         if cfg.shared_expert_dim:
-            shared = SharedWeights(get("shared.w_gate"), get("shared.w_up"), get("shared.w_down"),
-                                   get("shared.gate", cfg.shared_expert_gate))
-        return ResidentLayer(get("norm"), get("w_router"), get("b_router", cfg.router.router_bias),
-                             get("selection_bias", cfg.router.use_selection_bias), shared)
+            shared = SharedWeights(
+                get("shared.w_gate"),
+                get("shared.w_up"),
+                get("shared.w_down"),
+                get("shared.gate", cfg.shared_expert_gate),
+            )
+        return ResidentLayer(
+            get("norm"),
+            get("w_router"),
+            get("b_router", cfg.router.router_bias),
+            get("selection_bias", cfg.router.use_selection_bias),
+            shared,
+        )
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -477,8 +506,9 @@ class GGUFStore(ExpertStore):
                 cfg = load_config(self.path)
         self.cfg = cfg
         # the MoE layers: blocks with a router (leading dense blocks, e.g. DeepSeek's, have none)
-        self.blocks = sorted(int(n.split(".")[1]) for n in self._tensors
-                             if n.startswith("blk.") and n.endswith(".ffn_gate_inp.weight"))
+        self.blocks = sorted(
+            int(n.split(".")[1]) for n in self._tensors if n.startswith("blk.") and n.endswith(".ffn_gate_inp.weight")
+        )
         self.num_layers = len(self.blocks)
         if self.num_layers == 0:
             raise ExpertStoreError(f"GGUF expert store {self.path}: no blk.0.ffn_gate_inp.weight (not an MoE file)")
@@ -503,13 +533,16 @@ class GGUFStore(ExpertStore):
         logical = (e, n_out, n_in)
         got = tuple(int(x) for x in reversed(t.shape.tolist()))
         if got != logical:
-            raise ExpertStoreError(f"layer {layer}, expert {expert}: tensor {tname} in {self.path} has shape "
-                                   f"{got}, expected {logical} (wrong size)")
+            raise ExpertStoreError(
+                f"layer {layer}, expert {expert}: tensor {tname} in {self.path} has shape "
+                f"{got}, expected {logical} (wrong size)"
+            )
         try:
             raw = np.array(t.data[expert])  # copy one expert's bytes out of the memory map
         except Exception as e:
-            raise ExpertStoreError(f"layer {layer}, expert {expert}: tensor {tname} in {self.path} "
-                                   f"is unreadable ({e})") from None
+            raise ExpertStoreError(
+                f"layer {layer}, expert {expert}: tensor {tname} in {self.path} is unreadable ({e})"
+            ) from None
         tt = t.tensor_type
         T = gguf.GGMLQuantizationType
         if tt in (T.F32, T.F16):
@@ -525,8 +558,10 @@ class GGUFStore(ExpertStore):
             out = np.ascontiguousarray(gguf.quants.dequantize(raw, tt).reshape(n_out, n_in).T.astype(np.float32))
             vals = out
         if self.check_finite and not np.isfinite(vals).all():
-            raise ExpertStoreError(f"layer {layer}, expert {expert}: tensor {tname} in {self.path} holds "
-                                   "non-finite values or scales (corrupt data)")
+            raise ExpertStoreError(
+                f"layer {layer}, expert {expert}: tensor {tname} in {self.path} holds "
+                "non-finite values or scales (corrupt data)"
+            )
         return out
 
     def load_expert(self, layer: int, expert: int) -> ExpertWeights:
@@ -535,7 +570,7 @@ class GGUFStore(ExpertStore):
         bs = [None, None, None]
         if self.cfg.expert_bias:
             bs = []
-            for n, gname in _GGUF_BIAS.items():
+            for gname in _GGUF_BIAS.values():
                 t = self._get(layer, expert, f"blk.{self.blocks[layer]}.{gname}")
                 bs.append(np.array(t.data[expert], np.float32))
         return ExpertWeights(*ws, *bs)
@@ -567,16 +602,22 @@ class GGUFStore(ExpertStore):
 
         shared = None
         if cfg.shared_expert_dim:
-            shared = SharedWeights(get("ffn_gate_shexp.weight", transpose=True),
-                                   get("ffn_up_shexp.weight", transpose=True),
-                                   get("ffn_down_shexp.weight", transpose=True),
-                                   get("ffn_gate_inp_shexp.weight", cfg.shared_expert_gate))
+            shared = SharedWeights(
+                get("ffn_gate_shexp.weight", transpose=True),
+                get("ffn_up_shexp.weight", transpose=True),
+                get("ffn_down_shexp.weight", transpose=True),
+                get("ffn_gate_inp_shexp.weight", cfg.shared_expert_gate),
+            )
         norm = get("ffn_norm.weight", False)
         if norm is None:
             norm = np.ones((cfg.d_model,), np.float32)
-        return ResidentLayer(norm, get("ffn_gate_inp.weight", transpose=True),
-                             get("ffn_gate_inp.bias", cfg.router.router_bias),
-                             get("exp_probs_b.bias", cfg.router.use_selection_bias), shared)
+        return ResidentLayer(
+            norm,
+            get("ffn_gate_inp.weight", transpose=True),
+            get("ffn_gate_inp.bias", cfg.router.router_bias),
+            get("exp_probs_b.bias", cfg.router.use_selection_bias),
+            shared,
+        )
 
 
 def open_store(path, cfg: MoEConfig | None = None, **kw) -> ExpertStore:
@@ -606,5 +647,16 @@ def random_layers(cfg: MoEConfig, num_layers: int, seed: int = 0) -> list:
     return out
 
 
-__all__ = ["ExpertStore", "ExpertStoreError", "GGUFStore", "ResidentLayer", "SafetensorsStore", "expert_nbytes",
-           "open_store", "random_layers", "stack_experts", "write_gguf_store", "write_safetensors_store"]
+__all__ = [
+    "ExpertStore",
+    "ExpertStoreError",
+    "GGUFStore",
+    "ResidentLayer",
+    "SafetensorsStore",
+    "expert_nbytes",
+    "open_store",
+    "random_layers",
+    "stack_experts",
+    "write_gguf_store",
+    "write_safetensors_store",
+]

@@ -56,8 +56,25 @@ from jaxmoe.offload.prerouter import PREDICTORS, make_predictor, train_learned
 from jaxmoe.offload.store import STORE_KINDS, open_store, random_layers, write_gguf_store, write_safetensors_store
 from jaxmoe.offload.traces import load_hidden, load_trace, reuse_rate, synthetic_trace
 
-_TOP = {"runner", "name", "description", "model", "impl", "tokens", "train_tokens", "inputs", "budgets", "policies",
-        "scopes", "predictors", "prefetch_k", "output_dir", "plots", "asynchronous", "learned"}
+_TOP = {
+    "runner",
+    "name",
+    "description",
+    "model",
+    "impl",
+    "tokens",
+    "train_tokens",
+    "inputs",
+    "budgets",
+    "policies",
+    "scopes",
+    "predictors",
+    "prefetch_k",
+    "output_dir",
+    "plots",
+    "asynchronous",
+    "learned",
+}
 _MODEL = {"preset", "num_layers", "shrink", "storage", "store", "seed"}
 _SHRINK = {"d_model", "expert_dim", "shared_expert_dim", "num_experts", "top_k"}
 _INPUT = {"kind", "seed", "path", "locality", "layer_corr", "zipf", "scale"}
@@ -81,7 +98,7 @@ def load_sweep_config(path) -> dict[str, Any]:
     for k in m:
         if k not in _MODEL:
             _fail(src, f"model.{k}", f"unknown key; known: {sorted(_MODEL)}")
-    for k in (m.get("shrink") or {}):
+    for k in m.get("shrink") or {}:
         if k not in _SHRINK:
             _fail(src, f"model.shrink.{k}", f"unknown key; known: {sorted(_SHRINK)}")
     storage = m.setdefault("storage", "float32")
@@ -157,8 +174,10 @@ def _input_label(inp: dict) -> str:
         return f"random(seed={inp.get('seed', 0)})"
     if inp.get("path"):
         return f"{inp['kind']}:{Path(inp['path']).name}"
-    return (f"synthetic(locality={inp.get('locality', 0.5)}, layer_corr={inp.get('layer_corr', 0.0)}, "
-            f"zipf={inp.get('zipf', 0.0)})")
+    return (
+        f"synthetic(locality={inp.get('locality', 0.5)}, layer_corr={inp.get('layer_corr', 0.0)}, "
+        f"zipf={inp.get('zipf', 0.0)})"
+    )
 
 
 def _prepare_input(inp: dict, model, n: int, n_train: int):
@@ -175,16 +194,23 @@ def _prepare_input(inp: dict, model, n: int, n_train: int):
         if h.shape[0] < n + 2:
             raise ValueError(f"inputs: {inp['path']} has {h.shape[0]} tokens, the sweep needs at least {n + 2}")
         k = min(n_train, h.shape[0] - n)
-        return label, h[:k], h[k:k + n], None, None
+        return label, h[:k], h[k : k + n], None, None
     if inp.get("path"):
         tr = load_trace(inp["path"], L, cfg.num_experts, cfg.top_k)[:, :L]
         if tr.shape[0] < n + 2:
             raise ValueError(f"inputs: {inp['path']} has {tr.shape[0]} tokens, the sweep needs at least {n + 2}")
         k = min(n_train, tr.shape[0] - n)
-        return label, rand(k), rand(n), tr[:k], tr[k:k + n]
-    tr = synthetic_trace(n_train + n, L, cfg.num_experts, cfg.top_k, locality=float(inp.get("locality", 0.5)),
-                         layer_corr=float(inp.get("layer_corr", 0.0)), zipf=float(inp.get("zipf", 0.0)),
-                         seed=inp.get("seed", 0))
+        return label, rand(k), rand(n), tr[:k], tr[k : k + n]
+    tr = synthetic_trace(
+        n_train + n,
+        L,
+        cfg.num_experts,
+        cfg.top_k,
+        locality=float(inp.get("locality", 0.5)),
+        layer_corr=float(inp.get("layer_corr", 0.0)),
+        zipf=float(inp.get("zipf", 0.0)),
+        seed=inp.get("seed", 0),
+    )
     return label, rand(n_train), rand(n), tr[:n_train], tr[n_train:]
 
 
@@ -200,12 +226,24 @@ def run_sweep(c: dict, out: Path, log=print) -> dict:
     eb = store.expert_nbytes(0)
     total = store.total_expert_bytes()
     results: dict[str, Any] = {
-        "name": c["name"], "description": c.get("description", ""), "config": c,
-        "model": {"preset": c["model"].get("preset"), "store": str(store.path), "storage": store.kind,
-                  "num_layers": model.num_layers, "d_model": cfg.d_model, "expert_dim": cfg.expert_dim,
-                  "num_experts": cfg.num_experts, "top_k": cfg.top_k, "expert_bytes": eb,
-                  "total_expert_bytes": total, "impl": c["impl"]},
-        "inputs": [], "configurations": [],
+        "name": c["name"],
+        "description": c.get("description", ""),
+        "config": c,
+        "model": {
+            "preset": c["model"].get("preset"),
+            "store": str(store.path),
+            "storage": store.kind,
+            "num_layers": model.num_layers,
+            "d_model": cfg.d_model,
+            "expert_dim": cfg.expert_dim,
+            "num_experts": cfg.num_experts,
+            "top_k": cfg.top_k,
+            "expert_bytes": eb,
+            "total_expert_bytes": total,
+            "impl": c["impl"],
+        },
+        "inputs": [],
+        "configurations": [],
     }
     n, n_train = c["tokens"], c["train_tokens"]
     for ii, inp in enumerate(c["inputs"]):
@@ -223,8 +261,13 @@ def run_sweep(c: dict, out: Path, log=print) -> dict:
             else:
                 rtrain = model.run_resident(x_train)
                 learned = train_learned(rtrain.ids, cfg.num_experts, rtrain.hidden, **c["learned"])
-        info = {"input": label, "kind": inp["kind"], "tokens": n, "reuse_rate": reuse_rate(ref.ids),
-                "resident_tokens_per_s": ref.tokens_per_s}
+        info = {
+            "input": label,
+            "kind": inp["kind"],
+            "tokens": n,
+            "reuse_rate": reuse_rate(ref.ids),
+            "resident_tokens_per_s": ref.tokens_per_s,
+        }
         results["inputs"].append(info)
         log(f"[{label}] resident {ref.tokens_per_s:.1f} tok/s, reuse rate {info['reuse_rate']:.3f}")
         for frac in c["budgets"]:
@@ -232,20 +275,30 @@ def run_sweep(c: dict, out: Path, log=print) -> dict:
             for policy in c["policies"]:
                 for scope in c["scopes"]:
                     for pname in c["predictors"]:
-                        pred = make_predictor(pname, resident=model.resident, router_cfg=cfg.router,
-                                              learned=learned, oracle_ids=ref.ids)
+                        pred = make_predictor(
+                            pname, resident=model.resident, router_cfg=cfg.router, learned=learned, oracle_ids=ref.ids
+                        )
                         ocfg = OffloadConfig(budget, policy, scope, c["prefetch_k"], c["asynchronous"])
                         got, st = model.run_offloaded(x, ocfg, pred, trace=tr)
                         d = st.to_dict()
-                        row = {"input": label, "budget_fraction": frac, "budget_experts": budget // eb,
-                               "policy": policy, "scope": scope, "predictor": pname,
-                               "identical_to_resident": bool(np.array_equal(got.outputs, ref.outputs)),
-                               "resident_tokens_per_s": ref.tokens_per_s, **d}
+                        row = {
+                            "input": label,
+                            "budget_fraction": frac,
+                            "budget_experts": budget // eb,
+                            "policy": policy,
+                            "scope": scope,
+                            "predictor": pname,
+                            "identical_to_resident": bool(np.array_equal(got.outputs, ref.outputs)),
+                            "resident_tokens_per_s": ref.tokens_per_s,
+                            **d,
+                        }
                         results["configurations"].append(row)
-                        log(f"  budget {frac:4.2f} {policy}/{scope} {pname:11s} hit {d['hit_rate']:.3f} "
+                        log(
+                            f"  budget {frac:4.2f} {policy}/{scope} {pname:11s} hit {d['hit_rate']:.3f} "
                             f"recall {d['recall'] if d['recall'] is not None else float('nan'):.3f} "
                             f"{d['bytes_loaded_per_token'] / 1e3:9.1f} kB/tok wait {d['wait_s']:.3f}s "
-                            f"{d['tokens_per_s']:.1f} tok/s identical={row['identical_to_resident']}")
+                            f"{d['tokens_per_s']:.1f} tok/s identical={row['identical_to_resident']}"
+                        )
     results["all_identical"] = all(r["identical_to_resident"] for r in results["configurations"])
     results["seconds"] = time.time() - t_start
     (out / "results.json").write_text(json.dumps(results, indent=1, default=float))
@@ -268,8 +321,11 @@ def plot_results(results: dict, path: Path) -> Path:
         sub = [x for x in rows if x["input"] == label]
         combos = sorted({(x["predictor"], x["policy"], x["scope"]) for x in sub})
         for combo in combos:
-            pts = sorted((x["budget_fraction"], x["hit_rate"], x["tokens_per_s"]) for x in sub
-                         if (x["predictor"], x["policy"], x["scope"]) == combo)
+            pts = sorted(
+                (x["budget_fraction"], x["hit_rate"], x["tokens_per_s"])
+                for x in sub
+                if (x["predictor"], x["policy"], x["scope"]) == combo
+            )
             name = combo[0] if len(combos) == len({c[0] for c in combos}) else "/".join(combo)
             axes[r, 0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
             axes[r, 1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=name)
@@ -284,8 +340,11 @@ def plot_results(results: dict, path: Path) -> Path:
             a.grid(alpha=0.3)
         axes[r, 1].legend(fontsize=7)
     m = results["model"]
-    fig.suptitle(f"{results['name']}: {m['num_layers']} layers, E={m['num_experts']}, k={m['top_k']}, "
-                 f"{m['storage']} experts of {m['expert_bytes'] / 1e3:.1f} kB, impl {m['impl']}", fontsize=10)
+    fig.suptitle(
+        f"{results['name']}: {m['num_layers']} layers, E={m['num_experts']}, k={m['top_k']}, "
+        f"{m['storage']} experts of {m['expert_bytes'] / 1e3:.1f} kB, impl {m['impl']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -307,8 +366,10 @@ def main(argv=None) -> int:
         c["tokens"] = args.tokens
     out = Path(args.out) if args.out else Path(c["output_dir"]) / c["name"]
     res = run_sweep(c, out)
-    print(f"wrote {out / 'results.json'} ({len(res['configurations'])} configurations, "
-          f"all identical to resident: {res['all_identical']}, {res['seconds']:.0f} s)")
+    print(
+        f"wrote {out / 'results.json'} ({len(res['configurations'])} configurations, "
+        f"all identical to resident: {res['all_identical']}, {res['seconds']:.0f} s)"
+    )
     return 0 if res["all_identical"] else 1
 
 

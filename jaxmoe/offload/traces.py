@@ -25,11 +25,24 @@ import os
 import numpy as np
 
 
-def synthetic_trace(num_tokens: int, num_layers: int, num_experts: int, top_k: int, *, locality: float = 0.5,
-                    layer_corr: float = 0.0, zipf: float = 0.0, seed: int = 0) -> np.ndarray:
+def synthetic_trace(
+    num_tokens: int,
+    num_layers: int,
+    num_experts: int,
+    top_k: int,
+    *,
+    locality: float = 0.5,
+    layer_corr: float = 0.0,
+    zipf: float = 0.0,
+    seed: int = 0,
+) -> np.ndarray:
     """A synthetic routing trace ``[num_tokens, num_layers, top_k]`` int32 (see module doc)."""
-    for name, v in (("num_tokens", num_tokens), ("num_layers", num_layers), ("num_experts", num_experts),
-                    ("top_k", top_k)):
+    for name, v in (
+        ("num_tokens", num_tokens),
+        ("num_layers", num_layers),
+        ("num_experts", num_experts),
+        ("top_k", top_k),
+    ):
         if not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"synthetic_trace: {name} must be a positive int, got {v!r}")
     if top_k > num_experts:
@@ -91,8 +104,14 @@ def reuse_rate(ids: np.ndarray) -> float:
     return hit / ((n - 1) * L * k)
 
 
-def check_trace(ids, num_layers: int | None = None, num_experts: int | None = None,
-                top_k: int | None = None, *, source: str = "trace") -> np.ndarray:
+def check_trace(
+    ids,
+    num_layers: int | None = None,
+    num_experts: int | None = None,
+    top_k: int | None = None,
+    *,
+    source: str = "trace",
+) -> np.ndarray:
     """Validates a routing trace ``[tokens, layers, k]`` and returns it as int32."""
     a = np.asarray(ids)
     if a.ndim != 3:
@@ -118,8 +137,9 @@ def save_trace(path: str | os.PathLike, ids) -> None:
     np.save(path, check_trace(ids, source=str(path)))
 
 
-def load_trace(path: str | os.PathLike, num_layers: int | None = None, num_experts: int | None = None,
-               top_k: int | None = None) -> np.ndarray:
+def load_trace(
+    path: str | os.PathLike, num_layers: int | None = None, num_experts: int | None = None, top_k: int | None = None
+) -> np.ndarray:
     """Loads and validates a routing trace ``.npy`` ``[tokens, layers, k]``."""
     if not os.path.isfile(path):
         raise ValueError(f"routing trace {path} not found")
