@@ -14,7 +14,7 @@ over the n devices) it reports:
   leaves its device (``(n-1)/n`` of it); ``ragged B/tok`` what ``ragged_all_to_all``
   would move (only the filled rows that leave their device, measured from the routing),
 - ``exchange ms``: the four all-to-alls alone on buffers of the same shapes
-  (``jaxmoe.parallel._exchange`` in its own shard_map), ``step ms``: the full
+  (``jaxmoe.parallel.exchange_rows`` in its own shard_map), ``step ms``: the full
   expert-parallel layer, ``exch/step``: their ratio; ``step/step(n=1)``.
 
 Host "devices" share the same CPU cores and memory, so the exchange here is a memory
@@ -64,10 +64,10 @@ def exchange_only(mesh, n: int, c: int, d: int, dtype):
     def body(x, ids, w):
         sizes = jnp.full((n,), c, jnp.int32)
         rs = jax.lax.all_to_all(sizes, parallel.EXPERT_AXIS, 0, 0, tiled=True)
-        rx = parallel._exchange(x, sizes, rs, n, c, "padded")
-        ri = parallel._exchange(ids, sizes, rs, n, c, "padded")
-        rw = parallel._exchange(w, sizes, rs, n, c, "padded")
-        back = parallel._exchange(rx.astype(jnp.float32), rs, sizes, n, c, "padded")
+        rx = parallel.exchange_rows(x, sizes, rs, n, c, "padded")
+        ri = parallel.exchange_rows(ids, sizes, rs, n, c, "padded")
+        rw = parallel.exchange_rows(w, sizes, rs, n, c, "padded")
+        back = parallel.exchange_rows(rx.astype(jnp.float32), rs, sizes, n, c, "padded")
         return back, ri, rw
 
     spec = P(parallel.EXPERT_AXIS)

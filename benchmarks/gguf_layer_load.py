@@ -21,6 +21,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
+import jaxmoe
+
 
 def q8_bytes(rng, shape):
     *lead, out, n = shape
@@ -86,8 +88,6 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--layer", type=int, default=2)
     args = ap.parse_args()
-    import jaxmoe
-
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "m.gguf")
         t0 = time.perf_counter()

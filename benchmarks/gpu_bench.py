@@ -40,11 +40,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import jaxmoe  # noqa: E402
-from jaxmoe import backends  # noqa: E402
 from jaxmoe.dispatch import plan_dispatch  # noqa: E402
-from jaxmoe.quant import QuantizedTensor, quantize_int4_affine, quantize_int8  # noqa: E402
+from jaxmoe.impls.pallas import experts_pallas, kernel_weight  # noqa: E402
+from jaxmoe.impls.registry import available_impls, get_impl  # noqa: E402
+from jaxmoe.quant import QuantizedTensor, materialize, quantize_int4_affine, quantize_int8  # noqa: E402
 from pallas_kernels import decode, down, swiglu  # noqa: E402
-from pallas_kernels.impl import experts_pallas  # noqa: E402
 
 SHAPES = {"qwen3.6": "qwen3.6-35b-a3b", "mixtral": "mixtral-8x7b"}
 TOKENS = (1, 16, 128, 2048, 16384)
@@ -122,8 +122,6 @@ def weight_bytes_per_expert(cfg, kind: str) -> float:
 
 def _ragged_dot_path(x, routing, ew, cfg):
     """``jax.lax.ragged_dot`` over the sorted pairs (comparison only)."""
-    from jaxmoe.quant import materialize
-
     dt = x.dtype
     plan = plan_dispatch(routing.expert_ids, cfg.num_experts, 16)
     xs = x[plan.token_idx]
@@ -153,13 +151,10 @@ def _tokamax_path(x, routing, ew, cfg):
 
 
 def implementations(interpret: bool) -> dict:
-    backends._load_optional()
     impls = {"pallas": functools.partial(experts_pallas, interpret=interpret)}
-    if "xla" in backends.available_impls():
-        impls["xla"] = backends.get_impl("xla")
-    impls["ragged_dot"] = (
-        backends.get_impl("ragged_dot") if "ragged_dot" in backends.available_impls() else _ragged_dot_path
-    )
+    if "xla" in available_impls():
+        impls["xla"] = get_impl("xla")
+    impls["ragged_dot"] = get_impl("ragged_dot") if "ragged_dot" in available_impls() else _ragged_dot_path
     try:
         import tokamax  # noqa: F401
 
@@ -227,12 +222,13 @@ def check(interpret: bool, small: bool, limit: int | None = None) -> list[dict]:
             ref = jaxmoe.experts_dense(x, r, ew, cfg)
             rec["rel_err_vs_dense"] = _err(y, ref)
             # the kernels one by one against their references (grouped or decode path)
+            wg, wu = kernel_weight(ew.w_gate), kernel_weight(ew.w_up)
             if t * cfg.top_k <= 64:
                 h = decode.decode_gate_up(
                     x,
                     r.expert_ids,
-                    ew.w_gate,
-                    ew.w_up,
+                    wg,
+                    wu,
                     ew.b_gate,
                     ew.b_up,
                     interpret=interpret,
@@ -241,7 +237,7 @@ def check(interpret: bool, small: bool, limit: int | None = None) -> list[dict]:
                 rec["rel_err_kernel"] = _err(
                     h,
                     decode.decode_gate_up_reference(
-                        x, r.expert_ids, ew.w_gate, ew.w_up, ew.b_gate, ew.b_up, activation=cfg.activation
+                        x, r.expert_ids, wg, wu, ew.b_gate, ew.b_up, activation=cfg.activation
                     ),
                 )
             else:
@@ -251,8 +247,8 @@ def check(interpret: bool, small: bool, limit: int | None = None) -> list[dict]:
                     x,
                     plan.token_idx,
                     *meta,
-                    ew.w_gate,
-                    ew.w_up,
+                    wg,
+                    wu,
                     ew.b_gate,
                     ew.b_up,
                     block_m=32,
@@ -265,8 +261,8 @@ def check(interpret: bool, small: bool, limit: int | None = None) -> list[dict]:
                         x,
                         plan.token_idx,
                         plan.group_offsets,
-                        ew.w_gate,
-                        ew.w_up,
+                        wg,
+                        wu,
                         ew.b_gate,
                         ew.b_up,
                         activation=cfg.activation,
@@ -408,7 +404,6 @@ def main(argv=None) -> int:
     interpret = a.dry_run or jax.default_backend() not in ("gpu", "cuda", "rocm")
     if interpret and not a.dry_run:
         log(f"warning: no GPU backend ({jax.default_backend()}); running the kernels in interpret mode")
-    backends.get_impl("dense")  # imports the optional impl modules (xla, pallas) before listing them
     dev = jax.devices()[0]
     env = dict(
         device=getattr(dev, "device_kind", str(dev)),
@@ -416,7 +411,7 @@ def main(argv=None) -> int:
         jax=jax.__version__,
         python=platform.python_version(),
         interpret=interpret,
-        impls=backends.available_impls(),
+        impls=available_impls(),
     )
     (out / "env.json").write_text(json.dumps(env, indent=1))
     log(json.dumps(env))

@@ -14,15 +14,23 @@ from flax import nnx
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.experts import ExpertWeights, SharedWeights
-from jaxmoe.layer import MoEParams, init_params, moe_apply
+from jaxmoe.layer import moe_apply
+from jaxmoe.parallel import moe_apply_ep
+from jaxmoe.params import MoEParams, init_params
 
 
 def _var(v):
     return None if v is None else nnx.Param(v)
 
 
-def _val(v):
+def _val(v: nnx.Param | None) -> jax.Array | None:
     return None if v is None else v.get_value()
+
+
+def _req(v: nnx.Param | None) -> jax.Array:
+    if v is None:
+        raise ValueError("MoEBlock: a required parameter is missing")
+    return v.get_value()
 
 
 class MoEBlock(nnx.Module):
@@ -78,12 +86,12 @@ class MoEBlock(nnx.Module):
     def params(self) -> MoEParams:
         """The parameters as the `MoEParams` pytree (the functional API's input)."""
         ew = ExpertWeights(
-            _val(self.w_gate), _val(self.w_up), _val(self.w_down), _val(self.b_gate), _val(self.b_up), _val(self.b_down)
+            _req(self.w_gate), _req(self.w_up), _req(self.w_down), _val(self.b_gate), _val(self.b_up), _val(self.b_down)
         )
         shared = None
         if self.has_shared:
-            shared = SharedWeights(_val(self.s_gate), _val(self.s_up), _val(self.s_down), _val(self.s_sigmoid_gate))
-        return MoEParams(_val(self.w_router), ew, _val(self.b_router), _val(self.selection_bias), shared)
+            shared = SharedWeights(_req(self.s_gate), _req(self.s_up), _req(self.s_down), _val(self.s_sigmoid_gate))
+        return MoEParams(_req(self.w_router), ew, _val(self.b_router), _val(self.selection_bias), shared)
 
     def __call__(self, x: jax.Array, *, return_routing: bool = False, impl: str | None = None):
         x = jnp.asarray(x)
@@ -92,11 +100,7 @@ class MoEBlock(nnx.Module):
         impl = impl or self.impl
         p = self.params()
         if self.mesh is not None:
-            from jaxmoe import parallel  # expert parallelism
-
-            return parallel.moe_apply_ep(
-                p, x.astype(self.dtype), self.cfg, self.mesh, impl=impl, return_routing=return_routing
-            )
+            return moe_apply_ep(p, x.astype(self.dtype), self.cfg, self.mesh, impl=impl, return_routing=return_routing)
         return _moe_apply_jit(p, x.astype(self.dtype), self.cfg, impl, return_routing)
 
 

@@ -1,13 +1,13 @@
 """Frozen, validated configuration of one MoE layer and its router.
 
-`RouterConfig` holds every option of the routing rule (ROUTING.md section 2);
+`RouterConfig` holds every option of the routing rule (docs/routing.md, "RouterConfig fields");
 `MoEConfig` holds the layer's widths, the expert flavour and the shared expert.
 Both validate in `__post_init__`, so `dataclasses.replace` re-validates too; every
 violation is a `ValueError` that names the field.
 
 Presets live in `configs/models/*.yaml`; `load_config(name_or_path)` reads one (a
-preset name, a YAML path, or a GGUF file / HF checkpoint directory once the loaders
-are installed).
+preset name or a YAML path). `jaxmoe.load_config` (`jaxmoe.io.load_config`) also takes
+a GGUF file or a checkpoint directory.
 """
 
 from __future__ import annotations
@@ -231,16 +231,21 @@ def config_from_dict(d: dict[str, Any], *, source: str = "<dict>") -> MoEConfig:
         raise ValueError(f"{source}: {e}") from None
 
 
-def presets_dir() -> Path:
-    """Directory of the shipped model presets (``configs/models``)."""
+def configs_root() -> Path:
+    """Directory of the shipped configs: ``models/`` (presets) and ``evals/`` (eval runs).
+
+    ``$JAXMOE_CONFIGS`` overrides it. The package holds them as ``jaxmoe/configs``, a link
+    to the checkout's top-level ``configs/`` that a wheel stores as plain files.
+    """
     env = os.environ.get("JAXMOE_CONFIGS")
     if env:
-        return Path(env) / "models"
-    here = Path(__file__).resolve().parent
-    for cand in (here.parent / "configs" / "models", here / "configs" / "models"):
-        if cand.is_dir():
-            return cand
-    return here.parent / "configs" / "models"
+        return Path(env)
+    return Path(__file__).resolve().parent / "configs"
+
+
+def presets_dir() -> Path:
+    """Directory of the shipped model presets (``configs/models``)."""
+    return configs_root() / "models"
 
 
 def list_presets() -> list[str]:
@@ -248,13 +253,18 @@ def list_presets() -> list[str]:
 
 
 def load_config(name_or_path: str | os.PathLike) -> MoEConfig:
-    """A preset name (``qwen3.6-35b-a3b``), a YAML path, a GGUF file or an HF checkpoint dir."""
+    """A preset name (``qwen3.6-35b-a3b``) or a model YAML path.
+
+    Checkpoints (a GGUF file, an HF / MLX directory) are read by `jaxmoe.io.load_config`,
+    which `jaxmoe.load_config` is: this module knows no file format.
+    """
     p = Path(name_or_path)
     s = str(name_or_path)
     if p.suffix == ".gguf" or (p.is_dir() and (p / "config.json").exists()):
-        from jaxmoe import io as _io  # loaders live in jaxmoe.io
-
-        return _io.load_config_from_checkpoint(p)
+        raise ValueError(
+            f"{p} is a checkpoint, not a model YAML or preset: read its config with "
+            "jaxmoe.load_config (jaxmoe.io.load_config)"
+        )
     if p.suffix in (".yaml", ".yml") or p.is_file():
         if not p.is_file():
             raise FileNotFoundError(f"config file not found: {p}")

@@ -14,10 +14,12 @@ from rich.table import Table
 
 from jaxmoe.block import MoEBlock
 from jaxmoe.config import load_config
+from jaxmoe.impls.policy import resolve_impl
 from jaxmoe.routing import expert_load
 
 
-def cli_main(argv: list[str]) -> int:
+def cli_main(argv: list[str] | None = None) -> int:
+    """``jaxmoe demo`` entry point; returns the exit code (1 if an output is not finite)."""
     ap = argparse.ArgumentParser(prog="jaxmoe demo", description=__doc__)
     ap.add_argument("--preset", default="qwen3.6-35b-a3b")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128])
@@ -44,8 +46,6 @@ def cli_main(argv: list[str]) -> int:
             ts.append(time.perf_counter() - t0)
         load = np.asarray(expert_load(r.expert_ids, cfg.num_experts))
         ms = float(np.median(ts) * 1e3)
-        from jaxmoe.backends import resolve_impl
-
         tab.add_row(
             str(t),
             resolve_impl(a.impl, t * cfg.top_k, experts=block.params().experts),

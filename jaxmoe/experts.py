@@ -22,10 +22,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.quant import materialize
+from jaxmoe.quant import QuantizedTensor, materialize
 from jaxmoe.routing import Routing
+from pallas_kernels.activation import Activation
 
 _HI = jax.lax.Precision.HIGHEST
+
+#: An expert weight: a float array, or a `QuantizedTensor` that stays quantized.
+Weight = jax.Array | QuantizedTensor
 
 
 def mm(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -44,9 +48,9 @@ def mm(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
 class ExpertWeights:
     """Routed experts: ``w_gate, w_up [E, d, F]``, ``w_down [E, F, d]``, optional biases."""
 
-    w_gate: jax.Array
-    w_up: jax.Array
-    w_down: jax.Array
+    w_gate: Weight
+    w_up: Weight
+    w_down: Weight
     b_gate: jax.Array | None = None
     b_up: jax.Array | None = None
     b_down: jax.Array | None = None
@@ -61,7 +65,7 @@ class ExpertWeights:
 
     def check(self, cfg: MoEConfig) -> None:
         e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_dim
-        want = {"w_gate": (e, d, f), "w_up": (e, d, f), "w_down": (e, f, d)}
+        want: dict[str, tuple[int, ...]] = {"w_gate": (e, d, f), "w_up": (e, d, f), "w_down": (e, f, d)}
         if cfg.expert_bias:
             want.update(b_gate=(e, f), b_up=(e, f), b_down=(e, d))
         for name, shape in want.items():
@@ -70,6 +74,20 @@ class ExpertWeights:
                 raise ValueError(f"ExpertWeights.{name} is missing; expected shape {shape}")
             if tuple(v.shape) != shape:
                 raise ValueError(f"ExpertWeights.{name} has shape {tuple(v.shape)}, expected {shape}")
+
+    def biases_f32(self) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+        """``(b_gate, b_up, b_down)`` in float32, or None when the experts have no biases.
+
+        Raises ValueError when only some of the three are set.
+        """
+        bs = (self.b_gate, self.b_up, self.b_down)
+        if all(b is None for b in bs):
+            return None
+        if any(b is None for b in bs):
+            missing = [n for n, b in zip(("b_gate", "b_up", "b_down"), bs) if b is None]
+            raise ValueError(f"ExpertWeights: biases must be all set or all None; missing {missing}")
+        bg, bu, bd = (jnp.asarray(b, jnp.float32) for b in bs if b is not None)
+        return bg, bu, bd
 
     def take(self, ids) -> ExpertWeights:
         """The experts ``ids`` (any index), quantized or not."""
@@ -81,20 +99,16 @@ class ExpertWeights:
 class SharedWeights:
     """Shared expert: ``w_gate, w_up [d, Fs]``, ``w_down [Fs, d]``, gate ``[d]`` or None."""
 
-    w_gate: jax.Array
-    w_up: jax.Array
-    w_down: jax.Array
+    w_gate: Weight
+    w_up: Weight
+    w_down: Weight
     gate: jax.Array | None = None
 
 
 def activation(g: jax.Array, u: jax.Array, cfg: MoEConfig) -> jax.Array:
-    """The elementwise middle of an expert: ``silu(g) * u`` or gpt-oss's clamped form."""
-    if cfg.activation == "swiglu":
-        return jax.nn.silu(g) * u
-    lim = cfg.swiglu_limit
-    g = jnp.minimum(g, lim)
-    u = jnp.clip(u, -lim, lim)
-    return (u + 1) * (g * jax.nn.sigmoid(cfg.swiglu_alpha * g))
+    """The elementwise middle of an expert: ``silu(g) * u`` or gpt-oss's clamped form
+    (`pallas_kernels.activation.Activation`, the same function the kernels use)."""
+    return Activation(cfg.activation, float(cfg.swiglu_alpha), float(cfg.swiglu_limit))(g, u)
 
 
 def swiglu_ffn(x: jax.Array, w_gate, w_up, w_down, cfg: MoEConfig, b_gate=None, b_up=None, b_down=None) -> jax.Array:
@@ -104,6 +118,7 @@ def swiglu_ffn(x: jax.Array, w_gate, w_up, w_down, cfg: MoEConfig, b_gate=None, 
     u = mm("td,df->tf", x, materialize(w_up, dt))
     if b_gate is not None:
         g = g + b_gate.astype(jnp.float32)
+    if b_up is not None:
         u = u + b_up.astype(jnp.float32)
     h = activation(g, u, cfg).astype(dt)
     y = mm("tf,fd->td", h, materialize(w_down, dt))
@@ -145,13 +160,14 @@ def experts_dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoECon
     if cfg.weight_on_input:  # expert(w * x): gate(w x) = w (x Wg) + b
         g = g * comb[..., None]
         u = u * comb[..., None]
-    if ew.b_gate is not None:
-        g = g + ew.b_gate.astype(jnp.float32)
-        u = u + ew.b_up.astype(jnp.float32)
+    bias = ew.biases_f32()
+    if bias is not None:
+        g = g + bias[0]
+        u = u + bias[1]
     h = activation(g, u, cfg).astype(dt)
     y = mm("tef,efd->ted", h, wd)
-    if ew.b_down is not None:
-        y = y + ew.b_down.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias[2]
     scale = sel.astype(jnp.float32) if cfg.weight_on_input else comb
     # where() keeps NaN weights of a NaN token from being multiplied away, and keeps
     # unselected experts (whose output may be inf) out of the sum.

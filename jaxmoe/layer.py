@@ -1,100 +1,24 @@
 """The MoE layer as a pure function of a parameter pytree.
 
 ``y = moe_apply(params, x, cfg, impl=...)``: router logits (float32), `route`, the
-routed experts by the chosen implementation, plus the shared expert. `MoEBlock`
-holds the same parameters as Flax NNX variables and calls this function.
+routed experts by the chosen implementation (`jaxmoe.impls`), plus the shared expert.
+`MoEBlock` holds the same parameters as Flax NNX variables and calls this function.
+`MoEParams`, `init_params`, `params_from_sampler` and `compute_routing` live in
+`jaxmoe.params` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
-import jax.numpy as jnp
 
-from jaxmoe import backends
 from jaxmoe.config import MoEConfig
-from jaxmoe.experts import ExpertWeights, SharedWeights, shared_expert
-from jaxmoe.routing import Routing, route, router_logits
+from jaxmoe.experts import shared_expert
+from jaxmoe.impls.policy import resolve_impl
+from jaxmoe.impls.registry import get_impl
+from jaxmoe.params import MoEParams, compute_routing, init_params, params_from_sampler
+from jaxmoe.routing import Routing
 
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class MoEParams:
-    """All parameters of one MoE layer.
-
-    Attributes:
-      w_router: ``[d, E]``.
-      experts: `ExpertWeights`.
-      b_router: ``[E]`` or None.
-      selection_bias: ``[E]`` or None (DeepSeek ``e_score_correction_bias``).
-      shared: `SharedWeights` or None.
-    """
-
-    w_router: jax.Array
-    experts: ExpertWeights
-    b_router: jax.Array | None = None
-    selection_bias: jax.Array | None = None
-    shared: SharedWeights | None = None
-
-    def check(self, cfg: MoEConfig) -> None:
-        """Raises ValueError naming the first tensor whose shape disagrees with ``cfg``."""
-        d, e = cfg.d_model, cfg.num_experts
-        if tuple(self.w_router.shape) != (d, e):
-            raise ValueError(f"MoEParams.w_router has shape {tuple(self.w_router.shape)}, expected {(d, e)}")
-        self.experts.check(cfg)
-        if cfg.router.router_bias and (self.b_router is None or tuple(self.b_router.shape) != (e,)):
-            raise ValueError(f"MoEParams.b_router must have shape {(e,)} (router_bias=True)")
-        if cfg.router.use_selection_bias and (self.selection_bias is None or tuple(self.selection_bias.shape) != (e,)):
-            raise ValueError(f"MoEParams.selection_bias must have shape {(e,)} (use_selection_bias=True)")
-        fs = cfg.shared_expert_dim
-        if fs:
-            if self.shared is None:
-                raise ValueError(f"MoEParams.shared is missing; the config has a shared expert of width {fs}")
-            for name, shape in (("w_gate", (d, fs)), ("w_up", (d, fs)), ("w_down", (fs, d))):
-                got = tuple(getattr(self.shared, name).shape)
-                if got != shape:
-                    raise ValueError(f"MoEParams.shared.{name} has shape {got}, expected {shape}")
-            if cfg.shared_expert_gate and (self.shared.gate is None or tuple(self.shared.gate.shape) != (d,)):
-                raise ValueError(f"MoEParams.shared.gate must have shape {(d,)} (shared_expert_gate=True)")
-
-
-def params_from_sampler(cfg: MoEConfig, nrm) -> MoEParams:
-    """Every tensor of ``cfg`` drawn by ``nrm(shape, fan_in) -> array`` (zero-mean, std
-    ``1 / sqrt(fan_in)``): router, experts (and their biases), selection bias (std 0.1),
-    shared expert and its gate."""
-    d, e, f, fs = cfg.d_model, cfg.num_experts, cfg.expert_dim, cfg.shared_expert_dim
-    ew = ExpertWeights(nrm((e, d, f), d), nrm((e, d, f), d), nrm((e, f, d), f))
-    if cfg.expert_bias:
-        ew = dataclasses.replace(ew, b_gate=nrm((e, f), 4.0), b_up=nrm((e, f), 4.0), b_down=nrm((e, d), 4.0))
-    shared = None
-    if fs:
-        shared = SharedWeights(
-            nrm((d, fs), d), nrm((d, fs), d), nrm((fs, d), fs), nrm((d,), d) if cfg.shared_expert_gate else None
-        )
-    return MoEParams(
-        w_router=nrm((d, e), d),
-        experts=ew,
-        b_router=nrm((e,), 1.0) if cfg.router.router_bias else None,
-        selection_bias=nrm((e,), 100.0) if cfg.router.use_selection_bias else None,
-        shared=shared,
-    )
-
-
-def init_params(cfg: MoEConfig, key: jax.Array, dtype=jnp.float32, scale: float = 1.0) -> MoEParams:
-    """Random parameters (normal, fan-in scaled) for ``cfg``."""
-    ks = iter(jax.random.split(key, 16))
-
-    def nrm(shape, fan_in):
-        return (jax.random.normal(next(ks), shape, jnp.float32) * (scale / fan_in**0.5)).astype(dtype)
-
-    return params_from_sampler(cfg, nrm)
-
-
-def compute_routing(params: MoEParams, x2: jax.Array, cfg: MoEConfig) -> Routing:
-    """Routing of ``x2 [T, d]`` (float32 math)."""
-    z = router_logits(x2, params.w_router, params.b_router)
-    return route(z, cfg.router, params.selection_bias)
+__all__ = ["MoEParams", "compute_routing", "init_params", "moe_apply", "params_from_sampler"]
 
 
 def moe_apply(
@@ -112,7 +36,7 @@ def moe_apply(
       params: the layer's `MoEParams`.
       x: activations ``[..., d]``.
       cfg: the layer's `MoEConfig`.
-      impl: execution strategy name (`jaxmoe.backends.available_impls`).
+      impl: execution strategy name (`jaxmoe.available_impls`).
       return_routing: also return the `Routing` used (over the flattened tokens).
       routing: use this routing instead of computing it (e.g. to replay a trace).
     """
@@ -122,8 +46,8 @@ def moe_apply(
     x2 = x.reshape(-1, cfg.d_model)
     if routing is None:
         routing = compute_routing(params, x2, cfg)
-    name = backends.resolve_impl(impl, x2.shape[0] * cfg.top_k, experts=params.experts, dtype=x2.dtype)
-    fn = backends.get_impl(name)
+    name = resolve_impl(impl, x2.shape[0] * cfg.top_k, experts=params.experts, dtype=x2.dtype)
+    fn = get_impl(name)
     with jax.named_scope(f"routed_experts_{name}"):
         y = fn(x2, routing, params.experts, cfg)
     y = y + shared_expert(x2, params.shared, cfg)

@@ -13,7 +13,7 @@ device:
 3. exchanges the buffers along ``expert`` (``all_to_all``, or ``ragged_all_to_all``
    where XLA lowers it, which moves only the filled rows),
 4. runs its local experts on the received rows with the registered grouped path
-   (``jaxmoe.backends``; one slot per row, local expert ids, the routing weight
+   (``jaxmoe.impls``; one slot per row, local expert ids, the routing weight
    sent along),
 5. sends the weighted rows back the same way and sums each token's k slots,
 6. adds the (replicated) shared expert.
@@ -46,17 +46,18 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmoe import backends
 from jaxmoe.config import MoEConfig, RouterConfig
 from jaxmoe.experts import shared_expert
-from jaxmoe.layer import MoEParams
+from jaxmoe.impls.policy import default_platform, resolve_impl
+from jaxmoe.impls.registry import get_impl
+from jaxmoe.params import MoEParams
+from jaxmoe.platforms import RAGGED_PLATFORMS
 from jaxmoe.routing import Routing, route, router_logits
 
 EXPERT_AXIS = "expert"
 DATA_AXIS = "data"
 EXCHANGES = ("auto", "padded", "ragged")
 #: Platforms where ``exchange="auto"`` uses ``jax.lax.ragged_all_to_all``.
-RAGGED_PLATFORMS = ("cuda", "rocm", "gpu", "tpu")
 _ragged_all_to_all = jax.lax.ragged_all_to_all  # a module name, so tests can emulate it on CPU
 
 
@@ -172,7 +173,7 @@ def resolve_exchange(exchange: str, platform: str | None = None) -> str:
         raise ValueError(f"unknown exchange {exchange!r}; expected one of {EXCHANGES}")
     if exchange != "auto":
         return exchange
-    platform = platform or backends.default_platform()
+    platform = platform or default_platform()
     return "ragged" if platform in RAGGED_PLATFORMS else "padded"
 
 
@@ -181,7 +182,7 @@ def local_config(cfg: MoEConfig, experts_per_device: int) -> MoEConfig:
     return dataclasses.replace(cfg, router=RouterConfig(num_experts=experts_per_device, top_k=1))
 
 
-def _exchange(buf: jax.Array, sizes: jax.Array, recv_sizes: jax.Array, n: int, c: int, kind: str) -> jax.Array:
+def exchange_rows(buf: jax.Array, sizes: jax.Array, recv_sizes: jax.Array, n: int, c: int, kind: str) -> jax.Array:
     """Moves ``buf [n*C, ...]`` (chunk ``j`` = rows ``[j*C, j*C + sizes[j])`` for device ``j``
     along ``expert``) to the same layout on the receivers (chunk ``i`` from device ``i``)."""
     if kind == "padded":
@@ -245,15 +246,15 @@ def _ep_body(
         send_w = jnp.zeros((n * c,), jnp.float32).at[slot].set(w.reshape(-1).astype(jnp.float32), mode="drop")
     with jax.named_scope("ep_exchange"):
         recv_sizes = jax.lax.all_to_all(sizes, EXPERT_AXIS, 0, 0, tiled=True)
-        recv_x = _exchange(send_x, sizes, recv_sizes, n, c, kind)
-        recv_id = _exchange(send_id, sizes, recv_sizes, n, c, kind)
-        recv_w = _exchange(send_w, sizes, recv_sizes, n, c, kind)
+        recv_x = exchange_rows(send_x, sizes, recv_sizes, n, c, kind)
+        recv_id = exchange_rows(send_id, sizes, recv_sizes, n, c, kind)
+        recv_w = exchange_rows(send_w, sizes, recv_sizes, n, c, kind)
     lcfg = local_config(cfg, el)
-    name = backends.resolve_impl(impl, n * c)
+    name = resolve_impl(impl, n * c)
     with jax.named_scope(f"ep_experts_{name}"):
-        out = backends.get_impl(name)(recv_x, Routing(recv_id[:, None], recv_w[:, None]), experts, lcfg)
+        out = get_impl(name)(recv_x, Routing(recv_id[:, None], recv_w[:, None]), experts, lcfg)
     with jax.named_scope("ep_return"):
-        back = _exchange(out.astype(jnp.float32), recv_sizes, sizes, n, c, kind)
+        back = exchange_rows(out.astype(jnp.float32), recv_sizes, sizes, n, c, kind)
     with jax.named_scope("ep_combine"):
         y = jnp.take(back, jnp.minimum(slot, n * c - 1), axis=0)
         y = jnp.where(kept[:, None], y, 0.0).reshape(tl, k, d).sum(axis=1)
@@ -379,8 +380,8 @@ def moe_apply_ep(
                 f"moe_apply_ep: routing expert_ids {ids.shape} / weights {w.shape} must be [T, k] = {(t, cfg.top_k)}"
             )
         ids, w = ids.astype(jnp.int32), w.astype(jnp.float32)
-    impl = backends.resolve_impl(impl, n * c, experts=params.experts, dtype=x2.dtype) if impl == "auto" else impl
-    backends.get_impl(impl)  # ValueError for unknown names, before tracing
+    impl = resolve_impl(impl, n * c, experts=params.experts, dtype=x2.dtype) if impl == "auto" else impl
+    get_impl(impl)  # ValueError for unknown names, before tracing
     y, r, stats = _ep_jit(params, x2, ids, w, cfg=cfg, mesh=mesh, impl=impl, c=c, kind=kind, given=given)
     out = [y.reshape(*lead, cfg.d_model)]
     if return_routing:

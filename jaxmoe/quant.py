@@ -12,7 +12,7 @@ way GGUF, MLX and torch store it:
   ``[..., out, in/g]``, ``W[i, o] = scales[o, i//g] * q[o, i] + biases[o, i//g]``.
   Q4_0 is ``scale = d, bias = -8 d``.
 
-The quantizers here follow MLX's affine rule (ROUTING.md section 5) and GGUF's Q8_0
+The quantizers here follow MLX's affine rule (docs/routing.md, "MLX affine 4-bit") and GGUF's Q8_0
 rule; bit-exact converters from stored GGUF / MLX bytes live in `jaxmoe.io`.
 """
 
@@ -26,13 +26,16 @@ import numpy as np
 
 KINDS = ("int8", "int4")
 
+#: What a `QuantizedTensor` holds: device arrays, or host numpy arrays right after loading.
+Buffer = jax.Array | np.ndarray
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedTensor:
-    qdata: jax.Array
-    scales: jax.Array
-    biases: jax.Array | None
+    qdata: Buffer
+    scales: Buffer
+    biases: Buffer | None
     kind: str = dataclasses.field(metadata=dict(static=True), default="int8")
     group_size: int = dataclasses.field(metadata=dict(static=True), default=32)
 
@@ -76,8 +79,8 @@ class QuantizedTensor:
     def codes(self) -> jax.Array:
         """Integer codes ``[..., out, in]`` (int8 for int8, 0..15 as int8 for int4)."""
         if self.kind == "int8":
-            return self.qdata
-        return unpack_int4(self.qdata)
+            return jnp.asarray(self.qdata)
+        return unpack_int4(jnp.asarray(self.qdata))
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The logical weight ``[..., in, out]`` in ``dtype`` (math in float32)."""
@@ -148,7 +151,7 @@ def quantize_int8(w, group_size: int = 32, scale_dtype=np.float16) -> QuantizedT
 
 
 def quantize_int4_affine(w, group_size: int = 64, scale_dtype=np.float32) -> QuantizedTensor:
-    """MLX's affine 4-bit rule (ROUTING.md section 5) on a logical ``[..., in, out]`` weight."""
+    """MLX's affine 4-bit rule (docs/routing.md, "MLX affine 4-bit") on a logical ``[..., in, out]`` weight."""
     t = _out_major(w)
     *lead, out, n = t.shape
     if n % group_size:

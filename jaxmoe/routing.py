@@ -1,6 +1,6 @@
 """Routing as pure functions: router logits and the one parameterised rule.
 
-Every family of ROUTING.md section 2 is one setting of `RouterConfig`:
+Every family of docs/routing.md ("Families") is one setting of `RouterConfig`:
 
 1. ``s = score_fn(z)`` (softmax over E, sigmoid; for ``*_topk`` rules the selection
    runs on the logits themselves),

@@ -1,12 +1,17 @@
 """Pallas kernels of the MoE hot path, lowered to GPU Triton.
 
-- `gmm`: the grouped-matmul core over a dispatch plan (`jaxmoe.dispatch`), plain `gmm`.
+A standalone kernel package: it imports only JAX and takes plain arrays, static block
+sizes and static layouts. The MoE library reaches it through its ``impl="pallas"``
+adapter (``impls/pallas.py``), which builds the dispatch plan and turns the model's
+weights into kernel operands (float arrays or `quant.QuantWeight`).
+
+- `gmm`: the grouped-matmul core over a dispatch plan (sorted rows, tile visits), plain `gmm`.
 - `swiglu`: fused gate + up projection with the SwiGLU epilogue, rows gathered in-kernel.
 - `down`: down projection with bias and routing weight fused, and the deterministic combine.
 - `decode`: one program per (token, expert) pair for few tokens.
-- `quant`: weight operands and in-kernel dequantization (Q8_0 int8, MLX / Q4_0 4-bit).
+- `quant`: weight operands (`quant.QuantWeight` for Q8_0 int8, MLX / Q4_0 4-bit) and
+  in-kernel dequantization.
 - `tuning`: the block-size table; `common`: Triton compiler params, activation, checks.
-- `impl`: the ``pallas`` execution strategy registered with `jaxmoe.backends`.
 
 Each kernel has its pure-jnp reference beside it; every wrapper takes ``interpret`` and
 ``debug`` flags and static block sizes.

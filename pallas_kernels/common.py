@@ -1,18 +1,20 @@
-"""Pieces every kernel shares: Triton compiler params, the SwiGLU epilogue, the
-interpret switch and argument checks."""
+"""Pieces every kernel shares: Triton compiler params, the interpret switch and argument
+checks (and the SwiGLU epilogue of `pallas_kernels.activation`, re-exported)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-ACTIVATIONS = ("swiglu", "swiglu_oai")
+from pallas_kernels.activation import ACTIVATIONS, Activation
+
 #: Set to 1 to run the kernels in Pallas interpret mode (0 forces compiled mode).
 INTERPRET_ENV = "JAXMOE_PALLAS_INTERPRET"
+#: JAX platforms whose backend compiles Pallas's Triton lowering.
+TRITON_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
@@ -29,33 +31,7 @@ def default_interpret() -> bool:
         return True
     if env in ("0", "false", "no", "off"):
         return False
-    return jax.default_backend() not in ("gpu", "cuda", "rocm")
-
-
-@dataclasses.dataclass(frozen=True)
-class Activation:
-    """The elementwise middle of an expert (static): ``silu(g) * u`` or gpt-oss's
-    ``(clip(u, -L, L) + 1) * g * sigmoid(alpha * g)`` with ``g = min(g, L)``."""
-
-    kind: str = "swiglu"
-    alpha: float = 1.702
-    limit: float = 7.0
-
-    def __post_init__(self):
-        if self.kind not in ACTIVATIONS:
-            raise ValueError(f"Activation.kind: unknown {self.kind!r}; expected one of {ACTIVATIONS}")
-
-    def __call__(self, g: jax.Array, u: jax.Array) -> jax.Array:
-        if self.kind == "swiglu":
-            return g * jax.nn.sigmoid(g) * u
-        g = jnp.minimum(g, self.limit)
-        u = jnp.clip(u, -self.limit, self.limit)
-        return (u + 1) * (g * jax.nn.sigmoid(self.alpha * g))
-
-
-def activation_of(cfg) -> Activation:
-    """The `Activation` of a `jaxmoe.MoEConfig`."""
-    return Activation(cfg.activation, float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
+    return jax.default_backend() not in TRITON_PLATFORMS
 
 
 def check_array(name: str, a, shape: tuple, dtype=None, kinds: str | None = None) -> None:
@@ -87,3 +63,16 @@ def check_out(where: str, out, shape: tuple, dtype) -> None:
         raise ValueError(
             f"{where}: out buffer {tuple(out.shape)} {out.dtype} must be {tuple(shape)} {jnp.dtype(dtype)}"
         )
+
+
+__all__ = [
+    "ACTIVATIONS",
+    "INTERPRET_ENV",
+    "TRITON_PLATFORMS",
+    "Activation",
+    "check_array",
+    "check_blocks",
+    "check_out",
+    "compiler_params",
+    "default_interpret",
+]

@@ -121,7 +121,7 @@ def _pair_call(spec: PairSpec, ids, row_scale, lhs, weight_arrays, biases, out, 
         compiler_params=common.compiler_params(spec.num_warps, spec.num_stages),
         interpret=interpret,
         debug=debug,
-        name="jaxmoe_decode",
+        name="moe_decode",
     )(*args)
 
 
@@ -163,7 +163,7 @@ def decode_gate_up(
 
     Args:
       x: ``[T, d]``; expert_ids: ``[T, k]`` int32.
-      w_gate, w_up: ``[E, d, F]`` arrays or `QuantizedTensor`s; b_gate, b_up: ``[E, F]`` or None.
+      w_gate, w_up: ``[E, d, F]`` arrays or `quant.QuantWeight`s; b_gate, b_up: ``[E, F]`` or None.
       row_scale: ``[T * k]`` float32 (pair order) multiplying both projections before the
         bias, or None.
       out: optional ``[T * k, F]`` buffer of ``x.dtype`` aliased to the output.
@@ -229,7 +229,7 @@ def decode_down(
 
     Args:
       h: ``[T * k, F]`` pair order; expert_ids: ``[T, k]`` int32.
-      w_down: ``[E, F, d]`` array or `QuantizedTensor`; b_down: ``[E, d]`` or None.
+      w_down: ``[E, F, d]`` array or `quant.QuantWeight`; b_down: ``[E, d]`` or None.
       row_scale: ``[T * k]`` float32 routing weights (pair order) or None.
       out: optional ``[T * k, d]`` buffer of ``out_dtype`` aliased to the output.
     Returns:

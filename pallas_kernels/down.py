@@ -59,7 +59,7 @@ def down_project(
     Args:
       h: ``[P, F]`` sorted rows (the output of `gate_up_swiglu`).
       group_offsets, tile_group, tile_row, num_tiles: the plan (built with ``block_m``).
-      w_down: ``[E, F, d]`` array or `QuantizedTensor`; b_down: ``[E, d]`` or None.
+      w_down: ``[E, F, d]`` array or `quant.QuantWeight`; b_down: ``[E, d]`` or None.
       row_scale: ``[P]`` float32 routing weight of each sorted row, or None.
       out: optional ``[P, d]`` buffer of ``out_dtype`` aliased to the output.
     Returns:

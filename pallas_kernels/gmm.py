@@ -1,7 +1,8 @@
 """Grouped matmul (GMM) over a dispatch plan: the core every grouped kernel runs on.
 
 The rows of the left operand are the ``P = T * k`` (token, slot) pairs sorted by
-expert (`jaxmoe.dispatch.plan_dispatch`). The grid is ``(tile visits, column blocks)``;
+expert; the caller's dispatch plan delimits them (``group_offsets [E + 1]``) and lists
+the ``block_m``-row tile visits (``tile_group``, ``tile_row [V]``, ``num_tiles``). The grid is ``(tile visits, column blocks)``;
 visit ``v`` reads its expert ``e = tile_group[v]`` and row tile ``tile_row[v]`` from
 int32 arrays (``ids_ref[pid]``: the Triton backend has no scalar prefetch), keeps the
 rows of the tile that belong to ``e`` (``group_offsets[e] <= row < group_offsets[e+1]``)
@@ -26,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.common import Activation
-from pallas_kernels.quant import WeightLayout, load_tile, tile_matmul, weight_operands
+from pallas_kernels.quant import WeightLayout, dequantize_reference, load_tile, tile_matmul, weight_operands
 
 SCALES = ("none", "input", "output")
 
@@ -173,7 +174,7 @@ def grouped_call(
         compiler_params=common.compiler_params(spec.num_warps, spec.num_stages),
         interpret=interpret,
         debug=debug,
-        name="jaxmoe_gmm",
+        name="moe_gmm",
     )(*args)
 
 
@@ -218,7 +219,7 @@ def gmm(
 
     Args:
       lhs: ``[P, K]`` rows sorted by expert (``group_offsets`` delimit each expert's rows).
-      rhs: ``[E, K, N]`` array or `jaxmoe.quant.QuantizedTensor` (int8 / int4).
+      rhs: ``[E, K, N]`` float array or `quant.QuantWeight` (int8 / int4).
       group_offsets: ``[E + 1]`` int32; tile_group, tile_row: ``[V]`` int32 visits of a plan
         built with the same ``block_m``; num_tiles: ``[]`` int32 valid visits.
       out: optional ``[P, N]`` buffer aliased to the output (rows no visit writes keep it).
@@ -276,8 +277,6 @@ def row_experts(group_offsets: jax.Array, rows: int) -> jax.Array:
 def gmm_reference(lhs, rhs, group_offsets, out_dtype=None):
     """Pure-jnp reference of `gmm`: ``[P, K]`` rows times their expert's ``[K, N]`` weight."""
     lay, arrs = weight_operands(rhs, "gmm_reference: rhs", k=lhs.shape[1])
-    from pallas_kernels.quant import dequantize_reference
-
     w = dequantize_reference(lay, arrs, lhs.dtype)[row_experts(group_offsets, lhs.shape[0])]  # [P, K, N]
     y = jnp.einsum("pk,pkn->pn", lhs, w, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
     return y.astype(out_dtype or lhs.dtype)

@@ -1,6 +1,7 @@
 """Expert weights as kernel operands, and their tiles loaded (and dequantized) in-kernel.
 
-A routed-expert weight of logical shape ``[E, K, N]`` (``x @ W``: K in, N out) reaches a
+A routed-expert weight of logical shape ``[E, K, N]`` (``x @ W``: K in, N out) is given
+to a kernel wrapper as a floating-point array or as a `QuantWeight`, and reaches the
 kernel as one of three layouts (`WeightLayout.kind`):
 
 - ``dense``: one array ``w [E, K, N]``; a tile is ``w[e, k0:k0+bk, n0:n0+bn]``.
@@ -10,8 +11,9 @@ kernel as one of three layouts (`WeightLayout.kind`):
   = even element), ``s, b [E, N, K/g]``; a tile is ``s * q + b``.
 
 The weights stay in this form in device memory; `load_tile` dequantizes one tile in
-registers (float32 math, then the compute dtype). `dequantize_reference` is the pure-jnp
-reference of the same layouts.
+registers (float32 math, then the compute dtype). `weight_operands` checks a weight and
+splits it into its static `WeightLayout` and its arrays; `dequantize_reference` is the
+pure-jnp reference of the same layouts.
 """
 
 from __future__ import annotations
@@ -20,13 +22,50 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxmoe.quant import QuantizedTensor
 from pallas_kernels.tuning import is_pow2
 
 KINDS = ("dense", "int8", "int4")
+#: Kinds of a `QuantWeight`.
+QUANT_KINDS = ("int8", "int4")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantWeight:
+    """A quantized expert weight operand, logical ``[E, K, N]``, stored out-major.
+
+    A pytree (``kind`` and ``group_size`` static), so it passes through ``jax.jit``.
+
+    Attributes:
+      qdata: ``int8``: ``[E, N, K]`` int8 codes; ``int4``: ``[E, N, K/2]`` uint8, element
+        ``2j`` in the low nibble of byte ``j``.
+      scales: ``[E, N, K/g]`` floating point.
+      biases: ``int4``: ``[E, N, K/g]`` floating point (``W = scales * q + biases``);
+        ``int8``: None (``W = scales * q``).
+      kind: ``"int8"`` or ``"int4"``.
+      group_size: ``g``, the quantization group along K (a power of two >= 2).
+    """
+
+    qdata: jax.Array
+    scales: jax.Array
+    biases: jax.Array | None = None
+    kind: str = dataclasses.field(metadata=dict(static=True), default="int8")
+    group_size: int = dataclasses.field(metadata=dict(static=True), default=32)
+
+    def __post_init__(self):
+        if self.kind not in QUANT_KINDS:
+            raise ValueError(f"QuantWeight.kind: unknown {self.kind!r}; expected one of {QUANT_KINDS}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical ``[E, K, N]`` shape."""
+        per_byte = 2 if self.kind == "int4" else 1
+        *lead, n, k = self.qdata.shape
+        return (*lead, k * per_byte, n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +90,19 @@ class WeightLayout:
 def weight_operands(
     w, name: str, num_experts: int | None = None, k: int | None = None, n: int | None = None
 ) -> tuple[WeightLayout, tuple[jax.Array, ...]]:
-    """The layout and arrays of an expert weight ``[E, K, N]`` (array or `QuantizedTensor`).
+    """The layout and arrays of an expert weight ``[E, K, N]`` (float array or `QuantWeight`).
 
-    Raises ValueError naming ``name`` when the shape differs from the expected
-    ``(num_experts, k, n)`` (entries left None are not checked).
+    Raises ValueError naming ``name`` when ``w`` is neither, when the shape differs from
+    the expected ``(num_experts, k, n)`` (entries left None are not checked), or when a
+    `QuantWeight`'s arrays do not fit its kind and group size.
     """
+    if not isinstance(w, QuantWeight | jax.Array | np.ndarray):
+        raise ValueError(
+            f"{name}: expert weight must be a floating-point array or a pallas_kernels.quant.QuantWeight, "
+            f"got {type(w).__name__}"
+        )
+    if isinstance(w, QuantWeight) and w.qdata.ndim != 3:
+        raise ValueError(f"{name}: QuantWeight.qdata must be [E, N, K] (int4: [E, N, K/2]), got shape {w.qdata.shape}")
     shape = tuple(w.shape)
     if len(shape) != 3:
         raise ValueError(f"{name}: expert weight must be [E, K, N], got shape {shape}")
@@ -65,16 +112,33 @@ def weight_operands(
                 f"{name}: shape {shape} has {what}={got}, expected {want} (want [E, K, N] = {(num_experts, k, n)})"
             )
     e, kk, nn = shape
-    if isinstance(w, QuantizedTensor):
-        g = w.group_size
-        if not is_pow2(g) or g < 2:
-            raise ValueError(f"{name}: quantization group size must be a power of two, got {g}")
-        if w.kind == "int8":
-            return WeightLayout("int8", e, kk, nn, g), (w.qdata, w.scales)
-        return WeightLayout("int4", e, kk, nn, g), (w.qdata, w.scales, w.biases)
+    if isinstance(w, QuantWeight):
+        return _quant_operands(w, name, e, kk, nn)
     if not jnp.issubdtype(w.dtype, jnp.floating):
-        raise ValueError(f"{name}: expert weight must be floating point or a QuantizedTensor, got {w.dtype}")
+        raise ValueError(f"{name}: expert weight must be floating point or a QuantWeight, got {w.dtype}")
     return WeightLayout("dense", e, kk, nn), (w,)
+
+
+def _quant_operands(w: QuantWeight, name: str, e: int, k: int, n: int) -> tuple[WeightLayout, tuple[jax.Array, ...]]:
+    g = w.group_size
+    if not is_pow2(g) or g < 2:
+        raise ValueError(f"{name}: quantization group size must be a power of two, got {g}")
+    if k % g:
+        raise ValueError(f"{name}: K={k} is not a multiple of the quantization group size {g}")
+    want_q = jnp.dtype(jnp.int8 if w.kind == "int8" else jnp.uint8)
+    if w.qdata.dtype != want_q:
+        raise ValueError(f"{name}: {w.kind} qdata must be {want_q}, got {w.qdata.dtype}")
+    groups = (e, n, k // g)
+    parts = [("scales", w.scales)] + ([("biases", w.biases)] if w.kind == "int4" else [])
+    for what, a in parts:
+        if a is None or tuple(a.shape) != groups or not jnp.issubdtype(a.dtype, jnp.floating):
+            got = "None" if a is None else f"{tuple(a.shape)} {a.dtype}"
+            raise ValueError(f"{name}: {w.kind} {what} must be floating point of shape {groups}, got {got}")
+    if w.kind == "int8":
+        if w.biases is not None:
+            raise ValueError(f"{name}: an int8 QuantWeight takes no biases (W = scales * q)")
+        return WeightLayout("int8", e, k, n, g), (w.qdata, w.scales)
+    return WeightLayout("int4", e, k, n, g), (w.qdata, w.scales, w.biases)
 
 
 def dequantize_reference(layout: WeightLayout, arrays, dtype=jnp.float32) -> jax.Array:

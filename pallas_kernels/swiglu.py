@@ -85,7 +85,7 @@ def gate_up_swiglu(
       x: ``[T, d]`` tokens (float32 / bfloat16 / float16; the compute dtype).
       token_idx: ``[P]`` int32 token of each sorted row (``plan.token_idx``).
       group_offsets, tile_group, tile_row, num_tiles: the plan (built with ``block_m``).
-      w_gate, w_up: ``[E, d, F]`` arrays or `QuantizedTensor`s.
+      w_gate, w_up: ``[E, d, F]`` arrays or `quant.QuantWeight`s.
       b_gate, b_up: ``[E, F]`` or None.
       row_scale: ``[P]`` float32 or None: multiplies both projections before the bias.
       out: optional ``[P, F]`` buffer of ``x.dtype`` aliased to the output.

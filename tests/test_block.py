@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from reference import np_moe, params_to_numpy, shrink
+from helpers import np_moe, params_to_numpy, shrink
 
 import jaxmoe
 from jaxmoe import MoEBlock, MoEConfig, RouterConfig

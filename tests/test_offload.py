@@ -7,15 +7,20 @@ tiny pure-Python LRU / LFU cache, and the fully resident run (bitwise).
 import dataclasses
 import json
 import struct
+from types import SimpleNamespace
 
 import gguf
 import jax
 import numpy as np
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxmoe
+from jaxmoe.evaluation.kinds import load_any
+from jaxmoe.evaluation.offload import OffloadSweepConfig, SweepInput, prepare_input, run_sweep
+from jaxmoe.evaluation.schema import ConfigError
 from jaxmoe.offload import (
     ExpertCache,
     ExpertStoreError,
@@ -36,6 +41,7 @@ from jaxmoe.offload import (
 )
 from jaxmoe.offload.prerouter import PredictQuery
 from jaxmoe.offload.store import ResidentLayer
+from jaxmoe.offload.traces import load_hidden
 
 L, E, K, D, F = 3, 16, 4, 64, 32
 
@@ -283,6 +289,29 @@ def test_gguf_store_slices_match_gguf_dequantize_and_stream(cfg, rng, tmp_path):
         np.testing.assert_array_equal(out.outputs, ref.outputs)
 
 
+def test_gguf_store_q4_0_extreme_scales_match_gguf_dequantize(cfg, rng, tmp_path):
+    """Q4_0 blocks with |d| > 8188, whose bias -8 d overflows float16 (the store once decoded it
+    to -inf): the store decodes with the loader's codec, so such an expert gets float32 scales
+    and biases and stays bit-exact with gguf-py; other experts keep float16."""
+    layers = fresh_layers(cfg, rng)
+    res, ew = layers[1]
+    w_up = np.array(ew.w_up, np.float32)  # [E, d, F]
+    w_up[3, 5, 7] = -1.2e5  # expert 3, output 7: the block of inputs 0..31 gets d = 15000
+    layers[1] = (res, dataclasses.replace(ew, w_up=w_up))
+    path = tmp_path / "big.gguf"
+    store = write_gguf_store(path, cfg, layers, qtype="Q4_0")
+    t = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}["blk.1.ffn_up_exps.weight"]
+    want = np.swapaxes(gguf.quants.dequantize(np.array(t.data), t.tensor_type), -1, -2)  # [E, in, out]
+    assert np.isfinite(want).all() and np.abs(want[3]).max() > 1e5
+    for e, sdt in ((3, np.float32), (4, np.float16)):
+        w = store.load_expert(1, e).w_up
+        assert isinstance(w, jaxmoe.QuantizedTensor) and w.kind == "int4"
+        assert w.scales.dtype == sdt and w.biases.dtype == sdt, e
+        assert np.isfinite(np.asarray(w.biases)).all()
+        got = np.asarray(jaxmoe.quant.materialize(w, np.float32))
+        np.testing.assert_array_equal(got, want[e].astype(np.float32), err_msg=f"expert {e}")
+
+
 # ------------------------------------------------------------------ corrupt / missing experts
 
 
@@ -525,12 +554,8 @@ def test_driver_replays_a_trace_and_reports_locality_benefit(cfg, stack, rng):
 
 
 def test_sweep_writes_results_and_plot(tmp_path):
-    import yaml
-
-    from jaxmoe.offload.sweep import load_sweep_config, run_sweep
-
     spec = {
-        "runner": "jaxmoe.offload.sweep",
+        "kind": "offload",
         "name": "t",
         "model": {
             "preset": "qwen3.6-35b-a3b",
@@ -547,10 +572,11 @@ def test_sweep_writes_results_and_plot(tmp_path):
     }
     p = tmp_path / "s.yaml"
     p.write_text(yaml.safe_dump(spec))
-    c = load_sweep_config(p)
+    c = load_any(p)
+    assert isinstance(c, OffloadSweepConfig) and c.learned.kwargs() == {"steps": 20}
     res = run_sweep(c, tmp_path / "out", log=lambda *a: None)
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert len(saved["configurations"]) == 2 * 2 * 2 and saved["all_identical"]
+    assert len(saved["configurations"]) == 2 * 2 * 2 and saved["all_identical"] and saved["gate"]["passed"]
     assert {r["input"] for r in saved["configurations"]} == {
         "random(seed=3)",
         "synthetic(locality=0.7, layer_corr=0.0, zipf=0.0)",
@@ -561,31 +587,26 @@ def test_sweep_writes_results_and_plot(tmp_path):
             assert r["hit_rate"] == 0.0
     assert (tmp_path / "out" / "offload.png").stat().st_size > 10_000 and res["plot"]
     assert np.load(tmp_path / "out" / "input1_trace.npy").shape == (6, L, K)
-    spec["budgets"] = [2.0]
+    spec["budgets"] = [0.5, 2.0]
     p.write_text(yaml.safe_dump(spec))
-    with pytest.raises(ValueError, match="budgets"):
-        load_sweep_config(p)
+    with pytest.raises(ConfigError, match=r"s\.yaml: key 'budgets\[1\]': 2\.0: each budget is a fraction"):
+        load_any(p)
     spec["budgets"], spec["cache"] = [0.5], 1
     p.write_text(yaml.safe_dump(spec))
-    with pytest.raises(ValueError, match="cache: unknown key"):
-        load_sweep_config(p)
+    with pytest.raises(ConfigError, match=r"s\.yaml: key 'cache': unknown key"):
+        load_any(p)
 
 
 def test_sweep_inputs_from_recorded_hidden_states_and_traces(cfg, rng, tmp_path):
-    from types import SimpleNamespace
-
-    from jaxmoe.offload.sweep import _prepare_input
-    from jaxmoe.offload.traces import load_hidden
-
     model = SimpleNamespace(cfg=cfg, num_layers=L)
     h = rng.standard_normal((20, D)).astype(np.float32)
     np.save(tmp_path / "h.npy", h)
-    label, xtr, x, trtr, tr = _prepare_input({"kind": "hidden", "path": str(tmp_path / "h.npy")}, model, 8, 100)
+    label, xtr, x, trtr, tr = prepare_input(SweepInput(kind="hidden", path=str(tmp_path / "h.npy")), model, 8, 100)
     assert label == "hidden:h.npy" and trtr is None and tr is None
     np.testing.assert_array_equal(np.concatenate([xtr, x]), h)  # train rows first, measured rows after
     ids = synthetic_trace(20, L, E, K, locality=0.5, seed=int(rng.integers(100)))
     save_trace(tmp_path / "t.npy", ids)
-    label, xtr, x, trtr, tr = _prepare_input({"kind": "trace", "path": str(tmp_path / "t.npy")}, model, 8, 100)
+    label, xtr, x, trtr, tr = prepare_input(SweepInput(kind="trace", path=str(tmp_path / "t.npy")), model, 8, 100)
     assert label == "trace:t.npy" and x.shape == (8, D)
     np.testing.assert_array_equal(np.concatenate([trtr, tr]), ids)
     np.save(tmp_path / "bad.npy", h[:, :10])

@@ -6,6 +6,9 @@ column the kernel fails to write shows up as NaN.
 """
 
 import dataclasses
+import importlib.util
+import json
+from pathlib import Path
 
 import gguf
 import jax
@@ -14,9 +17,11 @@ import numpy as np
 import pytest
 from flax import nnx
 from gguf import quants as gq
+from helpers import shrink
 
 import jaxmoe
 from jaxmoe.dispatch import plan_dispatch
+from jaxmoe.impls.pallas import experts_pallas, kernel_weight
 from jaxmoe.quant import QuantizedTensor, pack_int4, quantize_int4_affine, quantize_int8
 from pallas_kernels import tuning
 from pallas_kernels.decode import (
@@ -28,8 +33,7 @@ from pallas_kernels.decode import (
 )
 from pallas_kernels.down import combine, down_project, down_project_reference
 from pallas_kernels.gmm import gmm, gmm_reference
-from pallas_kernels.impl import experts_pallas
-from pallas_kernels.quant import dequantize_reference, weight_operands
+from pallas_kernels.quant import QuantWeight, dequantize_reference, weight_operands
 from pallas_kernels.swiglu import gate_up_swiglu, gate_up_swiglu_reference
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -66,7 +70,8 @@ def gguf_dequant(kind: str, w_float: np.ndarray) -> np.ndarray:
 
 
 def make_weight(rng, shape, kind):
-    """A random ``[E, K, N]`` expert weight of ``kind`` and its float32 dequantized value."""
+    """A random ``[E, K, N]`` expert weight of ``kind`` as a kernel operand (array or
+    `QuantWeight`) and its float32 dequantized value."""
     w = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
     if kind == "f32":
         return jnp.asarray(w), w
@@ -79,7 +84,7 @@ def make_weight(rng, shape, kind):
         qt = q4_0_from_gguf(w)
     else:
         qt = quantize_int4_affine(w, group_size=64)
-    return qt, np.asarray(qt.dequantize(jnp.float32))
+    return kernel_weight(qt), np.asarray(qt.dequantize(jnp.float32))
 
 
 def compute_dtype(kind):
@@ -125,7 +130,7 @@ def test_dequantize_reference_matches_core_and_gguf(rng, kind):
     if kind != "int4_mlx64":  # independent: gguf-py's own dequantizer of the same bytes
         src = (rng.standard_normal((2, 64, 40)) / 8).astype(np.float32)
         qt = q8_0_from_gguf(src) if kind == "int8" else q4_0_from_gguf(src)
-        lay, arrs = weight_operands(qt, "w")
+        lay, arrs = weight_operands(kernel_weight(qt), "w")
         np.testing.assert_allclose(
             np.asarray(dequantize_reference(lay, arrs)), gguf_dequant(kind, src), rtol=1e-6, atol=1e-7
         )
@@ -391,17 +396,6 @@ def test_table_is_powers_of_two_and_fits():
 # ---------------------------------------------------------------- full path
 
 
-def _shrink(name, e=16):
-    cfg = jaxmoe.load_config(name)
-    r = cfg.router
-    n_group = r.n_group if e % r.n_group == 0 and e // r.n_group >= 2 else 1
-    router = dataclasses.replace(
-        r, num_experts=e, n_group=n_group, topk_group=min(r.topk_group, n_group), top_k=min(r.top_k, e)
-    )
-    fs = 32 * cfg.num_shared_experts if cfg.shared_expert_dim else 0
-    return dataclasses.replace(cfg, d_model=64, expert_dim=32, shared_expert_dim=fs, router=router)
-
-
 def _quantize(ew, how):
     if how == "none":
         return ew
@@ -420,7 +414,7 @@ DECODE_TOO = ("gpt-oss-20b", "deepseek-v3", "qwen3.6-35b-a3b")
 def test_block_pallas_equals_dense(rng, name):
     """Every preset family (shrunk), quantized or not: grouped kernels (T * k = 96) and,
     for three families, the decode kernels (T * k = 24); one jit per path."""
-    cfg = _shrink(name)
+    cfg = shrink(jaxmoe.load_config(name))
     params = jaxmoe.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))))
     how = ("none", "int8", "int4")[sum(map(ord, name)) % 3]
     params = dataclasses.replace(params, experts=_quantize(params.experts, how))
@@ -469,7 +463,7 @@ def _loop64(x, ids, wts, wg, wu, wd, cfg, bg=None, bu=None, bd=None):
     ],
 )
 def test_pallas_impl_matches_float64_loop(rng, name, woi, t):
-    cfg = dataclasses.replace(_shrink(name), weight_on_input=woi)
+    cfg = dataclasses.replace(shrink(jaxmoe.load_config(name)), weight_on_input=woi)
     ew = jaxmoe.init_params(cfg, jax.random.key(int(rng.integers(1 << 30)))).experts
     x = jnp.asarray(rng.standard_normal((t, cfg.d_model)) * 2, jnp.float32)
     ids = np.stack([rng.choice(cfg.num_experts, cfg.top_k, replace=False) for _ in range(t)]).astype(np.int32)
@@ -485,7 +479,7 @@ def test_pallas_impl_matches_float64_loop(rng, name, woi, t):
 
 
 def test_block_bf16_pallas(rng):
-    cfg = _shrink("mixtral-8x7b", e=8)
+    cfg = shrink(jaxmoe.load_config("mixtral-8x7b"), e=8)
     block = jaxmoe.MoEBlock(cfg, rngs=nnx.Rngs(3), impl="pallas", dtype=jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((40, cfg.d_model)), jnp.bfloat16)
     y, r = nnx.jit(lambda b, a: b(a, return_routing=True))(block, x)
@@ -495,7 +489,7 @@ def test_block_bf16_pallas(rng):
 
 
 def test_deterministic_and_nan_token_isolated(rng):
-    cfg = _shrink("qwen3-30b-a3b")
+    cfg = shrink(jaxmoe.load_config("qwen3-30b-a3b"))
     ew = jaxmoe.init_params(cfg, jax.random.key(1)).experts
     x = jnp.asarray(rng.standard_normal((30, cfg.d_model)), jnp.float32)
     ids = np.stack([rng.choice(cfg.num_experts, cfg.top_k, replace=False) for _ in range(30)]).astype(np.int32)
@@ -541,15 +535,36 @@ def test_bad_arguments_raise_value_error(rng):
         combine(jnp.zeros((10, d)), jnp.zeros((9,), jnp.int32), 2)
 
 
+def test_weight_operand_errors(rng):
+    """Kernels take float arrays or `QuantWeight`s only; a bad `QuantWeight` is named."""
+    w = (rng.standard_normal((2, 64, 16)) / 8).astype(np.float32)
+    q8, q4 = quantize_int8(w), quantize_int4_affine(w, group_size=32)
+    with pytest.raises(ValueError, match=r"w_gate: expert weight must be .*QuantWeight, got QuantizedTensor"):
+        weight_operands(q8, "w_gate")
+    with pytest.raises(ValueError, match=r"w_gate: expert weight must be floating point"):
+        weight_operands(jnp.zeros((2, 64, 16), jnp.int32), "w_gate")
+    lay, arrs = weight_operands(kernel_weight(q4), "w", 2, 64, 16)
+    assert (lay.kind, lay.group_size, len(arrs)) == ("int4", 32, 3)
+    assert weight_operands(kernel_weight(jnp.asarray(w)), "w")[0].kind == "dense"
+    with pytest.raises(ValueError, match=r"w_up: int8 scales must be .* \(2, 16, 2\), got \(2, 16, 1\)"):
+        weight_operands(QuantWeight(q8.qdata, q8.scales[..., :1], None, "int8", 32), "w_up")
+    with pytest.raises(ValueError, match=r"w_up: int4 biases must be .*got None"):
+        weight_operands(QuantWeight(q4.qdata, q4.scales, None, "int4", 32), "w_up")
+    with pytest.raises(ValueError, match=r"w_up: int4 qdata must be uint8, got int8"):
+        weight_operands(QuantWeight(q4.qdata.astype(jnp.int8), q4.scales, q4.biases, "int4", 32), "w_up")
+    with pytest.raises(ValueError, match=r"w_up: an int8 QuantWeight takes no biases"):
+        weight_operands(QuantWeight(q8.qdata, q8.scales, q8.scales, "int8", 32), "w_up")
+    with pytest.raises(ValueError, match=r"w_up: quantization group size must be a power of two, got 48"):
+        weight_operands(QuantWeight(q8.qdata[..., :48], q8.scales[..., :1], None, "int8", 48), "w_up")
+    with pytest.raises(ValueError, match=r"QuantWeight.kind: unknown 'int2'"):
+        QuantWeight(q8.qdata, q8.scales, None, "int2", 32)
+
+
 # ---------------------------------------------------------------- GPU script plumbing
 
 
 def test_gpu_bench_dry_run(tmp_path):
     """benchmarks/gpu_bench.py end to end on CPU (interpret mode, tiny shapes)."""
-    import importlib.util
-    import json
-    from pathlib import Path
-
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bench.py"
     spec = importlib.util.spec_from_file_location("gpu_bench", path)
     mod = importlib.util.module_from_spec(spec)

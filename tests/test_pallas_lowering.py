@@ -19,12 +19,12 @@ import pytest
 
 import jaxmoe
 from jaxmoe.dispatch import plan_dispatch
+from jaxmoe.impls.pallas import experts_pallas, kernel_weight
 from jaxmoe.quant import quantize_int4_affine, quantize_int8
 from pallas_kernels import tuning
 from pallas_kernels.decode import decode_down, decode_gate_up
 from pallas_kernels.down import down_project
 from pallas_kernels.gmm import gmm
-from pallas_kernels.impl import experts_pallas
 from pallas_kernels.swiglu import gate_up_swiglu
 
 TRITON_CALL = re.compile(r"__gpu\$xla\.gpu\.triton|triton_kernel_call")
@@ -89,7 +89,7 @@ def test_each_kernel_lowers(rng, kind):
     """gmm, gate_up_swiglu, down_project, decode_gate_up, decode_down, one call each."""
     d, f, e, t, k = 128, 64, 4, 20, 2
     dt = {"bf16": jnp.bfloat16, "f16": jnp.float16}.get(kind, jnp.float32)
-    wg, wu, wd = weights(rng, e, d, f, kind, dt)
+    wg, wu, wd = (kernel_weight(w) for w in weights(rng, e, d, f, kind, dt))
     ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
     plan = plan_dispatch(ids, e, 16)
     meta = (plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)

@@ -6,18 +6,23 @@ Every case compares the expert-parallel output with the single-device `moe_apply
 
 import dataclasses
 import functools
+import json
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import np_act, np_moe, params_to_numpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import np_act, np_moe, params_to_numpy
 
 import jaxmoe
 from jaxmoe import parallel
+from jaxmoe.evaluation.cli import cli_main as eval_cli_main
+from jaxmoe.evaluation.expert_parallel import ExpertParallelConfig
+from jaxmoe.evaluation.kinds import load_any
+from jaxmoe.evaluation.schema import ConfigError
 from jaxmoe.quant import quantize_int4_affine, quantize_int8
 
 TOL = dict(atol=2e-5, rtol=2e-5)  # float32, EP vs single device
@@ -391,12 +396,10 @@ def test_plan_matches_numpy(t, k, n, el, c, seed):
 
 
 def test_eval_runner_meshes_vs_single_device(tmp_path, rng):
-    """`jaxmoe eval <yaml>` hands a `runner: jaxmoe.parallel_eval` config to this runner."""
-    from jaxmoe import evaluation, parallel_eval
-
+    """`jaxmoe eval <yaml>` runs a `kind: expert-parallel` config with this runner."""
     seed = int(rng.integers(1000))
     cfg_text = f"""
-runner: jaxmoe.parallel_eval
+kind: expert-parallel
 name: ep-test
 model: {{preset: mixtral-8x7b, shrink: {{d_model: 32, expert_dim: 16}}, seed: {seed}}}
 inputs: {{kind: random, seed: {seed}}}
@@ -409,9 +412,7 @@ tolerance: 1.0e-5
 """
     path = tmp_path / "ep.yaml"
     path.write_text(cfg_text)
-    assert evaluation.cli_main([str(path), "--out", str(tmp_path / "out")]) == 0
-    import json
-
+    assert eval_cli_main([str(path), "--out", str(tmp_path / "out")]) == 0
     res = json.loads((tmp_path / "out" / "results.json").read_text())
     ok, skipped = res["cases"]
     assert ok["status"] == "pass" and ok["dropped_pairs"] == 0 and ok["max_rel_err"] <= 1e-5
@@ -419,9 +420,10 @@ tolerance: 1.0e-5
     assert skipped["status"] == "skipped" and "needs 16 devices" in skipped["reason"]
     assert "| 12 | gather | 4x2 |" in (tmp_path / "out" / "report.md").read_text()
     # the shipped config is valid; a bad key is exit code 2 naming it
-    shipped = parallel_eval.load(jaxmoe.config.presets_dir().parent / "evals" / "expert-parallel.yaml")
-    assert [e for e, _ in shipped["mesh"]][:4] == [1, 2, 4, 8]
+    shipped = load_any("expert-parallel")
+    assert isinstance(shipped, ExpertParallelConfig)
+    assert [m.expert for m in shipped.mesh][:4] == [1, 2, 4, 8]
     path.write_text(cfg_text.replace("tolerance:", "tolerence:"))
-    assert evaluation.cli_main([str(path)]) == 2
-    with pytest.raises(ValueError, match="'tolerence'"):
-        parallel_eval.load(path)
+    assert eval_cli_main([str(path)]) == 2
+    with pytest.raises(ConfigError, match=r"ep\.yaml: key 'tolerence': unknown key"):
+        load_any(path)

@@ -1,4 +1,4 @@
-"""Routing equals an independent float64 numpy loop for every family of ROUTING.md."""
+"""Routing equals an independent float64 numpy loop for every family of docs/routing.md ("Families")."""
 
 import dataclasses
 
@@ -7,14 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import np_route, router_kwargs
 from hypothesis import given
 from hypothesis import strategies as st
-from reference import np_route, router_kwargs
 
 import jaxmoe
 from jaxmoe import RouterConfig, route
 
-# One rule per family of ROUTING.md section 2 (shrunk to E=16 or 32).
+# One rule per family of docs/routing.md, "Families" (shrunk to E=16 or 32).
 FAMILIES = {
     "qwen3_5_moe": RouterConfig(num_experts=32, top_k=8, score_fn="softmax", renorm="sum"),
     "qwen3_5_moe_llamacpp": RouterConfig(num_experts=32, top_k=8, renorm="clamp", renorm_eps=2.0**-14),

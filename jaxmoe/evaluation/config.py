@@ -1,10 +1,13 @@
-"""The schema of an evaluation config (``configs/evals/*.yaml``) and its loader.
+"""The ``default`` kind of eval config: its schema, its cross-field checks and its loader.
 
-An eval config is YAML with the sections below; every key is checked on load, and an
-unknown key or a value of the wrong type is a `ConfigError` (a ``ValueError``) that
-names the file and the dotted key (and the ``--set`` override it came from, if any).
+A config without a ``kind`` key (or with ``kind: default``) measures every impl against
+a reference, layer by layer (`jaxmoe.evaluation.runner` runs it). It is YAML with the
+sections below, checked by the schema engine of `jaxmoe.evaluation.schema`: an unknown
+key or a value of the wrong type is a `ConfigError` (a ``ValueError``) that names the
+file and the dotted key (and the ``--set`` override it came from, if any).
 
 ```yaml
+kind: default                 # optional
 name: default                 # run name (defaults to the file's stem)
 model:
   preset: qwen3.6-35b-a3b     # a preset name, a list of them, or "all"   (or path:)
@@ -36,45 +39,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import types
-import typing
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
-import yaml
+from jaxmoe.config import list_presets
+from jaxmoe.evaluation.schema import (
+    Context,
+    find_config,
+    read_config_file,
+    to_plain,
+    validate,
+)
+from jaxmoe.impls.registry import available_impls
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE = ("none", "int8", "int4")
 #: The reference that is not an impl: the float64 numpy forward of `jaxmoe.evaluation.reference`.
 FLOAT64_REFERENCE = "float64"
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-4`` (no dot) as a float, as YAML 1.2 does."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                 |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-                 |\.[0-9_]+(?:[eE][-+][0-9]+)?
-                 |[-+]?\.(?:inf|Inf|INF)
-                 |\.(?:nan|NaN|NAN))$""",
-        re.X,
-    ),
-    list("-+0123456789."),
-)
-
-
-def yaml_load(text_or_stream):
-    """``yaml.safe_load`` with YAML 1.2 floats (``1e-4``)."""
-    return yaml.load(text_or_stream, Loader=_Loader)
-
-
-class ConfigError(ValueError):
-    """A bad eval config: the message names the file and the key at fault."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,10 +99,11 @@ class ReferenceSection:
     max_tokens: int = 64
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig:
-    """One evaluation run (see the module docstring for the YAML form)."""
+    """One evaluation run of the ``default`` kind (see the module docstring for the YAML form)."""
 
+    kind: Literal["default"] = "default"
     model: ModelSection
     name: str = ""
     description: str = ""
@@ -151,259 +133,33 @@ class EvalConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain YAML/JSON data (tuples as lists)."""
-
-        def plain(v):
-            if dataclasses.is_dataclass(v):
-                return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
-            if isinstance(v, (list, tuple)):
-                return [plain(a) for a in v]
-            if isinstance(v, dict):
-                return {k: plain(a) for k, a in v.items()}
-            return v
-
-        d = plain(self)
-        d["reference"] = plain(self.ref)
+        d = to_plain(self)
+        d["reference"] = to_plain(self.ref)
         d["dtypes"] = list(self.case_dtypes)
         return d
 
 
-# --------------------------------------------------------------------------- typed coercion
-
-
-def _tname(tp) -> str:
-    if tp is type(None):
-        return "null"
-    if isinstance(tp, type):
-        return {"int": "an int", "float": "a number", "str": "a string", "bool": "a bool"}.get(tp.__name__, tp.__name__)
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
-    if typing.get_origin(tp) in (tuple, list):
-        return f"a list of {_tname(typing.get_args(tp)[0])}"
-    if typing.get_origin(tp) is dict:
-        return f"a mapping to {_tname(typing.get_args(tp)[1])}"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    return str(tp)
-
-
-class _Ctx:
-    def __init__(self, source: str, overrides: dict[str, str]):
-        self.source = source
-        self.overrides = overrides
-
-    def fail(self, key: str, msg: str) -> typing.NoReturn:
-        where = f"key '{key}'" if key else "the top level"
-        for ok, text in self.overrides.items():
-            if key == ok or key.startswith(ok + ".") or (key and ok.startswith(key + ".")):
-                where += f" (from --set {text})"
-                break
-        raise ConfigError(f"{self.source}: {where}: {msg}")
-
-
-def _coerce(value: Any, tp: Any, key: str, ctx: _Ctx) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            ctx.fail(key, f"must be {' or '.join(_tname(a) for a in args)}, got null")
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, key, ctx)
-            except ConfigError as e:
-                errors.append(e)
-        if len(errors) == 1:
-            raise errors[0]
-        ctx.fail(
-            key,
-            f"must be {' or '.join(_tname(a) for a in args if a is not type(None))}, "
-            f"got {type(value).__name__} {value!r}",
-        )
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            ctx.fail(key, f"must be one of {list(choices)}, got {value!r}")
-        return value
-    if origin in (tuple, list):
-        if not isinstance(value, (list, tuple)):
-            ctx.fail(key, f"must be {_tname(tp)}, got {type(value).__name__} {value!r}")
-        el = typing.get_args(tp)[0]
-        return tuple(_coerce(v, el, f"{key}[{i}]", ctx) for i, v in enumerate(value))
-    if origin is dict:
-        if not isinstance(value, dict):
-            ctx.fail(key, f"must be {_tname(tp)}, got {type(value).__name__} {value!r}")
-        kt, vt = typing.get_args(tp)
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                ctx.fail(key, f"keys must be strings, got {k!r}")
-            out[k] = _coerce(v, vt, f"{key}.{k}", ctx)
-        return out
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key, ctx)
-    if tp is bool:
-        if not isinstance(value, bool):
-            ctx.fail(key, f"must be a bool (true/false), got {type(value).__name__} {value!r}")
-        return value
-    if tp is int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            ctx.fail(key, f"must be an int, got {type(value).__name__} {value!r}")
-        return value
-    if tp is float:
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            ctx.fail(key, f"must be a number, got {type(value).__name__} {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            ctx.fail(key, f"must be a string, got {type(value).__name__} {value!r}")
-        return value
-    raise TypeError(f"eval config schema: unsupported type {tp!r} at {key}")  # a bug in this module
-
-
-def _build(cls, data: Any, key: str, ctx: _Ctx):
-    if not isinstance(data, dict):
-        ctx.fail(key, f"must be a mapping, got {type(data).__name__} {data!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for k in data:
-        if k not in fields:
-            sub = f"{key}.{k}" if key else str(k)
-            ctx.fail(sub, f"unknown key; known keys{' of ' + key if key else ''}: {sorted(fields)}")
-    kw = {}
-    for name, f in fields.items():
-        sub = f"{key}.{name}" if key else name
-        if name in data:
-            kw[name] = _coerce(data[name], hints[name], sub, ctx)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            ctx.fail(sub, "is required")
-    return cls(**kw)
-
-
-# --------------------------------------------------------------------------- --set overrides
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``"model.seed=3"`` -> ``("model.seed", 3)``; the value is parsed as YAML."""
-    if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected key=value (dotted key, YAML value)")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key or any(not p for p in key.split(".")):
-        raise ConfigError(f"--set {text!r}: bad key {key!r}")
-    try:
-        value = yaml_load(raw) if raw.strip() else None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--set {text!r}: the value is not valid YAML ({e})") from None
-    return key, value
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, dict[str, str]]:
-    """Applies ``--set key=value`` overrides to the raw config mapping (a copy).
-
-    Intermediate mappings are created where missing or null. Returns the new mapping and
-    ``{dotted key: original text}`` so later errors can name the override.
-    """
-    import copy
-
-    data = copy.deepcopy(data)
-    seen: dict[str, str] = {}
-    for text in overrides:
-        key, value = parse_override(text)
-        parts = key.split(".")
-        node = data
-        for i, p in enumerate(parts[:-1]):
-            nxt = node.get(p)
-            if nxt is None:
-                nxt = node[p] = {}
-            elif not isinstance(nxt, dict):
-                raise ConfigError(
-                    f"--set {text!r}: key '{'.'.join(parts[: i + 1])}' holds "
-                    f"{type(nxt).__name__} {nxt!r}, not a mapping"
-                )
-            node = nxt
-        node[parts[-1]] = value
-        seen[key] = text
-    return data, seen
-
-
 # --------------------------------------------------------------------------- loading
-
-
-def evals_dir() -> Path:
-    """Directory of the shipped eval configs (``configs/evals``)."""
-    env = os.environ.get("JAXMOE_CONFIGS")
-    if env:
-        return Path(env) / "evals"
-    here = Path(__file__).resolve().parent.parent
-    for cand in (here.parent / "configs" / "evals", here / "configs" / "evals"):
-        if cand.is_dir():
-            return cand
-    return here.parent / "configs" / "evals"
-
-
-def list_eval_configs() -> list[str]:
-    return sorted(p.stem for p in evals_dir().glob("*.yaml"))
-
-
-def find_config(name_or_path: str | os.PathLike) -> Path:
-    """A YAML path, or the name of a shipped config (``default`` -> configs/evals/default.yaml)."""
-    p = Path(name_or_path)
-    if p.is_file():
-        return p
-    cand = evals_dir() / f"{name_or_path}.yaml"
-    if p.suffix not in (".yaml", ".yml") and cand.is_file():
-        return cand
-    raise ConfigError(
-        f"eval config {str(name_or_path)!r} not found (not a file, not one of {list_eval_configs()} in {evals_dir()})"
-    )
 
 
 def config_from_mapping(
     data: Any, source: str = "<mapping>", overrides: list[str] | None = None, default_name: str = "eval"
 ) -> EvalConfig:
     """Validates a raw mapping (with ``--set`` overrides applied) into an `EvalConfig`."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
-    data, seen = apply_overrides(data, list(overrides or []))
-    ctx = _Ctx(source, seen)
-    cfg = _build(EvalConfig, data, "", ctx)
-    if not cfg.name:
-        cfg = dataclasses.replace(cfg, name=default_name)
-    check(cfg, ctx)
-    return cfg
+    return validate(EvalConfig, data, source, overrides, default_name=default_name, check=check)
 
 
 def load_eval_config(name_or_path: str | os.PathLike, overrides: list[str] | None = None) -> EvalConfig:
-    """Reads, overrides and validates an eval config; every problem is a `ConfigError`."""
+    """Reads, overrides and validates a ``default``-kind eval config; every problem is a `ConfigError`."""
     path = find_config(name_or_path)
-    try:
-        with open(path) as f:
-            data = yaml_load(f)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    return config_from_mapping(data, str(path), overrides, default_name=path.stem)
+    return config_from_mapping(read_config_file(path), str(path), overrides, default_name=path.stem)
 
 
 # --------------------------------------------------------------------------- cross-field checks
 
 
-def _known_impls() -> list[str]:
-    from jaxmoe import backends
-
-    backends._load_optional()
-    return backends.available_impls()
-
-
-def check(cfg: EvalConfig, ctx: _Ctx) -> None:
+def check(cfg: EvalConfig, ctx: Context) -> None:
     """Checks that need more than one key or the installed library (impls, presets, files)."""
-    from jaxmoe.config import list_presets
-
     m = cfg.model
     if m.preset is None and m.path is None:
         ctx.fail(
@@ -455,7 +211,7 @@ def check(cfg: EvalConfig, ctx: _Ctx) -> None:
     if inp.stats_tokens < 1:
         ctx.fail("inputs.stats_tokens", f"must be >= 1, got {inp.stats_tokens}")
 
-    impls = _known_impls()
+    impls = available_impls()
     if not cfg.impls:
         ctx.fail("impls", "is an empty list")
     for i, name in enumerate(cfg.impls):

@@ -1,6 +1,6 @@
 """An independent float64 numpy forward of one MoE layer: the eval runs' oracle.
 
-Written from ROUTING.md (sections 1-2), not from `jaxmoe.routing` / `jaxmoe.experts`:
+Written from the rules of docs/routing.md, not from `jaxmoe.routing` / `jaxmoe.experts`:
 router logits, score function, selection bias, group limit, top-k with ties to the
 lower id, unbiased weights (or softmax / sigmoid of the selected logits), the
 renormalization variants with their floors, the routed scaling factor, SwiGLU or the
@@ -17,7 +17,7 @@ import dataclasses
 import numpy as np
 
 from jaxmoe.config import MoEConfig, RouterConfig
-from jaxmoe.layer import MoEParams
+from jaxmoe.params import MoEParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +82,7 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
 
 
 def route_f64(logits: np.ndarray, rc: RouterConfig, selection_bias: np.ndarray | None = None) -> RefRouting:
-    """Routing of ``logits [T, E]`` in float64 (ROUTING.md section 1, steps 2-6)."""
+    """Routing of ``logits [T, E]`` in float64 (the routing steps of docs/routing.md)."""
     z = np.asarray(logits, np.float64)
     t, e = z.shape
     if e != rc.num_experts:

@@ -1,10 +1,29 @@
-"""``report.md`` (tables a person reads) and the terminal summary, from a results mapping."""
+"""What an eval run leaves behind: its run directory, ``report.md`` (tables a person
+reads) and the terminal summary, from a results mapping."""
 
 from __future__ import annotations
 
+import datetime as _dt
+import os
+from pathlib import Path
 from typing import Any
 
 from rich.table import Table
+
+
+def make_run_dir(output_dir: str | os.PathLike, name: str, out: str | os.PathLike | None = None) -> Path:
+    """``out`` if given, else ``<output_dir>/<name>-<UTC timestamp>`` (a fresh directory)."""
+    if out is not None:
+        d = Path(out)
+    else:
+        stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+        d = Path(output_dir) / f"{name}-{stamp}"
+        n = 1
+        while d.exists():
+            n += 1
+            d = Path(output_dir) / f"{name}-{stamp}-{n}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
 
 
 def _v(q: dict | None):

@@ -1,17 +1,21 @@
-"""Runs an `EvalConfig`: every layer, case (impl x dtype x quantize) and token count.
+"""Runs a ``default``-kind `EvalConfig`: every layer, case (impl x dtype x quantize) and token count.
 
 For each layer: build the weights, draw the activations, compute the reference (the
 float64 numpy forward on the first ``reference.max_tokens`` tokens, or a named impl),
 the routing statistics (float64 routing of ``inputs.stats_tokens`` tokens), then per
-case and token count run the jitted `jaxmoe.moe_apply` (first call = compile, then
+case and token count run the jitted `jaxmoe.layer.moe_apply` (first call = compile, then
 ``warmup`` untimed calls, then ``repeats`` timed calls) and compare its output and
 routing with the reference. `run_eval` returns the ``results.json`` mapping; the
-``gate`` entry says whether every case met its tolerance.
+``gate`` entry says whether every case met its tolerance. `run` also writes the run
+directory: ``results.json``, ``report.md``, ``config.yaml`` (the resolved config) and
+the PNG plots.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.metadata
+import json
 import os
 import platform
 import time
@@ -21,54 +25,53 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from jaxmoe import backends
-from jaxmoe.evaluation import metrics as M
+import jaxmoe.evaluation.metrics as M
+import jaxmoe.evaluation.plots as P
+import jaxmoe.evaluation.report as R
 from jaxmoe.evaluation.config import FLOAT64_REFERENCE, EvalConfig, case_label, case_tolerance
 from jaxmoe.evaluation.reference import reference_forward, route_f64, router_logits_f64, to_f64
 from jaxmoe.evaluation.sources import LayerSpec, case_params, layer_specs, load_inputs, load_params
+from jaxmoe.impls.policy import resolve_impl
+from jaxmoe.impls.registry import available_impls
 from jaxmoe.layer import moe_apply
 
 SCHEMA = "jaxmoe.eval/1"
 
-_apply = jax.jit(moe_apply, static_argnames=("cfg", "impl", "return_routing"))
+#: `jaxmoe.layer.moe_apply` jitted with ``cfg``, ``impl`` and ``return_routing`` static:
+#: the function every case times.
+moe_apply_jit = jax.jit(moe_apply, static_argnames=("cfg", "impl", "return_routing"))
 
 
 def _call(params, x, cfg, impl):
-    y, r = _apply(params, x, cfg=cfg, impl=impl, return_routing=True)
+    y, r = moe_apply_jit(params, x, cfg=cfg, impl=impl, return_routing=True)
     return jax.block_until_ready((y, r))
 
 
-def _environment() -> dict[str, Any]:
-    import jaxmoe
+def package_version() -> str:
+    """The installed jaxmoe version (``unknown`` when run from a checkout that is not installed)."""
+    try:
+        return importlib.metadata.version("jaxmoe")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
+
+def _environment() -> dict[str, Any]:
     dev = jax.devices()[0]
     return {
         "jax": jax.__version__,
-        "jaxmoe": jaxmoe.__version__,
+        "jaxmoe": package_version(),
         "python": platform.python_version(),
         "platform": dev.platform,
         "device_kind": dev.device_kind,
         "device_count": jax.device_count(),
         "host_cpus": os.cpu_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "impls_available": backends.available_impls(),
+        "impls_available": available_impls(),
     }
-
-
-def make_run_dir(ecfg: EvalConfig, out: str | os.PathLike | None = None) -> Path:
-    """``out`` if given, else ``<output_dir>/<name>-<UTC timestamp>`` (a fresh directory)."""
-    if out is not None:
-        d = Path(out)
-    else:
-        stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-        d = Path(ecfg.output_dir) / f"{ecfg.name}-{stamp}"
-        n = 1
-        while d.exists():
-            n += 1
-            d = Path(ecfg.output_dir) / f"{ecfg.name}-{stamp}-{n}"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 class _NullProgress:
@@ -129,7 +132,7 @@ def _reference(spec: LayerSpec, ecfg: EvalConfig, params, x_route: np.ndarray, n
 
 def _run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant, t) -> dict[str, Any]:
     cfg = spec.cfg
-    resolved = backends.resolve_impl(impl, t * cfg.top_k, experts=params.experts, dtype=dtype)
+    resolved = resolve_impl(impl, t * cfg.top_k, experts=params.experts, dtype=dtype)
     row: dict[str, Any] = {
         "case": case_label(impl, dtype, quant),
         "impl": impl,
@@ -260,7 +263,7 @@ def run_eval(
                 # concrete impls first, so an `auto` that resolves to one of them reuses its measurement
                 for impl in sorted(ecfg.impls, key=lambda i: i == "auto"):
                     for t in ecfg.tokens:
-                        resolved = backends.resolve_impl(impl, t * cfg.top_k, experts=params.experts, dtype=dtype)
+                        resolved = resolve_impl(impl, t * cfg.top_k, experts=params.experts, dtype=dtype)
                         if impl == "auto" and (resolved, t) in done:
                             row = dict(
                                 done[(resolved, t)],
@@ -319,3 +322,54 @@ def run_eval(
             "skipped": sum(r["status"] == "skipped" for lay in layers for r in lay["results"]),
         },
     }
+
+
+class _Bar:
+    def __init__(self, prog, task):
+        self.prog, self.task = prog, task
+
+    def advance(self, msg: str = "") -> None:
+        self.prog.update(self.task, advance=1, description=msg)
+
+
+def run(
+    ecfg: EvalConfig,
+    *,
+    source: str = "<config>",
+    out: str | os.PathLike | None = None,
+    overrides: list[str] | None = None,
+    progress: bool = True,
+    console: Console | None = None,
+) -> tuple[dict, Path]:
+    """Runs ``ecfg`` and writes the run directory (``out``, else ``<output_dir>/<name>-<UTC
+    timestamp>``). Returns (results mapping, run directory); ``results["gate"]["passed"]``
+    says whether every case met its tolerance."""
+    console = console or Console()
+    specs = layer_specs(ecfg, source)
+    run_dir = R.make_run_dir(ecfg.output_dir, ecfg.name, out)
+    if progress:
+        with Progress(
+            TextColumn("[bold]{task.description:<48}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=False,
+        ) as prog:
+            task = prog.add_task(f"{ecfg.name}: starting", total=count_steps(ecfg, specs))
+            res = run_eval(ecfg, source=source, specs=specs, progress=_Bar(prog, task), overrides=overrides)
+    else:
+        res = run_eval(ecfg, source=source, specs=specs, overrides=overrides)
+    res["run_dir"] = str(run_dir)
+    names = P.write_plots(res, run_dir) if ecfg.plots else []
+    res["plots"] = names
+    with open(run_dir / "results.json", "w") as f:
+        json.dump(res, f, indent=1, allow_nan=False)
+    with open(run_dir / "config.yaml", "w") as f:
+        yaml.safe_dump(ecfg.to_dict(), f, sort_keys=False)
+    (run_dir / "report.md").write_text(R.render_markdown(res, names))
+    console.print(R.summary_table(res))
+    for fail in res["gate"]["failures"]:
+        console.print(f"[red]FAIL[/] {fail}")
+    console.print(f"results: {run_dir}/ (results.json, report.md{''.join(', ' + n for n in names)})")
+    return res, run_dir

@@ -5,7 +5,7 @@ checks everything that needs only configs (no tensors): layer indices, shrink wi
 quantization group sizes, the width of an ``.npy`` input. `load_params` then builds a
 layer's `MoEParams`: seeded random weights (numpy normal, fan-in scaled) for a preset
 or a model YAML, or the tensors of a GGUF file / HF / MLX checkpoint through
-`jaxmoe.from_pretrained`. `case_params` casts and quantizes them for one case.
+`jaxmoe.pretrained.from_pretrained`. `case_params` casts and quantizes them for one case.
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.config import MoEConfig, list_presets, load_config
-from jaxmoe.evaluation.config import ConfigError, EvalConfig, ShrinkSection
-from jaxmoe.layer import MoEParams, params_from_sampler
+from jaxmoe.evaluation.config import EvalConfig, ShrinkSection
+from jaxmoe.evaluation.schema import ConfigError
+from jaxmoe.io import load_config as load_model_config
+from jaxmoe.params import MoEParams, params_from_sampler
+from jaxmoe.pretrained import from_pretrained
 from jaxmoe.quant import QuantizedTensor, quantize_int4_affine, quantize_int8
 
 #: Quantization group sizes along the input dimension: GGUF Q8_0 and MLX affine 4-bit.
@@ -99,7 +102,7 @@ def layer_specs(ecfg: EvalConfig, source: str) -> list[LayerSpec]:
     else:
         ckpt = _is_checkpoint(m.path)
         try:
-            cfg = load_config(m.path)
+            cfg = load_model_config(m.path)
         except ModuleNotFoundError as e:
             fail("model.path", f"the loader for {m.path} is not installed ({e})")
         except (ValueError, FileNotFoundError) as e:
@@ -174,8 +177,6 @@ def load_params(spec: LayerSpec, ecfg: EvalConfig) -> MoEParams:
     """The layer's parameters in ``model.dtype``: random (seeded) or read from the checkpoint."""
     dtype = jnp.dtype(ecfg.model.dtype)
     if spec.checkpoint:
-        from jaxmoe import from_pretrained
-
         block = from_pretrained(spec.model, layer=spec.layer, dtype=dtype)
         p = block.params()
         p.check(spec.cfg)

@@ -1,11 +1,19 @@
-"""Checkpoint loaders and exporters.
+"""Checkpoint readers and the GGUF writer: configs and parameter pytrees, no modules.
 
-``from_pretrained(path, layer=i)`` dispatches on what ``path`` is:
+``load_layer(path, layer=i)`` returns the ``(MoEConfig, MoEParams)`` of one MoE layer and
+dispatches on what ``path`` is (`checkpoint_format`):
 
-- a ``.gguf`` file -> `jaxmoe.io.gguf` (llama.cpp names and metadata keys);
-- a directory with ``config.json`` whose config carries ``quantization`` and whose
-  tensors use the mlx-lm ``switch_mlp`` layout -> `jaxmoe.io.mlx`;
+- a ``.gguf`` file (or any file starting with the ``GGUF`` magic) -> `jaxmoe.io.gguf`
+  (llama.cpp names and metadata keys);
+- a directory with ``config.json`` whose config carries ``quantization`` (or a
+  ``quantization_config`` with ``bits`` and ``group_size``) -> `jaxmoe.io.mlx` (mlx-lm);
 - any other directory with ``config.json`` and ``*.safetensors`` -> `jaxmoe.io.hf`.
+
+``load_config(name_or_path)`` gives the `MoEConfig` of such a checkpoint (no tensors
+read), and of a preset name or model YAML otherwise (`jaxmoe.config.load_config`).
+``save_gguf((cfg, params), path, layer=i, dtype=...)`` writes one layer as GGUF.
+
+An `MoEBlock` from a checkpoint is `jaxmoe.pretrained.from_pretrained` (``jaxmoe.from_pretrained``).
 """
 
 from __future__ import annotations
@@ -14,8 +22,37 @@ import json
 import os
 from pathlib import Path
 
+from jaxmoe.config import MoEConfig
+from jaxmoe.config import load_config as load_preset_config
+from jaxmoe.io import gguf, hf, mlx
+from jaxmoe.io.errors import CheckpointError
+from jaxmoe.params import MoEParams
 
-def _kind(path: str | os.PathLike) -> str:
+#: `checkpoint_format` name -> the module that reads that format.
+FORMATS = {"gguf": gguf, "hf": hf, "mlx": mlx}
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names a checkpoint rather than a preset or a model YAML: a ``.gguf``
+    path (existing or not), a file that starts with the GGUF magic, or a directory with a
+    ``config.json``."""
+    p = Path(path)
+    if p.suffix == ".gguf":
+        return True
+    if p.is_dir():
+        return (p / "config.json").is_file()
+    if p.is_file():
+        with open(p, "rb") as f:
+            return f.read(4) == b"GGUF"
+    return False
+
+
+def checkpoint_format(path: str | os.PathLike) -> str:
+    """``gguf``, ``mlx`` or ``hf``: the format of the checkpoint at ``path`` (see the module doc).
+
+    Raises FileNotFoundError for a missing path and ValueError for anything else that is
+    not a checkpoint.
+    """
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"checkpoint not found: {p}")
@@ -37,34 +74,36 @@ def _kind(path: str | os.PathLike) -> str:
     return "hf"
 
 
-def from_pretrained(path, layer: int = 0, **kwargs):
-    """An `MoEBlock` for layer ``layer`` of a GGUF file or an HF / MLX checkpoint directory.
+def load_layer(path: str | os.PathLike, layer: int = 0, **kwargs) -> tuple[MoEConfig, MoEParams]:
+    """``(MoEConfig, MoEParams)`` of MoE layer ``layer`` of a GGUF file or an HF / MLX checkpoint
+    directory.
 
-    Keyword arguments (``dtype=``, ``impl=``, ...) go to the format's loader.
+    Keyword arguments (``dtype=``, and the format's own, e.g. ``quantized=`` for HF) go to
+    the format module's ``load_layer``.
     """
-    kind = _kind(path)
-    if kind == "gguf":
-        from jaxmoe.io import gguf as mod
-    elif kind == "mlx":
-        from jaxmoe.io import mlx as mod
-    else:
-        from jaxmoe.io import hf as mod
-    return mod.from_pretrained(path, layer=layer, **kwargs)
+    return FORMATS[checkpoint_format(path)].load_layer(path, layer=layer, **kwargs)
 
 
-def load_config_from_checkpoint(path):
-    """The `MoEConfig` of a GGUF file or checkpoint directory (no tensors read)."""
-    kind = _kind(path)
-    if kind == "gguf":
-        from jaxmoe.io import gguf as mod
-    elif kind == "mlx":
-        from jaxmoe.io import mlx as mod
-    else:
-        from jaxmoe.io import hf as mod
-    return mod.load_config(path)
+def load_config(name_or_path: str | os.PathLike) -> MoEConfig:
+    """The `MoEConfig` of a checkpoint (GGUF file, HF / MLX directory; no tensors read), or of a
+    preset name / model YAML path (`jaxmoe.config.load_config`)."""
+    if is_checkpoint(name_or_path):
+        return FORMATS[checkpoint_format(name_or_path)].load_config(name_or_path)
+    return load_preset_config(name_or_path)
 
 
-def save_gguf(block, path, layer: int = 0, dtype: str = "f16", **kwargs):
-    from jaxmoe.io import gguf as mod
+def save_gguf(model, path: str | os.PathLike, layer: int = 0, dtype: str = "f16", **kwargs) -> Path:
+    """Writes ``model`` (``(MoEConfig, MoEParams)``, or an object with ``.cfg`` and ``.params()``)
+    as layer ``layer`` of a GGUF file with llama.cpp's names and keys; see `jaxmoe.io.gguf.save_gguf`."""
+    return gguf.save_gguf(model, path, layer=layer, dtype=dtype, **kwargs)
 
-    return mod.save_gguf(block, path, layer=layer, dtype=dtype, **kwargs)
+
+__all__ = [
+    "FORMATS",
+    "CheckpointError",
+    "checkpoint_format",
+    "is_checkpoint",
+    "load_config",
+    "load_layer",
+    "save_gguf",
+]

@@ -1,6 +1,6 @@
 """GGUF (llama.cpp) checkpoints: one MoE layer in, one MoE layer out.
 
-``from_pretrained(path, layer=i)`` reads the MoE metadata keys of ``path``
+``load_layer(path, layer=i)`` returns ``(MoEConfig, MoEParams)``: it reads the MoE metadata keys of ``path``
 (``{arch}.expert_count``, ``expert_used_count``, ``expert_shared_count``,
 ``expert_group_count``, ``expert_group_used_count``, ``expert_weights_scale``,
 ``expert_weights_norm``, ``expert_gating_func``, ``expert_feed_forward_length``,
@@ -30,17 +30,20 @@ llama.cpp semantics this follows (read from llama.cpp, not from HF):
   and the clamped SwiGLU (alpha 1.702, limit 7, hard-coded in llama.cpp).
 
 Tensors Q8_0 and Q4_0 stay quantized (`jaxmoe.quant.QuantizedTensor`, see
-`jaxmoe.io.gguf_quant`); everything else is dequantized with gguf-py at load. Routers,
+`jaxmoe.io.gguf_codec`); everything else is dequantized with gguf-py at load. Routers,
 biases and the shared gate vector are loaded as float32.
 
-``save_gguf(block, path, layer=i, dtype=...)`` writes the layer back with llama.cpp's
-names and keys (only the MoE-relevant keys plus ``block_count`` / ``embedding_length``).
+``save_gguf((cfg, params), path, layer=i, dtype=...)`` writes the layer back with
+llama.cpp's names and keys (only the MoE-relevant keys plus ``block_count`` /
+``embedding_length``). `jaxmoe.pretrained` builds an `MoEBlock` from ``load_layer`` and
+saves one with ``save_gguf``; this module knows only configs and parameter pytrees.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +53,9 @@ import numpy as np
 
 from jaxmoe.config import F16_MIN_NORMAL, MoEConfig, RouterConfig
 from jaxmoe.experts import ExpertWeights, SharedWeights
-from jaxmoe.io import gguf_quant as gq
+from jaxmoe.io import gguf_codec as gc
 from jaxmoe.io.errors import CheckpointError
-from jaxmoe.layer import MoEParams
+from jaxmoe.params import MoEParams
 from jaxmoe.quant import QuantizedTensor
 
 # llama.cpp's expert gating function ids (LLAMA_EXPERT_GATING_FUNC_TYPE_*).
@@ -383,7 +386,7 @@ def _layer_plan(reader, cfg: MoEConfig, layer: int, path) -> dict[str, tuple[Any
                 f"{path}: tensor {pre + name} has shape {got} but the metadata (expert_count={e}, "
                 f"embedding_length={d}, expert width={f}, shared width={fs}) implies {shape}"
             )
-        if not gq.can_dequantize(t.tensor_type):
+        if not gc.can_dequantize(t.tensor_type):
             raise CheckpointError(
                 f"{path}: tensor {pre + name} has type {t.tensor_type.name}, which gguf-py cannot dequantize"
             )
@@ -416,10 +419,12 @@ def _layer_plan(reader, cfg: MoEConfig, layer: int, path) -> dict[str, tuple[Any
     return plan
 
 
-def load_layer_params(reader, cfg: MoEConfig, layer: int, dtype=jnp.float32, path="<gguf>", _read=None) -> MoEParams:
+def load_layer_params(
+    reader, cfg: MoEConfig, layer: int, dtype=jnp.float32, path="<gguf>", on_read: Callable[[str], Any] | None = None
+) -> MoEParams:
     """The `MoEParams` of layer ``layer`` (only that layer's tensors are read).
 
-    ``_read(name)`` is called with each tensor name before its bytes are touched (tests
+    ``on_read(name)`` is called with each tensor name before its bytes are touched (tests
     use it to check that no other layer is read).
     """
     plan = _layer_plan(reader, cfg, layer, path)
@@ -427,22 +432,22 @@ def load_layer_params(reader, cfg: MoEConfig, layer: int, dtype=jnp.float32, pat
 
     def data(role):
         t, _ = plan[role]
-        if _read is not None:
-            _read(t.name)
+        if on_read is not None:
+            on_read(t.name)
         return t.data, t.tensor_type
 
     def mat(role, rows=None):  # [..., out, in] in the file -> [..., in, out]
         raw, qt = data(role)
         if rows is not None:  # output rows of a merged tensor (quant blocks run along `in`)
             raw = raw[..., rows[0] : rows[1], :]
-        return gq.weight_from_gguf(raw, qt, dtype)
+        return gc.weight_from_gguf(raw, qt, dtype)
 
     def vec(role) -> jnp.ndarray:
         raw, qt = data(role)
-        return jnp.asarray(gq.dequantize_raw(raw, qt).reshape(plan[role][1]).astype(np.float32))
+        return jnp.asarray(gc.dequantize_raw(raw, qt).reshape(plan[role][1]).astype(np.float32))
 
     raw, qt = data("router")
-    w_router = jnp.asarray(np.ascontiguousarray(gq.dequantize_raw(raw, qt).T))  # [d, E] float32
+    w_router = jnp.asarray(np.ascontiguousarray(gc.dequantize_raw(raw, qt).T))  # [d, E] float32
     if "gate_up" in plan:  # rows [0:F] gate, [F:2F] up
         w_gate, w_up = mat("gate_up", (0, f)), mat("gate_up", (f, 2 * f))
     else:
@@ -452,7 +457,7 @@ def load_layer_params(reader, cfg: MoEConfig, layer: int, dtype=jnp.float32, pat
     if cfg.expert_bias:
         if "b_gate_up" in plan:
             raw, qt = data("b_gate_up")
-            bgu = gq.dequantize_raw(raw, qt).reshape(plan["b_gate_up"][1])
+            bgu = gc.dequantize_raw(raw, qt).reshape(plan["b_gate_up"][1])
             b_gate, b_up = jnp.asarray(np.ascontiguousarray(bgu[:, :f])), jnp.asarray(np.ascontiguousarray(bgu[:, f:]))
         else:
             b_gate, b_up = vec("b_gate"), vec("b_up")
@@ -476,22 +481,21 @@ def load_layer_params(reader, cfg: MoEConfig, layer: int, dtype=jnp.float32, pat
     return params
 
 
-def from_pretrained(path: str | os.PathLike, layer: int = 0, dtype=jnp.float32, impl: str = "auto"):
-    """An `MoEBlock` for MoE layer ``layer`` of the GGUF file ``path``.
+def load_layer(
+    path: str | os.PathLike, layer: int = 0, dtype=jnp.float32, on_read: Callable[[str], Any] | None = None
+) -> tuple[MoEConfig, MoEParams]:
+    """``(MoEConfig, MoEParams)`` of MoE layer ``layer`` of the GGUF file ``path``.
 
     Args:
       path: the ``.gguf`` file.
       layer: the block index ``i`` of ``blk.{i}.*``.
-      dtype: compute dtype of the float expert weights (Q8_0 / Q4_0 experts stay
+      dtype: dtype of the float expert and shared-expert weights (Q8_0 / Q4_0 experts stay
         quantized; routers and biases are float32).
-      impl: the block's execution strategy.
+      on_read: called with each tensor name before its bytes are read.
     """
-    from jaxmoe.block import MoEBlock
-
     reader = open_reader(path)
     cfg = config_from_reader(reader, path)
-    params = load_layer_params(reader, cfg, layer, dtype=dtype, path=path)
-    return MoEBlock(cfg, params=params, dtype=dtype, impl=impl)
+    return cfg, load_layer_params(reader, cfg, layer, dtype=dtype, path=path, on_read=on_read)
 
 
 # --------------------------------------------------------------------------- writing
@@ -551,13 +555,34 @@ def _check_exportable(cfg: MoEConfig, arch: str, layer: int) -> ArchSpec:
     return spec
 
 
+def cfg_and_params(model, who: str = "save_gguf") -> tuple[MoEConfig, MoEParams]:
+    """``(cfg, params)`` of ``model``: a ``(MoEConfig, MoEParams)`` pair, or an object with
+    ``.cfg`` and ``.params()`` (an `MoEBlock`). Anything else is a ValueError naming what it got."""
+    if isinstance(model, tuple) and len(model) == 2:
+        cfg, params = model
+    elif hasattr(model, "cfg") and callable(getattr(model, "params", None)):
+        cfg, params = model.cfg, model.params()
+    else:
+        raise ValueError(
+            f"{who}: expected (MoEConfig, MoEParams) or an object with .cfg and .params() (an MoEBlock), "
+            f"got {type(model).__name__}"
+        )
+    if not isinstance(cfg, MoEConfig):
+        raise ValueError(f"{who}: the config must be an MoEConfig, got {type(cfg).__name__}")
+    if not isinstance(params, MoEParams):
+        raise ValueError(f"{who}: the parameters must be an MoEParams, got {type(params).__name__}")
+    params.check(cfg)
+    return cfg, params
+
+
 def save_gguf(
-    block, path: str | os.PathLike, layer: int = 0, dtype: str = "f16", arch: str | None = None, name: str | None = None
+    model, path: str | os.PathLike, layer: int = 0, dtype: str = "f16", arch: str | None = None, name: str | None = None
 ) -> Path:
     """Writes one MoE layer as a GGUF file with llama.cpp's names and keys.
 
     Args:
-      block: an `MoEBlock` (its ``cfg`` and ``params()``).
+      model: ``(MoEConfig, MoEParams)``, or an object with ``.cfg`` and ``.params()``
+        (an `MoEBlock`).
       path: the output ``.gguf`` path.
       layer: the block index the tensors get (``blk.{layer}.*``).
       dtype: ``f32``, ``f16``, ``bf16``, ``q8_0`` or ``q4_0`` for the expert and
@@ -568,16 +593,15 @@ def save_gguf(
     Returns:
       the path written.
     """
-    cfg: MoEConfig = block.cfg
-    if dtype not in gq.EXPORT_TYPES:
-        raise ValueError(f"save_gguf: unknown dtype {dtype!r}; expected one of {sorted(gq.EXPORT_TYPES)}")
-    qtype = gq.EXPORT_TYPES[dtype]
+    cfg, p = cfg_and_params(model)
+    if dtype not in gc.EXPORT_TYPES:
+        raise ValueError(f"save_gguf: unknown dtype {dtype!r}; expected one of {sorted(gc.EXPORT_TYPES)}")
+    qtype = gc.EXPORT_TYPES[dtype]
     if arch is None:
         arch = FAMILY_TO_ARCH.get(cfg.family)
         if arch is None:
             raise ValueError(f"save_gguf: no GGUF arch for family {cfg.family!r}; pass arch= (one of {sorted(ARCHS)})")
     spec = _check_exportable(cfg, arch, layer)
-    p: MoEParams = block.params()
     r = cfg.router
     path = Path(path)
 
@@ -613,10 +637,10 @@ def save_gguf(
     pre = f"blk.{layer}."
 
     def f32(x) -> np.ndarray:
-        return np.ascontiguousarray(gq.to_numpy_f32(x) if isinstance(x, QuantizedTensor) else np.asarray(x, np.float32))
+        return np.ascontiguousarray(gc.to_numpy_f32(x) if isinstance(x, QuantizedTensor) else np.asarray(x, np.float32))
 
     def mat(tname, x):
-        data, raw = gq.weight_to_gguf(x, qtype, pre + tname)
+        data, raw = gc.weight_to_gguf(x, qtype, pre + tname)
         w.add_tensor(pre + tname, data, raw_dtype=raw)
 
     w.add_tensor(pre + "ffn_gate_inp.weight", np.ascontiguousarray(f32(p.w_router).T))
@@ -650,9 +674,10 @@ __all__ = [
     "ArchSpec",
     "CheckpointError",
     "FAMILY_TO_ARCH",
+    "cfg_and_params",
     "config_from_reader",
-    "from_pretrained",
     "load_config",
+    "load_layer",
     "load_layer_params",
     "open_reader",
     "read_metadata",

@@ -1,6 +1,6 @@
-"""Hugging Face safetensors checkpoints -> one `MoEBlock`.
+"""Hugging Face safetensors checkpoints -> one MoE layer's ``(MoEConfig, MoEParams)``.
 
-``from_pretrained(dir, layer=i)`` reads ``config.json`` (`jaxmoe.io.hf_config`), finds
+``load_layer(dir, layer=i)`` reads ``config.json`` (`jaxmoe.io.hf_config`), finds
 layer ``i``'s MoE module and reads only its tensors (`SafetensorsDir`, lazily, single
 file or sharded with ``model.safetensors.index.json``). Layouts, all checked against
 ``save_pretrained`` output of transformers 5.x in the tests (torch ``(out, in)``):
@@ -18,7 +18,7 @@ file or sharded with ``model.safetensors.index.json``). Layouts, all checked aga
   are dequantized at load too;
 - stacked linears (mlx-lm): ``{P}.switch_mlp.{gate_proj,up_proj,down_proj}.weight``
   ``(E, out, in)`` (or ``{P}.experts.<proj>.weight`` with ``.bias``, gpt-oss in mlx-lm),
-  MLX-quantized when ``.scales`` / ``.biases`` sit beside them (`jaxmoe.io.mlx`);
+  MLX-quantized when ``.scales`` / ``.biases`` sit beside them (`jaxmoe.io.mlx_codec`);
 - router ``{P}.gate.weight (E, d)`` or ``{P}.router.{weight,bias}`` (gpt-oss), selection
   bias ``{P}.gate.e_score_correction_bias (E,)`` (``{P}.gate.expert_bias`` in Ling / bailing); shared expert ``{P}.shared_expert.*``
   (Qwen) or ``{P}.shared_experts.*`` (DeepSeek, GLM), gate ``{P}.shared_expert_gate.weight (1, d)``.
@@ -26,7 +26,7 @@ file or sharded with ``model.safetensors.index.json``). Layouts, all checked aga
 The layer prefix is found from the tensor names (``model.layers.``,
 ``model.language_model.layers.`` of the Qwen3.5 multimodal checkpoints,
 ``language_model.model.layers.`` of mlx-lm). Any missing tensor, shape mismatch,
-mixed layout or dense layer raises ValueError before a block exists.
+mixed layout or dense layer raises ValueError before any parameters are returned.
 """
 
 from __future__ import annotations
@@ -41,10 +41,9 @@ import numpy as np
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.experts import ExpertWeights, SharedWeights
-from jaxmoe.io import hf_config
-from jaxmoe.io import mlx as _mlx
+from jaxmoe.io import hf_config, mlx_codec
 from jaxmoe.io.safetensors_dir import SafetensorsDir
-from jaxmoe.layer import MoEParams
+from jaxmoe.params import MoEParams
 from jaxmoe.quant import QuantizedTensor
 
 _PROJ_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
@@ -115,8 +114,8 @@ def read_linear(
     s = st.get(f"{module}.scales", gshape)
     b = st.get(f"{module}.biases", gshape)
     if keep_int4 and spec.bits == 4:
-        return _mlx.to_quantized_tensor(w, s, b, spec.group_size, name=module)
-    return _mlx.dequantize(w, s, b, spec, name=module)
+        return mlx_codec.to_quantized_tensor(w, s, b, spec.group_size, name=module)
+    return mlx_codec.dequantize(w, s, b, spec, name=module)
 
 
 #: The 16 FP4 (E2M1) values of MXFP4 codes 0..15.
@@ -252,7 +251,7 @@ def load_params(
 ) -> MoEParams:
     """`MoEParams` of MoE layer ``layer`` (router and its biases in float32, the rest in ``dtype``).
 
-    ``qlookup``: MLX quantization per module (`jaxmoe.io.mlx.quant_lookup`); ``keep_int4``: keep
+    ``qlookup``: MLX quantization per module (`jaxmoe.io.mlx_codec.quant_lookup`); ``keep_int4``: keep
     4-bit routed experts quantized; ``fp8_block``: ``(out, in)`` block of FP8 ``weight_scale_inv``.
     """
     if not isinstance(layer, int) or isinstance(layer, bool):
@@ -292,20 +291,18 @@ def fp8_block_size(raw: dict, source: str) -> tuple[int, int] | None:
     return int(b[0]), int(b[1])
 
 
-def from_pretrained(
-    path: str | os.PathLike, layer: int = 0, dtype=jnp.float32, impl: str = "auto", quantized: bool | None = None
-):
-    """An `MoEBlock` for MoE layer ``layer`` of an HF (or mlx-lm) checkpoint directory.
+def load_layer(
+    path: str | os.PathLike, layer: int = 0, dtype=jnp.float32, quantized: bool | None = None
+) -> tuple[MoEConfig, MoEParams]:
+    """``(MoEConfig, MoEParams)`` of MoE layer ``layer`` of an HF (or mlx-lm) checkpoint directory.
 
     Args:
       path: directory with ``config.json`` and ``*.safetensors``.
       layer: decoder layer index; a dense layer is a ValueError.
-      dtype: compute / parameter dtype of the block (router math is float32 always).
-      impl: execution strategy of the block.
-      quantized: read MLX quantization from ``config.json`` (default: when it has one).
+      dtype: dtype of the expert and shared-expert weights (router math is float32 always).
+      quantized: read MLX quantization from ``config.json`` and keep 4-bit routed experts
+        quantized (default: when it has a ``quantization`` entry).
     """
-    from jaxmoe.block import MoEBlock
-
     p = Path(path)
     raw = hf_config.read_config_json(p)
     cfg = hf_config.moe_config_from_hf(raw, source=str(p / "config.json"), name=p.name)
@@ -314,9 +311,9 @@ def from_pretrained(
     fp8_block = fp8_block_size(raw, str(p / "config.json"))
     with SafetensorsDir(p) as st:
         qlookup = (
-            _mlx.quant_lookup(hf_config.text_config(raw), st.keys(), str(p / "config.json")) if quantized else None
+            mlx_codec.quant_lookup(hf_config.text_config(raw), st.keys(), str(p / "config.json")) if quantized else None
         )
         params = load_params(
             st, cfg, layer, dtype=dtype, qlookup=qlookup, keep_int4=bool(quantized), fp8_block=fp8_block
         )
-    return MoEBlock(cfg, params=params, dtype=dtype, impl=impl)
+    return cfg, params

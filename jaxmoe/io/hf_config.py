@@ -3,7 +3,7 @@
 Each family reads the fields its transformers 5.x modeling file reads, with that
 config class's default where a field is absent (the defaults are quoted below from
 ``transformers/models/<family>/configuration_<family>.py``). What each family does
-with them (ROUTING.md section 2):
+with them (docs/routing.md, "Families"):
 
 - ``qwen2_moe``, ``qwen3_moe``, ``qwen3_next``, ``olmoe``: softmax over E, top-k,
   ``w / sum`` when ``norm_topk_prob`` (default False, except qwen3_next True).

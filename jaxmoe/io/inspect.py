@@ -25,7 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
+from safetensors import safe_open
 
+from jaxmoe.io import gguf as jg
 from jaxmoe.io.errors import CheckpointError
 
 #: config.json keys that describe the MoE layers (HF and mlx-lm spellings).
@@ -130,8 +134,6 @@ class Report:
 
 def inspect_gguf(path: str | Path) -> Report:
     """The `Report` of a GGUF file (header only; no tensor data is read)."""
-    from jaxmoe.io import gguf as jg
-
     reader = jg.open_reader(path)
     meta = jg.read_metadata(reader)
     arch = str(meta.get("general.architecture", "?"))
@@ -194,8 +196,6 @@ def _safetensors_files(p: Path) -> list[Path]:
 
 def inspect_dir(path: str | Path) -> Report:
     """The `Report` of an HF / MLX checkpoint directory (config.json + safetensors headers)."""
-    from safetensors import safe_open
-
     p = Path(path)
     cfgp = p / "config.json"
     if not cfgp.is_file():
@@ -253,8 +253,6 @@ def _human(n: float) -> str:
 
 def render(report: Report, console, layers: list[int] | None = None) -> None:
     """Prints ``report`` on a rich ``console`` (optionally only some layers)."""
-    from rich.table import Table
-
     head = Table(title=f"{report.path}  [{report.format}]  arch={report.arch}", show_header=True)
     head.add_column("field")
     head.add_column("value", overflow="fold")
@@ -341,8 +339,6 @@ def cli_main(argv: list[str] | None = None) -> int:
             d["tensors"] = [t for t in d["tensors"] if t["layer"] in args.layer]
         print(json.dumps(d, indent=1, default=str))
         return 0
-    from rich.console import Console
-
     console = Console(width=None if sys.stdout.isatty() else 160, soft_wrap=False)
     render(report, console, args.layer)
     return 0

@@ -1,5 +1,5 @@
 """Experts streamed from storage: expert stores, a byte-budgeted device cache, prerouters
-that prefetch, a multi-layer decode driver, routing traces and the sweep (issue 7).
+that prefetch, a multi-layer decode driver, and routing traces.
 
 - `jaxmoe.offload.store`: `SafetensorsStore` / `GGUFStore` (memory-mapped, quantized as stored).
 - `jaxmoe.offload.cache`: `ExpertCache` (LRU / LFU, byte budget), `LayeredCache`.
@@ -7,7 +7,9 @@ that prefetch, a multi-layer decode driver, routing traces and the sweep (issue 
   ``oracle``) and the background `Prefetcher`.
 - `jaxmoe.offload.driver`: `OffloadedModel` (resident and streamed decode runs, metrics).
 - `jaxmoe.offload.traces`: synthetic traces with tunable locality; ``.npy`` load / save.
-- `jaxmoe.offload.sweep`: ``python -m jaxmoe.offload.sweep configs/evals/offload.yaml``.
+
+The sweep over budgets and predictors is the eval kind `jaxmoe.evaluation.offload`
+(``jaxmoe eval offload``).
 """
 
 from jaxmoe.offload.cache import ExpertCache, LayeredCache, make_cache

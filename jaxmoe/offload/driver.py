@@ -35,10 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.layer import MoEParams, compute_routing, moe_apply
+from jaxmoe.layer import moe_apply
 from jaxmoe.offload.cache import POLICIES, SCOPES, make_cache
 from jaxmoe.offload.prerouter import FetchStats, Predictor, PredictQuery, Prefetcher
 from jaxmoe.offload.store import ExpertStore, ResidentLayer, stack_experts
+from jaxmoe.offload.traces import check_trace
+from jaxmoe.params import MoEParams, compute_routing
 from jaxmoe.routing import Routing, router_logits
 
 
@@ -215,8 +217,6 @@ class OffloadedModel:
     def _trace(self, trace, n: int):
         if trace is None:
             return None
-        from jaxmoe.offload.traces import check_trace
-
         t = check_trace(trace, self.num_layers, self.cfg.num_experts, self.cfg.top_k)
         if t.shape[0] < n:
             raise ValueError(f"OffloadedModel: routing trace has {t.shape[0]} tokens, inputs have {n}")

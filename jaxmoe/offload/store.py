@@ -18,9 +18,11 @@ Two backends:
   ``safetensors.safe_open(...).get_slice`` (memory-mapped).
 - `GGUFStore`: a GGUF file read with ``gguf.GGUFReader`` (memory-mapped): llama.cpp's
   ``blk.{l}.ffn_{gate,up,down}_exps.weight`` ``(E, F, d)`` / ``(E, d, F)``, sliced per
-  expert and turned to the ``x @ W`` convention. F32 / F16 stay float; Q8_0 becomes an
-  ``int8`` `QuantizedTensor` and Q4_0 an ``int4`` one (``scale = d, bias = -8 d``), both
-  bit-exact against ``gguf.quants.dequantize``; other types are dequantized with gguf-py.
+  expert and turned to the ``x @ W`` convention by the GGUF block codec the loader uses
+  (`jaxmoe.io.gguf_codec`). F32 / F16 stay float; Q8_0 becomes an ``int8``
+  `QuantizedTensor` and Q4_0 an ``int4`` one (``scale = d, bias = -8 d``, float16, or
+  float32 for an expert with ``|d| > 8188``), both bit-exact against
+  ``gguf.quants.dequantize``; other types are dequantized with gguf-py.
   `write_gguf_store` writes such a file (with the jaxmoe config as JSON metadata).
 
 Every failure to produce an expert raises `ExpertStoreError` (a ``ValueError``) naming
@@ -36,13 +38,18 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import gguf
 import jax
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from jaxmoe.config import MoEConfig, config_from_dict
 from jaxmoe.experts import ExpertWeights, SharedWeights
-from jaxmoe.layer import params_from_sampler
-from jaxmoe.quant import QuantizedTensor, pack_int4, quantize_int4_affine, quantize_int8
+from jaxmoe.io import gguf_codec
+from jaxmoe.io.gguf import load_config as load_gguf_config
+from jaxmoe.params import params_from_sampler
+from jaxmoe.quant import QuantizedTensor, quantize_int4_affine, quantize_int8
 
 PROJS = ("w_gate", "w_up", "w_down")
 BIASES = ("b_gate", "b_up", "b_down")
@@ -178,8 +185,6 @@ def write_safetensors_store(
       kind: ``float32``, ``float16``, ``int8`` (Q8_0 rule) or ``int4`` (MLX affine rule).
       group_size: quantization group along the input dimension.
     """
-    from safetensors.numpy import save_file
-
     if kind not in STORE_KINDS:
         raise ValueError(f"write_safetensors_store: unknown kind {kind!r}; expected one of {STORE_KINDS}")
     root = Path(root)
@@ -272,8 +277,6 @@ class SafetensorsStore(ExpertStore):
         with self._lock:
             if layer in self._handles:
                 return self._handles[layer]
-            from safetensors import safe_open
-
             p = _layer_file(self.path, layer)
             if not p.is_file():
                 raise ExpertStoreError(f"layer {layer}, expert {expert}: store file {p} not found")
@@ -350,8 +353,6 @@ class SafetensorsStore(ExpertStore):
         return self._nbytes[layer]
 
     def resident(self, layer: int) -> ResidentLayer:
-        from safetensors import safe_open
-
         p = self.path / "resident.safetensors"
         if not 0 <= layer < self.num_layers:
             raise ExpertStoreError(f"layer {layer}: outside [0, {self.num_layers}) in {self.path}")
@@ -404,8 +405,6 @@ def write_gguf_store(path, cfg: MoEConfig, layers: list, *, qtype: str = "Q8_0",
       qtype: the expert tensors' GGML type: ``F32``, ``F16``, ``Q8_0`` or ``Q4_0``
         (quantized with ``gguf.quants.quantize``). Resident tensors are F32.
     """
-    import gguf
-
     qt = getattr(gguf.GGMLQuantizationType, qtype, None)
     if qt is None or qtype not in ("F32", "F16", "Q8_0", "Q4_0"):
         raise ValueError(f"write_gguf_store: qtype must be F32, F16, Q8_0 or Q4_0, got {qtype!r}")
@@ -452,26 +451,6 @@ def write_gguf_store(path, cfg: MoEConfig, layers: list, *, qtype: str = "Q8_0",
     return GGUFStore(path)
 
 
-def _q8_0_to_qt(raw: np.ndarray) -> QuantizedTensor:
-    """Q8_0 bytes ``[out, nb*34]`` -> int8 `QuantizedTensor` (logical ``[in, out]``)."""
-    out = raw.shape[0]
-    blk = raw.reshape(out, -1, 34)
-    d = np.ascontiguousarray(blk[..., :2]).view(np.float16)[..., 0]
-    q = np.ascontiguousarray(blk[..., 2:]).view(np.int8).reshape(out, -1)
-    return QuantizedTensor(q, d, None, "int8", 32)
-
-
-def _q4_0_to_qt(raw: np.ndarray) -> QuantizedTensor:
-    """Q4_0 bytes ``[out, nb*18]`` -> int4 `QuantizedTensor`: ggml keeps elements 0..15 in the
-    low nibbles and 16..31 in the high nibbles; jaxmoe packs element 2j low, 2j+1 high."""
-    out = raw.shape[0]
-    blk = raw.reshape(out, -1, 18)
-    d = np.ascontiguousarray(blk[..., :2]).view(np.float16)[..., 0]
-    qs = blk[..., 2:]
-    codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(out, -1)  # [out, in]
-    return QuantizedTensor(pack_int4(codes), d, (d.astype(np.float32) * -8).astype(np.float16), "int4", 32)
-
-
 class GGUFStore(ExpertStore):
     """Experts sliced from a memory-mapped GGUF file (llama.cpp names).
 
@@ -481,13 +460,12 @@ class GGUFStore(ExpertStore):
     Args:
       path: the ``.gguf`` file.
       cfg: the layer config; when None it is read from the ``jaxmoe.config`` metadata
-        (files written by `write_gguf_store`) or with `jaxmoe.load_config(path)`.
-      check_finite: reject an expert whose float data or quantization scales hold NaN/Inf.
+        (files written by `write_gguf_store`), else from the llama.cpp metadata
+        (`jaxmoe.io.gguf.load_config`).
+      check_finite: reject an expert whose float data or quantization scales / biases hold NaN/Inf.
     """
 
     def __init__(self, path, cfg: MoEConfig | None = None, *, check_finite: bool = True):
-        import gguf
-
         self.path = Path(path)
         if not self.path.is_file():
             raise ExpertStoreError(f"GGUF expert store {self.path} not found")
@@ -501,9 +479,7 @@ class GGUFStore(ExpertStore):
             if fld is not None:
                 cfg = config_from_dict(json.loads(bytes(fld.parts[fld.data[0]]).decode()), source=str(self.path))
             else:
-                from jaxmoe.config import load_config
-
-                cfg = load_config(self.path)
+                cfg = load_gguf_config(self.path)
         self.cfg = cfg
         # the MoE layers: blocks with a router (leading dense blocks, e.g. DeepSeek's, have none)
         self.blocks = sorted(
@@ -523,8 +499,6 @@ class GGUFStore(ExpertStore):
         return t
 
     def _proj(self, layer: int, expert: int, name: str):
-        import gguf
-
         cfg = self.cfg
         e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_dim
         tname = f"blk.{self.blocks[layer]}.{_GGUF_PROJ[name]}.weight"
@@ -543,21 +517,9 @@ class GGUFStore(ExpertStore):
             raise ExpertStoreError(
                 f"layer {layer}, expert {expert}: tensor {tname} in {self.path} is unreadable ({e})"
             ) from None
-        tt = t.tensor_type
-        T = gguf.GGMLQuantizationType
-        if tt in (T.F32, T.F16):
-            out = np.ascontiguousarray(raw.T)
-            vals = out
-        elif tt == T.Q8_0:
-            out = _q8_0_to_qt(raw)
-            vals = out.scales
-        elif tt == T.Q4_0:
-            out = _q4_0_to_qt(raw)
-            vals = out.scales
-        else:
-            out = np.ascontiguousarray(gguf.quants.dequantize(raw, tt).reshape(n_out, n_in).T.astype(np.float32))
-            vals = out
-        if self.check_finite and not np.isfinite(vals).all():
+        out = gguf_codec.matrix_from_gguf(raw, t.tensor_type)  # [in, out]: float, or quantized as stored
+        vals = [out.scales, out.biases] if isinstance(out, QuantizedTensor) else [out]
+        if self.check_finite and not all(np.isfinite(v).all() for v in vals if v is not None):
             raise ExpertStoreError(
                 f"layer {layer}, expert {expert}: tensor {tname} in {self.path} holds "
                 "non-finite values or scales (corrupt data)"
@@ -581,8 +543,6 @@ class GGUFStore(ExpertStore):
         return self._nbytes[layer]
 
     def resident(self, layer: int) -> ResidentLayer:
-        import gguf
-
         cfg = self.cfg
         if not 0 <= layer < self.num_layers:
             raise ExpertStoreError(f"layer {layer}: outside [0, {self.num_layers}) MoE layers in {self.path}")
@@ -597,7 +557,7 @@ class GGUFStore(ExpertStore):
             if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
                 a = np.array(t.data, np.float32)
             else:  # a quantized resident tensor (e.g. a Q8_0 shared expert): float32 on device
-                a = gguf.quants.dequantize(np.array(t.data), t.tensor_type).astype(np.float32)
+                a = gguf_codec.dequantize_raw(np.array(t.data), t.tensor_type)
             return np.ascontiguousarray(a.T) if transpose else a
 
         shared = None

@@ -2,10 +2,14 @@
 
 ``experts_pallas(x [T, d], routing, experts, cfg) -> [T, d] float32`` supports all that
 `jaxmoe.experts.experts_dense` does (biases, ``swiglu_oai``, ``weight_on_input``,
-int8 / int4 quantized weights). Few pairs (``T * k <= tuning.DECODE_MAX_PAIRS``) take
-the per-pair decode kernels; otherwise the plan is built (`jaxmoe.dispatch`) and the
-fused gate/up and down grouped kernels run over it, then `down.combine` sums each
-token's slots. Importing this module registers it as ``impl="pallas"``.
+int8 / int4 quantized weights). It is the adapter between jaxmoe's types and the
+standalone `pallas_kernels` package, which takes plain arrays: each expert weight
+becomes a kernel operand (`kernel_weight`: a float array as is, a
+`jaxmoe.quant.QuantizedTensor` as a `pallas_kernels.quant.QuantWeight`). Few pairs
+(``T * k <= tuning.DECODE_MAX_PAIRS``) take the per-pair decode kernels; otherwise the
+plan is built (`jaxmoe.dispatch.plan_dispatch`) and the fused gate/up and down grouped
+kernels run over it, then `pallas_kernels.down.combine` sums each token's slots.
+`jaxmoe.impls.registry` lists it as ``impl="pallas"``.
 
 Off GPU the kernels run in Pallas interpret mode (same kernel bodies, slow); set
 ``JAXMOE_PALLAS_INTERPRET=0`` to demand compiled kernels, which then fails with a
@@ -17,15 +21,27 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmoe import backends
+from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import plan_dispatch
+from jaxmoe.experts import ExpertWeights
+from jaxmoe.platforms import PALLAS_PLATFORMS
+from jaxmoe.quant import QuantizedTensor
+from jaxmoe.routing import Routing
 from pallas_kernels import tuning
-from pallas_kernels.common import activation_of, default_interpret
+from pallas_kernels.common import Activation, default_interpret
 from pallas_kernels.decode import combine_pairs, decode_down, decode_gate_up
 from pallas_kernels.down import combine, down_project
+from pallas_kernels.quant import QuantWeight
 from pallas_kernels.swiglu import gate_up_swiglu
 
-TRITON_PLATFORMS = ("gpu", "cuda", "rocm")
+
+def kernel_weight(w: jax.Array | QuantizedTensor) -> jax.Array | QuantWeight:
+    """An expert weight ``[E, K, N]`` as the kernels take it: a float array unchanged, a
+    `QuantizedTensor` (int8 / int4) as the `QuantWeight` of the same arrays."""
+    if isinstance(w, QuantizedTensor):
+        biases = None if w.biases is None else jnp.asarray(w.biases)
+        return QuantWeight(jnp.asarray(w.qdata), jnp.asarray(w.scales), biases, kind=w.kind, group_size=w.group_size)
+    return w
 
 
 def _launch(b: tuning.Blocks, grouped: bool) -> dict:
@@ -37,9 +53,9 @@ def _launch(b: tuning.Blocks, grouped: bool) -> dict:
 
 def experts_pallas(
     x: jax.Array,
-    routing,
-    experts,
-    cfg,
+    routing: Routing,
+    experts: ExpertWeights,
+    cfg: MoEConfig,
     *,
     interpret: bool | None = None,
     config: tuning.KernelConfig | None = None,
@@ -49,12 +65,13 @@ def experts_pallas(
 
     Args:
       x: ``[T, d]`` activations (their dtype is the compute dtype).
-      routing: `jaxmoe.Routing` with ``expert_ids, weights [T, k]``.
-      experts: `jaxmoe.ExpertWeights` (arrays or `QuantizedTensor`s).
-      cfg: the `jaxmoe.MoEConfig`.
-      interpret: Pallas interpret mode; default `common.default_interpret` (an explicit
-        False skips the platform check, e.g. to lower for CUDA from a CPU host).
+      routing: `jaxmoe.routing.Routing` with ``expert_ids, weights [T, k]``.
+      experts: `jaxmoe.experts.ExpertWeights` (arrays or `QuantizedTensor`s).
+      cfg: the `jaxmoe.config.MoEConfig`.
+      interpret: Pallas interpret mode; default `pallas_kernels.common.default_interpret`
+        (an explicit False skips the platform check, e.g. to lower for CUDA from a CPU host).
       config: block sizes; default ``tuning.choose(T * k, d, F)``.
+      debug: the Pallas ``debug`` flag (prints each kernel's jaxpr and generated code).
     """
     if x.ndim != 2 or x.shape[1] != cfg.d_model:
         raise ValueError(f"experts_pallas: x must be [T, {cfg.d_model}], got shape {x.shape}")
@@ -64,19 +81,19 @@ def experts_pallas(
         raise ValueError(f"experts_pallas: routing.expert_ids {routing.expert_ids.shape} must be {(t, k)}")
     if interpret is None:
         interpret = default_interpret()
-        if not interpret and jax.default_backend() not in TRITON_PLATFORMS:
+        if not interpret and jax.default_backend() not in PALLAS_PLATFORMS:
             raise ValueError(
                 f"impl='pallas' compiles Triton kernels, which do not lower on platform "
                 f"{jax.default_backend()!r}; use impl='xla' there (or JAXMOE_PALLAS_INTERPRET=1 to "
                 "run the kernels in the slow interpreter)"
             )
     kc = config or tuning.choose(t * k, d, cfg.expert_dim)
-    act = activation_of(cfg)
+    act = Activation(cfg.activation, float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
     akw = dict(activation=act.kind, alpha=act.alpha, limit=act.limit)
     ids = routing.expert_ids.astype(jnp.int32)
     w = routing.weights.reshape(-1).astype(jnp.float32)  # [P] pair order
     woi = cfg.weight_on_input
-    ew = experts
+    w_gate, w_up, w_down = (kernel_weight(a) for a in (experts.w_gate, experts.w_up, experts.w_down))
     if t == 0:
         return jnp.zeros((0, d), jnp.float32)
     if kc.decode:
@@ -84,10 +101,10 @@ def experts_pallas(
             h = decode_gate_up(
                 x,
                 ids,
-                ew.w_gate,
-                ew.w_up,
-                ew.b_gate,
-                ew.b_up,
+                w_gate,
+                w_up,
+                experts.b_gate,
+                experts.b_up,
                 w if woi else None,
                 **akw,
                 **_launch(kc.gate_up, False),
@@ -97,8 +114,8 @@ def experts_pallas(
             y = decode_down(
                 h,
                 ids,
-                ew.w_down,
-                ew.b_down,
+                w_down,
+                experts.b_down,
                 None if woi else w,
                 **_launch(kc.down, False),
                 interpret=interpret,
@@ -113,10 +130,10 @@ def experts_pallas(
             x,
             plan.token_idx,
             *meta,
-            ew.w_gate,
-            ew.w_up,
-            ew.b_gate,
-            ew.b_up,
+            w_gate,
+            w_up,
+            experts.b_gate,
+            experts.b_up,
             ws if woi else None,
             **akw,
             **_launch(kc.gate_up, True),
@@ -126,14 +143,11 @@ def experts_pallas(
         y = down_project(
             h,
             *meta,
-            ew.w_down,
-            ew.b_down,
+            w_down,
+            experts.b_down,
             None if woi else ws,
             **_launch(kc.down, True),
             interpret=interpret,
             debug=debug,
         )
         return combine(y, plan.inv, k)
-
-
-backends.register_impl("pallas", experts_pallas)

@@ -1,11 +1,11 @@
 """MLX 4-bit affine quantization and mlx-lm checkpoints, against `mlx.core` itself.
 
-- `jaxmoe.io.mlx.quantize` / `jaxmoe.quant.mlx_affine_quantize_groups`: codes, scales and
+- `jaxmoe.io.mlx_codec.quantize` / `jaxmoe.quant.mlx_affine_quantize_groups`: codes, scales and
   biases bit-equal to `mlx.core.quantize` on random weights (float32, bfloat16, float16).
 - dequantization (numpy, and `QuantizedTensor.dequantize`) equal to `mlx.core.dequantize`.
 - mlx-lm checkpoint directories written with `mlx.core.save_safetensors` load through
-  `jaxmoe.from_pretrained` with the routed experts still 4-bit, and the block equals a
-  float64 numpy reference on `mlx.core.dequantize`d weights.
+  `jaxmoe.from_pretrained` (and `jaxmoe.io.mlx.load_layer`) with the routed experts still
+  4-bit, and the block equals a float64 numpy reference on `mlx.core.dequantize`d weights.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import mlx.core as mx
 import numpy as np
@@ -21,8 +22,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxmoe
+from jaxmoe import io as jio
 from jaxmoe import quant
-from jaxmoe.io import mlx as mlxio
+from jaxmoe.io import hf, mlx, mlx_codec
 
 MX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -59,7 +61,7 @@ def test_quantize_bit_exact_with_mlx(out, groups, lead, kind, dtype, seed):
     wm = mx.array(w32).astype(MX_DTYPES[dtype])
     q_ref, s_ref, b_ref = mx.quantize(wm, group_size=64, bits=4)
     w_in = np.array(wm) if dtype != "bfloat16" else np.array(wm.astype(mx.float32)).astype(jnp.bfloat16)
-    q, s, b = mlxio.quantize(w_in, group_size=64, bits=4)
+    q, s, b = mlx_codec.quantize(w_in, group_size=64, bits=4)
     np.testing.assert_array_equal(q, np.array(q_ref))
     np.testing.assert_array_equal(np.asarray(s, np.float32), _np(s_ref))
     np.testing.assert_array_equal(np.asarray(b, np.float32), _np(b_ref))
@@ -74,7 +76,7 @@ def test_dequantize_equals_mlx(dtype, rng):
     q, s, b = mx.quantize(w, group_size=64, bits=4)
     s32, b32 = s.astype(mx.float32), b.astype(mx.float32)
     ref = np.array(mx.dequantize(q, s32, b32, group_size=64, bits=4))  # (3, 8, 256) float32
-    qt = mlxio.to_quantized_tensor(
+    qt = mlx_codec.to_quantized_tensor(
         np.array(q),
         np.array(s) if dtype != "bfloat16" else np.array(s32).astype(jnp.bfloat16),
         np.array(b) if dtype != "bfloat16" else np.array(b32).astype(jnp.bfloat16),
@@ -82,8 +84,8 @@ def test_dequantize_equals_mlx(dtype, rng):
     assert qt.kind == "int4" and qt.group_size == 64 and qt.shape == (3, 256, 8)
     assert qt.scales.dtype == jnp.dtype(dtype)
     np.testing.assert_array_equal(np.swapaxes(np.asarray(qt.dequantize(jnp.float32)), -1, -2), ref)
-    spec = mlxio.QuantSpec(4, 64)
-    np.testing.assert_array_equal(mlxio.dequantize(np.array(q), np.array(s32), np.array(b32), spec), ref)
+    spec = mlx_codec.QuantSpec(4, 64)
+    np.testing.assert_array_equal(mlx_codec.dequantize(np.array(q), np.array(s32), np.array(b32), spec), ref)
     # in the scales' own dtype MLX rounds twice (scale * q, then + bias); we round once from float32
     own = np.array(mx.dequantize(q, s, b, group_size=64, bits=4).astype(mx.float32))
     tol = {"float32": 0, "bfloat16": 2**-7, "float16": 2**-10}[dtype]
@@ -97,9 +99,9 @@ def test_words_to_quantized_tensor_is_a_byte_view(rng):
     q, s, b = mx.quantize(w, group_size=64, bits=4)
     # the codes themselves, by MLX: dequantize with scale 1 and bias 0
     codes_ref = np.array(mx.dequantize(q, mx.ones_like(s), mx.zeros_like(b), group_size=64, bits=4))
-    qt = mlxio.to_quantized_tensor(np.array(q), np.array(s), np.array(b))
+    qt = mlx_codec.to_quantized_tensor(np.array(q), np.array(s), np.array(b))
     np.testing.assert_array_equal(np.asarray(qt.codes()), codes_ref.astype(np.int8))
-    words, s2, b2 = mlxio.from_quantized_tensor(qt)
+    words, s2, b2 = mlx_codec.from_quantized_tensor(qt)
     np.testing.assert_array_equal(words, np.array(q))
     np.testing.assert_array_equal(s2, np.array(s))
 
@@ -109,22 +111,22 @@ def test_other_bit_widths_dequantize_like_mlx(bits, rng):
     w = mx.array(rng.standard_normal((5, 256)).astype(np.float32))
     q, s, b = mx.quantize(w, group_size=64, bits=bits)
     ref = np.array(mx.dequantize(q, s, b, group_size=64, bits=bits))
-    got = mlxio.dequantize(np.array(q), np.array(s), np.array(b), mlxio.QuantSpec(bits, 64))
+    got = mlx_codec.dequantize(np.array(q), np.array(s), np.array(b), mlx_codec.QuantSpec(bits, 64))
     np.testing.assert_array_equal(got, ref)
-    codes = mlxio.unpack_codes(np.array(q), bits)
-    np.testing.assert_array_equal(mlxio.pack_codes(codes, bits), np.array(q))
+    codes = mlx_codec.unpack_codes(np.array(q), bits)
+    np.testing.assert_array_equal(mlx_codec.pack_codes(codes, bits), np.array(q))
 
 
 def test_bad_quantized_shapes_and_specs(rng):
     q, s, b = (np.array(a) for a in mx.quantize(mx.array(rng.standard_normal((4, 128)).astype(np.float32))))
     with pytest.raises(ValueError, match=r"mlp\.gate\.scales has shape \(4, 3\), expected \(4, 2\)"):
-        mlxio.dequantize(q, np.ones((4, 3), np.float32), b, mlxio.QuantSpec(4, 64), name="mlp.gate")
+        mlx_codec.dequantize(q, np.ones((4, 3), np.float32), b, mlx_codec.QuantSpec(4, 64), name="mlp.gate")
     with pytest.raises(ValueError, match="mode: only MLX 'affine'"):
-        mlxio.QuantSpec(4, 32, "mxfp4")
+        mlx_codec.QuantSpec(4, 32, "mxfp4")
     with pytest.raises(ValueError, match="bits: 7"):
-        mlxio.QuantSpec(7, 64)
+        mlx_codec.QuantSpec(7, 64)
     with pytest.raises(ValueError, match="must be uint32"):
-        mlxio.to_quantized_tensor(q.view(np.int32), s, b)
+        mlx_codec.to_quantized_tensor(q.view(np.int32), s, b)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -295,7 +297,7 @@ def test_gpt_oss_mlx_checkpoint(tmp_path, rng):
 
 
 def _ref_route(z: np.ndarray, rc, bias):
-    """float64 routing of one token's logits ``z [E]``: (ids, weights) by ROUTING.md section 1."""
+    """float64 routing of one token's logits ``z [E]``: (ids, weights) by the pipeline of docs/routing.md."""
     if rc.score_fn == "softmax":
         s = np.exp(z - z.max())
         s /= s.sum()
@@ -365,6 +367,29 @@ def test_qwen35_mlx_checkpoint(tmp_path, rng):
     assert cfg.family == "qwen3_5_moe" and cfg.shared_expert_gate and cfg.num_experts == E
     assert block.params().experts.w_gate.scales.dtype == jnp.bfloat16  # kept in the stored dtype
     _check(block, t, "language_model.model.layers.1.mlp", 8, "shared_expert", True, rng)
+
+
+def test_mlx_load_layer_returns_config_and_params(tmp_path, rng):
+    """`jaxmoe.io.mlx.load_layer`, the path dispatch and from_pretrained give the same layer;
+    the HF reader without MLX quantization refuses the packed weights."""
+    _qwen35_checkpoint(tmp_path, rng)
+    assert jio.checkpoint_format(tmp_path) == "mlx"
+    cfg, params = mlx.load_layer(tmp_path, layer=1)
+    assert cfg == mlx.load_config(tmp_path) == jio.load_config(tmp_path)
+    assert isinstance(params.experts.w_gate, quant.QuantizedTensor) and params.experts.w_gate.kind == "int4"
+    cfg2, params2 = jio.load_layer(tmp_path, layer=1)
+    block = jaxmoe.from_pretrained(tmp_path, layer=1)
+    assert cfg2 == cfg and block.cfg == cfg
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    for other in (params2, block.params()):
+        got = jax.tree_util.tree_leaves_with_path(other)
+        assert [k for k, _ in got] == [k for k, _ in leaves]
+        for (k, a), (_, b) in zip(leaves, got):
+            assert a.dtype == b.dtype, jax.tree_util.keystr(k)
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(k))
+    with pytest.raises(ValueError, match="packed uint32"):
+        hf.load_layer(tmp_path, layer=1, quantized=False)
+    assert mlx.quantize is mlx_codec.quantize and mlx.QuantSpec is mlx_codec.QuantSpec  # re-exported
 
 
 def test_deepseek_v3_mlx_checkpoint(tmp_path, rng):

@@ -18,10 +18,14 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 import jaxmoe
+from jaxmoe import io as jio
+from jaxmoe.config import MoEConfig
+from jaxmoe.config import load_config as load_preset_config
 from jaxmoe.io import gguf as jgguf
-from jaxmoe.io import gguf_quant as gq
+from jaxmoe.io import gguf_codec as gq
 from jaxmoe.io.errors import CheckpointError
-from jaxmoe.quant import QuantizedTensor
+from jaxmoe.params import MoEParams
+from jaxmoe.quant import QuantizedTensor, quantize_int4_affine
 
 # ----------------------------------------------------------------------------- writing helpers
 
@@ -419,6 +423,29 @@ def test_q4_0_nibble_order(rng):
     np.testing.assert_array_equal(np.asarray(qt.qdata)[:, 0], (codes[:, 0] | (codes[:, 1] << 4)).astype(np.uint8))
 
 
+def test_q4_0_extreme_scales_are_exact(rng):
+    """|d| > 8188: the bias -8 d overflows float16, so scales and biases are kept in float32;
+    still bit-exact with gguf-py and back to the same bytes. Normal scales stay float16."""
+    w = rng.standard_normal((3, 4, 64)).astype(np.float32)
+    w[0, 1, 5] = -1.2e5  # its block gets d = 15000 > 65504 / 8
+    w[2, 3, 40] = 9e4  # d = -11250
+    raw = gguf.quants.quantize(w, QT.Q4_0)
+    want = gguf.quants.dequantize(raw, QT.Q4_0)
+    d = np.ascontiguousarray(raw.reshape(3, 4, 2, 18)[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    assert np.abs(d).max() > gq.F16_MAX_D_Q4 and np.isfinite(want).all()
+    host = gq.matrix_from_gguf(raw, QT.Q4_0)  # the store's path: numpy leaves
+    dev = gq.weight_from_gguf(raw, QT.Q4_0, jnp.float32)  # the loader's path: jax leaves
+    assert isinstance(host.qdata, np.ndarray) and isinstance(dev.qdata, jax.Array)
+    for qt in (host, dev):
+        assert qt.scales.dtype == np.float32 and qt.biases.dtype == np.float32
+        assert np.isfinite(np.asarray(qt.biases)).all()
+        got = np.swapaxes(np.asarray(qt.dequantize(jnp.float32)), -1, -2)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(gq.quantized_to_q4_0(qt), raw)
+    small = gq.q4_0_to_quantized(gguf.quants.quantize(rng.standard_normal((2, 32)).astype(np.float32), QT.Q4_0))
+    assert small.scales.dtype == np.float16 and small.biases.dtype == np.float16
+
+
 def test_only_the_requested_layer_is_read(rng, tmp_path):
     """Loading layer 2 touches only blk.2.* and survives garbage in every other layer's bytes."""
     c = CASES["qwen3moe-q8_0"]
@@ -435,7 +462,7 @@ def test_only_the_requested_layer_is_read(rng, tmp_path):
     seen = []
     r = jgguf.open_reader(path)
     cfg = jgguf.config_from_reader(r, path)
-    params = jgguf.load_layer_params(r, cfg, 2, path=path, _read=seen.append)
+    params = jgguf.load_layer_params(r, cfg, 2, path=path, on_read=seen.append)
     assert seen and all(s.startswith("blk.2.") for s in seen), seen
     block = jaxmoe.MoEBlock(cfg, params=params)
     x = rng.standard_normal((5, c.d)).astype(np.float32)
@@ -459,6 +486,33 @@ def test_load_config_accepts_a_gguf_path(rng, tmp_path):
     assert cfg.dense_layers == (0,) and cfg.dense_dim == 128 and cfg.family == "deepseek_v3"
     # the bailingmoe2 shared width is its own key times the count
     assert jgguf.load_config(_written(rng, tmp_path, "bailingmoe2")).shared_expert_dim == 64
+
+
+def test_load_layer_returns_config_and_params(rng, tmp_path):
+    """The format module, the path dispatch and from_pretrained give the same layer."""
+    c = CASES["qwen3moe-q8_0"]
+    path = tmp_path / "l.gguf"
+    write_case(rng, path, c)
+    cfg, params = jgguf.load_layer(path, layer=c.layer)
+    assert isinstance(cfg, MoEConfig) and isinstance(params, MoEParams)
+    assert jio.checkpoint_format(path) == "gguf"
+    cfg2, params2 = jio.load_layer(path, layer=c.layer)
+    block = jaxmoe.from_pretrained(path, layer=c.layer)
+    assert cfg2 == cfg and block.cfg == cfg
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    for other in (params2, block.params()):
+        got = jax.tree_util.tree_leaves_with_path(other)
+        assert [k for k, _ in got] == [k for k, _ in leaves]
+        for (k, a), (_, b) in zip(leaves, got):
+            assert a.dtype == b.dtype, jax.tree_util.keystr(k)
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(k))
+    assert jio.load_config(path) == cfg and jaxmoe.load_config(path) == cfg
+    # anything that is not a checkpoint is a preset name or a model YAML
+    assert jio.load_config("qwen3-30b-a3b") == load_preset_config("qwen3-30b-a3b")
+    with pytest.raises(FileNotFoundError, match="missing.gguf"):
+        jio.load_config(tmp_path / "missing.gguf")
+    with pytest.raises(FileNotFoundError, match="missing.gguf"):
+        jio.load_layer(tmp_path / "missing.gguf")
 
 
 def _written(rng, tmp_path, name):
@@ -628,8 +682,6 @@ def test_export_other_archs(preset, arch, rng, tmp_path):
 def test_export_of_other_quantized_experts(dtype, tmp_path):
     """MLX-style int4 group-64 experts cannot be written as they are: they are dequantized
     (exactly) and quantized once by gguf-py."""
-    from jaxmoe.quant import quantize_int4_affine
-
     block = small_block("qwen3-30b-a3b", seed=5)
     p = block.params()
     ew = jaxmoe.ExpertWeights(
@@ -671,6 +723,22 @@ def test_export_rejects_what_the_arch_cannot_express(tmp_path):
     with pytest.raises(ValueError, match="dense layer"):
         jaxmoe.save_gguf(small_block("deepseek-v3"), tmp_path / "c.gguf", layer=0, dtype="f32")
     assert not (tmp_path / "a.gguf").exists()
+
+
+def test_save_gguf_takes_cfg_and_params(tmp_path):
+    """io.save_gguf needs no MoEBlock: (cfg, params) writes the same bytes as the block."""
+    block = small_block("qwen3-30b-a3b")
+    a = jaxmoe.save_gguf(block, tmp_path / "a.gguf", layer=1, dtype="q8_0")
+    b = jio.save_gguf((block.cfg, block.params()), tmp_path / "b.gguf", layer=1, dtype="q8_0")
+    c = jgguf.save_gguf((block.cfg, block.params()), tmp_path / "c.gguf", layer=1, dtype="q8_0")
+    assert a.read_bytes() == b.read_bytes() == c.read_bytes()
+    with pytest.raises(ValueError, match="MoEParams, got ExpertWeights"):
+        jio.save_gguf((block.cfg, block.params().experts), tmp_path / "d.gguf")
+    with pytest.raises(ValueError, match="got object"):
+        jio.save_gguf(object(), tmp_path / "e.gguf")
+    with pytest.raises(ValueError, match="w_router has shape"):
+        jio.save_gguf((dataclasses.replace(block.cfg, d_model=32), block.params()), tmp_path / "f.gguf")
+    assert not any((tmp_path / f"{n}.gguf").exists() for n in "def")
 
 
 # ----------------------------------------------------------------------------- bad input

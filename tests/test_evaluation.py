@@ -18,12 +18,16 @@ import jaxmoe
 from jaxmoe.config import MoEConfig, RouterConfig
 from jaxmoe.evaluation import ConfigError, cli_main, config_from_mapping, load_eval_config
 from jaxmoe.evaluation import metrics as M
-from jaxmoe.evaluation.config import apply_overrides, case_tolerance, list_eval_configs, parse_override
+from jaxmoe.evaluation.config import EvalConfig, case_tolerance
+from jaxmoe.evaluation.expert_parallel import ExpertParallelConfig
+from jaxmoe.evaluation.kinds import KINDS, from_mapping, load_any
+from jaxmoe.evaluation.offload import OffloadSweepConfig
 from jaxmoe.evaluation.reference import dequantize_f64, reference_forward
-from jaxmoe.evaluation.runner import _apply
+from jaxmoe.evaluation.runner import moe_apply_jit
+from jaxmoe.evaluation.schema import apply_overrides, evals_dir, list_eval_configs, parse_override
 from jaxmoe.evaluation.sources import shrink_config
 from jaxmoe.experts import ExpertWeights, SharedWeights
-from jaxmoe.layer import MoEParams
+from jaxmoe.params import MoEParams
 
 TINY = {
     "name": "tiny",
@@ -182,7 +186,7 @@ def test_shrink_keeps_every_preset_valid():
 
 
 def _loop_reference(p: MoEParams, x: np.ndarray, cfg: MoEConfig):
-    """Token-by-token, slot-by-slot float64 forward (a second, loop-shaped reading of ROUTING.md)."""
+    """Token-by-token, slot-by-slot float64 forward (a second, loop-shaped reading of docs/routing.md)."""
     f = lambda a: None if a is None else np.asarray(a, np.float64)  # noqa: E731
     rc = cfg.router
     wr, br, sb = f(p.w_router), f(p.b_router), f(p.selection_bias)
@@ -308,7 +312,7 @@ def test_reference_matches_loop_and_dense(name, rng):
     np.testing.assert_array_equal(r.expert_ids, ids_loop)
     np.testing.assert_allclose(y, y_loop, rtol=1e-12, atol=1e-12)
     # and the library's float32 dense oracle agrees to float32 rounding
-    y32 = np.asarray(_apply(p, jnp.asarray(x, jnp.float32), cfg=cfg, impl="dense"), np.float64)
+    y32 = np.asarray(moe_apply_jit(p, jnp.asarray(x, jnp.float32), cfg=cfg, impl="dense"), np.float64)
     assert M.errors(y32, y)["rel"] < 1e-5
 
 
@@ -536,22 +540,68 @@ def test_eval_reads_a_gguf_file(tmp_path, rng):
     assert all(r["passed"] for r in lay["results"])
 
 
-def test_runner_key_hands_the_config_to_its_module(tmp_path, monkeypatch, capsys):
-    import sys
-    import types
+def test_kind_key_picks_schema_and_runner(tmp_path, monkeypatch, capsys):
+    """Every shipped config names its kind; the kind picks the schema and the runner; one
+    engine checks every kind (unknown keys, types, --set) with errors naming file and key."""
+    want = {"default": EvalConfig, "expert-parallel": ExpertParallelConfig, "offload": OffloadSweepConfig}
+    assert {n: k.config_class for n, k in KINDS.items()} == want
+    for name in list_eval_configs():
+        raw = yaml.safe_load((evals_dir() / f"{name}.yaml").read_text())
+        assert raw["kind"] in KINDS, name  # explicit, no sniffing
+        if name != "gguf":  # gguf needs --set model.path
+            cfg = load_any(name)
+            assert isinstance(cfg, want[raw["kind"]]) and cfg.kind == raw["kind"] and cfg.name == name
+    assert isinstance(from_mapping(TINY), EvalConfig)  # no kind key: the default kind
+    ep = load_any("expert-parallel", ["tokens=[4]", "mesh=[{expert: 2}]"])
+    assert ep.tokens == (4,) and ep.mesh[0].expert == 2 and ep.mesh[0].data == 1
+    off = load_any("offload", ["tokens=8", "learned.steps=3"])
+    assert off.tokens == 8 and off.learned.kwargs() == {"steps": 3}
+    # the same engine's errors for every kind: file, dotted key, the --set it came from
+    with pytest.raises(ConfigError, match=r"offload\.yaml: key 'tokens' \(from --set tokens=x\): must be an int"):
+        load_any("offload", ["tokens=x"])
+    with pytest.raises(ConfigError, match=r"expert-parallel\.yaml: key 'mesh\[0\]\.data' .*must be an int"):
+        load_any("expert-parallel", ["mesh=[{expert: 2, data: two}]"])
+    with pytest.raises(
+        ConfigError, match=r"offload\.yaml: key 'model\.shrink\.width' \(from --set model.shrink.width=3\): unknown key"
+    ):
+        load_any("offload", ["model.shrink.width=3"])
+    with pytest.raises(ConfigError, match=r"offload\.yaml: key 'kind': is 'offload', but EvalConfig reads only"):
+        load_eval_config("offload")
 
+    # the CLI hands each kind to its runner
     seen = []
-    fake = types.ModuleType("jaxmoe._fake_sweep")
-    fake.main = lambda argv: seen.append(argv) or 7
-    monkeypatch.setitem(sys.modules, "jaxmoe._fake_sweep", fake)
-    p = _write(tmp_path, {"runner": "jaxmoe._fake_sweep", "name": "x", "anything": [1, 2]}, "sweep.yaml")
-    assert cli_main([str(p), "--out", str(tmp_path / "o")]) == 7
-    assert seen == [[str(p), "--out", str(tmp_path / "o")]]
-    assert cli_main([str(p), "--set", "name=y"]) == 2
-    assert "--set is not supported" in capsys.readouterr().err
-    p = _write(tmp_path, {"runner": "os"}, "bad.yaml")
-    assert cli_main([str(p)]) == 2
-    assert "key 'runner': must name a jaxmoe module" in capsys.readouterr().err
+
+    def fake_run(cfg, *, source, out, overrides, progress):
+        seen.append((type(cfg).__name__, source, out, overrides))
+        return {"gate": {"passed": cfg.tokens != 9}}, out
+
+    monkeypatch.setitem(KINDS, "offload", dataclasses.replace(KINDS["offload"], run=fake_run))
+    spec = {"kind": "offload", "name": "x", "model": {"preset": "qwen3.6-35b-a3b"}}
+    p = _write(tmp_path, spec, "sweep.yaml")
+    assert cli_main([str(p), "--out", str(tmp_path / "o"), "--set", "tokens=4"]) == 0
+    assert seen == [("OffloadSweepConfig", str(p), str(tmp_path / "o"), ["tokens=4"])]
+    assert cli_main([str(p), "--set", "tokens=9"]) == 1
+    # older configs named the module that ran them: read as the kind it ran
+    p = _write(
+        tmp_path, {**{k: v for k, v in spec.items() if k != "kind"}, "runner": "jaxmoe.offload.sweep"}, "old.yaml"
+    )
+    assert cli_main([str(p)]) == 0 and seen[-1][0] == "OffloadSweepConfig"
+    assert len(seen) == 3
+    for bad, key, text in (
+        ({**spec, "kind": "sweep"}, "kind", "unknown kind 'sweep'; known kinds: "),
+        ({**spec, "kind": 3}, "kind", "must be a string"),
+        ({"runner": "os"}, "runner", "must name a module that runs eval configs"),
+        (
+            {**spec, "runner": "jaxmoe.parallel_eval"},
+            "runner",
+            "'jaxmoe.parallel_eval' runs 'expert-parallel' configs, but key 'kind' says 'offload'",
+        ),
+        ({**spec, "anything": [1, 2]}, "anything", "unknown key"),
+    ):
+        p = _write(tmp_path, bad, "bad.yaml")
+        assert cli_main([str(p)]) == 2
+        assert f"bad.yaml: key '{key}': {text}" in capsys.readouterr().err
+    assert len(seen) == 3  # nothing ran
     assert cli_main(["--list"]) == 0
     assert "default" in capsys.readouterr().out.split()
     assert cli_main(["--help"]) == 0

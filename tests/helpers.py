@@ -1,6 +1,11 @@
-"""Independent float64 numpy references for the tests (written from ROUTING.md, not from jaxmoe)."""
+"""Shared test helpers: independent float64 numpy references (written from the model
+references and docs/routing.md, not from jaxmoe's code), random inputs and shrunk configs."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from jaxmoe.params import init_params
 
 
 def np_route(
@@ -153,3 +158,42 @@ def shrink(cfg, d=64, f=32, e=16):
     rc = dataclasses.replace(rc, num_experts=e, top_k=k)
     fs = (f * cfg.num_shared_experts) if cfg.shared_expert_dim else 0
     return dataclasses.replace(cfg, d_model=d, expert_dim=f, shared_expert_dim=fs, router=rc)
+
+
+def random_params(cfg, rng, dtype=jnp.float32):
+    return init_params(cfg, jax.random.key(int(rng.integers(1 << 30))), dtype=dtype)
+
+
+def np_experts(x, ids, ws, p, cfg):
+    """float64 routed-expert output for a given routing (per pair loop)."""
+    x = np.asarray(x, np.float64)
+    f = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    y = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            e, w = ids[t, s], np.float64(ws[t, s])
+            xin = x[t] * w if cfg.weight_on_input else x[t]
+            g, u = xin @ f(p["w_gate"][e]), xin @ f(p["w_up"][e])
+            if p.get("b_gate") is not None:
+                g, u = g + f(p["b_gate"][e]), u + f(p["b_up"][e])
+            o = np_act(g, u, cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit) @ f(p["w_down"][e])
+            if p.get("b_down") is not None:
+                o = o + f(p["b_down"][e])
+            y[t] += o if cfg.weight_on_input else w * o
+    return y
+
+
+def skewed_routing(rng, t, k, e, hot=None, share=0.8):
+    """Distinct ids per token; expert ``hot`` in most tokens, several experts left empty."""
+    hot = int(rng.integers(e)) if hot is None else hot
+    pool = rng.permutation(e)[: max(k + 1, e // 2)]  # the other half of the experts stays empty
+    pool = pool[pool != hot]
+    ids = np.empty((t, k), np.int32)
+    for i in range(t):
+        if rng.random() < share:
+            rest = rng.choice(pool, size=k - 1, replace=False)
+            ids[i] = rng.permutation(np.concatenate([[hot], rest]))
+        else:
+            ids[i] = rng.choice(pool, size=k, replace=False)
+    ws = rng.uniform(0.05, 1.0, size=(t, k)).astype(np.float32)
+    return ids, ws

@@ -1,8 +1,8 @@
-"""The C++ XLA:CPU kernel (``impl="cpu"``, jaxmoe/csrc/grouped_swiglu.cc) against the
+"""The C++ XLA:CPU kernel (``impl="cpu"``, jaxmoe/impls/cpu/grouped_swiglu.cc) against the
 float64 numpy loop: register-tile and scalar column tails, the packed path (>= 8 rows of
 one expert), row chunks (> 128 rows of one expert), empty experts, bf16, biases and the
 gpt-oss activation; gradients (the gather path's VJP), vmap, errors and the build fallback.
-Preset-level parity, NaN isolation and weight_on_input run in tests/test_grouped.py."""
+Preset-level parity, NaN isolation and weight_on_input run in tests/test_impls.py."""
 
 import dataclasses
 
@@ -10,15 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import np_experts, params_to_numpy, random_params, shrink, skewed_routing
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import params_to_numpy, shrink
-from test_grouped import np_experts, random_params, skewed_routing
 
 import jaxmoe
-from jaxmoe import MoEConfig, RouterConfig, Routing, backends, cpu_kernel
-from jaxmoe.cpu_kernel import experts_cpu
-from jaxmoe.grouped import experts_xla
+from jaxmoe import MoEConfig, RouterConfig, Routing
+from jaxmoe.impls import policy
+from jaxmoe.impls.cpu import build, cpu_kernel_status, experts_cpu
+from jaxmoe.impls.xla import experts_xla
 from jaxmoe.quant import quantize_int8
 
 F32 = dict(rtol=2e-5, atol=2e-5)
@@ -42,7 +42,7 @@ def check(cfg, ids, ws, rng, dtype=jnp.float32, tol=F32):
 
 
 def test_kernel_is_built():
-    ok, msg = cpu_kernel.cpu_kernel_status()
+    ok, msg = cpu_kernel_status()
     assert ok, msg  # CI machines have a C++ compiler; the fallback is tested below
 
 
@@ -163,19 +163,19 @@ def test_without_a_compiler_auto_falls_back_and_cpu_says_why(monkeypatch, rng):
     cfg = cfg_of(32, 16, 8, 2)
     p = random_params(cfg, rng)
     r = Routing(jnp.zeros((3, 2), jnp.int32), jnp.ones((3, 2)))
-    monkeypatch.setattr(cpu_kernel, "_status", None)
-    monkeypatch.setattr(cpu_kernel, "_compiler", lambda: None)
-    ok, msg = cpu_kernel.cpu_kernel_status()
+    monkeypatch.setattr(build, "_status", None)
+    monkeypatch.setattr(build, "_compiler", lambda: None)
+    ok, msg = cpu_kernel_status()
     assert not ok and "no C++ compiler" in msg
-    assert backends.resolve_impl("auto", 64, platform="cpu", experts=p.experts) == "xla"
+    assert policy.resolve_impl("auto", 64, platform="cpu", experts=p.experts) == "xla"
     with pytest.raises(RuntimeError, match="impl='cpu' is unavailable: no C\\+\\+ compiler"):
         experts_cpu(jnp.ones((3, 32)), r, p.experts, cfg)
 
 
 def test_a_failing_compiler_is_reported(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_kernel, "_status", None)
+    monkeypatch.setattr(build, "_status", None)
     monkeypatch.setenv("JAXMOE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "false")
-    ok, msg = cpu_kernel.cpu_kernel_status()
+    ok, msg = cpu_kernel_status()
     assert not ok and "compiling grouped_swiglu.cc failed" in msg and "false" in msg
     assert not list(tmp_path.glob("*.so"))  # nothing half-written is cached

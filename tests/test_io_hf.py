@@ -1,5 +1,6 @@
 """HF safetensors checkpoints: tiny random transformers models saved with ``save_pretrained``,
-loaded with `jaxmoe.from_pretrained`, compared with the HF layer's own MoE module.
+loaded with `jaxmoe.from_pretrained` (`jaxmoe.io.hf.load_layer` underneath), compared with
+the HF layer's own MoE module.
 
 These are also the whole-module parity tests of the routing rule of each family: the
 reference is transformers' module output (float32) and its router's selected experts.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ import transformers as T
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 import jaxmoe
+from jaxmoe import io as jio
 from jaxmoe.io import hf as hf_io
 from jaxmoe.io.hf_config import moe_config_from_hf
 from jaxmoe.io.safetensors_dir import SafetensorsDir
@@ -314,6 +317,29 @@ def test_bf16_compute_dtype(tmp_path, rng):
     y_ref, _, _ = _hf_reference(_hf_moe(model), x)
     y = np.asarray(block(jnp.asarray(x)).astype(jnp.float32))
     assert np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref) < 3e-2
+
+
+def test_load_layer_returns_config_and_params(tmp_path, rng):
+    """`jaxmoe.io.hf.load_layer` and the path dispatch give the (cfg, params) from_pretrained wraps,
+    with dtype= reaching the loader."""
+    torch.manual_seed(int(rng.integers(2**31)))
+    _save(_qwen2().eval(), tmp_path, rng)
+    assert jio.checkpoint_format(tmp_path) == "hf"
+    cfg, params = hf_io.load_layer(tmp_path, layer=1, dtype=jnp.bfloat16)
+    assert cfg == hf_io.load_config(tmp_path) == jio.load_config(tmp_path)
+    assert params.experts.w_gate.dtype == jnp.bfloat16 and params.w_router.dtype == jnp.float32
+    cfg2, params2 = jio.load_layer(tmp_path, layer=1, dtype=jnp.bfloat16)
+    block = jaxmoe.from_pretrained(tmp_path, layer=1, dtype=jnp.bfloat16)
+    assert cfg2 == cfg and block.cfg == cfg and block.dtype == jnp.bfloat16
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    for other in (params2, block.params()):
+        got = jax.tree_util.tree_leaves_with_path(other)
+        assert [k for k, _ in got] == [k for k, _ in leaves]
+        for (k, a), (_, b) in zip(leaves, got):
+            assert a.dtype == b.dtype, jax.tree_util.keystr(k)
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(k))
+    with pytest.raises(ValueError, match=r"layer 2 is outside \[0, 2\)"):
+        hf_io.load_layer(tmp_path, layer=2)
 
 
 def _fused_copy(src: Path, dst: Path, family_key: str = "mlp") -> None:

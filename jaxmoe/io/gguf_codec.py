@@ -1,4 +1,7 @@
-"""Conversions between GGUF tensor bytes and jaxmoe weights.
+"""The GGUF block codec: GGUF tensor bytes <-> jaxmoe weights, in one place.
+
+Used by the GGUF loader and exporter (`jaxmoe.io.gguf`) and by the offload expert
+store (`jaxmoe.offload.store.GGUFStore`), so both decode the same bytes the same way.
 
 GGUF stores a matrix as numpy ``[..., out, in]`` (GGUF lists dims fastest first), with
 quantization blocks along ``in``. jaxmoe weights are logical ``[..., in, out]`` (the
@@ -10,14 +13,18 @@ blocks along ``in``: the GGUF layout itself, so Q8_0 and Q4_0 map onto it block 
 - Q4_0 (32 elements in 18 bytes: f16 ``d``, 16 bytes; byte ``i`` holds element ``i`` in
   its low nibble and element ``i + 16`` in its high nibble; ``w = d * (q - 8)``) ->
   ``kind="int4"``, group 32, ``scale = d``, ``bias = -8 d`` (both exact in float32; kept
-  in float16 when ``8 |d|`` fits), nibbles repacked to jaxmoe's order (element ``2j`` low,
-  ``2j + 1`` high).
+  in float16 when ``8 |d|`` fits, i.e. ``|d| <= 8188``, else both float32, since
+  ``-8 d`` would overflow float16 to ``-inf``), nibbles repacked to jaxmoe's order
+  (element ``2j`` low, ``2j + 1`` high).
 - F32, F16, BF16, F64 and every other type `gguf.quants.dequantize` handles (Q4_K, Q5_K,
   Q6_K, MXFP4, Q4_1, Q5_0, Q5_1, ...) -> a float array, via ``gguf.quants.dequantize``
-  (so bit-exact with it), then cast to the compute dtype.
+  (so bit-exact with it).
 
 Both quantized mappings are exact: ``QuantizedTensor.dequantize(float32)`` equals
 ``gguf.quants.dequantize`` bit for bit, and converting back gives the same bytes.
+
+`matrix_from_gguf` gives host (numpy) weights, as the expert store hands them out;
+`weight_from_gguf` gives device (jax) weights in a compute dtype, as the loader builds them.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import functools
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 from gguf import GGML_QUANT_SIZES
@@ -42,7 +50,8 @@ EXPORT_TYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0, 
 _Q8_BYTES = GGML_QUANT_SIZES[QT.Q8_0][1]  # 34
 _Q4_BYTES = GGML_QUANT_SIZES[QT.Q4_0][1]  # 18
 _QK = 32
-_F16_MAX_D_Q4 = 65504.0 / 8  # |-8 d| still finite in float16
+#: The largest Q4_0 ``|d|`` whose bias ``-8 d`` is still finite in float16 (65504 / 8).
+F16_MAX_D_Q4 = 65504.0 / 8
 
 
 @functools.cache
@@ -66,7 +75,8 @@ def dequantize_raw(data: np.ndarray, qtype: QT) -> np.ndarray:
 
 
 def q8_0_to_quantized(raw: np.ndarray) -> QuantizedTensor:
-    """Q8_0 bytes ``[..., out, in/32*34]`` -> int8 `QuantizedTensor` (logical ``[..., in, out]``)."""
+    """Q8_0 bytes ``[..., out, in/32*34]`` -> int8 `QuantizedTensor` (logical ``[..., in, out]``,
+    numpy leaves)."""
     raw = np.asarray(raw, np.uint8)
     *lead, out, row = raw.shape
     if row % _Q8_BYTES:
@@ -75,11 +85,12 @@ def q8_0_to_quantized(raw: np.ndarray) -> QuantizedTensor:
     blocks = raw.reshape(*lead, out, nb, _Q8_BYTES)
     d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]  # [..., out, nb]
     q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(*lead, out, nb * _QK)
-    return QuantizedTensor(jnp.asarray(q), jnp.asarray(d), None, "int8", _QK)
+    return QuantizedTensor(q, d, None, "int8", _QK)
 
 
 def q4_0_to_quantized(raw: np.ndarray) -> QuantizedTensor:
-    """Q4_0 bytes ``[..., out, in/32*18]`` -> int4 `QuantizedTensor` (``scale = d``, ``bias = -8 d``)."""
+    """Q4_0 bytes ``[..., out, in/32*18]`` -> int4 `QuantizedTensor` (``scale = d``, ``bias = -8 d``,
+    numpy leaves): float16 scales and biases when every ``|d| <= F16_MAX_D_Q4``, else float32."""
     raw = np.asarray(raw, np.uint8)
     *lead, out, row = raw.shape
     if row % _Q4_BYTES:
@@ -91,8 +102,8 @@ def q4_0_to_quantized(raw: np.ndarray) -> QuantizedTensor:
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [..., out, nb, 32]: elements 0..15, 16..31
     packed = pack_int4(codes.reshape(*lead, out, nb * _QK))
     bias = -8.0 * d
-    sdt = np.float16 if not d.size or np.abs(d).max() <= _F16_MAX_D_Q4 else np.float32
-    return QuantizedTensor(jnp.asarray(packed), jnp.asarray(d.astype(sdt)), jnp.asarray(bias.astype(sdt)), "int4", _QK)
+    sdt = np.float16 if not d.size or np.abs(d).max() <= F16_MAX_D_Q4 else np.float32
+    return QuantizedTensor(packed, d.astype(sdt), bias.astype(sdt), "int4", _QK)
 
 
 def quantized_to_q8_0(w: QuantizedTensor) -> np.ndarray | None:
@@ -130,18 +141,30 @@ def quantized_to_q4_0(w: QuantizedTensor) -> np.ndarray | None:
     return np.ascontiguousarray(blocks.reshape(*lead, out, nb * _Q4_BYTES))
 
 
-def weight_from_gguf(data: np.ndarray, qtype: QT, dtype):
-    """One GGUF matrix (reader data, numpy ``[..., out, in]``) -> a jaxmoe weight ``[..., in, out]``.
+def matrix_from_gguf(data: np.ndarray, qtype: QT) -> np.ndarray | QuantizedTensor:
+    """One GGUF matrix (reader data, numpy ``[..., out, in]``) -> a host weight ``[..., in, out]``.
 
-    Q8_0 / Q4_0 stay quantized (a `QuantizedTensor`); every other type is dequantized
-    with gguf-py and cast to ``dtype``.
+    Q8_0 / Q4_0 stay quantized (a `QuantizedTensor` with numpy leaves); F32 / F16 keep
+    their stored dtype; every other type is dequantized with gguf-py to float32.
     """
     if qtype == QT.Q8_0:
         return q8_0_to_quantized(data)
     if qtype == QT.Q4_0:
         return q4_0_to_quantized(data)
-    w = dequantize_raw(data, qtype)
-    return jnp.asarray(np.ascontiguousarray(np.swapaxes(w, -1, -2)).astype(jnp.dtype(dtype)))
+    w = np.asarray(data) if qtype in (QT.F32, QT.F16) else dequantize_raw(data, qtype)
+    return np.ascontiguousarray(np.swapaxes(w, -1, -2))
+
+
+def weight_from_gguf(data: np.ndarray, qtype: QT, dtype):
+    """One GGUF matrix (reader data, numpy ``[..., out, in]``) -> a device weight ``[..., in, out]``.
+
+    Q8_0 / Q4_0 stay quantized (a `QuantizedTensor`); every other type is dequantized
+    with gguf-py to float32 and cast to ``dtype``.
+    """
+    w = matrix_from_gguf(data, qtype)
+    if isinstance(w, QuantizedTensor):
+        return jax.tree.map(jnp.asarray, w)
+    return jnp.asarray(np.asarray(w, np.float32).astype(jnp.dtype(dtype)))
 
 
 def to_numpy_f32(w) -> np.ndarray:

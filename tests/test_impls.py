@@ -10,60 +10,24 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import np_experts, np_moe, params_to_numpy, random_params, shrink, skewed_routing
 from hypothesis import given
 from hypothesis import strategies as st
-from reference import np_act, np_moe, params_to_numpy, shrink
 
 import jaxmoe
-from jaxmoe import MoEConfig, RouterConfig, Routing, backends
-from jaxmoe.cpu_kernel import experts_cpu
+from jaxmoe import MoEConfig, RouterConfig, Routing
 from jaxmoe.experts import experts_dense
-from jaxmoe.grouped import choose_block_m, experts_ragged_dot, experts_xla
+from jaxmoe.impls import policy, registry
+from jaxmoe.impls.cpu import experts_cpu
+from jaxmoe.impls.ragged import experts_ragged_dot
+from jaxmoe.impls.xla import choose_block_m, experts_xla
+from jaxmoe.platforms import INTEL_PLATFORMS
 from jaxmoe.quant import quantize_int4_affine, quantize_int8
 
 PRESETS = jaxmoe.list_presets()
 GROUPED = ["xla", "ragged_dot", "cpu"]
-QUANT_IMPLS = ["xla", "ragged_dot", "gather"]  # cpu refuses quantized experts (tests/test_cpu_kernel.py)
+QUANT_IMPLS = ["xla", "ragged_dot", "gather"]  # cpu refuses quantized experts (tests/test_impls_cpu.py)
 F32 = dict(rtol=2e-5, atol=2e-5)
-
-
-def random_params(cfg, rng, dtype=jnp.float32):
-    return jaxmoe.init_params(cfg, jax.random.key(int(rng.integers(1 << 30))), dtype=dtype)
-
-
-def np_experts(x, ids, ws, p, cfg):
-    """float64 routed-expert output for a given routing (per pair loop)."""
-    x = np.asarray(x, np.float64)
-    f = lambda a: np.asarray(a, np.float64)  # noqa: E731
-    y = np.zeros_like(x)
-    for t in range(x.shape[0]):
-        for s in range(ids.shape[1]):
-            e, w = ids[t, s], np.float64(ws[t, s])
-            xin = x[t] * w if cfg.weight_on_input else x[t]
-            g, u = xin @ f(p["w_gate"][e]), xin @ f(p["w_up"][e])
-            if p.get("b_gate") is not None:
-                g, u = g + f(p["b_gate"][e]), u + f(p["b_up"][e])
-            o = np_act(g, u, cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit) @ f(p["w_down"][e])
-            if p.get("b_down") is not None:
-                o = o + f(p["b_down"][e])
-            y[t] += o if cfg.weight_on_input else w * o
-    return y
-
-
-def skewed_routing(rng, t, k, e, hot=None, share=0.8):
-    """Distinct ids per token; expert ``hot`` in most tokens, several experts left empty."""
-    hot = int(rng.integers(e)) if hot is None else hot
-    pool = rng.permutation(e)[: max(k + 1, e // 2)]  # the other half of the experts stays empty
-    pool = pool[pool != hot]
-    ids = np.empty((t, k), np.int32)
-    for i in range(t):
-        if rng.random() < share:
-            rest = rng.choice(pool, size=k - 1, replace=False)
-            ids[i] = rng.permutation(np.concatenate([[hot], rest]))
-        else:
-            ids[i] = rng.choice(pool, size=k, replace=False)
-    ws = rng.uniform(0.05, 1.0, size=(t, k)).astype(np.float32)
-    return ids, ws
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -95,7 +59,7 @@ def test_quantized_experts(preset, quant, rng):
     for impl in QUANT_IMPLS:
         y = jaxmoe.moe_apply(p, jnp.asarray(x), cfg, impl=impl)
         np.testing.assert_allclose(np.asarray(y), ref, **F32, err_msg=impl)
-    assert backends.resolve_impl("auto", 9 * cfg.top_k, platform="cpu", experts=p.experts) == "xla"
+    assert policy.resolve_impl("auto", 9 * cfg.top_k, platform="cpu", experts=p.experts) == "xla"
 
 
 @pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "gpt-oss-20b"])
@@ -285,42 +249,72 @@ def test_bad_input(rng):
 # --- backend choice ---------------------------------------------------------------------
 
 
-def test_auto_resolution(monkeypatch):
-    backends.get_impl("xla")  # loads the optional modules
-    small, big = backends.GATHER_MAX_PAIRS, backends.GATHER_MAX_PAIRS + 1
-    assert backends.resolve_impl("auto", small, platform="cpu") == "gather"
-    assert backends.resolve_impl("auto", big, platform="cpu") == "xla"
-    for plat in backends.INTEL_PLATFORMS:
-        assert backends.resolve_impl("auto", big, platform=plat) == "xla"
-    monkeypatch.setitem(backends._IMPLS, "pallas", experts_dense)  # a stand-in, whether or not pallas is installed
+def test_auto_resolution():
+    small, big = policy.GATHER_MAX_PAIRS, policy.GATHER_MAX_PAIRS + 1
+    assert policy.resolve_impl("auto", small, platform="cpu") == "gather"
+    assert policy.resolve_impl("auto", big, platform="cpu") == "xla"
+    for plat in INTEL_PLATFORMS:
+        assert policy.resolve_impl("auto", big, platform=plat) == "xla"
     for plat in ("cuda", "rocm"):
-        assert backends.resolve_impl("auto", big, platform=plat) == "pallas"
-        assert backends.resolve_impl("auto", small, platform=plat) == "pallas"  # the kernels have a decode path
-    assert backends.resolve_impl("auto", big, platform="cpu") == "xla"
-    assert backends.resolve_impl("gather", 10**6, platform="cpu") == "gather"  # explicit choices are kept
+        assert policy.resolve_impl("auto", big, platform=plat) == "pallas"
+        assert policy.resolve_impl("auto", small, platform=plat) == "pallas"  # the kernels have a decode path
+    assert policy.resolve_impl("auto", big, platform="cpu") == "xla"
+    assert policy.resolve_impl("gather", 10**6, platform="cpu") == "gather"  # explicit choices are kept
 
 
 def test_auto_takes_the_cpu_kernel_for_float_experts(rng):
     cfg = shrink(jaxmoe.load_config("qwen3-30b-a3b"))
     p = random_params(cfg, rng)
     pb = random_params(cfg, rng, jnp.bfloat16)
-    assert backends.resolve_impl("auto", 1, platform="cpu", experts=p.experts) == "cpu"
-    assert backends.resolve_impl("auto", 10**4, platform="cpu", experts=pb.experts, dtype=jnp.bfloat16) == "cpu"
+    assert policy.resolve_impl("auto", 1, platform="cpu", experts=p.experts) == "cpu"
+    assert policy.resolve_impl("auto", 10**4, platform="cpu", experts=pb.experts, dtype=jnp.bfloat16) == "cpu"
     # bf16 compute over f32 experts would need a rounded copy of every expert: not the kernel's job
-    assert backends.resolve_impl("auto", 10**4, platform="cpu", experts=p.experts, dtype=jnp.bfloat16) == "xla"
-    for plat in backends.INTEL_PLATFORMS:  # an XLA:CPU custom call only
-        assert backends.resolve_impl("auto", 10**4, platform=plat, experts=p.experts) == "xla"
+    assert policy.resolve_impl("auto", 10**4, platform="cpu", experts=p.experts, dtype=jnp.bfloat16) == "xla"
+    for plat in INTEL_PLATFORMS:  # an XLA:CPU custom call only
+        assert policy.resolve_impl("auto", 10**4, platform=plat, experts=p.experts) == "xla"
         with pytest.raises(ValueError, match="cpu.*" + plat):
-            backends.resolve_impl("cpu", 64, platform=plat)
+            policy.resolve_impl("cpu", 64, platform=plat)
 
 
-def test_pallas_forced_where_it_cannot_lower(monkeypatch):
-    monkeypatch.setitem(backends._IMPLS, "pallas", experts_dense)
-    for plat in backends.INTEL_PLATFORMS:
+def test_pallas_forced_where_it_cannot_lower():
+    for plat in INTEL_PLATFORMS:
         with pytest.raises(ValueError, match="pallas.*" + plat):
-            backends.resolve_impl("pallas", 64, platform=plat)
+            policy.resolve_impl("pallas", 64, platform=plat)
 
 
 def test_unknown_impl():
     with pytest.raises(ValueError, match="unknown impl 'nope'"):
-        backends.resolve_impl("nope", 8)
+        policy.resolve_impl("nope", 8)
+
+
+def test_registry_is_an_explicit_table():
+    assert set(registry.BUILTIN) == {"dense", "gather", "xla", "ragged_dot", "cpu", "pallas"}
+    assert registry.available_impls()[0] == "auto"
+    assert registry.get_impl("xla") is experts_xla
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register_impl("xla", experts_dense)
+    with pytest.raises(ValueError, match="auto"):
+        registry.register_impl("auto", experts_dense)
+
+
+def test_a_user_impl_runs_through_moe_apply(rng):
+    cfg = shrink(jaxmoe.load_config("mixtral-8x7b"))
+    p = random_params(cfg, rng)
+    x = jnp.asarray(rng.standard_normal((5, cfg.d_model)), jnp.float32)
+    calls = []
+
+    def mine(x, routing, experts, cfg):
+        calls.append(x.shape)
+        return experts_dense(x, routing, experts, cfg)
+
+    registry.register_impl("mine", mine)
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            registry.register_impl("mine", mine)
+        assert "mine" in jaxmoe.available_impls()
+        y = jaxmoe.moe_apply(p, x, cfg, impl="mine")
+        chex.assert_trees_all_close(y, jaxmoe.moe_apply(p, x, cfg, impl="dense"), rtol=1e-6, atol=1e-6)
+        assert calls == [(5, cfg.d_model)]
+    finally:
+        registry.unregister_impl("mine")
+    assert "mine" not in jaxmoe.available_impls()

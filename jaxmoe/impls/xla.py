@@ -1,4 +1,4 @@
-"""Grouped execution of the routed experts in plain XLA ops (``impl="xla"``, ``"ragged_dot"``).
+"""Grouped execution of the routed experts in plain XLA ops (``impl="xla"``).
 
 ``xla`` (the default on CPU and Intel GPUs): the ``P = T * k`` (token, slot) pairs are
 sorted by expert (`jaxmoe.dispatch.plan_dispatch`); a loop runs over the experts that
@@ -12,9 +12,6 @@ so no masking is needed and every row is written exactly by its own expert last.
 Finally each pair's row is weighted and summed back to its token in a fixed order
 (deterministic).
 
-``ragged_dot``: `jax.lax.ragged_dot` over the same sorted rows, for comparison only
-(XLA expands it to a masked dense dot over all experts).
-
 See benchmarks/README.md for the layouts measured on CPU and why this one won.
 """
 
@@ -25,14 +22,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.backends import register_impl
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import plan_dispatch
 from jaxmoe.experts import ExpertWeights, activation, mm
+from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.quant import materialize
 from jaxmoe.routing import Routing
-
-_HI = jax.lax.Precision.HIGHEST
 
 #: Largest row chunk of one expert dot.
 MAX_BLOCK_M = 256
@@ -43,38 +38,6 @@ def choose_block_m(num_pairs: int, num_experts: int) -> int:
     expert ``P / E``, within ``[1, MAX_BLOCK_M]``."""
     mean = -(-num_pairs // num_experts)
     return int(min(MAX_BLOCK_M, 1 << max(0, (mean - 1).bit_length())))
-
-
-def _check(x: jax.Array, routing: Routing, ew: ExpertWeights, name: str) -> None:
-    if x.ndim != 2:
-        raise ValueError(f"{name}: x must be [T, d], got shape {x.shape}")
-    if routing.expert_ids.ndim != 2 or routing.expert_ids.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"{name}: routing.expert_ids must be [T, k] with T = {x.shape[0]}, got {routing.expert_ids.shape}"
-        )
-    if routing.weights.shape != routing.expert_ids.shape:
-        raise ValueError(f"{name}: routing.weights {routing.weights.shape} != expert_ids {routing.expert_ids.shape}")
-    if ew.w_gate.shape[-2] != x.shape[1]:
-        raise ValueError(f"{name}: experts.w_gate {tuple(ew.w_gate.shape)} does not take x of width {x.shape[1]}")
-
-
-def _sorted_inputs(x: jax.Array, routing: Routing, plan, cfg: MoEConfig):
-    """Rows of ``x`` in sorted pair order ``[P, d]`` (weighted when ``weight_on_input``)."""
-    p = plan.num_pairs
-    xs = x[plan.token_idx]  # [P, d]
-    if cfg.weight_on_input:
-        ws = routing.weights.reshape(p)[plan.sort_idx]  # [P]
-        xs = (xs.astype(jnp.float32) * ws[:, None]).astype(x.dtype)
-    return xs
-
-
-def _combine(ys: jax.Array, routing: Routing, plan, cfg: MoEConfig) -> jax.Array:
-    """Sorted rows ``[P, d]`` -> tokens ``[T, d]`` float32 (routing weight unless on input)."""
-    t, k = routing.expert_ids.shape
-    y = ys[plan.inv].reshape(t, k, -1)  # [T, k, d]
-    if not cfg.weight_on_input:
-        y = y * routing.weights[..., None]
-    return y.sum(axis=1)
 
 
 def experts_xla(
@@ -89,7 +52,7 @@ def experts_xla(
       cfg: the layer config (activation, biases, ``weight_on_input``).
       block_m: rows per expert dot (default `choose_block_m`).
     """
-    _check(x, routing, ew, "experts_xla")
+    check_inputs(x, routing, ew, "experts_xla")
     t, k = routing.expert_ids.shape
     if block_m is not None and (not isinstance(block_m, int) or block_m < 1):
         raise ValueError(f"experts_xla: block_m must be a positive int, got {block_m!r}")
@@ -106,7 +69,7 @@ def _experts_xla(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConf
     dt = x.dtype
     with jax.named_scope("dispatch"):
         plan = plan_dispatch(routing.expert_ids, e, bm)
-        xs = _sorted_inputs(x, routing, plan, cfg)
+        xs = sorted_inputs(x, routing, plan, cfg)
         xs = jnp.pad(xs, ((0, bm), (0, 0)))  # [P + bm, d]: the last chunk may run past P
         n_slots = min(e, p)
         active = jnp.nonzero(plan.group_sizes > 0, size=n_slots, fill_value=0)[0].astype(jnp.int32)  # [n_slots]
@@ -118,9 +81,7 @@ def _experts_xla(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConf
         n = plan.group_sizes[ex]
         one = ew.take(ex)  # this expert only: the sole read (and dequantization) of its weights
         wg, wu, wd = (materialize(w, dt) for w in (one.w_gate, one.w_up, one.w_down))  # [d,F] [d,F] [F,d]
-        bias = None
-        if one.b_gate is not None:
-            bias = tuple(b.astype(jnp.float32) for b in (one.b_gate, one.b_up, one.b_down))
+        bias = one.biases_f32()
 
         def chunk_body(j, ys):
             r0 = start + j * bm
@@ -140,41 +101,4 @@ def _experts_xla(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConf
     with jax.named_scope("grouped_swiglu"):
         ys = jax.lax.fori_loop(0, n_active, expert_body, jnp.zeros((p + bm, d), jnp.float32))
     with jax.named_scope("combine"):
-        return _combine(ys[:p], routing, plan, cfg)
-
-
-def _ragged(a: jax.Array, b: jax.Array, gs: jax.Array) -> jax.Array:
-    """``ragged_dot(a [P, K], b [E, K, N], gs [E]) -> [P, N]`` float32 (operands upcast on CPU, as `mm`)."""
-    if a.dtype != jnp.float32 and jax.default_backend() == "cpu":
-        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return jax.lax.ragged_dot(a, b, gs, precision=_HI, preferred_element_type=jnp.float32)
-
-
-def experts_ragged_dot(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
-    """`jax.lax.ragged_dot` over the sorted rows (comparison only). ``x [T, d]`` -> ``[T, d]`` float32."""
-    _check(x, routing, ew, "experts_ragged_dot")
-    return _experts_ragged_dot(x, routing, ew, cfg=cfg)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _experts_ragged_dot(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
-    dt = x.dtype
-    plan = plan_dispatch(routing.expert_ids, ew.num_experts, 1)
-    xs = _sorted_inputs(x, routing, plan, cfg)
-    gs = plan.group_sizes
-    wg, wu, wd = (materialize(w, dt) for w in (ew.w_gate, ew.w_up, ew.w_down))
-    g = _ragged(xs, wg, gs)  # [P, F]
-    u = _ragged(xs, wu, gs)
-    if ew.b_gate is not None:
-        eid = jnp.repeat(jnp.arange(ew.num_experts), gs, total_repeat_length=plan.num_pairs)  # [P]
-        g = g + ew.b_gate.astype(jnp.float32)[eid]
-        u = u + ew.b_up.astype(jnp.float32)[eid]
-    h = activation(g, u, cfg).astype(dt)
-    y = _ragged(h, wd, gs)  # [P, d]
-    if ew.b_down is not None:
-        y = y + ew.b_down.astype(jnp.float32)[eid]
-    return _combine(y, routing, plan, cfg)
-
-
-register_impl("xla", experts_xla)
-register_impl("ragged_dot", experts_ragged_dot)
+        return combine(ys[:p], routing, plan, cfg)

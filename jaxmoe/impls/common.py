@@ -1,0 +1,50 @@
+"""Steps every grouped strategy shares: input checks, rows in sorted pair order, and
+the weighted combine back to tokens.
+
+The grouped strategies (`jaxmoe.impls.xla`, `jaxmoe.impls.ragged`, `jaxmoe.impls.cpu`)
+sort the ``P = T * k`` (token, slot) pairs by expert with `jaxmoe.dispatch.plan_dispatch`,
+run each expert over its contiguous rows, and sum each token's slots back in slot order.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxmoe.config import MoEConfig
+from jaxmoe.dispatch import DispatchPlan
+from jaxmoe.experts import ExpertWeights
+from jaxmoe.routing import Routing
+
+
+def check_inputs(x: jax.Array, routing: Routing, ew: ExpertWeights, name: str) -> None:
+    """ValueError naming ``name`` unless ``x [T, d]``, ``routing [T, k]`` and the experts agree."""
+    if x.ndim != 2:
+        raise ValueError(f"{name}: x must be [T, d], got shape {x.shape}")
+    if routing.expert_ids.ndim != 2 or routing.expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"{name}: routing.expert_ids must be [T, k] with T = {x.shape[0]}, got {routing.expert_ids.shape}"
+        )
+    if routing.weights.shape != routing.expert_ids.shape:
+        raise ValueError(f"{name}: routing.weights {routing.weights.shape} != expert_ids {routing.expert_ids.shape}")
+    if ew.w_gate.shape[-2] != x.shape[1]:
+        raise ValueError(f"{name}: experts.w_gate {tuple(ew.w_gate.shape)} does not take x of width {x.shape[1]}")
+
+
+def sorted_inputs(x: jax.Array, routing: Routing, plan: DispatchPlan, cfg: MoEConfig):
+    """Rows of ``x`` in sorted pair order ``[P, d]`` (weighted when ``weight_on_input``)."""
+    p = plan.num_pairs
+    xs = x[plan.token_idx]  # [P, d]
+    if cfg.weight_on_input:
+        ws = routing.weights.reshape(p)[plan.sort_idx]  # [P]
+        xs = (xs.astype(jnp.float32) * ws[:, None]).astype(x.dtype)
+    return xs
+
+
+def combine(ys: jax.Array, routing: Routing, plan: DispatchPlan, cfg: MoEConfig) -> jax.Array:
+    """Sorted rows ``[P, d]`` -> tokens ``[T, d]`` float32 (routing weight unless on input)."""
+    t, k = routing.expert_ids.shape
+    y = ys[plan.inv].reshape(t, k, -1)  # [T, k, d]
+    if not cfg.weight_on_input:
+        y = y * routing.weights[..., None]
+    return y.sum(axis=1)

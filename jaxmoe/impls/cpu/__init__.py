@@ -1,0 +1,10 @@
+"""``impl="cpu"``: the routed experts in one C++ XLA FFI custom call on XLA:CPU.
+
+`jaxmoe.impls.cpu.kernel` holds the JAX side (`experts_cpu`, `supports`), and
+`jaxmoe.impls.cpu.build` compiles, caches and registers ``grouped_swiglu.cc``.
+"""
+
+from jaxmoe.impls.cpu.build import cpu_kernel_available, cpu_kernel_status
+from jaxmoe.impls.cpu.kernel import DOWN_BLOCK, UP_BLOCK, experts_cpu, supports
+
+__all__ = ["DOWN_BLOCK", "UP_BLOCK", "cpu_kernel_available", "cpu_kernel_status", "experts_cpu", "supports"]

@@ -1,0 +1,55 @@
+"""``impl="ragged_dot"``: `jax.lax.ragged_dot` over the expert-sorted rows, for comparison only.
+
+XLA:CPU (and the Intel plugin) expand ``ragged_dot`` to a masked dense dot over all
+experts, so this is not a fast path there; it is the peer the benchmarks compare to.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxmoe.config import MoEConfig
+from jaxmoe.dispatch import plan_dispatch
+from jaxmoe.experts import ExpertWeights, activation
+from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
+from jaxmoe.quant import materialize
+from jaxmoe.routing import Routing
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def _ragged(a: jax.Array, b: jax.Array, gs: jax.Array) -> jax.Array:
+    """``ragged_dot(a [P, K], b [E, K, N], gs [E]) -> [P, N]`` float32 (operands upcast on CPU, as `mm`)."""
+    if a.dtype != jnp.float32 and jax.default_backend() == "cpu":
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jax.lax.ragged_dot(a, b, gs, precision=_HI, preferred_element_type=jnp.float32)
+
+
+def experts_ragged_dot(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+    """`jax.lax.ragged_dot` over the sorted rows (comparison only). ``x [T, d]`` -> ``[T, d]`` float32."""
+    check_inputs(x, routing, ew, "experts_ragged_dot")
+    return _experts_ragged_dot(x, routing, ew, cfg=cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _experts_ragged_dot(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+    dt = x.dtype
+    plan = plan_dispatch(routing.expert_ids, ew.num_experts, 1)
+    xs = sorted_inputs(x, routing, plan, cfg)
+    gs = plan.group_sizes
+    wg, wu, wd = (materialize(w, dt) for w in (ew.w_gate, ew.w_up, ew.w_down))
+    g = _ragged(xs, wg, gs)  # [P, F]
+    u = _ragged(xs, wu, gs)
+    bias = ew.biases_f32()
+    eid = jnp.repeat(jnp.arange(ew.num_experts), gs, total_repeat_length=plan.num_pairs)  # [P]
+    if bias is not None:
+        g = g + bias[0][eid]
+        u = u + bias[1][eid]
+    h = activation(g, u, cfg).astype(dt)
+    y = _ragged(h, wd, gs)  # [P, d]
+    if bias is not None:
+        y = y + bias[2][eid]
+    return combine(y, routing, plan, cfg)

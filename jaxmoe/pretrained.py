@@ -1,0 +1,49 @@
+"""`MoEBlock` from a checkpoint, and back: ``from_pretrained`` and ``save_gguf``.
+
+`jaxmoe.io` reads and writes configs and parameter pytrees; this module sits above it
+and above `jaxmoe.block` and turns a loaded ``(MoEConfig, MoEParams)`` into an `MoEBlock`.
+Both are re-exported as ``jaxmoe.from_pretrained`` and ``jaxmoe.save_gguf``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from jaxmoe.block import MoEBlock
+from jaxmoe.io import load_layer
+from jaxmoe.io import save_gguf as save_layer_gguf
+
+
+def from_pretrained(path: str | os.PathLike, layer: int = 0, *, dtype=jnp.float32, impl: str = "auto", **loader_kwargs):
+    """An `MoEBlock` for MoE layer ``layer`` of a GGUF file or an HF / MLX checkpoint directory.
+
+    Args:
+      path: a ``.gguf`` file or a directory with ``config.json`` and ``*.safetensors``
+        (the format is found by `jaxmoe.io.checkpoint_format`).
+      layer: the layer index (``blk.{i}`` in GGUF, ``layers.{i}`` in HF / MLX); a dense
+        layer is a ValueError.
+      dtype: the block's parameter and compute dtype, and the dtype the loader gives the
+        float expert weights (Q8_0 / Q4_0 / MLX 4-bit experts stay quantized; the router
+        is float32 always).
+      impl: the block's execution strategy.
+      **loader_kwargs: the format's own options (e.g. ``quantized=`` for HF directories).
+    """
+    cfg, params = load_layer(path, layer=layer, dtype=dtype, **loader_kwargs)
+    return MoEBlock(cfg, params=params, impl=impl, dtype=dtype)
+
+
+def save_gguf(block_or_cfg_params, path: str | os.PathLike, layer: int = 0, dtype: str = "f16", **kwargs) -> Path:
+    """Writes an `MoEBlock` (or a ``(MoEConfig, MoEParams)`` pair) as layer ``layer`` of a GGUF
+    file with llama.cpp's names and keys.
+
+    ``dtype`` (``f32``, ``f16``, ``bf16``, ``q8_0``, ``q4_0``) is the type of the expert and
+    shared-expert matrices; ``arch=`` and ``name=`` go to `jaxmoe.io.gguf.save_gguf`.
+    Returns the path written.
+    """
+    return save_layer_gguf(block_or_cfg_params, path, layer=layer, dtype=dtype, **kwargs)
+
+
+__all__ = ["from_pretrained", "save_gguf"]
