@@ -27,3 +27,23 @@ def test_ci_runs_readme_commands():
     assert "pip install -e '.[test]'" in install and "pip install -e '.[test]'" in ci
     assert "jaxmoe eval" in install and "jaxmoe eval" in ci
     assert tests.replace("python ", "python3 ") in ci
+
+
+def test_readme_layout_matches_the_tree():
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## Layout\n.*?```\n(.*?)```", text, re.S).group(1)
+    words = set(re.findall(r"[\w.]+/?", block))
+    pkg = ROOT / "jaxmoe"
+    entries = {p.name + ("/" if p.is_dir() else "") for p in pkg.iterdir() if p.name != "__pycache__"}
+    entries -= {"__init__.py", "py.typed"}
+    missing = sorted(e for e in entries if e not in words)
+    assert not missing, f"jaxmoe entries not in README's Layout: {missing}"
+    impls = {p.name + ("/" if p.is_dir() else "") for p in (pkg / "impls").iterdir() if p.name != "__pycache__"}
+    missing = sorted(e for e in impls - {"__init__.py"} if e not in words)
+    assert not missing, f"jaxmoe/impls entries not in README's Layout: {missing}"
+    for w in words:
+        if w.endswith(".py"):
+            hits = [*pkg.rglob(w), *(ROOT / ".ci").glob(w), *(ROOT / "tests").glob(w)]
+            assert hits, f"README's Layout names {w}, which is not in the tree"
+    for top in ("pallas_kernels/", "configs/", "docs/", "tests/", "benchmarks/", ".ci/"):
+        assert top in words and (ROOT / top).is_dir(), top
