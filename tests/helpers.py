@@ -197,3 +197,14 @@ def skewed_routing(rng, t, k, e, hot=None, share=0.8):
             ids[i] = rng.choice(pool, size=k, replace=False)
     ws = rng.uniform(0.05, 1.0, size=(t, k)).astype(np.float32)
     return ids, ws
+
+
+def assert_same_params(expected, *others):
+    """Each of ``others`` has the pytree structure, dtypes and exact values of ``expected``."""
+    leaves = jax.tree_util.tree_leaves_with_path(expected)
+    for other in others:
+        got = jax.tree_util.tree_leaves_with_path(other)
+        assert [k for k, _ in got] == [k for k, _ in leaves]
+        for (k, a), (_, b) in zip(leaves, got):
+            assert a.dtype == b.dtype, jax.tree_util.keystr(k)
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(k))

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
+from helpers import assert_same_params
 
 import jaxmoe
 from jaxmoe import io as jio
@@ -499,13 +500,7 @@ def test_load_layer_returns_config_and_params(rng, tmp_path):
     cfg2, params2 = jio.load_layer(path, layer=c.layer)
     block = jaxmoe.from_pretrained(path, layer=c.layer)
     assert cfg2 == cfg and block.cfg == cfg
-    leaves = jax.tree_util.tree_leaves_with_path(params)
-    for other in (params2, block.params()):
-        got = jax.tree_util.tree_leaves_with_path(other)
-        assert [k for k, _ in got] == [k for k, _ in leaves]
-        for (k, a), (_, b) in zip(leaves, got):
-            assert a.dtype == b.dtype, jax.tree_util.keystr(k)
-            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(k))
+    assert_same_params(params, params2, block.params())
     assert jio.load_config(path) == cfg and jaxmoe.load_config(path) == cfg
     # anything that is not a checkpoint is a preset name or a model YAML
     assert jio.load_config("qwen3-30b-a3b") == load_preset_config("qwen3-30b-a3b")

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
 import torch
 import transformers as T
+from helpers import assert_same_params
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 import jaxmoe
@@ -331,13 +331,7 @@ def test_load_layer_returns_config_and_params(tmp_path, rng):
     cfg2, params2 = jio.load_layer(tmp_path, layer=1, dtype=jnp.bfloat16)
     block = jaxmoe.from_pretrained(tmp_path, layer=1, dtype=jnp.bfloat16)
     assert cfg2 == cfg and block.cfg == cfg and block.dtype == jnp.bfloat16
-    leaves = jax.tree_util.tree_leaves_with_path(params)
-    for other in (params2, block.params()):
-        got = jax.tree_util.tree_leaves_with_path(other)
-        assert [k for k, _ in got] == [k for k, _ in leaves]
-        for (k, a), (_, b) in zip(leaves, got):
-            assert a.dtype == b.dtype, jax.tree_util.keystr(k)
-            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(k))
+    assert_same_params(params, params2, block.params())
     with pytest.raises(ValueError, match=r"layer 2 is outside \[0, 2\)"):
         hf_io.load_layer(tmp_path, layer=2)
 

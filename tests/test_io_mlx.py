@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import assert_same_params
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -380,13 +380,7 @@ def test_mlx_load_layer_returns_config_and_params(tmp_path, rng):
     cfg2, params2 = jio.load_layer(tmp_path, layer=1)
     block = jaxmoe.from_pretrained(tmp_path, layer=1)
     assert cfg2 == cfg and block.cfg == cfg
-    leaves = jax.tree_util.tree_leaves_with_path(params)
-    for other in (params2, block.params()):
-        got = jax.tree_util.tree_leaves_with_path(other)
-        assert [k for k, _ in got] == [k for k, _ in leaves]
-        for (k, a), (_, b) in zip(leaves, got):
-            assert a.dtype == b.dtype, jax.tree_util.keystr(k)
-            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(k))
+    assert_same_params(params, params2, block.params())
     with pytest.raises(ValueError, match="packed uint32"):
         hf.load_layer(tmp_path, layer=1, quantized=False)
     assert mlx.quantize is mlx_codec.quantize and mlx.QuantSpec is mlx_codec.QuantSpec  # re-exported
