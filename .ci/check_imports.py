@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "jaxmoe.experts": 0,
     "jaxmoe.dispatch": 0,
     "jaxmoe.params": 0,
+    "jaxmoe.losses": 0,
     "jaxmoe.impls": 1,
     "jaxmoe.layer": 2,
     "jaxmoe.parallel": 2,
