@@ -21,6 +21,59 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
+
+
+def is_concrete(a) -> bool:
+    """True when ``a`` holds values (not a tracer under ``jit`` / ``vmap`` / ``grad``)."""
+    return not isinstance(a, Tracer)
+
+
+def check_expert_ids(
+    expert_ids, num_experts: int, name: str, shape: tuple[int | None, ...] | None = None, weights=None
+) -> None:
+    """ValueError naming ``name`` unless ``expert_ids`` is an integer ``[T, k]`` array (of
+    ``shape`` where given, ``None`` = any) and, when its values are concrete, every id is
+    in ``[0, num_experts)``; ``weights`` (optional) must be a float array of the same shape.
+
+    Under ``jit`` (or for an array spanning several processes) the values are not checked;
+    the plan then drops invalid pairs
+    (see the module docstring). Reading the values of a device array here synchronizes
+    with the device once (``T * k`` integers).
+    """
+    ids_shape = tuple(getattr(expert_ids, "shape", ()))
+    dt = getattr(expert_ids, "dtype", None)
+    if len(ids_shape) != 2:
+        raise ValueError(f"{name}: routing.expert_ids must be [T, k], got shape {ids_shape}")
+    if shape is not None and any(w is not None and w != g for w, g in zip(shape, ids_shape)):
+        want = "(" + ", ".join("*" if w is None else str(w) for w in shape) + ")"
+        raise ValueError(f"{name}: routing.expert_ids has shape {ids_shape}, expected {want}")
+    if dt is None or not jnp.issubdtype(dt, jnp.integer) or jnp.dtype(dt) == jnp.dtype(bool):
+        raise ValueError(f"{name}: routing.expert_ids must be an integer array, got dtype {dt}")
+    if weights is not None:
+        w_shape = tuple(getattr(weights, "shape", ()))
+        if w_shape != ids_shape:
+            raise ValueError(f"{name}: routing.weights has shape {w_shape}, expert_ids {ids_shape}")
+        wdt = getattr(weights, "dtype", None)
+        if wdt is None or not jnp.issubdtype(wdt, jnp.floating):
+            raise ValueError(f"{name}: routing.weights must be a float array, got dtype {wdt}")
+    if not isinstance(num_experts, (int, np.integer)) or num_experts < 1:
+        raise ValueError(f"{name}: num_experts must be a positive int, got {num_experts!r}")
+    if is_concrete(expert_ids) and expert_ids.size and getattr(expert_ids, "is_fully_addressable", True):
+        ids = np.asarray(expert_ids)
+        bad = (ids < 0) | (ids >= num_experts)
+        if bad.any():
+            t, s = np.argwhere(bad)[0]
+            raise ValueError(
+                f"{name}: routing.expert_ids must lie in [0, {num_experts}); {int(bad.sum())} of {ids.size} "
+                f"do not, first expert_ids[{t}, {s}] = {int(ids[t, s])}"
+            )
+
+
+def id_valid(expert_ids: jax.Array, num_experts: int) -> jax.Array:
+    """``expert_ids`` in ``[0, num_experts)`` (bool, same shape): the pairs any strategy computes."""
+    return (expert_ids >= 0) & (expert_ids < num_experts)
 
 
 def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -76,11 +129,25 @@ class DispatchPlan:
     def max_tiles(self) -> int:
         return self.tile_group.shape[0]
 
+    @property
+    def num_valid(self) -> jax.Array:
+        """``[]`` int32: pairs with an id in ``[0, E)``, the sorted rows ``[0, num_valid)``."""
+        return self.group_offsets[-1]
+
+    def pair_valid(self) -> jax.Array:
+        """``[P]`` bool in pair order ``p = t * k + slot``: the pair's id is in ``[0, E)``."""
+        return self.inv < self.group_offsets[-1]
+
+    def row_valid(self) -> jax.Array:
+        """``[P]`` bool in sorted order: the row belongs to an expert (not a dropped pair)."""
+        return jnp.arange(self.num_pairs, dtype=jnp.int32) < self.group_offsets[-1]
+
 
 def plan_dispatch(expert_ids: jax.Array, num_experts: int, block_m: int) -> DispatchPlan:
     """The `DispatchPlan` of ``expert_ids [T, k]`` (int, values in ``[0, num_experts)``).
 
-    Ids outside ``[0, num_experts)`` are a caller error; they are not checked under jit.
+    Pairs with ids outside ``[0, num_experts)`` are dropped (sorted last, in no group);
+    this function does not raise for them (`check_expert_ids` does, eagerly).
     """
     if expert_ids.ndim != 2:
         raise ValueError(f"plan_dispatch: expert_ids must be [T, k], got shape {expert_ids.shape}")
@@ -100,7 +167,9 @@ def _plan(expert_ids: jax.Array, num_experts: int, block_m: int) -> DispatchPlan
     e = num_experts
     n_vis = max_tiles(p, e, block_m)
     with jax.named_scope("plan_dispatch"):
-        flat = expert_ids.reshape(p).astype(jnp.int32)
+        raw = expert_ids.reshape(p)
+        # invalid ids (checked before the int32 cast) sort after every expert, in no group
+        flat = jnp.where(id_valid(raw, e), raw, e).astype(jnp.int32)
         sort_idx = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [P]
         token_idx = sort_idx // k
         inv = jnp.zeros((p,), jnp.int32).at[sort_idx].set(jnp.arange(p, dtype=jnp.int32))
@@ -114,7 +183,9 @@ def _plan(expert_ids: jax.Array, num_experts: int, block_m: int) -> DispatchPlan
         vis_end = jnp.cumsum(n_tiles_e, dtype=jnp.int32)  # [E]
         num_tiles = vis_end[-1]
         i = jnp.minimum(jnp.arange(n_vis, dtype=jnp.int32), jnp.maximum(num_tiles - 1, 0))  # [V]
-        grp = jnp.searchsorted(vis_end, i, side="right").astype(jnp.int32)  # experts fully before i
+        grp = jnp.searchsorted(vis_end, i, side="right", method="compare_all").astype(
+            jnp.int32
+        )  # no loop: [V, E] compares
         grp = jnp.minimum(grp, e - 1)
         vis_start = vis_end[grp] - n_tiles_e[grp]
         row = first_tile[grp] + (i - vis_start)

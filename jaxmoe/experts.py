@@ -10,7 +10,9 @@ Weights follow the ``x @ W`` convention:
 
 `experts_dense` (every expert on every token, masked: the oracle) and
 `experts_gather` (the k selected experts of each token only: the decode path) are
-the pure-jnp references every faster path is tested against.
+the pure-jnp references every faster path is tested against. Both raise a ValueError
+for expert ids outside ``[0, E)`` when the routing is concrete; under ``jit`` such a
+pair adds exactly zero (docs/routing.md, "Invalid expert ids").
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
+from jaxmoe.dispatch import check_expert_ids, id_valid
 from jaxmoe.quant import QuantizedTensor, materialize
 from jaxmoe.routing import Routing
 from pallas_kernels.activation import Activation
@@ -140,9 +143,15 @@ def shared_expert(x: jax.Array, sw: SharedWeights | None, cfg: MoEConfig) -> jax
 
 
 def combine_matrix(routing: Routing, num_experts: int) -> jax.Array:
-    """``[T, E]`` float32 combine weights (zero for experts a token did not select)."""
+    """``[T, E]`` float32 combine weights (zero for experts a token did not select; a
+    pair with an id outside ``[0, E)`` adds nothing)."""
     t, _ = routing.expert_ids.shape
-    return jnp.zeros((t, num_experts), jnp.float32).at[jnp.arange(t)[:, None], routing.expert_ids].add(routing.weights)
+    ids = jnp.where(id_valid(routing.expert_ids, num_experts), routing.expert_ids, num_experts)
+    return (
+        jnp.zeros((t, num_experts), jnp.float32)
+        .at[jnp.arange(t)[:, None], ids]
+        .add(routing.weights.astype(jnp.float32), mode="drop")
+    )
 
 
 def experts_dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
@@ -152,8 +161,10 @@ def experts_dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoECon
     """
     dt = x.dtype
     e = ew.num_experts
+    check_expert_ids(routing.expert_ids, e, "experts_dense", shape=(x.shape[0], None), weights=routing.weights)
     comb = combine_matrix(routing, e)  # [T, E]
-    sel = jnp.zeros(comb.shape, bool).at[jnp.arange(comb.shape[0])[:, None], routing.expert_ids].set(True)
+    ids = jnp.where(id_valid(routing.expert_ids, e), routing.expert_ids, e)  # invalid: out of range, dropped
+    sel = jnp.zeros(comb.shape, bool).at[jnp.arange(comb.shape[0])[:, None], ids].set(True, mode="drop")
     wg, wu, wd = (materialize(w, dt) for w in (ew.w_gate, ew.w_up, ew.w_down))
     g = mm("td,edf->tef", x, wg)
     u = mm("td,edf->tef", x, wu)
@@ -175,15 +186,23 @@ def experts_dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoECon
     return y.sum(axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
 def experts_gather(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
     """Per (token, slot) pair, its selected expert only. ``x [T, d]`` -> ``[T, d]`` float32.
 
     A loop over the ``T * k`` pairs in order; each step takes one expert's weights
     (dequantizing a quantized one) and runs its SwiGLU on one row, so memory is
     ``O(d * F)`` and no ``[T, k, d, F]`` copy is made: the decode path for a handful
-    of tokens. Slots are summed per token in slot order.
+    of tokens. Slots are summed per token in slot order. A pair whose id is outside
+    ``[0, E)`` (under ``jit``; eagerly it is a ValueError) is skipped and adds zero.
     """
+    check_expert_ids(
+        routing.expert_ids, ew.num_experts, "experts_gather", shape=(x.shape[0], None), weights=routing.weights
+    )
+    return _experts_gather(x, routing, ew, cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _experts_gather(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
     dt = x.dtype
     ids, w = routing.expert_ids, routing.weights
     t, k = ids.shape
@@ -192,14 +211,20 @@ def experts_gather(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoECo
     if cfg.weight_on_input:
         xin = (xin.astype(jnp.float32) * w[..., None]).astype(dt)
     xin = xin.reshape(p, 1, x.shape[1])  # [P, 1, d]
-    flat = ids.reshape(p)
+    ok = id_valid(ids, ew.num_experts).reshape(p)
+    flat = jnp.where(ok, ids.reshape(p), 0)  # never an index past the weights
+
+    def run(i):
+        one = ew.take(flat[i])  # this pair's expert: w_gate [d, F], w_up [d, F], w_down [F, d]
+        return swiglu_ffn(xin[i], one.w_gate, one.w_up, one.w_down, cfg, one.b_gate, one.b_up, one.b_down)
 
     def pair(i, ys):
-        one = ew.take(flat[i])  # this pair's expert: w_gate [d, F], w_up [d, F], w_down [F, d]
-        y = swiglu_ffn(xin[i], one.w_gate, one.w_up, one.w_down, cfg, one.b_gate, one.b_up, one.b_down)
+        # an invalid pair (e.g. expert-parallel padding) is not computed
+        y = jax.lax.cond(ok[i], run, lambda i: jnp.zeros((1, x.shape[1]), jnp.float32), i)
         return jax.lax.dynamic_update_slice_in_dim(ys, y, i, axis=0)
 
     ys = jax.lax.fori_loop(0, p, pair, jnp.zeros((p, x.shape[1]), jnp.float32)).reshape(t, k, -1)
     if not cfg.weight_on_input:
         ys = ys * w[..., None]
+    ys = jnp.where(ok.reshape(t, k, 1), ys, 0.0)  # an invalid pair adds exactly zero
     return ys.sum(axis=1)

@@ -14,7 +14,9 @@ device:
    where XLA lowers it, which moves only the filled rows),
 4. runs its local experts on the received rows with the registered grouped path
    (``jaxmoe.impls``; one slot per row, local expert ids, the routing weight
-   sent along),
+   sent along). The unused rows of the ``[n, C]`` buffers carry the local id ``E/n``,
+   which the dispatch plan drops (`jaxmoe.dispatch`): only the received pairs are
+   computed, never the padding,
 5. sends the weighted rows back the same way and sums each token's k slots,
 6. adds the (replicated) shared expert.
 
@@ -24,14 +26,24 @@ token is ever dropped. With ``capacity_factor=c`` it is
 ``ceil(c * T_local * k / n)`` (at most the worst case); pairs past it are dropped and
 counted: `moe_apply_ep` then always returns an `EPStats` with the exact count.
 
+Expert ids of a given ``routing`` outside ``[0, E)`` are a ValueError when concrete;
+under ``jit`` such a pair is not sent and adds exactly zero (not counted as dropped;
+its ``kept`` entry is False), as in `jaxmoe.moe_apply` (docs/routing.md, "Invalid
+expert ids").
+
 Exchange: XLA:CPU has no ``ragged-all-to-all`` thunk (jax 0.10.2: "HLO opcode
 `ragged-all-to-all` is not supported by XLA:CPU"), so ``exchange="auto"`` takes the
 padded ``all_to_all`` on CPU and ``ragged_all_to_all`` on GPU / TPU. Both use the same
 ``[n, C]`` buffer layout on both sides, so they give identical results.
 
-Across hosts: call ``jax.distributed.initialize()`` in every process (one per host),
-build the mesh over ``jax.devices()`` (all hosts' devices) with `make_mesh`, and call
-the same code; JAX's SPMD runtime does the transport.
+Across processes: call ``jax.distributed.initialize()`` in every process (one per
+host; on CPU also set ``jax_cpu_collectives_implementation="gloo"``), build the mesh
+over ``jax.devices()`` (all processes' devices) with `make_mesh`, and call the same
+code with the same inputs in every process; JAX's SPMD runtime does the transport.
+`global_input` places a host array every process holds on the mesh, and
+`replicated_output` makes a result readable in every process.
+``tests/test_parallel_multiprocess.py`` and ``jaxmoe eval expert-parallel --set
+processes=2`` run two processes with 4 CPU devices each on an 8-device mesh.
 """
 
 from __future__ import annotations
@@ -47,6 +59,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmoe.config import MoEConfig, RouterConfig
+from jaxmoe.dispatch import check_expert_ids, id_valid
 from jaxmoe.experts import shared_expert
 from jaxmoe.impls.policy import default_platform, resolve_impl
 from jaxmoe.impls.registry import get_impl
@@ -137,14 +150,51 @@ def param_specs(params: MoEParams) -> MoEParams:
 
 
 def shard_params(params: MoEParams, mesh: Mesh) -> MoEParams:
-    """``params`` placed on ``mesh`` (experts split over ``expert``, the rest replicated)."""
+    """``params`` placed on ``mesh`` (experts split over ``expert``, the rest replicated).
+
+    On a mesh spanning several processes every process must pass the same values (see
+    `global_input`)."""
     _axes(mesh)
     n = int(mesh.shape[EXPERT_AXIS])
     e = params.experts.num_experts
     if e % n:
         raise ValueError(f"num_experts={e} is not divisible by the mesh's {EXPERT_AXIS!r} axis size {n}")
-    specs = param_specs(params)
-    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
+    return global_input(params, mesh, param_specs(params))
+
+
+def _is_spec(a) -> bool:
+    return isinstance(a, P)
+
+
+def global_input(tree, mesh: Mesh, specs=None):
+    """Every array leaf of ``tree`` placed on ``mesh`` with ``specs`` (a tree of
+    PartitionSpecs like ``tree``; default: replicated).
+
+    On one process this is `jax.device_put`. On a mesh spanning several processes
+    (``jax.distributed``), every process must call it with the same host values; each
+    process then fills only its own devices' shards (`jax.make_array_from_callback`).
+    """
+    if specs is None:
+        specs = jax.tree.map(lambda _: P(), tree)
+    multi = mesh.is_multi_process
+
+    def put(a, s):
+        if not multi:
+            return jax.device_put(a, NamedSharding(mesh, s))
+        host = np.asarray(a)
+        return jax.make_array_from_callback(host.shape, NamedSharding(mesh, s), lambda idx: host[idx])
+
+    return jax.tree.map(put, tree, specs, is_leaf=_is_spec)
+
+
+def gather_output(a) -> np.ndarray:
+    """The full value of a result of `moe_apply_ep` as numpy, in every process (an
+    all-gather across processes when the mesh spans several)."""
+    if getattr(a, "is_fully_addressable", True):
+        return np.asarray(a)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
 
 
 def capacity(tokens_per_device: int, cfg: MoEConfig, n_expert: int, capacity_factor: float | None = None) -> int:
@@ -182,26 +232,32 @@ def local_config(cfg: MoEConfig, experts_per_device: int) -> MoEConfig:
     return dataclasses.replace(cfg, router=RouterConfig(num_experts=experts_per_device, top_k=1))
 
 
-def exchange_rows(buf: jax.Array, sizes: jax.Array, recv_sizes: jax.Array, n: int, c: int, kind: str) -> jax.Array:
+def exchange_rows(
+    buf: jax.Array, sizes: jax.Array, recv_sizes: jax.Array, n: int, c: int, kind: str, fill=0
+) -> jax.Array:
     """Moves ``buf [n*C, ...]`` (chunk ``j`` = rows ``[j*C, j*C + sizes[j])`` for device ``j``
-    along ``expert``) to the same layout on the receivers (chunk ``i`` from device ``i``)."""
+    along ``expert``) to the same layout on the receivers (chunk ``i`` from device ``i``).
+    Rows past each chunk's size hold the sender's padding (``padded``) or ``fill``
+    (``ragged``); callers fill their padding with ``fill`` too, so both agree."""
     if kind == "padded":
         out = jax.lax.all_to_all(buf.reshape(n, c, *buf.shape[1:]), EXPERT_AXIS, 0, 0, tiled=True)
         return out.reshape(buf.shape)
     me = jax.lax.axis_index(EXPERT_AXIS).astype(jnp.int32)
     offs = jnp.arange(n, dtype=jnp.int32) * c
     return _ragged_all_to_all(
-        buf, jnp.zeros_like(buf), offs, sizes, jnp.full((n,), me * c, jnp.int32), recv_sizes, axis_name=EXPERT_AXIS
+        buf, jnp.full_like(buf, fill), offs, sizes, jnp.full((n,), me * c, jnp.int32), recv_sizes, axis_name=EXPERT_AXIS
     )
 
 
 def _plan(ids: jax.Array, valid: jax.Array, n: int, el: int, c: int):
     """Where each local pair goes. ``ids [T, k]``, ``valid [T]`` ->
     ``slot [T*k]`` (row in the send buffer, ``n*C`` when not sent), ``kept [T*k]``,
-    ``sizes [n]`` rows sent to each device, ``dropped []``."""
+    ``sizes [n]`` rows sent to each device, ``dropped []`` (capacity drops only: a pair
+    of a padding token or with an id outside ``[0, E)`` is not sent and not counted)."""
     t, k = ids.shape
-    dest = (ids // el).reshape(-1)  # [P]
-    pv = jnp.repeat(valid, k)  # [P]
+    ok = id_valid(ids, n * el).reshape(-1)  # [P]
+    dest = jnp.where(ok, ids.reshape(-1), 0) // el  # [P], in [0, n)
+    pv = jnp.repeat(valid, k) & ok  # [P]
     oh = (dest[:, None] == jnp.arange(n)[None, :]) & pv[:, None]  # [P, n]
     rank = jnp.cumsum(oh.astype(jnp.int32), axis=0) - 1  # [P, n]
     pos = jnp.take_along_axis(rank, dest[:, None], axis=1)[:, 0]  # [P]
@@ -242,12 +298,13 @@ def _ep_body(
         slot, kept, sizes, dropped = _plan(ids, valid, n, el, c)
         tok = jnp.repeat(jnp.arange(tl), k)
         send_x = jnp.zeros((n * c, d), x.dtype).at[slot].set(x[tok], mode="drop")
-        send_id = jnp.zeros((n * c,), jnp.int32).at[slot].set((ids % el).reshape(-1).astype(jnp.int32), mode="drop")
+        # unused rows carry the local id ``el``, which the dispatch plan drops: never computed
+        send_id = jnp.full((n * c,), el, jnp.int32).at[slot].set((ids % el).reshape(-1).astype(jnp.int32), mode="drop")
         send_w = jnp.zeros((n * c,), jnp.float32).at[slot].set(w.reshape(-1).astype(jnp.float32), mode="drop")
     with jax.named_scope("ep_exchange"):
         recv_sizes = jax.lax.all_to_all(sizes, EXPERT_AXIS, 0, 0, tiled=True)
         recv_x = exchange_rows(send_x, sizes, recv_sizes, n, c, kind)
-        recv_id = exchange_rows(send_id, sizes, recv_sizes, n, c, kind)
+        recv_id = exchange_rows(send_id, sizes, recv_sizes, n, c, kind, fill=el)
         recv_w = exchange_rows(send_w, sizes, recv_sizes, n, c, kind)
     lcfg = local_config(cfg, el)
     name = resolve_impl(impl, n * c)
@@ -262,7 +319,7 @@ def _ep_body(
     load = (
         jnp.zeros((el,), jnp.int32)
         .at[recv_id]
-        .add((jnp.arange(n * c) % c < jnp.repeat(recv_sizes, c)).astype(jnp.int32))
+        .add((jnp.arange(n * c) % c < jnp.repeat(recv_sizes, c)).astype(jnp.int32), mode="drop")
     )
     load = jax.lax.psum(load, tuple(a for a in all_axes if a != EXPERT_AXIS)) if len(all_axes) > 1 else load
     dropped = jax.lax.psum(dropped, all_axes)
@@ -375,10 +432,8 @@ def moe_apply_ep(
     ids = w = None
     if given:
         ids, w = jnp.asarray(routing.expert_ids), jnp.asarray(routing.weights)
-        if ids.shape != (t, cfg.top_k) or w.shape != (t, cfg.top_k):
-            raise ValueError(
-                f"moe_apply_ep: routing expert_ids {ids.shape} / weights {w.shape} must be [T, k] = {(t, cfg.top_k)}"
-            )
+        check_expert_ids(ids, cfg.num_experts, "moe_apply_ep", shape=(t, cfg.top_k), weights=w)
+        ids = jnp.where(id_valid(ids, cfg.num_experts), ids, cfg.num_experts)  # before the int32 cast
         ids, w = ids.astype(jnp.int32), w.astype(jnp.float32)
     impl = resolve_impl(impl, n * c, experts=params.experts, dtype=x2.dtype) if impl == "auto" else impl
     get_impl(impl)  # ValueError for unknown names, before tracing

@@ -10,6 +10,10 @@ token order ``p = t * k + slot``.
 - `decode_gate_up`: ``h[p] = act(x[p // k] @ Wg[e_p] (+ bg), x[p // k] @ Wu[e_p] (+ bu))``
 - `decode_down`: ``y[p] = w_p * (h[p] @ Wd[e_p] (+ bd))`` in float32; the caller sums
   the ``k`` slots of each token (`combine_pairs`), deterministically.
+
+Expert ids outside ``[0, E)``: both wrappers raise a ValueError when ``expert_ids`` is
+concrete; under ``jit`` the kernel reads expert 0 for such a pair (never past the
+weights) and writes a zero row for it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -68,7 +74,9 @@ def _pair_kernel(*refs, spec: PairSpec, aliased: bool):
     cdt = jnp.dtype(spec.compute_dtype)
     p = pl.program_id(0)
     j = pl.program_id(1)
-    e = ids_ref[p]
+    e_raw = ids_ref[p]
+    id_ok = (e_raw >= 0) & (e_raw < spec.layouts[0].num_experts)
+    e = jnp.where(id_ok, e_raw, 0)  # an invalid id reads expert 0 and writes a zero row
     row = p // spec.top_k if spec.gather else p
     n0 = j * bn
     ns = n0 + jnp.arange(bn, dtype=jnp.int32)
@@ -96,6 +104,7 @@ def _pair_kernel(*refs, spec: PairSpec, aliased: bool):
     y = spec.act(*accs) if len(accs) == 2 else accs[0]
     if spec.scale == "output":
         y = y * rs
+    y = jnp.where(id_ok, y, 0.0)
     plgpu.store(out_ref.at[p, pl.ds(n0, bn)], y.astype(out_ref.dtype), mask=ns < spec.n)
 
 
@@ -125,6 +134,38 @@ def _pair_call(spec: PairSpec, ids, row_scale, lhs, weight_arrays, biases, out, 
     )(*args)
 
 
+def check_ids(name: str, expert_ids, num_experts: int) -> None:
+    """ValueError naming ``name`` when concrete ``expert_ids`` hold an id outside ``[0, num_experts)``
+    (tracers are not checked: the kernel then writes a zero row for such a pair)."""
+    if isinstance(expert_ids, Tracer) or not hasattr(expert_ids, "shape") or not expert_ids.size:
+        return
+    ids = np.asarray(expert_ids)
+    if not np.issubdtype(ids.dtype, np.integer):
+        return  # the wrappers' dtype check names it
+    bad = (ids < 0) | (ids >= num_experts)
+    if bad.any():
+        raise ValueError(
+            f"{name}: expert ids must lie in [0, {num_experts}); {int(bad.sum())} do not "
+            f"(e.g. {int(ids[bad].reshape(-1)[0])})"
+        )
+
+
+def decode_gate_up(x, expert_ids, w_gate, *args, **kwargs):
+    """Per-pair gate/up with the activation fused (`decode_gate_up_jit` after an eager check
+    that concrete ``expert_ids`` lie in ``[0, E)``; see it for the arguments)."""
+    check_ids(
+        "decode_gate_up: expert_ids", expert_ids, weight_operands(w_gate, "decode_gate_up: w_gate")[0].num_experts
+    )
+    return decode_gate_up_jit(x, expert_ids, w_gate, *args, **kwargs)
+
+
+def decode_down(h, expert_ids, w_down, *args, **kwargs):
+    """Per-pair down projection (`decode_down_jit` after an eager check that concrete
+    ``expert_ids`` lie in ``[0, E)``; see it for the arguments)."""
+    check_ids("decode_down: expert_ids", expert_ids, weight_operands(w_down, "decode_down: w_down")[0].num_experts)
+    return decode_down_jit(h, expert_ids, w_down, *args, **kwargs)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -139,7 +180,7 @@ def _pair_call(spec: PairSpec, ids, row_scale, lhs, weight_arrays, biases, out, 
         "debug",
     ),
 )
-def decode_gate_up(
+def decode_gate_up_jit(
     x,
     expert_ids,
     w_gate,
@@ -209,7 +250,7 @@ def decode_gate_up(
 @functools.partial(
     jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages", "out_dtype", "interpret", "debug")
 )
-def decode_down(
+def decode_down_jit(
     h,
     expert_ids,
     w_down,

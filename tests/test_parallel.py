@@ -349,7 +349,7 @@ def test_errors_name_the_fault(rng):
         parallel.moe_apply_ep(p, x, cfg, jax.make_mesh((4, 2), ("expert", "model")))
     with pytest.raises(ValueError, match="capacity_factor"):
         parallel.moe_apply_ep(p, x, cfg, parallel.make_mesh(8), capacity_factor=0.0)
-    with pytest.raises(ValueError, match="routing expert_ids"):
+    with pytest.raises(ValueError, match=r"moe_apply_ep: routing.expert_ids has shape \(8, 2\), expected \(8, 8\)"):
         parallel.moe_apply_ep(
             p, x, cfg, parallel.make_mesh(8), routing=jaxmoe.Routing(jnp.zeros((8, 2), jnp.int32), jnp.ones((8, 2)))
         )
@@ -427,3 +427,42 @@ tolerance: 1.0e-5
     assert eval_cli_main([str(path)]) == 2
     with pytest.raises(ConfigError, match=r"ep\.yaml: key 'tolerence': unknown key"):
         load_any(path)
+
+
+@pytest.mark.parametrize("exchange", ["padded", "ragged"])
+def test_padding_rows_are_not_computed(exchange, rng, monkeypatch):
+    """The unused rows of the [n, C] exchange buffers carry an id the plan drops: the
+    grouped path computes exactly the T * k real pairs (before: all n * n * C rows, up to
+    8x the work at 8 devices), and the output is unchanged."""
+    from jaxmoe.dispatch import plan_dispatch
+    from jaxmoe.impls.registry import register_impl, unregister_impl
+    from jaxmoe.impls.xla import experts_xla
+
+    if exchange == "ragged":  # XLA:CPU has no ragged-all-to-all: emulate it (as test_ragged_exchange_matches_padded)
+        monkeypatch.setattr(parallel, "_ragged_all_to_all", _ragged_emulated)
+    counts = []
+
+    def counting(x, routing, ew, cfg):
+        plan = plan_dispatch(routing.expert_ids, ew.num_experts, 1)
+        jax.debug.callback(lambda v, r: counts.append((int(v), int(r))), plan.num_valid, routing.expert_ids.shape[0])
+        return experts_xla(x, routing, ew, cfg)
+
+    register_impl("count_rows_test", counting)
+    try:
+        cfg = shrunk("qwen3.6-35b-a3b", e=16)
+        p = rand_params(cfg, rng)
+        t = 37
+        x = jnp.asarray(rng.standard_normal((t, cfg.d_model)), jnp.float32)
+        mesh = parallel.make_mesh(8)
+        y, stats = parallel.moe_apply_ep(p, x, cfg, mesh, impl="count_rows_test", exchange=exchange, return_stats=True)
+        jax.block_until_ready(y)
+    finally:
+        unregister_impl("count_rows_test")
+    assert len(counts) == 8
+    computed = sum(v for v, _ in counts)
+    buffer_rows = sum(r for _, r in counts)
+    assert computed == t * cfg.top_k, (computed, buffer_rows)
+    assert buffer_rows == 8 * 8 * stats.capacity > 2 * computed  # all of these were computed before
+    np.testing.assert_array_equal(np.asarray(stats.expert_load).sum(), t * cfg.top_k)
+    y1, _ = single(p, x, cfg)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y1), **TOL)

@@ -4,6 +4,13 @@ One `SafetensorsDir` opens each file's header once (``safetensors.safe_open``, m
 mapped) and reads a tensor only when `get` asks for it, so loading one layer of a
 sharded 20 GB checkpoint touches that layer's bytes only. Sharded checkpoints list
 their files in ``model.safetensors.index.json`` (``weight_map``: tensor name -> file).
+
+Hostile input: a file name of the index must be a plain relative name inside the
+directory (no absolute path, no ``..``; a symlink in the directory is followed, as the
+Hugging Face cache's snapshot links are); a header (read by ``safetensors``, or here for
+the FP8 dtypes numpy lacks) that is cut, malformed, or declares sizes or offsets past
+the file is a ValueError naming the file; nothing is allocated beyond the bytes a tensor
+really has in the file.
 """
 
 from __future__ import annotations
@@ -37,14 +44,20 @@ class SafetensorsDir:
         self._stack = contextlib.ExitStack()
         self._handles: dict[str, object] = {}
         self._where: dict[str, str] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}  # file -> (data start, parsed header), raw reads only
         self.reads: list[str] = []  # names read through `get`, in order (for inspection / tests)
         index = self.path / INDEX_NAME
         if index.is_file():
-            with open(index) as f:
-                wm = json.load(f).get("weight_map")
+            try:
+                with open(index, "rb") as f:
+                    doc = json.loads(f.read())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{index}: not a readable JSON index ({e})") from None
+            wm = doc.get("weight_map") if isinstance(doc, dict) else None
             if not isinstance(wm, dict):
                 raise ValueError(f"{index}: no 'weight_map' object")
             for name, fname in wm.items():
+                self._check_name(index, name, fname)
                 if not (self.path / fname).is_file():
                     raise ValueError(f"{index}: tensor {name!r} is mapped to missing file {fname!r}")
             self._where = dict(wm)
@@ -59,6 +72,17 @@ class SafetensorsDir:
                             f"{self.path}: tensor {name!r} appears in both {self._where[name]} and {fname}"
                         )
                     self._where[name] = fname
+
+    def _check_name(self, index: Path, name, fname) -> None:
+        """ValueError unless ``fname`` is a plain relative file name inside the directory."""
+        if not isinstance(fname, str) or not fname:
+            raise ValueError(f"{index}: tensor {name!r} is mapped to {fname!r}, not a file name")
+        rel = Path(fname)
+        if rel.is_absolute() or rel.drive or ".." in rel.parts or "\\" in fname or "\x00" in fname:
+            raise ValueError(
+                f"{index}: tensor {name!r} is mapped to {fname!r}, outside the checkpoint directory "
+                "(file names must be relative, without '..')"
+            )
 
     def _open(self, fname: str):
         h = self._handles.get(fname)
@@ -91,25 +115,67 @@ class SafetensorsDir:
             raise ValueError(f"{self.path}: missing tensor {name!r}")
         return self._where[name]
 
+    def _slice(self, name: str):
+        fname = self._require(name)
+        try:
+            return self._open(fname).get_slice(name)
+        except ValueError:
+            raise
+        except Exception as e:  # safetensors' own error types (e.g. a name the index maps to the wrong file)
+            raise ValueError(f"{self.path / fname}: cannot read tensor {name!r} ({e})") from None
+
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._open(self._require(name)).get_slice(name).get_shape())
+        return tuple(self._slice(name).get_shape())
 
     def dtype(self, name: str) -> str:
         """The safetensors dtype string (``F32``, ``BF16``, ``U32``, ...)."""
-        return self._open(self._require(name)).get_slice(name).get_dtype()
+        return self._slice(name).get_dtype()
+
+    def _header(self, fname: str) -> tuple[int, dict]:
+        """``(data start, header)`` of ``fname``, parsed once per file and validated
+        against the file size."""
+        got = self._headers.get(fname)
+        if got is not None:
+            return got
+        path = self.path / fname
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= size - 8:
+                raise ValueError(f"{path}: safetensors header size {n} does not fit the file ({size} bytes)")
+            try:
+                header = json.loads(f.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{path}: safetensors header is not JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{path}: safetensors header is not a JSON object")
+        got = (8 + n, header)
+        self._headers[fname] = got
+        return got
 
     def _read_raw(self, fname: str, name: str) -> np.ndarray:
         """A tensor of a dtype the numpy framework lacks, from its byte range in the file."""
         path = self.path / fname
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            info = json.loads(f.read(n))[name]
-        dt = np.dtype(_ML_DTYPES[info["dtype"]])
-        begin, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        if end - begin != int(np.prod(shape)) * dt.itemsize:
+        start, header = self._header(fname)
+        info = header.get(name)
+        try:
+            dt = np.dtype(_ML_DTYPES[info["dtype"]])
+            begin, end = (int(v) for v in info["data_offsets"])
+            shape = tuple(int(v) for v in info["shape"])
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from None
+        size = path.stat().st_size - start
+        if not 0 <= begin <= end <= size or any(v < 0 for v in shape):
+            raise ValueError(
+                f"{path}: tensor {name!r} byte range [{begin}, {end}) or shape {shape} does not fit the "
+                f"{size} data bytes of the file"
+            )
+        if end - begin != int(np.prod(shape, dtype=object)) * dt.itemsize:
             raise ValueError(f"{path}: tensor {name!r} byte range {end - begin} does not match shape {shape} {dt}")
-        return np.array(np.memmap(path, dtype=dt, mode="r", offset=8 + n + begin, shape=shape))
+        if end == begin:
+            return np.zeros(shape, dt)
+        return np.array(np.memmap(path, dtype=dt, mode="r", offset=start + begin, shape=shape))
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """Tensor ``name``; when ``shape`` is given, a mismatch is a ValueError naming both shapes."""
