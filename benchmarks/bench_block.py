@@ -13,14 +13,29 @@ HF and against ``xla``, and two floors measured on this machine:
   half the copy figure (each core's reads are bound by its outstanding misses);
 - arithmetic floor: the layer's FLOPs / the rate of a plain [2048,2048]@[2048,2048] dot.
 
-Each repeat uses a fresh input (fresh routing), so the selected experts are not all
-cache-resident; within a repeat every implementation runs once on the same input, in
-turn (round robin), so load from other processes hits them alike. The table shows the
-best of ``--repeats`` runs (the machine is shared); the log lines give medians too.
+Cold by default: every timed call gets new tokens (a fresh input, so a fresh routing
+and other selected experts, read from DRAM as in real decode); ``--hot`` repeats one
+input for every call (the selected experts stay in cache: up to 2x faster, not a
+decode number). Within a repeat every implementation runs once, in a rotating order
+(round robin), so load from other processes hits them alike. The table shows the best
+of ``--repeats`` runs (the machine is shared); the log lines give medians too. The
+GB/s columns divide the bytes of the experts each call actually selected (distinct
+ids, in their stored format) plus the shared expert and router by the call's time.
+
+``--dtype`` picks the routed experts' format (a comma list runs each in turn): ``f32``,
+``bf16``, ``q8_0`` (int8 codes, float16 scale per 32), ``q4_0`` (int4, float16 scale
+and bias per 32), ``mlx4_g64`` (MLX affine 4-bit, group 64); quantized experts hold
+random codes (speed does not depend on the values; the outputs are still checked against
+``xla``). ``--ggml BIN`` also runs llama.cpp's MoE layer graph (``ggml_moe_layer`` from
+``/work/shared/anchors``, built by its ``build_ggml_moe_layer.sh``) on the same layer
+shape, type (``mlx4_g64`` against ``q4_0``), T, thread count and cold/hot mode in the
+same run, and prints ggml ms / jaxmoe ms per type (> 1: jaxmoe faster).
 
     python benchmarks/bench_block.py                      # full layer, ~3.2 GB of f32 weights (+3.2 GB for HF)
     python benchmarks/bench_block.py --tokens 1,8 --impls xla,gather,hf
     python benchmarks/bench_block.py --quick              # 32 experts, T in {1, 8, 64}: a smoke run
+    python benchmarks/bench_block.py --dtype f32,bf16,q8_0,q4_0,mlx4_g64 --tokens 1,8,64,256 \
+        --impls auto --ggml $BIN                          # the ggml comparison table
     XLA_FLAGS=--xla_cpu_use_onednn=true python benchmarks/bench_block.py --impls xla
 """
 
@@ -41,6 +56,9 @@ import numpy as np
 import jaxmoe
 
 JAX_IMPLS = ("auto", "cpu", "xla", "gather", "ragged_dot", "dense")
+DTYPES = ("f32", "bf16", "q8_0", "q4_0", "mlx4_g64")
+#: The ggml type each expert format is compared with.
+GGML_TYPE = {"f32": "f32", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0", "mlx4_g64": "q4_0"}
 
 
 def parse_args(argv=None):
@@ -64,6 +82,9 @@ def parse_args(argv=None):
     ap.add_argument("--dense-max-bytes", type=float, default=2e9, help="skip dense if its [T,E,*] buffers exceed this")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for the HF block")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="f32", help="comma-separated expert formats: " + ",".join(DTYPES))
+    ap.add_argument("--hot", action="store_true", help="repeat one input for every call (experts stay cached)")
+    ap.add_argument("--ggml", default=None, metavar="BIN", help="ggml_moe_layer binary to time in the same run")
     a = ap.parse_args(argv)
     if a.quick:
         a.experts = a.experts or 32
@@ -74,7 +95,61 @@ def parse_args(argv=None):
     bad = [i for i in a.impls if i != "hf" and i not in JAX_IMPLS]
     if bad:
         ap.error(f"--impls: unknown {bad}; choose from hf,{','.join(JAX_IMPLS)}")
+    a.dtype = [t.strip() for t in a.dtype.split(",") if t.strip()]
+    bad = [t for t in a.dtype if t not in DTYPES]
+    if bad:
+        ap.error(f"--dtype: unknown {bad}; choose from {','.join(DTYPES)}")
     return a
+
+
+def expert_weights(p: jaxmoe.MoEParams, fmt: str, key) -> jaxmoe.MoEParams:
+    """``p`` with its routed experts in ``fmt`` (quantized ones hold random codes)."""
+    from jaxmoe.quant import QuantizedTensor
+
+    if fmt == "f32":
+        return p
+
+    def conv(w, k):
+        e, i, o = w.shape
+        if fmt == "bf16":
+            return w.astype(jnp.bfloat16)
+        g = 64 if fmt == "mlx4_g64" else 32
+        s = (jax.random.uniform(k, (e, o, i // g), jnp.float32, 0.5, 1.5) * 0.02 / math.sqrt(i)).astype(jnp.float16)
+        if fmt == "q8_0":
+            return QuantizedTensor(jax.random.randint(k, (e, o, i), -127, 128, jnp.int8), s, None, "int8", g)
+        codes = jax.random.randint(k, (e, o, i // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+        return QuantizedTensor(codes, s, (-8 * s.astype(jnp.float32)).astype(jnp.float16), "int4", g)
+
+    ks = jax.random.split(key, 3)
+    ew = p.experts
+    ew = dataclasses.replace(
+        ew, w_gate=conv(ew.w_gate, ks[0]), w_up=conv(ew.w_up, ks[1]), w_down=conv(ew.w_down, ks[2])
+    )
+    return dataclasses.replace(p, experts=ew)
+
+
+def nbytes(w) -> int:
+    return int(w.nbytes) if hasattr(w, "qdata") else int(w.size * w.dtype.itemsize)
+
+
+def run_ggml(binary: str, cfg, ggml_type: str, t: int, threads: int, reps: int, hot: bool) -> float | None:
+    """Median ms of ``ggml_moe_layer`` on this layer shape, or None (printed why)."""
+    import re
+    import subprocess
+
+    cmd = [binary, *map(str, (cfg.d_model, cfg.expert_dim, cfg.num_experts, cfg.top_k, t)), ggml_type]
+    cmd += [str(threads), str(reps), "hot" if hot else "cold"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"ggml: {' '.join(cmd)} failed: {e}", flush=True)
+        return None
+    m = re.search(r"median_ms=([0-9.]+)", r.stdout)
+    if r.returncode or not m:
+        print(f"ggml: {' '.join(cmd)} exited {r.returncode}: {(r.stdout + r.stderr)[-400:]}", flush=True)
+        return None
+    print(f"ggml: {r.stdout.strip().splitlines()[-1]}", flush=True)
+    return float(m.group(1))
 
 
 def best_ms(fn, inputs, repeats):
@@ -172,7 +247,9 @@ def main(argv=None) -> int:
     if a.experts:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, num_experts=a.experts))
     d, e, k, f, fs = cfg.d_model, cfg.num_experts, cfg.top_k, cfg.expert_dim, cfg.shared_expert_dim
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; layer d={d} E={e} k={k} F={f} Fs={fs} float32")
+    mode = "hot (one input repeated)" if a.hot else "cold (new tokens every call)"
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; layer d={d} E={e} k={k} F={f} Fs={fs}; {mode}")
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at start")
     bw = copy_bandwidth()
     rbw = read_bandwidth()
     rate = matmul_rate()
@@ -180,32 +257,54 @@ def main(argv=None) -> int:
         f"measured: copy bandwidth {bw / 1e9:.1f} GB/s, read stream {rbw / 1e9:.1f} GB/s, "
         f"matmul {rate / 1e9:.0f} GFLOP/s"
     )
+    p32 = jaxmoe.init_params(cfg, jax.random.key(a.seed))
+    jax.block_until_ready(p32)
+    status = 0
+    for fmt in a.dtype:
+        p = expert_weights(p32, fmt, jax.random.key(a.seed + 1))
+        impls = [i for i in a.impls if fmt == "f32" or i not in ("hf", "dense", "ragged_dot")]
+        print(f"\n=== experts {fmt}: impls {','.join(impls)}", flush=True)
+        rows = run_format(a, cfg, p, impls, bw, rbw, rate, fmt)
+        if rows is None:
+            status = 1
+            continue
+        print_table(rows, impls, fmt)
+        del p
+        gc.collect()
+    return status
 
-    p = jaxmoe.init_params(cfg, jax.random.key(a.seed))
-    jax.block_until_ready(p)
-    gc.collect()
-    expert_bytes = 3 * d * f * 4
+
+def run_format(a, cfg, p, impls, bw, rbw, rate, fmt):
+    d, e, k, f, fs = cfg.d_model, cfg.num_experts, cfg.top_k, cfg.expert_dim, cfg.shared_expert_dim
+    ew = p.experts
+    expert_bytes = sum(nbytes(w) for w in (ew.w_gate, ew.w_up, ew.w_down)) / e
+    fixed_bytes = 3 * d * fs * 4 + d * e * 4  # shared expert and router (float32)
     print(
-        f"weights: {e * expert_bytes / 1e9:.2f} GB routed experts; 8 experts = {k * expert_bytes / 1e6:.1f} MB "
-        f"-> memory floor of one token's experts {k * expert_bytes / bw * 1e3:.2f} ms"
+        f"weights: {e * expert_bytes / 1e9:.2f} GB routed experts; {k} experts = {k * expert_bytes / 1e6:.1f} MB "
+        f"-> read floor of one token's experts {k * expert_bytes / rbw * 1e3:.2f} ms"
     )
-
-    hf_run = make_hf_block(p, cfg, a.threads) if "hf" in a.impls else None
-    jitted = {i: jax.jit(lambda p, x, i=i: jaxmoe.moe_apply(p, x, cfg, impl=i)) for i in a.impls if i != "hf"}
+    hf_run = make_hf_block(p, cfg, a.threads) if "hf" in impls else None
+    jitted = {i: jax.jit(lambda p, x, i=i: jaxmoe.moe_apply(p, x, cfg, impl=i)) for i in impls if i != "hf"}
     route = jax.jit(lambda p, x: jaxmoe.layer.compute_routing(p, x, cfg).expert_ids)
 
     rows = []
     for t in a.tokens:
-        inputs = [jax.random.normal(jax.random.key(1000 * t + r), (t, d), jnp.float32) for r in range(a.repeats + 1)]
-        touched = np.mean([len(np.unique(np.asarray(route(p, x)))) for x in inputs[1:]])
-        read = touched * expert_bytes + 3 * d * fs * 4 + d * e * 4
+        n_inputs = 1 if a.hot else 1 + a.repeats * len(impls)  # cold: new tokens for every call
+        inputs = [jax.random.normal(jax.random.key(1000 * t + r), (t, d), jnp.float32) for r in range(n_inputs)]
+        touched = [len(np.unique(np.asarray(route(p, x)))) for x in inputs]
+        read = [n * expert_bytes + fixed_bytes for n in touched]
         flops = 2 * t * (k * 3 * d * f + 3 * d * fs + d * e)
+        mean_read = float(np.mean(read[1:] if len(read) > 1 else read))
         row = dict(
-            T=t, mem_floor=read / bw * 1e3, read_floor=read / rbw * 1e3, arith_floor=flops / rate * 1e3, touched=touched
+            T=t,
+            mem_floor=mean_read / bw * 1e3,
+            read_floor=mean_read / rbw * 1e3,
+            arith_floor=flops / rate * 1e3,
+            touched=float(np.mean(touched)),
         )
         ref = np.asarray(jitted["xla"](p, inputs[0])) if "xla" in jitted else None
         fns = {}
-        for impl in a.impls:
+        for impl in impls:
             note = None
             if impl == "ragged_dot" and t > a.ragged_max_tokens:
                 note = f"skipped (T > {a.ragged_max_tokens}: masked dense over all experts, > 60 s)"
@@ -222,54 +321,79 @@ def main(argv=None) -> int:
                 err = np.abs(out - ref).max() / (np.abs(ref).max() + 1e-30)
                 if not err < 1e-3:
                     print(f"T={t} {impl}: output differs from xla (max rel err {err:.2e})", file=sys.stderr)
-                    return 1
+                    return None
             fns[impl] = fn
-        # Round robin: every repeat times each impl once on the same fresh input, so load
-        # from other processes on the shared machine hits all of them alike. The order
-        # rotates: torch's OpenMP threads keep spinning for a while after a call and slow
-        # whichever impl runs next (measured: up to 1.9x at T=1), so no impl always follows HF.
+        # Round robin: every repeat times each impl once, in a rotating order: torch's
+        # OpenMP threads keep spinning for a while after a call and slow whichever impl
+        # runs next (measured: up to 1.9x at T=1), so no impl always follows HF. Cold:
+        # every call takes the next unused input, so no impl reuses experts another just read.
         times = {impl: [] for impl in fns}
+        gbps = {impl: [] for impl in fns}
         names = list(fns)
-        for r, x in enumerate(inputs[1:]):
+        nxt = 1
+        for r in range(a.repeats):
             for impl in names[r % len(names) :] + names[: r % len(names)]:
                 if r >= (1 if impl == "ragged_dot" and t >= 64 else a.repeats):
                     continue
+                i = 0 if a.hot else nxt
+                nxt += 1
                 fn = fns[impl]
                 t0 = time.perf_counter()
-                jax.block_until_ready(fn(x))
-                times[impl].append((time.perf_counter() - t0) * 1e3)
+                jax.block_until_ready(fn(inputs[i]))
+                dt = time.perf_counter() - t0
+                times[impl].append(dt * 1e3)
+                gbps[impl].append(read[i] / dt / 1e9)
         for impl, ts in times.items():
             row[impl] = min(ts)
+            row[impl + " GB/s"] = float(np.median(gbps[impl]))
             print(
-                f"T={t:5d} {impl:10s} best {min(ts):10.2f} ms  median {np.median(ts):10.2f} ms  ({len(ts)} runs)",
+                f"T={t:5d} {impl:10s} best {min(ts):10.2f} ms  median {np.median(ts):10.2f} ms  "
+                f"{np.median(gbps[impl]):6.1f} GB/s of selected weights  ({len(ts)} runs)",
                 flush=True,
             )
+        if a.ggml:
+            row["ggml"] = run_ggml(a.ggml, cfg, GGML_TYPE[fmt], t, a.threads, max(a.repeats, 3), a.hot)
         rows.append(row)
         del inputs
         gc.collect()
-
-    print_table(rows, a.impls)
-    return 0
+    return rows
 
 
-def print_table(rows, impls):
+def print_table(rows, impls, fmt="f32"):
     cols = [i for i in impls if any(i in r for r in rows)]
+    if any(r.get("ggml") for r in rows):
+        cols.append("ggml")
     head = f"{'T':>5} " + "".join(f"{c:>11}" for c in cols) + f"{'mem floor':>11}{'read fl.':>11}{'arith fl.':>11}"
-    print("\nms per layer call (best of the repeats; '-' = skipped)")
+    print(f"\n[{fmt}] ms per layer call (best of the repeats; '-' = skipped)")
     print(head)
     for r in rows:
-        cells = "".join(f"{r[c]:11.2f}" if c in r else f"{'-':>11}" for c in cols)
+        cells = "".join(f"{r[c]:11.2f}" if r.get(c) is not None else f"{'-':>11}" for c in cols)
         print(f"{r['T']:5d} " + cells + f"{r['mem_floor']:11.2f}{r['read_floor']:11.2f}{r['arith_floor']:11.2f}")
+    gb = [c for c in cols if any(c + " GB/s" in r for r in rows)]
+    print(f"\n[{fmt}] GB/s of the selected experts' bytes (median)")
+    print(f"{'T':>5} " + "".join(f"{c:>11}" for c in gb))
+    for r in rows:
+        print(f"{r['T']:5d} " + "".join(f"{r[c + ' GB/s']:11.1f}" if c + " GB/s" in r else f"{'-':>11}" for c in gb))
+    if "ggml" in cols:
+        print(f"\n[{fmt}] ggml ms / jaxmoe ms (> 1: jaxmoe faster)")
+        print(f"{'T':>5} " + "".join(f"{c:>11}" for c in cols if c not in ("ggml", "hf")))
+        for r in rows:
+            cells = [
+                f"{r['ggml'] / r[c]:11.2f}" if r.get("ggml") and c in r else f"{'-':>11}"
+                for c in cols
+                if c not in ("ggml", "hf")
+            ]
+            print(f"{r['T']:5d} " + "".join(cells))
     for base in ("hf", "xla"):
         if base not in cols:
             continue
         what = "HF ms / impl ms (>1: faster than HF)" if base == "hf" else "impl ms / xla ms (>1: slower than xla)"
         print(f"\n{what}")
-        print(f"{'T':>5} " + "".join(f"{c:>11}" for c in cols if c != base))
+        print(f"{'T':>5} " + "".join(f"{c:>11}" for c in cols if c not in (base, "ggml")))
         for r in rows:
             cells = []
             for c in cols:
-                if c == base:
+                if c in (base, "ggml"):
                     continue
                 if c in r and base in r:
                     cells.append(f"{(r[base] / r[c] if base == 'hf' else r[c] / r[base]):11.2f}")

@@ -5,7 +5,9 @@ gpt-oss activation; gradients (the gather path's VJP), vmap, errors and the buil
 Preset-level parity, NaN isolation and weight_on_input run in tests/test_impls.py."""
 
 import dataclasses
+import hashlib
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,10 +18,15 @@ from hypothesis import strategies as st
 
 import jaxmoe
 from jaxmoe import MoEConfig, RouterConfig, Routing
+from jaxmoe.dispatch import plan_dispatch
+from jaxmoe.experts import ExpertWeights
 from jaxmoe.impls import policy
-from jaxmoe.impls.cpu import build, cpu_kernel_status, experts_cpu
+from jaxmoe.impls.common import combine, sorted_inputs
+from jaxmoe.impls.cpu import build, cpu_kernel_status, experts_cpu, grouped_swiglu, supports
 from jaxmoe.impls.xla import experts_xla
-from jaxmoe.quant import quantize_int8
+from jaxmoe.io import mlx_codec
+from jaxmoe.io.gguf_codec import q4_0_to_quantized, q8_0_to_quantized
+from jaxmoe.quant import QuantizedTensor, quantize_int8
 
 F32 = dict(rtol=2e-5, atol=2e-5)
 
@@ -150,9 +157,6 @@ def test_unsupported_experts_are_refused(rng):
     cfg = cfg_of(32, 16, 8, 2)
     p = random_params(cfg, rng)
     r = Routing(jnp.zeros((3, 2), jnp.int32), jnp.ones((3, 2)))
-    q = dataclasses.replace(p.experts, w_gate=quantize_int8(p.experts.w_gate))
-    with pytest.raises(ValueError, match="quantized"):
-        experts_cpu(jnp.ones((3, 32)), r, q, cfg)
     with pytest.raises(ValueError, match="bfloat16"):
         experts_cpu(jnp.ones((3, 32), jnp.bfloat16), r, p.experts, cfg)
     with pytest.raises(ValueError, match="float16"):
@@ -179,3 +183,268 @@ def test_a_failing_compiler_is_reported(monkeypatch, tmp_path):
     ok, msg = cpu_kernel_status()
     assert not ok and "compiling grouped_swiglu.cc failed" in msg and "false" in msg
     assert not list(tmp_path.glob("*.so"))  # nothing half-written is cached
+
+
+# ----------------------------------------------------------------------------- quantized experts
+# Formats: GGUF Q8_0 / Q4_0 bytes from gguf.quants (reference: gguf.quants.dequantize),
+# MLX affine 4-bit uint32 words with float16 / bfloat16 / float32 scales (reference: a
+# float64 unpack of the words here), jaxmoe's int8 with float32 scales, and plain floats.
+FORMATS = ("q8_0", "q4_0", "mlx4_g32", "mlx4_g64", "mlx4_g128", "int8_f32", "bf16", "f32")
+
+
+def np_unpack_words(words: np.ndarray) -> np.ndarray:
+    """MLX uint32 words ``[..., n/8]`` -> codes ``[..., n]`` (nibble j of a word = element 8w + j)."""
+    shifts = np.arange(8, dtype=np.uint32) * 4
+    return ((words[..., None] >> shifts) & 15).reshape(*words.shape[:-1], -1)
+
+
+def make_weight(fmt: str, w: np.ndarray, rng):
+    """Logical ``w [E, in, out]`` float32 -> (weight in ``fmt``, its float64 value [E, in, out])."""
+    t = np.ascontiguousarray(np.swapaxes(w, -1, -2))  # [E, out, in]: the stored orientation
+    if fmt in ("q8_0", "q4_0"):
+        qt = gguf.GGMLQuantizationType.Q8_0 if fmt == "q8_0" else gguf.GGMLQuantizationType.Q4_0
+        raw = gguf.quants.quantize(t, qt)
+        qw = (q8_0_to_quantized if fmt == "q8_0" else q4_0_to_quantized)(raw)
+        qw = QuantizedTensor(
+            *(None if a is None else jnp.asarray(a) for a in (qw.qdata, qw.scales, qw.biases)), qw.kind, qw.group_size
+        )
+        ref = gguf.quants.dequantize(raw, qt).astype(np.float64)
+    elif fmt.startswith("mlx4"):
+        g = int(fmt.split("_g")[1])
+        sdt = [np.float16, jnp.bfloat16, np.float32][int(rng.integers(3))]
+        words, scales, biases = mlx_codec.quantize(t.astype(sdt), g)
+        qw = mlx_codec.to_quantized_tensor(words, scales, biases, g)
+        q = np_unpack_words(words).astype(np.float64)
+        e, o, n = q.shape
+        s64, b64 = (np.asarray(a, np.float64)[..., None] for a in (scales, biases))
+        ref = (q.reshape(e, o, n // g, g) * s64 + b64).reshape(e, o, n)
+    elif fmt == "int8_f32":
+        qw = quantize_int8(w, 32, scale_dtype=np.float32)
+        q = np.asarray(qw.qdata, np.float64)
+        e, o, n = q.shape
+        ref = (q.reshape(e, o, n // 32, 32) * np.asarray(qw.scales, np.float64)[..., None]).reshape(e, o, n)
+    elif fmt == "bf16":
+        qw = jnp.asarray(w, jnp.bfloat16)
+        return qw, np.asarray(qw, np.float64)
+    else:
+        return jnp.asarray(w), w.astype(np.float64)
+    return qw, np.swapaxes(ref, -1, -2)
+
+
+def quantized_case(cfg, fmts, rng, bias=False, gain=1.0):
+    """Experts with gate/up/down in ``fmts`` and the float64 weights they stand for
+    (gate and up drawn ``gain`` times larger)."""
+    e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_dim
+    shapes = {"w_gate": (e, d, f), "w_up": (e, d, f), "w_down": (e, f, d)}
+    ws, ref = {}, {}
+    for (name, shape), fmt in zip(shapes.items(), fmts):
+        g = gain if name != "w_down" else 1.0
+        w = (g * rng.normal(size=shape) / np.sqrt(shape[1])).astype(np.float32)
+        ws[name], ref[name] = make_weight(fmt, w, rng)
+    if bias:
+        for name, shape in (("b_gate", (e, f)), ("b_up", (e, f)), ("b_down", (e, d))):
+            ws[name] = jnp.asarray(rng.normal(size=shape).astype(np.float32) * 0.1)
+            ref[name] = np.asarray(ws[name], np.float64)
+    return ExpertWeights(**ws), ref
+
+
+def check_quantized(cfg, ew, ref, ids, ws, rng, dtype=jnp.float32, tol=1e-5):
+    x = rng.normal(size=(ids.shape[0], cfg.d_model)).astype(np.float32)
+    xin = jnp.asarray(x, dtype)
+    y = experts_cpu(xin, Routing(jnp.asarray(ids), jnp.asarray(ws)), ew, cfg)
+    assert y.shape == x.shape and y.dtype == jnp.float32
+    want = np_experts(np.asarray(xin, np.float32), ids, ws, ref, cfg)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(y), want, rtol=0, atol=tol * scale)
+    return np.asarray(y), want
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("d, f", [(128, 96), (256, 384)])
+def test_quantized_formats_match_float64(fmt, d, f, rng):
+    """Every format read in place: the result is within float rounding of the float64
+    forward of the dequantized weights (widths leaving partial column blocks)."""
+    g = int(fmt.split("_g")[1]) if "_g" in fmt else 32
+    f = -(-f // g) * g  # the group size must divide every input width
+    cfg = cfg_of(d, f, 10, 3)
+    ew, ref = quantized_case(cfg, (fmt,) * 3, rng)
+    assert supports(ew, jnp.float32) is None
+    check_quantized(cfg, ew, ref, *uniform_routing(rng, 9, 3, 10), rng, tol=2e-6 if fmt != "bf16" else 1e-5)
+
+
+@pytest.mark.parametrize("t", [1, 7, 8, 9, 130])
+@pytest.mark.parametrize("fmts", [("q4_0", "q4_0", "q8_0"), ("mlx4_g64", "mlx4_g64", "mlx4_g64"), ("q8_0",) * 3])
+def test_quantized_one_expert_takes_every_token(t, fmts, rng):
+    """k = 1 onto one expert: register dequantization (< 8 rows), the dequantized tile
+    buffer (>= 8 rows) and row chunks (> 128 rows); gate/up Q4_0 with down Q8_0 mixes kinds."""
+    cfg = cfg_of(128, 64, 6, 1)
+    ew, ref = quantized_case(cfg, fmts, rng)
+    ids = np.full((t, 1), 4, np.int32)
+    check_quantized(cfg, ew, ref, ids, rng.uniform(0.1, 1.0, size=(t, 1)).astype(np.float32), rng, tol=2e-6)
+
+
+@pytest.mark.parametrize("fmts", [("bf16", "q4_0", "q8_0"), ("q8_0", "f32", "mlx4_g32"), ("mlx4_g128", "q8_0", "bf16")])
+def test_mixed_formats_and_empty_experts(fmts, rng):
+    cfg = cfg_of(128, 128, 12, 4)
+    ew, ref = quantized_case(cfg, fmts, rng)
+    check_quantized(cfg, ew, ref, *skewed_routing(rng, 40, 4, 12), rng, tol=1e-5)
+
+
+def test_quantized_biases_and_clamped_activation(rng):
+    base = shrink(jaxmoe.load_config("gpt-oss-20b"), d=64, f=96)
+    assert base.activation == "swiglu_oai" and base.expert_bias
+    # large gate/up pre-activations (gain 30) so the clamps at +-limit are hit
+    ew, ref = quantized_case(base, ("q4_0", "mlx4_g32", "q8_0"), rng, bias=True, gain=30.0)
+    ids, ws = uniform_routing(rng, 17, base.top_k, base.num_experts)
+    x_probe = rng.normal(size=(4, base.d_model))
+    assert (np.abs(x_probe @ ref["w_gate"][0]) > base.swiglu_limit).mean() > 0.05  # the clamp is hit
+    y, _ = check_quantized(base, ew, ref, ids, ws, rng, tol=2e-5)
+    assert np.isfinite(y).all()
+
+
+def test_quantized_with_bf16_activations(rng):
+    """bf16 activations: the kernel keeps the dequantized weights in float32 and rounds
+    h to bfloat16 (as the bf16 compute dtype does), so it is within bf16 rounding."""
+    cfg = cfg_of(128, 64, 8, 2)
+    ew, ref = quantized_case(cfg, ("q4_0", "q4_0", "q8_0"), rng)
+    assert supports(ew, jnp.bfloat16) is None
+    check_quantized(cfg, ew, ref, *uniform_routing(rng, 21, 2, 8), rng, dtype=jnp.bfloat16, tol=2e-2)
+
+
+def test_column_tails_of_quantized_blocks(rng):
+    """Task blocks of 7 and 5 columns: dot tiles of 4 / 2 columns plus single-column tails."""
+    cfg = cfg_of(64, 96, 5, 2)
+    ew, ref = quantized_case(cfg, ("mlx4_g32", "q8_0", "q4_0"), rng)
+    for t in (3, 11):
+        ids, ws = uniform_routing(rng, t, 2, 5)
+        x = rng.normal(size=(t, 64)).astype(np.float32)
+        plan = plan_dispatch(jnp.asarray(ids), 5, 1)
+        r = Routing(jnp.asarray(ids), jnp.asarray(ws))
+        xs = sorted_inputs(jnp.asarray(x), r, plan, cfg)
+        ys = grouped_swiglu(xs, plan.group_offsets[:5], plan.group_sizes, ew, cfg, up_block=7, down_block=5)
+        y = combine(ys, r, plan, cfg)
+        want = np_experts(x, ids, ws, ref, cfg)
+        np.testing.assert_allclose(np.asarray(y), want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    st.sampled_from([(32, 64), (64, 32), (96, 128)]),
+    st.integers(1, 40),
+    st.integers(1, 3),
+    st.sampled_from(FORMATS[:5]),
+    st.sampled_from(FORMATS[:5]),
+    st.integers(0, 2**31 - 1),
+)
+def test_hypothesis_quantized_shapes_and_routings(df, t, k, fmt_up, fmt_down, seed):
+    d, f = df
+    rng = np.random.default_rng(seed)
+    if "g64" in fmt_up + fmt_down or "g128" in fmt_up + fmt_down:
+        d, f = 128, 128
+    cfg = cfg_of(d, f, 7, k)
+    ew, ref = quantized_case(cfg, (fmt_up, fmt_up, fmt_down), rng)
+    ids, ws = skewed_routing(rng, t, k, 7, share=0.9) if k > 1 and rng.random() < 0.5 else uniform_routing(rng, t, k, 7)
+    check_quantized(cfg, ew, ref, ids, ws, rng, tol=5e-6)
+
+
+@pytest.mark.parametrize("what", ["nibble", "scale"])
+def test_a_mutated_code_or_scale_is_caught(what, rng):
+    """The comparison is sharp enough to see one changed nibble or scale of a used expert."""
+    cfg = cfg_of(64, 64, 4, 1)
+    ew, ref = quantized_case(cfg, ("q4_0", "q4_0", "q4_0"), rng)
+    ids = np.full((5, 1), 2, np.int32)
+    ws = np.ones((5, 1), np.float32)
+    check_quantized(cfg, ew, ref, ids, ws, np.random.default_rng(1), tol=2e-6)  # unmutated: passes
+    w = ew.w_down
+    if what == "nibble":
+        q = np.asarray(w.qdata).copy()
+        q[2, 7, 3] ^= 0x40  # one high nibble of expert 2's down projection
+        w = dataclasses.replace(w, qdata=jnp.asarray(q))
+    else:
+        s = np.asarray(w.scales).copy()
+        s[2, 5, 1] *= 1.5
+        w = dataclasses.replace(w, scales=jnp.asarray(s))
+    with pytest.raises(AssertionError):
+        check_quantized(cfg, dataclasses.replace(ew, w_down=w), ref, ids, ws, np.random.default_rng(1), tol=2e-6)
+
+
+def test_auto_takes_cpu_for_quantized_experts(rng):
+    cfg = cfg_of(64, 64, 4, 2)
+    ew, _ = quantized_case(cfg, ("q4_0", "mlx4_g64", "q8_0"), rng)
+    assert policy.resolve_impl("auto", 64, platform="cpu", experts=ew) == "cpu"
+    assert policy.resolve_impl("auto", 2, platform="cpu", experts=ew) == "cpu"
+
+
+def test_unsupported_quantized_weights_say_why(rng):
+    cfg = cfg_of(64, 64, 4, 2)
+    ew, _ = quantized_case(cfg, ("q8_0",) * 3, rng)
+    g16 = quantize_int8(np.asarray(rng.normal(size=(4, 64, 64)), np.float32), 16)
+    why = supports(dataclasses.replace(ew, w_up=g16), jnp.float32)
+    assert why and "w_up" in why and "group size 16" in why
+    r = Routing(jnp.zeros((3, 2), jnp.int32), jnp.ones((3, 2)))
+    with pytest.raises(ValueError, match="w_up.*group size 16"):
+        experts_cpu(jnp.ones((3, 64)), r, dataclasses.replace(ew, w_up=g16), cfg)
+    f16 = dataclasses.replace(ew, w_gate=jnp.zeros((4, 64, 64), jnp.float16))
+    assert "w_gate is float16" in supports(f16, jnp.float32)
+
+
+def test_unsorted_or_overlapping_group_ranges_are_rejected(rng):
+    cfg = cfg_of(32, 32, 3, 1)
+    ew, _ = quantized_case(cfg, ("f32",) * 3, rng)
+    xs = jnp.asarray(rng.normal(size=(6, 32)).astype(np.float32))
+    ok = grouped_swiglu(xs, jnp.array([0, 2, 4]), jnp.array([2, 2, 2]), ew, cfg)
+    assert np.isfinite(np.asarray(ok)).all()
+    for offsets, sizes, msg in (
+        ([0, 1, 4], [2, 2, 2], "sorted by expert and disjoint"),  # overlap
+        ([4, 0, 2], [2, 2, 2], "sorted by expert and disjoint"),  # unsorted
+        ([0, 2, 5], [2, 2, 2], "outside xs"),
+    ):
+        with pytest.raises(Exception, match=msg):
+            jax.block_until_ready(grouped_swiglu(xs, jnp.array(offsets), jnp.array(sizes), ew, cfg))
+
+
+# ----------------------------------------------------------------------------- build hygiene
+FAKE_CXX = """#!/bin/sh
+[ "$1" = "--version" ] && {{ echo fake 1; exit 0; }}
+echo call >> {log}
+sleep {sleep}
+while [ $# -gt 0 ]; do [ "$1" = "-o" ] && {{ echo not-a-real-library > "$2"; }}; shift; done
+"""
+
+
+def fake_compiler(tmp_path, sleep=0):
+    cxx = tmp_path / "fakecxx"
+    cxx.write_text(FAKE_CXX.format(log=tmp_path / "calls", sleep=sleep))
+    cxx.chmod(0o755)
+    return str(cxx)
+
+
+def test_cached_library_is_verified_by_its_hash(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXMOE_CACHE_DIR", str(tmp_path / "cache"))
+    cxx = fake_compiler(tmp_path)
+    lib = build.build_library(cxx)
+    assert lib.with_suffix(".sha256").read_text().strip() == hashlib.sha256(lib.read_bytes()).hexdigest()
+    assert build.build_library(cxx) == lib and (tmp_path / "calls").read_text().count("call") == 1  # cached
+    lib.write_bytes(b"tampered")
+    assert build.build_library(cxx) == lib  # the mismatch is rebuilt, not loaded
+    assert (tmp_path / "calls").read_text().count("call") == 2 and lib.read_bytes() != b"tampered"
+
+
+def test_compiler_calls_time_out(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXMOE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("JAXMOE_CXX_TIMEOUT", "0.5")
+    with pytest.raises(RuntimeError, match="did not finish within"):
+        build.build_library(fake_compiler(tmp_path, sleep=5))
+
+
+def test_the_compile_holds_no_lock(monkeypatch):
+    seen = []
+
+    def slow_build(cxx):
+        seen.append(build._lock.locked())
+        raise RuntimeError("fake failure")
+
+    monkeypatch.setattr(build, "_status", None)
+    monkeypatch.setattr(build, "build_library", slow_build)
+    assert cpu_kernel_status() == (False, "fake failure")
+    assert seen == [False]

@@ -5,6 +5,14 @@
 """
 
 from jaxmoe.impls.cpu.build import cpu_kernel_available, cpu_kernel_status
-from jaxmoe.impls.cpu.kernel import DOWN_BLOCK, UP_BLOCK, experts_cpu, supports
+from jaxmoe.impls.cpu.kernel import DOWN_BLOCK, UP_BLOCK, experts_cpu, grouped_swiglu, supports
 
-__all__ = ["DOWN_BLOCK", "UP_BLOCK", "cpu_kernel_available", "cpu_kernel_status", "experts_cpu", "supports"]
+__all__ = [
+    "DOWN_BLOCK",
+    "UP_BLOCK",
+    "cpu_kernel_available",
+    "cpu_kernel_status",
+    "experts_cpu",
+    "grouped_swiglu",
+    "supports",
+]

@@ -4,9 +4,14 @@ The source is compiled on first use with the system C++ compiler (``$CXX``, else
 ``c++`` / ``g++`` / ``clang++``) against the FFI headers of the installed jaxlib, with
 ``-O3 -march=native`` (the machine that runs it compiles it), and cached under
 ``$JAXMOE_CACHE_DIR`` (default ``~/.cache/jaxmoe``) keyed by the source, the jaxlib
-version, the compiler and the CPU flags; the library is written under a temporary name
-and renamed, so concurrent builders (test workers) are safe. `cpu_kernel_status` builds,
-loads and registers it once per process and says whether that worked.
+version, the compiler and the CPU flags, with the SHA-256 of the library's bytes
+recorded beside it (``.sha256``) and checked before every load (a mismatch rebuilds).
+The library is written under a temporary name and renamed, so concurrent builders
+(test workers) are safe; compiler calls time out (``$JAXMOE_CXX_TIMEOUT``, default
+600 s); the compile holds no lock, so tracing in other threads never waits on it.
+`cpu_kernel_status` builds, loads and registers it once per process and says whether
+that worked. The vector width follows what the compiler targets (AVX-512: 16 lanes,
+else 8).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import jax
 
 TARGET = "jaxmoe_grouped_swiglu"
 SOURCE = Path(__file__).parent / "grouped_swiglu.cc"
-CXXFLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+CXXFLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-Wno-psabi")
 
 _lock = threading.Lock()
 _status: tuple[bool, str] | None = None
@@ -53,43 +58,96 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build(cxx: str) -> Path:
-    """Compiles the kernel (or finds it in the cache); returns the shared library path."""
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+#: Seconds a compiler call may take before it is abandoned ($JAXMOE_CXX_TIMEOUT).
+COMPILE_TIMEOUT_S = 600.0
+
+
+def _timeout() -> float:
+    return float(os.environ.get("JAXMOE_CXX_TIMEOUT") or COMPILE_TIMEOUT_S)
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=_timeout())
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"{' '.join(cmd[:1])} did not finish within {_timeout():.0f} s ($JAXMOE_CXX_TIMEOUT)") from e
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _verified(lib: Path) -> bool:
+    """Whether ``lib`` and its recorded hash (``lib.sha256``, written at build) agree."""
+    try:
+        return lib.with_suffix(".sha256").read_text().strip() == _digest(lib)
+    except OSError:
+        return False
+
+
+def build_library(cxx: str) -> Path:
+    """Compiles the kernel (or finds it in the cache); returns the shared library path.
+
+    A cached library is used only when the SHA-256 of its bytes equals the one recorded
+    beside it when it was built; otherwise it is rebuilt. Compiler calls time out after
+    `COMPILE_TIMEOUT_S` (``$JAXMOE_CXX_TIMEOUT``).
+    """
+    version = _run([cxx, "--version"]).stdout.splitlines()[:1]
     key = hashlib.sha256(
         "\0".join(
             [SOURCE.read_text(), importlib.metadata.version("jaxlib"), cxx, *version, *CXXFLAGS, _cpu_flags()]
         ).encode()
     ).hexdigest()[:16]
     lib = cache_dir() / f"grouped_swiglu-{key}.so"
-    if lib.exists():
+    if _verified(lib):
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
         cmd = [cxx, *CXXFLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        r = _run(cmd)
         if r.returncode != 0:
             raise RuntimeError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{r.stderr[-4000:]}")
-        os.replace(out, lib)  # atomic: concurrent builders each write their own temp file
+        sidecar = Path(tmp) / (lib.stem + ".sha256")
+        sidecar.write_text(_digest(out) + "\n")
+        # Atomic renames: concurrent builders each write their own temp files; the library
+        # lands first, so a reader that sees a hash sees a complete library (or a
+        # mismatch, then it rebuilds).
+        os.replace(out, lib)
+        os.replace(sidecar, lib.with_suffix(".sha256"))
+    if not _verified(lib):
+        raise RuntimeError(f"{lib} does not match the hash recorded when it was built")
     return lib
 
 
+def _load() -> tuple[bool, str, object]:
+    """Builds (no lock held) and loads the library: ``(ok, message, handler capsule)``."""
+    cxx = _compiler()
+    if cxx is None:
+        return False, "no C++ compiler found ($CXX, c++, g++, clang++); impl='cpu' needs one", None
+    try:
+        lib = ctypes.CDLL(str(build_library(cxx)))
+        return True, f"built with {cxx}", jax.ffi.pycapsule(lib.JaxmoeGroupedSwiglu)
+    except (RuntimeError, OSError, AttributeError) as e:
+        return False, str(e), None
+
+
 def cpu_kernel_status() -> tuple[bool, str]:
-    """``(available, message)``: builds and registers the kernel on the first call."""
+    """``(available, message)``: builds and registers the kernel on the first call.
+
+    The compile runs without holding a lock (concurrent first callers may each compile;
+    the cache's atomic renames make that safe); only recording the status and
+    registering the FFI target happen under the lock, once.
+    """
     global _status
+    if _status is not None:
+        return _status
+    ok, msg, capsule = _load()
     with _lock:
         if _status is None:
-            cxx = _compiler()
-            if cxx is None:
-                _status = (False, "no C++ compiler found ($CXX, c++, g++, clang++); impl='cpu' needs one")
-            else:
-                try:
-                    lib = ctypes.CDLL(str(_build(cxx)))
-                    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxmoeGroupedSwiglu), platform="cpu")
-                    _status = (True, f"built with {cxx}")
-                except (RuntimeError, OSError, AttributeError) as e:
-                    _status = (False, str(e))
+            if ok:
+                jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
+            _status = (ok, msg)
         return _status
 
 

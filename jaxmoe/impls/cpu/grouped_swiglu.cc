@@ -1,39 +1,56 @@
 // Grouped SwiGLU experts for XLA:CPU, as an XLA FFI custom call (impl="cpu").
 //
 // Why: XLA:CPU never feeds a dot from a slice of a larger array in place; every
-// expert `W[e]` becomes a copy before its dot (benchmarks/README.md). This kernel
-// reads each selected expert's weights where they lie, once per call, the way
-// llama.cpp's selected-expert path and torch's `F.linear(x, W[e])` do.
+// expert `W[e]` becomes a copy before its dot (benchmarks/README.md), and quantized
+// experts become a float copy of every touched expert. This kernel reads each selected
+// expert's weights where they lie, in their stored format, once per call.
 //
 // Inputs (sorted pair order, see jaxmoe/dispatch.py):
-//   xs      [P, d]    f32     rows sorted by expert (the token rows, gathered)
-//   offsets [E]       s32     first sorted row of each expert
-//   sizes   [E]       s32     rows of each expert
-//   w_gate  [E, d, F] f32|bf16
-//   w_up    [E, d, F] f32|bf16
-//   w_down  [E, F, d] f32|bf16
-//   b_gate  [E, F] | [0]  f32   biases (size 0 when the model has none)
-//   b_up    [E, F] | [0]  f32
-//   b_down  [E, d] | [0]  f32
-// Output:
-//   ys      [P, d]    f32     ys[r] = down(act(gate(xs[r]), up(xs[r]))) of r's expert
+//   xs      [P, d]  f32   rows sorted by expert (the token rows, gathered)
+//   offsets [E]     s32   first sorted row of each expert
+//   sizes   [E]     s32   rows of each expert; non-empty ranges must be sorted, disjoint, inside [0, P)
+//   then for each of gate, up, down (logical W [E, in, out]: gate/up [E, d, F], down [E, F, d]):
+//     data    kind 0: [E, in, out] f32 | bf16             (float, in-major)
+//             kind 1: [E, out, in] s8                     (int8 codes, GGUF Q8_0 layout)
+//             kind 2: [E, out, in/2] u8                   (int4 codes, low nibble = even element)
+//     scales  [E, out, in/g] f32 | f16 | bf16             ([0] for kind 0)
+//     qbias   [E, out, in/g] same dtype as scales         ([0] for kind 0 and for int8)
+//     W[i, o] = scales[o, i/g] * q[o, i] + qbias[o, i/g]
+//   b_gate [E, F] | [0], b_up [E, F] | [0], b_down [E, d] | [0]   f32 biases
+// Outputs:
+//   ys  [P, d] f32   ys[r] = down(act(gate(xs[r]), up(xs[r]))) of r's expert
+//   h   [P, F] f32   scratch (the hidden activations), allocated by XLA
 // Attributes:
 //   act      0 = silu(g) * u, 1 = gpt-oss (clip(u,-L,L)+1) * g' * sigmoid(alpha g'), g' = min(g, L)
 //   alpha, limit  the gpt-oss constants
 //   round_h  1: round the hidden activations to bfloat16 before the down projection
-//            (what the jnp reference does in a bf16 compute dtype)
+//   kind_{gate,up,down}, group_{gate,up,down}  the weight formats above (group: 0 for float)
+//   up_block, down_block  output columns per task
 //
-// Work: phase 1 = tasks (expert, block of F columns) computing h; phase 2 = tasks
-// (expert, block of d columns) computing y. Each task streams its block of the
-// expert's weights once and holds an MR x (16 NV) register tile of accumulators
-// (float32, FMA along d or F in order). Tasks run on XLA's intra-op thread pool;
-// the calling thread takes tasks too. Rows past sum(sizes) are left untouched
-// by the kernel and zeroed here, so the output is always fully written.
+// Work: phase 1 = tasks (expert, row chunk, block of F columns) computing h; phase 2 =
+// tasks (expert, row chunk, block of d columns) computing y. Float weights: register
+// tiles of MR rows x NV vectors along the output columns, streaming the in-major block
+// once (packed to float32 first when a task has >= 8 rows). Quantized weights (stored
+// out-major, blocks along `in`): dot-product tiles of MR rows x NC output columns; each
+// vector of codes is widened and scaled in registers (w = s q + b) and multiplied
+// into float32 accumulators, so the result is within float rounding of the
+// dequantized-weight reference (activations stay float). Tasks with >= 8 rows first
+// dequantize their block of columns into a float32 tile buffer (out-major, one block
+// of columns, never an expert) and run the same tiles on it.
+//
+// Vector width is picked at build time from what the compiler targets (-march=native):
+// 16 float lanes with AVX-512, else 8 (AVX2). Tasks run on XLA's intra-op thread pool;
+// the calling thread takes tasks too. Rows no expert owns are zeroed.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -43,10 +60,17 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;
-typedef float vf __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-typedef uint32_t vu __attribute__((vector_size(64)));
+#if defined(__AVX512F__)
+#define JM_LANES 16
+#else
+#define JM_LANES 8
+#endif
+constexpr int kLanes = JM_LANES;
+typedef float vf __attribute__((vector_size(JM_LANES * 4)));
+typedef uint16_t vh __attribute__((vector_size(JM_LANES * 2)));
+typedef uint32_t vu __attribute__((vector_size(JM_LANES * 4)));
+typedef int8_t vs8 __attribute__((vector_size(JM_LANES)));
+typedef uint8_t vu8 __attribute__((vector_size(JM_LANES)));
 
 inline vf load(const float* p) {
   vf v;
@@ -61,14 +85,41 @@ inline vf load(const uint16_t* p) {  // bfloat16 -> float32 is a 16-bit shift
   std::memcpy(&v, &w, sizeof(v));
   return v;
 }
-inline float scalar(const float* p) { return *p; }
-inline float scalar(const uint16_t* p) {
-  uint32_t w = uint32_t(*p) << 16;
+inline float bf16_to_float(uint16_t h) {
+  uint32_t w = uint32_t(h) << 16;
   float f;
   std::memcpy(&f, &w, 4);
   return f;
 }
+inline float scalar(const float* p) { return *p; }
+inline float scalar(const uint16_t* p) { return bf16_to_float(*p); }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int l = 0; l < kLanes; ++l) s += v[l];
+  return s;
+}
+
+inline float half_to_float(uint16_t h) {  // IEEE binary16 -> binary32, exact (subnormals, inf, NaN)
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#endif
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t em = h & 0x7fffu;
+  uint32_t w;
+  if (em >= 0x7c00u) {
+    w = sign | 0x7f800000u | ((em & 0x3ffu) << 13);
+  } else if (em >= 0x400u) {
+    w = sign | ((em + ((127u - 15u) << 10)) << 13);
+  } else {
+    float f = float(em) * 5.9604644775390625e-08f;  // em * 2^-24
+    std::memcpy(&w, &f, 4);
+    w |= sign;
+  }
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
 
 inline float round_bf16(float f) {  // round to nearest even, NaN kept NaN
   uint32_t w;
@@ -79,7 +130,31 @@ inline float round_bf16(float f) {  // round to nearest even, NaN kept NaN
   return f;
 }
 
-// C[MR, 16*NV] = A[MR, K] (row stride lda) @ B[K, 16*NV] (row stride ldb).
+// ---------------------------------------------------------------------------------
+// One expert weight operand in its stored format.
+enum Kind : int { kFloat = 0, kInt8 = 1, kInt4 = 2 };
+enum SType : int { kSF32 = 0, kSF16 = 1, kSBF16 = 2 };
+
+struct Weight {
+  int kind;
+  bool bf16;            // kind 0: bfloat16 data
+  const void* data;
+  const void* scales;
+  const void* qbias;    // null when absent
+  int stype;
+  int64_t in, out, group;
+};
+
+inline float load_scale(const void* p, int stype, int64_t i) {
+  switch (stype) {
+    case kSF32: return static_cast<const float*>(p)[i];
+    case kSF16: return half_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// Float, in-major weights: C[MR, NV*lanes] = A[MR, K] @ B[K, NV*lanes].
 constexpr int64_t kAhead = 16;  // rows of B prefetched ahead when B is streamed from memory
 
 template <int MR, int NV, bool Prefetch, typename W>
@@ -114,57 +189,49 @@ void tile_scalar(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K
     }
 }
 
+// Vectors per register tile row for MR rows (at most ~2/3 of the vector registers hold accumulators).
+template <int MR>
+constexpr int kMaxNV = kLanes == 16 ? (MR <= 2 ? 8 : 4) : (MR == 1 ? 8 : MR == 2 ? 6 : MR <= 4 ? 3 : 2);
+
 template <int MR, bool Prefetch, typename W>
-void tile_nv(int nv, const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, float* c, int64_t ldc) {
-  switch (nv) {
-    case 1: return tile<MR, 1, Prefetch>(a, lda, b, ldb, K, c, ldc);
-    case 2: return tile<MR, 2, Prefetch>(a, lda, b, ldb, K, c, ldc);
-    case 3: return tile<MR, 3, Prefetch>(a, lda, b, ldb, K, c, ldc);
-    case 4: return tile<MR, 4, Prefetch>(a, lda, b, ldb, K, c, ldc);
-    case 5: return tile<MR, 5, Prefetch>(a, lda, b, ldb, K, c, ldc);
-    case 6: return tile<MR, 6, Prefetch>(a, lda, b, ldb, K, c, ldc);
-    case 7: return tile<MR, 7, Prefetch>(a, lda, b, ldb, K, c, ldc);
-    default: return tile<MR, 8, Prefetch>(a, lda, b, ldb, K, c, ldc);
-  }
+void row_tile(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t vec_cols, float* c,
+              int64_t ldc) {
+  constexpr int NV = kMaxNV<MR>;
+  int64_t j0 = 0;
+  for (; j0 + NV * kLanes <= vec_cols; j0 += NV * kLanes) tile<MR, NV, Prefetch>(a, lda, b + j0, ldb, K, c + j0, ldc);
+  for (; j0 < vec_cols; j0 += kLanes) tile<MR, 1, Prefetch>(a, lda, b + j0, ldb, K, c + j0, ldc);
 }
 
-// C[m, ncols] = A[m, K] @ B[K, ncols] for any m, ncols: register tiles of at most
-// 24 accumulators (MR x NV = 1x8, 2x8, 3x4 .. 6x4), scalar tail columns. Prefetch:
-// B is streamed from memory (read once), so rows kAhead ahead are prefetched.
+// C[m, ncols] = A[m, K] @ B[K, ncols] for any m, ncols; scalar tail columns.
 template <bool Prefetch, typename W>
 void block_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t m, int64_t ncols,
                   float* c, int64_t ldc) {
   const int64_t vec_cols = (ncols / kLanes) * kLanes;
   for (int64_t i0 = 0; i0 < m;) {
     const int64_t mr = std::min<int64_t>(6, m - i0);
-    const int max_nv = mr <= 2 ? 8 : 4;
-    for (int64_t j0 = 0; j0 < vec_cols;) {
-      const int nv = int(std::min<int64_t>(max_nv, (vec_cols - j0) / kLanes));
-      const float* ai = a + i0 * lda;
-      float* ci = c + i0 * ldc + j0;
-      switch (mr) {
-        case 1: tile_nv<1, Prefetch>(nv, ai, lda, b + j0, ldb, K, ci, ldc); break;
-        case 2: tile_nv<2, Prefetch>(nv, ai, lda, b + j0, ldb, K, ci, ldc); break;
-        case 3: tile_nv<3, Prefetch>(nv, ai, lda, b + j0, ldb, K, ci, ldc); break;
-        case 4: tile_nv<4, Prefetch>(nv, ai, lda, b + j0, ldb, K, ci, ldc); break;
-        case 5: tile_nv<5, Prefetch>(nv, ai, lda, b + j0, ldb, K, ci, ldc); break;
-        default: tile_nv<6, Prefetch>(nv, ai, lda, b + j0, ldb, K, ci, ldc); break;
-      }
-      j0 += int64_t(nv) * kLanes;
+    const float* ai = a + i0 * lda;
+    float* ci = c + i0 * ldc;
+    switch (mr) {
+      case 1: row_tile<1, Prefetch>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      case 2: row_tile<2, Prefetch>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      case 3: row_tile<3, Prefetch>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      case 4: row_tile<4, Prefetch>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      case 5: row_tile<5, Prefetch>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      default: row_tile<6, Prefetch>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
     }
-    if (vec_cols < ncols)
-      tile_scalar(a + i0 * lda, lda, b + vec_cols, ldb, K, mr, ncols - vec_cols, c + i0 * ldc + vec_cols, ldc);
+    if (vec_cols < ncols) tile_scalar(ai, lda, b + vec_cols, ldb, K, mr, ncols - vec_cols, ci + vec_cols, ldc);
     i0 += mr;
   }
 }
 
-// Rows at or above which a task first packs its block of B into a contiguous float32
-// buffer (read once from memory, then re-read from cache by every row tile).
+// Rows at or above which a task first packs (float) or dequantizes (quantized) its
+// block of weights into a float32 tile buffer, read once from memory and then from
+// cache by every row tile.
 constexpr int64_t kPackRows = 8;
 
 template <typename W>
-void matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t m, int64_t ncols, float* c,
-            int64_t ldc, std::vector<float>& pack) {
+void float_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t m, int64_t ncols, float* c,
+                  int64_t ldc, std::vector<float>& pack) {
   if (m < kPackRows) return block_matmul<true>(a, lda, b, ldb, K, m, ncols, c, ldc);
   pack.resize(size_t(K) * ncols);
   const int64_t vec_cols = (ncols / kLanes) * kLanes;
@@ -180,18 +247,229 @@ void matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int
   block_matmul<false>(a, lda, pack.data(), ncols, K, m, ncols, c, ldc);
 }
 
+// ---------------------------------------------------------------------------------
+// Quantized (out-major) weights: dot-product tiles.
+
+// Widening of 2 * lanes int8 codes (p) or of lanes bytes = 2 * lanes nibbles in element
+// order (low nibble first) to two float vectors. GCC scalarizes a direct int8 -> float
+// __builtin_convertvector, so the x86 paths use the widening instructions.
+inline void widen_s8(const int8_t* p, vf& w0, vf& w1) {
+#if JM_LANES == 16 && defined(__AVX512F__)
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
+  w0 = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a));
+  w1 = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+#elif defined(__AVX2__)
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  w0 = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
+  w1 = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
+#else
+  vs8 q0, q1;
+  std::memcpy(&q0, p, kLanes);
+  std::memcpy(&q1, p + kLanes, kLanes);
+  w0 = __builtin_convertvector(q0, vf);
+  w1 = __builtin_convertvector(q1, vf);
+#endif
+}
+
+inline void widen_u4(const uint8_t* p, vf& w0, vf& w1) {
+#if defined(__AVX2__)
+  const __m128i m = _mm_set1_epi8(15);
+#if JM_LANES == 16 && defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+  w0 = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+  w1 = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)));
+#else
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+  const __m128i q = _mm_unpacklo_epi8(lo, hi);  // 16 codes in element order
+  w0 = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+  w1 = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
+#endif
+#else
+  vu8 bytes;
+  std::memcpy(&bytes, p, kLanes);
+  const vu8 lo = bytes & uint8_t(15), hi = bytes >> uint8_t(4);
+#if JM_LANES == 16
+  const vu8 q0 = __builtin_shufflevector(lo, hi, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const vu8 q1 = __builtin_shufflevector(lo, hi, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+#else
+  const vu8 q0 = __builtin_shufflevector(lo, hi, 0, 8, 1, 9, 2, 10, 3, 11);
+  const vu8 q1 = __builtin_shufflevector(lo, hi, 4, 12, 5, 13, 6, 14, 7, 15);
+#endif
+  w0 = __builtin_convertvector(q0, vf);
+  w1 = __builtin_convertvector(q1, vf);
+#endif
+}
+
+// Two vectors (2 * lanes consecutive elements along `in`, starting at k) of column `row`.
+template <int Q>
+inline void dequant2(const void* row, int64_t k, float s, float b, vf& w0, vf& w1) {
+  if constexpr (Q == kInt8) {
+    widen_s8(static_cast<const int8_t*>(row) + k, w0, w1);
+    w0 *= s;
+    w1 *= s;
+  } else if constexpr (Q == kInt4) {
+    widen_u4(static_cast<const uint8_t*>(row) + k / 2, w0, w1);
+    w0 = w0 * s + b;
+    w1 = w1 * s + b;
+  } else {  // a float32 tile buffer, already dequantized
+    w0 = load(static_cast<const float*>(row) + k);
+    w1 = load(static_cast<const float*>(row) + k + kLanes);
+  }
+}
+
+// Where column `col` of expert e starts, for the stored layout of kind Q (or the tile buffer).
+struct QCols {
+  const char* base;     // column 0 of the block
+  int64_t stride;       // bytes between columns
+  const void* scales;   // [out, in/g] of this expert, from the block's first column
+  const void* qbias;
+  int stype;
+  int64_t ng, group;
+};
+
+// C[MR, NC] (columns col0.. of C at stride ldc) = A[MR, K] . column rows.
+template <int MR, int NC, int Q>
+void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
+  vf acc[MR][NC];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j) acc[i][j] = vf{};
+  const void* rows[NC];
+  for (int j = 0; j < NC; ++j) rows[j] = w.base + (j0 + j) * w.stride;
+  const int64_t G = Q == kFloat ? K : w.group;
+  for (int64_t g0 = 0; g0 < K; g0 += G) {
+    float s[NC], b[NC];
+    for (int j = 0; j < NC; ++j) {
+      if constexpr (Q == kFloat) {
+        s[j] = 1.f;
+        b[j] = 0.f;
+      } else {
+        const int64_t si = (j0 + j) * w.ng + g0 / G;  // float32 here (float_scales)
+        s[j] = static_cast<const float*>(w.scales)[si];
+        b[j] = w.qbias ? static_cast<const float*>(w.qbias)[si] : 0.f;
+      }
+    }
+    for (int64_t k = g0; k < g0 + G; k += 2 * kLanes) {
+      vf w0[NC], w1[NC];
+      for (int j = 0; j < NC; ++j) dequant2<Q>(rows[j], k, s[j], b[j], w0[j], w1[j]);
+      for (int i = 0; i < MR; ++i) {
+        const vf x0 = load(a + i * lda + k), x1 = load(a + i * lda + k + kLanes);
+        for (int j = 0; j < NC; ++j) {
+          acc[i][j] += x0 * w0[j];
+          acc[i][j] += x1 * w1[j];
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j) c[i * ldc + j0 + j] = hsum(acc[i][j]);
+}
+
+template <int MR, int Q>
+void qrow_tile(const float* a, int64_t lda, const QCols& w, int64_t ncols, int64_t K, float* c, int64_t ldc) {
+  constexpr int NC = MR == 1 ? 4 : 2;
+  int64_t j0 = 0;
+  for (; j0 + NC <= ncols; j0 += NC) qtile<MR, NC, Q>(a, lda, w, j0, K, c, ldc);
+  for (; j0 < ncols; ++j0) qtile<MR, 1, Q>(a, lda, w, j0, K, c, ldc);
+}
+
+template <int Q>
+void qblock(const float* a, int64_t lda, const QCols& w, int64_t m, int64_t ncols, int64_t K, float* c, int64_t ldc) {
+  for (int64_t i0 = 0; i0 < m;) {
+    const int64_t mr = std::min<int64_t>(4, m - i0);
+    const float* ai = a + i0 * lda;
+    float* ci = c + i0 * ldc;
+    switch (mr) {
+      case 1: qrow_tile<1, Q>(ai, lda, w, ncols, K, ci, ldc); break;
+      case 2: qrow_tile<2, Q>(ai, lda, w, ncols, K, ci, ldc); break;
+      case 3: qrow_tile<3, Q>(ai, lda, w, ncols, K, ci, ldc); break;
+      default: qrow_tile<4, Q>(ai, lda, w, ncols, K, ci, ldc); break;
+    }
+    i0 += mr;
+  }
+}
+
+// Dequantizes columns [0, ncols) of the block into pack [ncols, K] float32 (out-major).
+template <int Q>
+void dequant_block(const QCols& w, int64_t ncols, int64_t K, float* pack) {
+  for (int64_t j = 0; j < ncols; ++j) {
+    const void* row = w.base + j * w.stride;
+    for (int64_t g0 = 0; g0 < K; g0 += w.group) {
+      const int64_t si = j * w.ng + g0 / w.group;  // float32 here (float_scales)
+      const float s = static_cast<const float*>(w.scales)[si];
+      const float b = w.qbias ? static_cast<const float*>(w.qbias)[si] : 0.f;
+      for (int64_t k = g0; k < g0 + w.group; k += 2 * kLanes) {
+        vf w0, w1;
+        dequant2<Q>(row, k, s, b, w0, w1);
+        store(pack + j * K + k, w0);
+        store(pack + j * K + k + kLanes, w1);
+      }
+    }
+  }
+}
+
+// The block's scales (and biases) as float32 [ncols, ng] in `buf`: one conversion per
+// group and column, outside the tiles (which then read plain floats).
+inline QCols float_scales(const QCols& w, int64_t ncols, std::vector<float>& buf) {
+  const int64_t n = ncols * w.ng;
+  buf.resize(size_t(w.qbias ? 2 * n : n));
+  for (int64_t i = 0; i < n; ++i) buf[i] = load_scale(w.scales, w.stype, i);
+  if (w.qbias)
+    for (int64_t i = 0; i < n; ++i) buf[n + i] = load_scale(w.qbias, w.stype, i);
+  QCols f = w;
+  f.scales = buf.data();
+  f.qbias = w.qbias ? buf.data() + n : nullptr;
+  f.stype = kSF32;
+  return f;
+}
+
+template <int Q>
+void quant_matmul(const float* a, int64_t lda, const QCols& wq, int64_t K, int64_t m, int64_t ncols, float* c,
+                  int64_t ldc, std::vector<float>& pack) {
+  thread_local std::vector<float> sbuf;
+  const QCols w = float_scales(wq, ncols, sbuf);
+  if (m < kPackRows) return qblock<Q>(a, lda, w, m, ncols, K, c, ldc);
+  pack.resize(size_t(K) * ncols);
+  dequant_block<Q>(w, ncols, K, pack.data());
+  QCols f{reinterpret_cast<const char*>(pack.data()), K * int64_t(sizeof(float)), nullptr, nullptr, 0, 1, K};
+  qblock<kFloat>(a, lda, f, m, ncols, K, c, ldc);
+}
+
+// C[m, ncols] = A[m, in] @ W_e[:, col0 : col0 + ncols] for any weight format.
+void matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t lda, int64_t m, int64_t ncols, float* c,
+            int64_t ldc, std::vector<float>& pack) {
+  const int64_t K = w.in, N = w.out;
+  if (w.kind == kFloat) {
+    if (w.bf16)
+      return float_matmul(a, lda, static_cast<const uint16_t*>(w.data) + e * K * N + col0, N, K, m, ncols, c, ldc, pack);
+    return float_matmul(a, lda, static_cast<const float*>(w.data) + e * K * N + col0, N, K, m, ncols, c, ldc, pack);
+  }
+  const int64_t ng = K / w.group, col = e * N + col0;
+  const int64_t ssize = w.stype == kSF32 ? 4 : 2;
+  const int64_t row_bytes = w.kind == kInt8 ? K : K / 2;
+  QCols q{static_cast<const char*>(w.data) + col * row_bytes,
+          row_bytes,
+          static_cast<const char*>(w.scales) + col * ng * ssize,
+          w.qbias ? static_cast<const char*>(w.qbias) + col * ng * ssize : nullptr,
+          w.stype,
+          ng,
+          w.group};
+  if (w.kind == kInt8) return quant_matmul<kInt8>(a, lda, q, K, m, ncols, c, ldc, pack);
+  return quant_matmul<kInt4>(a, lda, q, K, m, ncols, c, ldc, pack);
+}
+
+// ---------------------------------------------------------------------------------
 struct Problem {
   const float* xs;
   const int32_t* offsets;
   const int32_t* sizes;
-  const void* wg;
-  const void* wu;
-  const void* wd;
-  bool bf16;
+  Weight wg, wu, wd;
   const float* bg;
   const float* bu;
   const float* bd;
-  float* h;   // [P, F] scratch
+  float* h;   // [P, F] scratch (an XLA-allocated result)
   float* ys;  // [P, d]
   int64_t d, F;
   int act;
@@ -207,18 +485,14 @@ struct Task {
   int32_t col0, cols;
 };
 
-template <typename W>
 void run_gate_up(const Problem& p, const Task& t) {
-  thread_local std::vector<float> gbuf, ubuf;
+  thread_local std::vector<float> gbuf, ubuf, pack;
   const int64_t e = t.expert, d = p.d, F = p.F;
-  const W* wg = static_cast<const W*>(p.wg) + e * d * F + t.col0;
-  const W* wu = static_cast<const W*>(p.wu) + e * d * F + t.col0;
   const float* x = p.xs + int64_t(t.row0) * d;
   gbuf.resize(size_t(t.rows) * t.cols);
   ubuf.resize(size_t(t.rows) * t.cols);
-  thread_local std::vector<float> pack;
-  matmul(x, d, wg, F, d, t.rows, t.cols, gbuf.data(), t.cols, pack);
-  matmul(x, d, wu, F, d, t.rows, t.cols, ubuf.data(), t.cols, pack);
+  matmul(p.wg, e, t.col0, x, d, t.rows, t.cols, gbuf.data(), t.cols, pack);
+  matmul(p.wu, e, t.col0, x, d, t.rows, t.cols, ubuf.data(), t.cols, pack);
   for (int64_t i = 0; i < t.rows; ++i) {
     float* hrow = p.h + (int64_t(t.row0) + i) * F + t.col0;
     for (int64_t j = 0; j < t.cols; ++j) {
@@ -240,13 +514,11 @@ void run_gate_up(const Problem& p, const Task& t) {
   }
 }
 
-template <typename W>
 void run_down(const Problem& p, const Task& t) {
-  const int64_t e = t.expert, d = p.d, F = p.F;
-  const W* wd = static_cast<const W*>(p.wd) + e * F * d + t.col0;
-  float* y = p.ys + int64_t(t.row0) * d + t.col0;
   thread_local std::vector<float> pack;
-  matmul(p.h + int64_t(t.row0) * F, F, wd, d, F, t.rows, t.cols, y, d, pack);
+  const int64_t e = t.expert, d = p.d, F = p.F;
+  float* y = p.ys + int64_t(t.row0) * d + t.col0;
+  matmul(p.wd, e, t.col0, p.h + int64_t(t.row0) * F, F, t.rows, t.cols, y, d, pack);
   if (p.bd)
     for (int64_t i = 0; i < t.rows; ++i)
       for (int64_t j = 0; j < t.cols; ++j) y[i * d + j] += p.bd[e * d + t.col0 + j];
@@ -291,77 +563,114 @@ void parallel_tasks(ffi::ThreadPool& pool, const std::vector<Task>& tasks, Fn fn
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
-// Phase 1 (h for every task of up_tasks), then phase 2 (y), W the weights' storage type.
-template <typename W>
-void run_phases(ffi::ThreadPool& pool, const Problem& p, const std::vector<Task>& up_tasks,
-                const std::vector<Task>& down_tasks) {
-  parallel_tasks(pool, up_tasks, [&p](const Task& t) { run_gate_up<W>(p, t); });
-  parallel_tasks(pool, down_tasks, [&p](const Task& t) { run_down<W>(p, t); });
+// Checks one weight operand against its logical [E, in, out] shape; fills `w`.
+ffi::Error bind_weight(const char* name, ffi::AnyBuffer data, ffi::AnyBuffer scales, ffi::AnyBuffer qbias, int32_t kind,
+                       int32_t group, int64_t E, int64_t in, int64_t out, Weight& w) {
+  auto fail = [name](const std::string& why) {
+    return ffi::Error::InvalidArgument(std::string("jaxmoe_grouped_swiglu: ") + name + ": " + why);
+  };
+  const auto dd = data.dimensions();
+  w = Weight{};
+  w.kind = kind;
+  w.in = in;
+  w.out = out;
+  w.data = data.untyped_data();
+  if (kind == kFloat) {
+    const auto t = data.element_type();
+    if (t != ffi::DataType::F32 && t != ffi::DataType::BF16) return fail("float weights must be float32 or bfloat16");
+    if (dd.size() != 3 || dd[0] != E || dd[1] != in || dd[2] != out) return fail("float weights must be [E, in, out]");
+    w.bf16 = t == ffi::DataType::BF16;
+    return ffi::Error::Success();
+  }
+  if (kind != kInt8 && kind != kInt4) return fail("unknown weight kind " + std::to_string(kind));
+  if (group < 2 * kLanes || group % 32 != 0 || in % group != 0)
+    return fail("group size " + std::to_string(group) + " must be a multiple of 32 dividing in=" + std::to_string(in));
+  const int64_t per_byte = kind == kInt4 ? 2 : 1;
+  const auto want_t = kind == kInt4 ? ffi::DataType::U8 : ffi::DataType::S8;
+  if (data.element_type() != want_t || dd.size() != 3 || dd[0] != E || dd[1] != out || dd[2] * per_byte != in)
+    return fail(kind == kInt4 ? "int4 codes must be uint8 [E, out, in/2]" : "int8 codes must be int8 [E, out, in]");
+  const auto st = scales.element_type();
+  if (st != ffi::DataType::F32 && st != ffi::DataType::F16 && st != ffi::DataType::BF16)
+    return fail("scales must be float32, float16 or bfloat16");
+  const auto sd = scales.dimensions();
+  if (sd.size() != 3 || sd[0] != E || sd[1] != out || sd[2] != in / group) return fail("scales must be [E, out, in/g]");
+  w.stype = st == ffi::DataType::F32 ? kSF32 : st == ffi::DataType::F16 ? kSF16 : kSBF16;
+  w.scales = scales.untyped_data();
+  w.group = group;
+  if (qbias.element_count() != 0) {
+    if (qbias.element_type() != st || qbias.element_count() != scales.element_count())
+      return fail("quantization biases must match the scales' shape and dtype");
+    w.qbias = qbias.untyped_data();
+  } else if (kind == kInt4) {
+    return fail("int4 weights need quantization biases");
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error GroupedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi::Buffer<ffi::S32> offsets,
-                             ffi::Buffer<ffi::S32> sizes, ffi::AnyBuffer wg, ffi::AnyBuffer wu, ffi::AnyBuffer wd,
-                             ffi::Buffer<ffi::F32> bg, ffi::Buffer<ffi::F32> bu, ffi::Buffer<ffi::F32> bd,
-                             ffi::ResultBuffer<ffi::F32> ys, int32_t act, float alpha, float limit, int32_t round_h,
-                             int32_t up_block, int32_t down_block) {
+                             ffi::Buffer<ffi::S32> sizes, ffi::AnyBuffer wg, ffi::AnyBuffer sg, ffi::AnyBuffer qg,
+                             ffi::AnyBuffer wu, ffi::AnyBuffer su, ffi::AnyBuffer qu, ffi::AnyBuffer wd,
+                             ffi::AnyBuffer sd, ffi::AnyBuffer qd, ffi::Buffer<ffi::F32> bg, ffi::Buffer<ffi::F32> bu,
+                             ffi::Buffer<ffi::F32> bd, ffi::ResultBuffer<ffi::F32> ys, ffi::ResultBuffer<ffi::F32> hbuf,
+                             int32_t act, float alpha, float limit, int32_t round_h, int32_t kind_gate,
+                             int32_t kind_up, int32_t kind_down, int32_t group_gate, int32_t group_up,
+                             int32_t group_down, int32_t up_block, int32_t down_block) {
   auto xd = xs.dimensions();
-  auto gd = wg.dimensions();
-  if (xd.size() != 2 || gd.size() != 3)
-    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: xs must be [P, d] and w_gate [E, d, F]");
-  const int64_t P = xd[0], d = xd[1], E = gd[0], F = gd[2];
-  if (gd[1] != d) return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: w_gate [E, d, F] does not match xs [P, d]");
-  auto ud = wu.dimensions(), dd = wd.dimensions();
-  if (ud.size() != 3 || ud[0] != E || ud[1] != d || ud[2] != F || dd.size() != 3 || dd[0] != E || dd[1] != F ||
-      dd[2] != d)
-    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: w_up must be [E, d, F] and w_down [E, F, d]");
-  const auto wt = wg.element_type();
-  if (wu.element_type() != wt || wd.element_type() != wt ||
-      (wt != ffi::DataType::F32 && wt != ffi::DataType::BF16))
-    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: weights must all be float32 or all bfloat16");
-  if (offsets.element_count() != size_t(E) || sizes.element_count() != size_t(E))
-    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: offsets and sizes must be [E]");
+  auto ud = offsets.dimensions();
+  if (xd.size() != 2 || ud.size() != 1)
+    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: xs must be [P, d] and offsets [E]");
+  const int64_t P = xd[0], d = xd[1], E = ud[0];
+  auto hd = hbuf->dimensions();
+  if (hd.size() != 2 || hd[0] != P)
+    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: the h result must be [P, F]");
+  const int64_t F = hd[1];
+  if (sizes.element_count() != size_t(E))
+    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: offsets and sizes must both be [E]");
+  if (up_block < 1 || down_block < 1)
+    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: up_block and down_block must be positive");
+  Problem p{};
+  if (auto err = bind_weight("w_gate", wg, sg, qg, kind_gate, group_gate, E, d, F, p.wg); err.failure()) return err;
+  if (auto err = bind_weight("w_up", wu, su, qu, kind_up, group_up, E, d, F, p.wu); err.failure()) return err;
+  if (auto err = bind_weight("w_down", wd, sd, qd, kind_down, group_down, E, F, d, p.wd); err.failure()) return err;
   const bool has_bias = bg.element_count() != 0;
   if (has_bias && (bg.element_count() != size_t(E * F) || bu.element_count() != size_t(E * F) ||
                    bd.element_count() != size_t(E * d)))
     return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: biases must be [E, F], [E, F], [E, d] or empty");
 
-  Problem p{};
   p.xs = xs.typed_data();
   p.offsets = offsets.typed_data();
   p.sizes = sizes.typed_data();
-  int64_t covered = 0;
+  int64_t covered = 0, end = 0;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t o = p.offsets[e], n = p.sizes[e];
     if (n < 0 || o < 0 || o + n > P)
-      return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: an expert's rows run outside xs");
+      return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: expert " + std::to_string(e) + "'s rows [" +
+                                         std::to_string(o) + ", " + std::to_string(o + n) + ") run outside xs [0, " +
+                                         std::to_string(P) + ")");
+    if (n > 0 && o < end)
+      return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: group ranges must be sorted by expert and disjoint; "
+                                         "expert " + std::to_string(e) + " starts at row " + std::to_string(o) +
+                                         " before the previous range ends at " + std::to_string(end));
+    if (n > 0) end = o + n;
     covered += n;
   }
-  p.wg = wg.untyped_data();
-  p.wu = wu.untyped_data();
-  p.wd = wd.untyped_data();
-  p.bf16 = wt == ffi::DataType::BF16;
   p.bg = has_bias ? bg.typed_data() : nullptr;
   p.bu = has_bias ? bu.typed_data() : nullptr;
   p.bd = has_bias ? bd.typed_data() : nullptr;
   p.ys = ys->typed_data();
+  p.h = hbuf->typed_data();
   p.d = d;
   p.F = F;
   p.act = act;
   p.alpha = alpha;
   p.limit = limit;
   p.round_h = round_h != 0;
-  std::vector<float> h(size_t(P) * F);
-  p.h = h.data();
   if (covered < P) std::memset(p.ys, 0, sizeof(float) * size_t(P) * d);  // rows no expert owns
 
-  if (up_block < 1 || down_block < 1)
-    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: up_block and down_block must be positive");
   const auto up_tasks = make_tasks(p, E, F, up_block);
   const auto down_tasks = make_tasks(p, E, d, down_block);
-  if (p.bf16)
-    run_phases<uint16_t>(pool, p, up_tasks, down_tasks);
-  else
-    run_phases<float>(pool, p, up_tasks, down_tasks);
+  parallel_tasks(pool, up_tasks, [&p](const Task& t) { run_gate_up(p, t); });
+  parallel_tasks(pool, down_tasks, [&p](const Task& t) { run_down(p, t); });
   return ffi::Error::Success();
 }
 
@@ -373,16 +682,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeGroupedSwiglu, GroupedSwigluImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // xs
                                   .Arg<ffi::Buffer<ffi::S32>>()  // offsets
                                   .Arg<ffi::Buffer<ffi::S32>>()  // sizes
-                                  .Arg<ffi::AnyBuffer>()         // w_gate
-                                  .Arg<ffi::AnyBuffer>()         // w_up
-                                  .Arg<ffi::AnyBuffer>()         // w_down
+                                  .Arg<ffi::AnyBuffer>()         // w_gate data
+                                  .Arg<ffi::AnyBuffer>()         // w_gate scales
+                                  .Arg<ffi::AnyBuffer>()         // w_gate qbias
+                                  .Arg<ffi::AnyBuffer>()         // w_up data
+                                  .Arg<ffi::AnyBuffer>()         // w_up scales
+                                  .Arg<ffi::AnyBuffer>()         // w_up qbias
+                                  .Arg<ffi::AnyBuffer>()         // w_down data
+                                  .Arg<ffi::AnyBuffer>()         // w_down scales
+                                  .Arg<ffi::AnyBuffer>()         // w_down qbias
                                   .Arg<ffi::Buffer<ffi::F32>>()  // b_gate
                                   .Arg<ffi::Buffer<ffi::F32>>()  // b_up
                                   .Arg<ffi::Buffer<ffi::F32>>()  // b_down
                                   .Ret<ffi::Buffer<ffi::F32>>()  // ys
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // h (scratch)
                                   .Attr<int32_t>("act")
                                   .Attr<float>("alpha")
                                   .Attr<float>("limit")
                                   .Attr<int32_t>("round_h")
+                                  .Attr<int32_t>("kind_gate")
+                                  .Attr<int32_t>("kind_up")
+                                  .Attr<int32_t>("kind_down")
+                                  .Attr<int32_t>("group_gate")
+                                  .Attr<int32_t>("group_up")
+                                  .Attr<int32_t>("group_down")
                                   .Attr<int32_t>("up_block")
                                   .Attr<int32_t>("down_block"));

@@ -6,16 +6,24 @@ this module) reads the selected experts' weights in place instead: tasks over (e
 block) with float32 register tiles, on XLA's intra-op thread pool. Everything around
 it (routing, sorting the pairs, the shared expert, the weighted combine) stays in XLA.
 
+Weight formats, each read where it lies: float32 / bfloat16 ``[E, in, out]``, and
+`QuantizedTensor` kinds ``int8`` (GGUF Q8_0: int8 codes ``[E, out, in]``, a scale per
+group of 32) and ``int4`` (MLX affine 4-bit and GGUF Q4_0: packed nibbles, a scale and a
+bias per group of 32 / 64 / 128), with float32, float16 or bfloat16 scales; gate, up and
+down may each have their own format. Quantized codes are widened and scaled in
+registers inside the tiles (tasks with >= 8 rows dequantize their block of columns into
+a float32 tile buffer first); activations stay float32, so the result is within float
+rounding of the float64 forward of the dequantized weights. Other QuantizedTensor kinds
+are refused (`supports` says why) and ``auto`` sends them to ``gather`` / ``xla``.
+
 The C++ source is compiled on first use (`jaxmoe.impls.cpu.build`);
 `cpu_kernel_status` says whether it built; ``impl="auto"`` takes it on CPU only when it
 did, ``impl="cpu"`` raises with the compiler's message when it did not.
 
-Scope: float32 or bfloat16 expert weights (not `QuantizedTensor`; those go through
-``xla``, which dequantizes the touched experts), ``swiglu`` and ``swiglu_oai``,
-optional biases, ``weight_on_input``. Gradients: the backward pass is the VJP of the
-``gather`` path (a `jax.custom_vjp`; ``xla``'s loop over a traced number of experts
-has no reverse mode), so ``jax.grad`` through ``impl="cpu"`` works, at ``gather``'s
-speed.
+Also ``swiglu`` and ``swiglu_oai``, optional biases, ``weight_on_input``. Gradients: the
+backward pass is the VJP of the ``gather`` path (a `jax.custom_vjp`; ``xla``'s loop over
+a traced number of experts has no reverse mode), so ``jax.grad`` through ``impl="cpu"``
+works, at ``gather``'s speed.
 """
 
 from __future__ import annotations
@@ -34,18 +42,62 @@ from jaxmoe.impls.cpu.build import TARGET, cpu_kernel_status
 from jaxmoe.quant import QuantizedTensor
 from jaxmoe.routing import Routing
 
+#: Weight formats of the C++ kernel (the ``kind_*`` attributes of the custom call).
+FLOAT, INT8, INT4 = 0, 1, 2
+_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+_QKINDS = {"int8": (INT8, jnp.dtype(jnp.int8)), "int4": (INT4, jnp.dtype(jnp.uint8))}
+
+
+def _weight_problem(name: str, w) -> str | None:
+    """Why the kernel cannot read weight ``name`` in its stored format, or None."""
+    if not isinstance(w, QuantizedTensor):
+        if jnp.dtype(w.dtype) not in _FLOAT_DTYPES:
+            return f"impl='cpu' takes float32, bfloat16 or int8/int4-quantized experts; {name} is {w.dtype}"
+        return None
+    if w.kind not in _QKINDS:
+        return (
+            f"impl='cpu' reads QuantizedTensor kinds {sorted(_QKINDS)}; {name} is kind={w.kind!r} "
+            f"(qdata {tuple(w.qdata.shape)}); use impl='xla'"
+        )
+    code_dtype = _QKINDS[w.kind][1]
+    if jnp.dtype(w.qdata.dtype) != code_dtype or w.qdata.ndim != 3:
+        got = f"{w.qdata.dtype} {tuple(w.qdata.shape)}"
+        return f"impl='cpu': {name} ({w.kind}) needs {code_dtype} codes [E, out, in], got {got}"
+    if w.group_size % 32:
+        return (
+            f"impl='cpu': {name} ({w.kind}) has group size {w.group_size}; the kernel takes multiples of 32 "
+            f"(GGUF 32, MLX 32/64/128); use impl='xla'"
+        )
+    scales = w.scales
+    if scales is None or jnp.dtype(scales.dtype) not in _SCALE_DTYPES:
+        got = None if scales is None else scales.dtype
+        return f"impl='cpu': {name} ({w.kind}) scales must be float32, float16 or bfloat16, got {got}"
+    if w.biases is not None and jnp.dtype(w.biases.dtype) != jnp.dtype(scales.dtype):
+        return f"impl='cpu': {name} ({w.kind}) biases {w.biases.dtype} must have the scales' dtype {scales.dtype}"
+    return None
+
 
 def supports(ew: ExpertWeights, dtype) -> str | None:
-    """None when the kernel takes these experts, else why not (for errors and ``auto``)."""
-    ws = (ew.w_gate, ew.w_up, ew.w_down)
-    if any(isinstance(w, QuantizedTensor) for w in ws):
-        return "quantized experts (QuantizedTensor) are not supported by impl='cpu'; use impl='xla'"
-    dts = {jnp.dtype(w.dtype) for w in ws}
-    if len(dts) != 1 or dts.pop() not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        return f"impl='cpu' takes float32 or bfloat16 expert weights, got {[str(w.dtype) for w in ws]}"
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    """None when the kernel takes these experts, else why not (for errors and ``auto``).
+
+    Each of ``w_gate``, ``w_up``, ``w_down`` may be float32, bfloat16 or a `QuantizedTensor`
+    of kind ``int8`` / ``int4`` (group size a multiple of 32, scales float32 / float16 /
+    bfloat16), independently (mixed formats in one layer). Activations: float32 or
+    bfloat16; bfloat16 activations are refused with float32 experts (the kernel does not
+    round float32 weights to bfloat16), and taken with quantized ones (weights
+    dequantized to float32 in registers: more exact than a bfloat16 copy).
+    """
+    ws = {"w_gate": ew.w_gate, "w_up": ew.w_up, "w_down": ew.w_down}
+    for name, w in ws.items():
+        why = _weight_problem(name, w)
+        if why:
+            return why
+    if jnp.dtype(dtype) not in _FLOAT_DTYPES:
         return f"impl='cpu' takes float32 or bfloat16 activations, got {jnp.dtype(dtype)}"
-    if jnp.dtype(dtype) == jnp.bfloat16 and jnp.dtype(ew.w_gate.dtype) == jnp.float32:
+    if jnp.dtype(dtype) == jnp.bfloat16 and any(
+        not isinstance(w, QuantizedTensor) and jnp.dtype(w.dtype) == jnp.float32 for w in ws.values()
+    ):
         return (
             "impl='cpu' does not round float32 experts to a bfloat16 compute dtype; "
             "store the experts in bfloat16 or use impl='xla'"
@@ -94,27 +146,71 @@ UP_BLOCK = 64
 DOWN_BLOCK = 128
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _forward(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
-    t, d = x.shape
-    e = ew.num_experts
-    plan = plan_dispatch(routing.expert_ids, e, 1)
-    xs = sorted_inputs(x, routing, plan, cfg).astype(jnp.float32)  # [P, d]
+def _operands(w) -> tuple[tuple, int, int]:
+    """``(data, scales, qbias)``, kind and group size of one weight for the custom call."""
+    empty = jnp.zeros((0,), jnp.float32)
+    if not isinstance(w, QuantizedTensor):
+        return (w, empty, empty), FLOAT, 0
+    scales = w.scales
+    assert scales is not None  # supports() refused the kinds without scales
+    qb = w.biases if w.biases is not None else jnp.zeros((0,), scales.dtype)
+    return (w.qdata, scales, qb), _QKINDS[w.kind][0], w.group_size
+
+
+def grouped_swiglu(
+    xs: jax.Array,
+    offsets: jax.Array,
+    sizes: jax.Array,
+    ew: ExpertWeights,
+    cfg: MoEConfig,
+    *,
+    round_h: bool = False,
+    up_block: int = UP_BLOCK,
+    down_block: int = DOWN_BLOCK,
+) -> jax.Array:
+    """The custom call itself: ``xs [P, d]`` float32 rows sorted by expert -> ``[P, d]`` float32.
+
+    Expert ``e`` owns rows ``[offsets[e], offsets[e] + sizes[e])`` (``[E]`` int32 each);
+    the non-empty ranges must be sorted by expert, disjoint and inside ``[0, P)``, else the
+    call fails with an error naming the expert (checked in C++ when it runs). Rows no
+    expert owns come back zero. ``round_h`` rounds the hidden activations to bfloat16.
+    """
+    p, f = xs.shape[0], cfg.expert_dim
+    (wg, kg, gg), (wu, ku, gu), (wd, kd, gd) = (_operands(w) for w in (ew.w_gate, ew.w_up, ew.w_down))
     biases = ew.biases_f32() or (jnp.zeros((0,), jnp.float32),) * 3
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(xs.shape, jnp.float32), vmap_method="sequential")
-    ys = call(
-        xs,
-        plan.group_offsets[:e].astype(jnp.int32),
-        plan.group_sizes.astype(jnp.int32),
-        ew.w_gate,
-        ew.w_up,
-        ew.w_down,
+    call = jax.ffi.ffi_call(
+        TARGET,
+        (jax.ShapeDtypeStruct((p, xs.shape[1]), jnp.float32), jax.ShapeDtypeStruct((p, f), jnp.float32)),
+        vmap_method="sequential",
+    )
+    ys, _ = call(
+        xs.astype(jnp.float32),
+        offsets.astype(jnp.int32),
+        sizes.astype(jnp.int32),
+        *wg,
+        *wu,
+        *wd,
         *biases,
         act=np.int32(0 if cfg.activation == "swiglu" else 1),
         alpha=np.float32(cfg.swiglu_alpha),
         limit=np.float32(cfg.swiglu_limit),
-        round_h=np.int32(x.dtype == jnp.bfloat16),
-        up_block=np.int32(UP_BLOCK),
-        down_block=np.int32(DOWN_BLOCK),
+        round_h=np.int32(round_h),
+        kind_gate=np.int32(kg),
+        kind_up=np.int32(ku),
+        kind_down=np.int32(kd),
+        group_gate=np.int32(gg),
+        group_up=np.int32(gu),
+        group_down=np.int32(gd),
+        up_block=np.int32(up_block),
+        down_block=np.int32(down_block),
     )
+    return ys
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _forward(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+    e = ew.num_experts
+    plan = plan_dispatch(routing.expert_ids, e, 1)
+    xs = sorted_inputs(x, routing, plan, cfg).astype(jnp.float32)  # [P, d]
+    ys = grouped_swiglu(xs, plan.group_offsets[:e], plan.group_sizes, ew, cfg, round_h=bool(x.dtype == jnp.bfloat16))
     return combine(ys, routing, plan, cfg)
