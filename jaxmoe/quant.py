@@ -11,6 +11,13 @@ way GGUF, MLX and torch store it:
   order of MLX's uint32 words on a little-endian machine), ``scales``/``biases``
   ``[..., out, in/g]``, ``W[i, o] = scales[o, i//g] * q[o, i] + biases[o, i//g]``.
   Q4_0 is ``scale = d, bias = -8 d``.
+- GGUF block kinds ``"q4_1"``, ``"q5_0"``, ``"q5_1"`` (blocks of 32) and ``"q4_k"``,
+  ``"q5_k"``, ``"q6_k"`` (super-blocks of 256): ``qdata [..., out, n_blocks * block_bytes]``
+  uint8 holds the file's block bytes of each output row unchanged, ``scales`` and ``biases``
+  are None and ``group_size`` is the block size (`GGUF_BLOCKS`). `dequantize` decodes the
+  blocks in jnp, bit-exact with ``gguf.quants.dequantize`` (the same float32 operations in
+  the same order), and `nbytes` is the file's byte count. `gguf_block_tensor` builds one
+  with errors that name the tensor.
 
 The quantizers here follow MLX's affine rule (docs/routing.md, "MLX affine 4-bit") and GGUF's Q8_0
 rule; bit-exact converters from stored GGUF / MLX bytes live in `jaxmoe.io`.
@@ -24,7 +31,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-KINDS = ("int8", "int4")
+#: GGUF block kinds kept as their raw block bytes: ``kind -> (elements per block, bytes per block)``
+#: (ggml's ``GGML_QUANT_SIZES``).
+GGUF_BLOCKS: dict[str, tuple[int, int]] = {
+    "q4_1": (32, 20),
+    "q5_0": (32, 22),
+    "q5_1": (32, 24),
+    "q4_k": (256, 144),
+    "q5_k": (256, 176),
+    "q6_k": (256, 210),
+}
+KINDS = ("int8", "int4", *GGUF_BLOCKS)
 
 #: What a `QuantizedTensor` holds: device arrays, or host numpy arrays right after loading.
 Buffer = jax.Array | np.ndarray
@@ -34,7 +51,7 @@ Buffer = jax.Array | np.ndarray
 @dataclasses.dataclass(frozen=True)
 class QuantizedTensor:
     qdata: Buffer
-    scales: Buffer
+    scales: Buffer | None
     biases: Buffer | None
     kind: str = dataclasses.field(metadata=dict(static=True), default="int8")
     group_size: int = dataclasses.field(metadata=dict(static=True), default=32)
@@ -42,8 +59,13 @@ class QuantizedTensor:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"QuantizedTensor.kind: unknown {self.kind!r}; expected one of {KINDS}")
+        if self.kind in GGUF_BLOCKS:
+            check_gguf_blocks(self, "QuantizedTensor")
+            return
         if not isinstance(self.qdata, jax.Array | np.ndarray):  # tracers / sentinels under transforms
             return
+        if self.scales is None:
+            raise ValueError(f"QuantizedTensor: kind {self.kind!r} needs scales")
         per_byte = 2 if self.kind == "int4" else 1
         n_in = self.qdata.shape[-1] * per_byte
         if n_in % self.group_size or self.scales.shape != (*self.qdata.shape[:-1], n_in // self.group_size):
@@ -57,8 +79,11 @@ class QuantizedTensor:
     @property
     def shape(self) -> tuple[int, ...]:
         """The logical ``[..., in, out]`` shape."""
-        per_byte = 2 if self.kind == "int4" else 1
         *lead, out, n = self.qdata.shape
+        if self.kind in GGUF_BLOCKS:
+            block, block_bytes = GGUF_BLOCKS[self.kind]
+            return (*lead, n // block_bytes * block, out)
+        per_byte = 2 if self.kind == "int4" else 1
         return (*lead, n * per_byte, out)
 
     @property
@@ -67,23 +92,35 @@ class QuantizedTensor:
 
     @property
     def dtype(self):
+        """The scales' dtype (float16 for the GGUF block kinds, whose scales are float16)."""
+        if self.scales is None:
+            return np.dtype(np.float16)
         return self.scales.dtype
 
     @property
     def nbytes(self) -> int:
-        b = self.qdata.size * self.qdata.dtype.itemsize + self.scales.size * self.scales.dtype.itemsize
+        """Bytes held (for a GGUF block kind: exactly the file's bytes of the tensor)."""
+        b = self.qdata.size * self.qdata.dtype.itemsize
+        if self.scales is not None:
+            b += self.scales.size * self.scales.dtype.itemsize
         if self.biases is not None:
             b += self.biases.size * self.biases.dtype.itemsize
         return int(b)
 
     def codes(self) -> jax.Array:
-        """Integer codes ``[..., out, in]`` (int8 for int8, 0..15 as int8 for int4)."""
+        """Integer codes ``[..., out, in]`` (int8 for int8, 0..15 as int8 for int4; the GGUF
+        block kinds have no separate codes: ValueError)."""
+        if self.kind in GGUF_BLOCKS:
+            raise ValueError(f"QuantizedTensor.codes: kind {self.kind!r} keeps raw GGUF blocks; use dequantize()")
         if self.kind == "int8":
             return jnp.asarray(self.qdata)
         return unpack_int4(jnp.asarray(self.qdata))
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The logical weight ``[..., in, out]`` in ``dtype`` (math in float32)."""
+        if self.kind in GGUF_BLOCKS:
+            return jnp.swapaxes(dequantize_gguf_rows(jnp.asarray(self.qdata), self.kind), -1, -2).astype(dtype)
+        assert self.scales is not None
         q = self.codes().astype(jnp.float32)
         *lead, out, n = q.shape
         g = self.group_size
@@ -97,11 +134,150 @@ class QuantizedTensor:
         """Indexes the leading (expert) axes only."""
         return QuantizedTensor(
             self.qdata[idx],
-            self.scales[idx],
+            None if self.scales is None else self.scales[idx],
             None if self.biases is None else self.biases[idx],
             self.kind,
             self.group_size,
         )
+
+
+def check_gguf_blocks(w: QuantizedTensor, name: str = "QuantizedTensor") -> None:
+    """ValueError naming ``name``, the kind and the shapes unless ``w`` is a well-formed GGUF
+    block tensor (uint8 ``[..., out, n_blocks * block_bytes]``, no scales / biases,
+    ``group_size`` = the block size). Tracers are checked by shape only."""
+    block, block_bytes = GGUF_BLOCKS[w.kind]
+    where = f"{name} ({w.kind.upper()}, block {block} in {block_bytes} bytes)"
+    if w.scales is not None or w.biases is not None:
+        raise ValueError(f"{where}: a GGUF block tensor keeps its scales inside the blocks; scales/biases must be None")
+    if w.group_size != block:
+        raise ValueError(f"{where}: group_size must be the block size {block}, got {w.group_size}")
+    shape = getattr(w.qdata, "shape", None)
+    if shape is None:  # sentinels under transforms
+        return
+    if len(shape) < 2:
+        raise ValueError(f"{where}: block bytes must be [..., out, n_blocks * {block_bytes}], got shape {tuple(shape)}")
+    dt = getattr(w.qdata, "dtype", None)
+    if dt is not None and np.dtype(dt) != np.uint8:
+        raise ValueError(f"{where}: block bytes must be uint8, got {dt} of shape {tuple(shape)}")
+    if shape[-1] % block_bytes:
+        raise ValueError(
+            f"{where}: rows of {shape[-1]} bytes (shape {tuple(shape)}) are not a whole number of "
+            f"{block_bytes}-byte blocks (truncated or wrong-sized block buffer)"
+        )
+
+
+def gguf_block_tensor(raw, kind: str, n_in: int | None = None, name: str = "weight") -> QuantizedTensor:
+    """A GGUF block `QuantizedTensor` from block bytes ``[..., out, n_blocks * block_bytes]``.
+
+    ``kind`` is a `GGUF_BLOCKS` key (case-insensitive, e.g. ``"Q4_K"``); ``n_in``, when
+    given, is the logical input width the bytes must hold. Raises ValueError naming
+    ``name``, the type and the shapes for an unknown type, a width that is not a multiple
+    of the block, or a truncated / wrong-sized buffer. Keeps numpy / jax leaves as given.
+    """
+    k = str(kind).lower()
+    shape = tuple(getattr(raw, "shape", ()))
+    if k not in GGUF_BLOCKS:
+        raise ValueError(
+            f"{name}: GGUF type {kind!r} (bytes of shape {shape}) is not a block kind jaxmoe keeps quantized; "
+            f"expected one of {sorted(GGUF_BLOCKS)}"
+        )
+    block, block_bytes = GGUF_BLOCKS[k]
+    if n_in is not None:
+        if n_in % block:
+            raise ValueError(
+                f"{name} ({k.upper()}): input width {n_in} is not a multiple of the block size {block} "
+                f"(bytes of shape {shape})"
+            )
+        want = n_in // block * block_bytes
+        if not shape or shape[-1] != want:
+            raise ValueError(
+                f"{name} ({k.upper()}): block bytes of shape {shape} do not hold width {n_in}: rows must be "
+                f"{want} bytes ({n_in // block} blocks of {block_bytes})"
+            )
+    w = object.__new__(QuantizedTensor)
+    for f, v in (("qdata", raw), ("scales", None), ("biases", None), ("kind", k), ("group_size", block)):
+        object.__setattr__(w, f, v)
+    check_gguf_blocks(w, name)
+    return w
+
+
+def _f16(b) -> jax.Array:
+    """``[..., 2]`` uint8 (little-endian) -> ``[...]`` float32 via float16."""
+    return jax.lax.bitcast_convert_type(b, jnp.float16).astype(jnp.float32)
+
+
+def _k_scale_min(s) -> tuple[jax.Array, jax.Array]:
+    """Q4_K / Q5_K 12 packed scale bytes ``[..., 12]`` -> 6-bit scales and mins ``[..., 8]``."""
+    d, m, m_d = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = jnp.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = jnp.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _nibbles(qs, chunk: int) -> jax.Array:
+    """``[..., n * chunk]`` bytes -> ``[..., n * 2 * chunk]``: per chunk of bytes, its low
+    nibbles then its high nibbles (ggml's order)."""
+    q = qs.reshape(*qs.shape[:-1], -1, 1, chunk) >> jnp.array([0, 4], jnp.uint8).reshape(2, 1)
+    return (q & 0x0F).reshape(*qs.shape[:-1], -1)
+
+
+def _bits(qh, n_bits: int, width: int, step: int = 1) -> jax.Array:
+    """Bit-planes ``[..., n_bits * width]``: plane ``i`` is ``(qh >> step*i) & mask`` over ``width`` bytes."""
+    sh = jnp.arange(0, n_bits * step, step, dtype=qh.dtype).reshape(n_bits, 1)
+    return (qh.reshape(*qh.shape[:-1], -1, 1, width) >> sh).reshape(*qh.shape[:-1], -1)
+
+
+def dequantize_gguf_blocks(b: jax.Array, kind: str) -> jax.Array:
+    """GGUF blocks ``[..., block_bytes]`` uint8 -> float32 ``[..., block]``, bit-exact with
+    ``gguf.quants.dequantize`` (same float32 operations in the same order)."""
+    f32 = jnp.float32
+    if kind in ("q4_1", "q5_0", "q5_1"):
+        d = _f16(b[..., 0:2])[..., None]
+        o = 4 if kind == "q5_1" else 2
+        m = _f16(b[..., 2:4])[..., None]  # Q5_0 has no min: these bytes are its qh, unused as m
+        if kind == "q4_1":
+            q = _nibbles(b[..., 4:20], 16).astype(f32)
+            return d * q + m
+        qh = jax.lax.bitcast_convert_type(b[..., o : o + 4], jnp.uint32)[..., None]
+        hi = ((qh >> jnp.arange(32, dtype=jnp.uint32)) & 1).astype(jnp.uint8)
+        ql = _nibbles(b[..., o + 4 : o + 20], 16)
+        q = ql | (hi << 4)
+        if kind == "q5_0":
+            return d * (q.astype(jnp.int8) - jnp.int8(16)).astype(f32)
+        return d * q.astype(f32) + m
+    if kind in ("q4_k", "q5_k"):
+        d = _f16(b[..., 0:2])[..., None]
+        dmin = _f16(b[..., 2:4])[..., None]
+        sc, mn = _k_scale_min(b[..., 4:16])
+        ds = (d * sc.astype(f32))[..., None]  # [..., 8, 1]
+        dm = (dmin * mn.astype(f32))[..., None]
+        if kind == "q4_k":
+            q = _nibbles(b[..., 16:144], 32)
+        else:
+            ql = _nibbles(b[..., 48:176], 32)
+            qh = _bits(b[..., 16:48], 8, 32) & 0x01
+            q = ql | (qh << 4)
+        q = q.reshape(*b.shape[:-1], 8, 32).astype(f32)
+        return (ds * q - dm).reshape(*b.shape[:-1], 256)
+    if kind == "q6_k":
+        ql = _nibbles(b[..., 0:128], 64)  # [..., 256]: per 64-byte half, low then high nibbles
+        qh = _bits(b[..., 128:192], 4, 32, step=2) & 0x03  # [..., 256]
+        sc = jax.lax.bitcast_convert_type(b[..., 192:208], jnp.int8).astype(f32)
+        d = _f16(b[..., 208:210])[..., None]
+        ds = (d * sc)[..., None]  # [..., 16, 1]
+        q = (ql | (qh << 4)).astype(jnp.int8) - jnp.int8(32)
+        q = q.reshape(*b.shape[:-1], 16, 16).astype(f32)
+        return (ds * q).reshape(*b.shape[:-1], 256)
+    raise ValueError(f"dequantize_gguf_blocks: unknown GGUF block kind {kind!r}; expected one of {sorted(GGUF_BLOCKS)}")
+
+
+def dequantize_gguf_rows(raw: jax.Array, kind: str) -> jax.Array:
+    """Rows of GGUF blocks ``[..., out, n_blocks * block_bytes]`` uint8 -> float32 ``[..., out, in]``."""
+    block, block_bytes = GGUF_BLOCKS[kind]
+    *lead, out, row = raw.shape
+    nb = row // block_bytes
+    w = dequantize_gguf_blocks(raw.reshape(*lead, out, nb, block_bytes), kind)
+    return w.reshape(*lead, out, nb * block)
 
 
 def unpack_int4(packed: jax.Array) -> jax.Array:
@@ -122,9 +298,14 @@ def pack_int4(codes) -> np.ndarray:
 
 
 def materialize(w, dtype) -> jax.Array:
-    """A float weight in ``dtype``: dequantizes a `QuantizedTensor`, casts an array."""
+    """A float weight in ``dtype``: dequantizes a `QuantizedTensor`, casts an array.
+
+    The dequantized weight sits behind `jax.lax.optimization_barrier`: fused into its
+    consumers, XLA:CPU (jax 0.10) computed a layer with a Q5_0 shared expert 4% off under
+    ``jit`` (tests/test_quant_gguf.py, ``test_jitted_layer_with_block_shared_expert...``).
+    """
     if isinstance(w, QuantizedTensor):
-        return w.dequantize(dtype)
+        return jax.lax.optimization_barrier(w.dequantize(dtype))
     return w.astype(dtype)
 
 

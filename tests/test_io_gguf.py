@@ -25,8 +25,9 @@ from jaxmoe.config import load_config as load_preset_config
 from jaxmoe.io import gguf as jgguf
 from jaxmoe.io import gguf_codec as gq
 from jaxmoe.io.errors import CheckpointError
+from jaxmoe.offload.store import GGUFStore
 from jaxmoe.params import MoEParams
-from jaxmoe.quant import QuantizedTensor, quantize_int4_affine
+from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor, quantize_int4_affine
 
 # ----------------------------------------------------------------------------- writing helpers
 
@@ -55,6 +56,8 @@ def encode(rng, w: np.ndarray, qtype):
         return w.astype(np.float16), None
     if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
         return kquant_bytes(rng, w.shape, qtype), qtype
+    if qtype in (QT.Q4_1, QT.Q5_0, QT.Q5_1):  # quantize the values the test drew
+        return gguf.quants.quantize(w.astype(np.float32), qtype), qtype
     return gguf.quants.quantize(w.astype(np.float32), qtype), qtype
 
 
@@ -163,6 +166,7 @@ class Case:
     fs: int = 0
     qtypes: tuple = (QT.F32, QT.F32, QT.F32)  # gate, up, down
     shared_q: object = QT.F32
+    shared_down_q: object = None  # default: shared_q
     probs_b: bool = False
     oai: bool = False
     gated_shared: bool = False
@@ -209,7 +213,7 @@ def make_layer(rng, c: Case, layer: int):
             "ffn_down_shexp.weight",
             "sh_down",
             (rng.standard_normal((d, fs)) / np.sqrt(fs)).astype(np.float32),
-            c.shared_q,
+            c.shared_q if c.shared_down_q is None else c.shared_down_q,
         )
         if c.gated_shared:
             put("ffn_gate_inp_shexp.weight", "sh_inp", rng.standard_normal(d).astype(np.float32) * sc)
@@ -380,7 +384,7 @@ def test_gguf_layer_matches_llama_cpp_reference(name, rng, tmp_path):
     block = jaxmoe.from_pretrained(path, layer=c.layer)
     x = (rng.standard_normal((7, c.d)) * 0.5).astype(np.float32)
     # quantized cases take the decode path (per-token gathered experts), float ones the oracle
-    impl = "gather" if QT.Q8_0 in c.qtypes or QT.Q4_0 in c.qtypes else "dense"
+    impl = "gather" if any(q in gq.KEPT_QUANTIZED for q in c.qtypes) else "dense"
     y = np.asarray(block(x, impl=impl))
     assert rel_err(y, np_moe(x, ref, **c.ref)) < 2e-5, name
     # The loaded config is the arch's llama.cpp semantics, not the file's guesswork.
@@ -389,10 +393,10 @@ def test_gguf_layer_matches_llama_cpp_reference(name, rng, tmp_path):
     assert (rc.renorm, rc.renorm_eps) == (("clamp", 2.0**-14) if c.ref["norm"] else ("none", 0.0))
     assert rc.routed_scaling_factor == pytest.approx(c.ref.get("scale", 1.0))
     assert block.cfg.shared_expert_dim == c.fs
-    # Q8_0 / Q4_0 experts stay quantized; everything else became floats.
+    # Q8_0 / Q4_0 / the GGUF block types stay quantized; everything else became floats.
     for wname, qt in zip(("w_gate", "w_up", "w_down"), c.qtypes):
         wt = getattr(block.params().experts, wname)
-        assert isinstance(wt, QuantizedTensor) == (qt in (QT.Q8_0, QT.Q4_0)), (wname, qt)
+        assert isinstance(wt, QuantizedTensor) == (qt in gq.KEPT_QUANTIZED), (wname, qt)
 
 
 @pytest.mark.parametrize(
@@ -410,6 +414,71 @@ def test_weight_conversion_bit_exact_with_gguf_dequantize(qtype, rng):
         assert isinstance(w, QuantizedTensor) and w.kind == ("int8" if qtype == QT.Q8_0 else "int4")
         back = gq.quantized_to_q8_0(w) if qtype == QT.Q8_0 else gq.quantized_to_q4_0(w)
         np.testing.assert_array_equal(back, data)
+
+
+Q4_K_M = Case(  # llama.cpp's Q4_K_M mix: gate/up Q4_K, down Q6_K; fallbacks Q5_0 / Q8_0 per tensor
+    "qwen35moe",
+    {"expert_used_count": 2, "expert_feed_forward_length": 256, "expert_shared_feed_forward_length": 256},
+    dict(k=2, gating="softmax", norm=True, gated_shared=True),
+    e=4,
+    d=256,
+    f=256,
+    fs=256,
+    gated_shared=True,
+    qtypes=(QT.Q4_K, QT.Q4_K, QT.Q6_K),
+    shared_q=QT.Q5_0,
+    shared_down_q=QT.Q8_0,
+)
+
+
+def test_q4_k_m_layer_stays_quantized(rng, tmp_path):
+    """A Q4_K_M-style layer written by gguf's writer loads with no float copy of its experts:
+    QuantizedTensor leaves of the file's types, resident bytes = the file's bytes for the layer;
+    the reference impls match a float64 forward of gguf-py's dequantized weights; the offload
+    store hands out the same blocks; ``save_gguf(dtype="keep")`` writes every tensor back byte for byte."""
+    c = Q4_K_M
+    path = tmp_path / "q4_k_m.gguf"
+    ref = write_case(rng, path, c)[c.layer]
+    file_tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    layer_bytes = sum(int(t.n_bytes) for n, t in file_tensors.items() if n.startswith(f"blk.{c.layer}."))
+    for loaded in (jaxmoe.from_pretrained(path, layer=c.layer).params(), jio.load_layer(path, layer=c.layer)[1]):
+        ew, sh = loaded.experts, loaded.shared
+        kinds = [w.kind if isinstance(w, QuantizedTensor) else None for w in (ew.w_gate, ew.w_up, ew.w_down)]
+        assert kinds == ["q4_k", "q4_k", "q6_k"]
+        assert [getattr(w, "kind", None) for w in (sh.w_gate, sh.w_up, sh.w_down)] == ["q5_0", "q5_0", "int8"]
+        resident = sum(int(a.nbytes) for a in jax.tree.leaves(loaded))
+        assert resident == layer_bytes  # no float copy anywhere (router / gate vector are F32 in the file too)
+        assert ew.w_gate.nbytes == int(file_tensors[f"blk.{c.layer}.ffn_gate_exps.weight"].n_bytes)
+    block = jaxmoe.from_pretrained(path, layer=c.layer)
+    for t in (1, 9):
+        x = (rng.standard_normal((t, c.d)) * 0.5).astype(np.float32)
+        want = np_moe(x, ref, **c.ref)
+        for impl in ("xla", "gather", "dense", "auto"):
+            assert rel_err(np.asarray(block(x, impl=impl)), want) < 2e-5, (impl, t)
+    store = GGUFStore(path)  # store layer 0 = blk.1, the first block with a router
+    one = store.load_expert(0, 3)
+    assert one.w_down.kind == "q6_k" and isinstance(one.w_down.qdata, np.ndarray)
+    np.testing.assert_array_equal(one.w_down.qdata, np.asarray(block.params().experts.w_down.qdata)[3])
+    np.testing.assert_array_equal(dense_np(one.w_gate), ref["gate"][3].T.astype(np.float32))
+    out = jaxmoe.save_gguf(block, tmp_path / "again.gguf", layer=c.layer, dtype="keep")
+    again = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    assert set(again) == set(file_tensors)
+    for n, t in file_tensors.items():
+        assert again[n].tensor_type == t.tensor_type, n
+        np.testing.assert_array_equal(np.asarray(again[n].data), np.asarray(t.data), err_msg=n)
+
+
+def test_block_types_bad_buffers_are_named(rng):
+    raw = kquant_bytes(rng, (2, 4, 256), QT.Q4_K)
+    with pytest.raises(ValueError, match=r"blk\.3\.ffn_up_exps\.weight \(Q4_K.*\(2, 4, 143\).*truncated"):
+        gq.matrix_from_gguf(raw[..., :-1], QT.Q4_K, name="blk.3.ffn_up_exps.weight")
+    with pytest.raises(ValueError, match=r"w \(Q6_K\).*\(2, 4, 144\).*width 256"):
+        gq.block_tensor_from_gguf(raw, QT.Q6_K, name="w", n_in=256)
+    with pytest.raises(ValueError, match=r"w \(Q5_1\): block data must be uint8 bytes, got float32"):
+        gq.block_tensor_from_gguf(np.zeros((2, 24), np.float32), QT.Q5_1, name="w")
+    # gguf-py cannot quantize to a K-quant: a float weight asked as q4_k is a named error
+    with pytest.raises(ValueError, match=r"tensor blk\.0\.x .*cannot be quantized to Q4_K by gguf-py"):
+        gq.weight_to_gguf(np.zeros((256, 4), np.float32), QT.Q4_K, "blk.0.x")
 
 
 def test_q4_0_nibble_order(rng):
@@ -559,6 +628,8 @@ def dense_np(w) -> np.ndarray:
     its documented layout (codes * scale + bias per group along ``in``)."""
     if not isinstance(w, QuantizedTensor):
         return np.asarray(w, np.float32)
+    if w.kind in GGUF_BLOCKS:  # raw GGUF block bytes: gguf-py decodes them
+        return np.swapaxes(gguf.quants.dequantize(np.asarray(w.qdata), QT[w.kind.upper()]), -1, -2)
     q = np.asarray(w.qdata)
     if w.kind == "int4":
         q = np.stack([q & 0xF, q >> 4], axis=-1).reshape(*q.shape[:-1], -1)
@@ -714,6 +785,8 @@ def test_export_rejects_what_the_arch_cannot_express(tmp_path):
     with pytest.raises(ValueError, match="router.renorm"):
         jaxmoe.save_gguf(block, tmp_path / "a.gguf", dtype="f32")
     with pytest.raises(ValueError, match="dtype"):
+        jaxmoe.save_gguf(small_block("qwen3-30b-a3b"), tmp_path / "b.gguf", dtype="q3_x")
+    with pytest.raises(ValueError, match="ffn_gate_exps.weight has input dim 64, not a multiple of the Q5_K block"):
         jaxmoe.save_gguf(small_block("qwen3-30b-a3b"), tmp_path / "b.gguf", dtype="q5_k")
     with pytest.raises(ValueError, match="dense layer"):
         jaxmoe.save_gguf(small_block("deepseek-v3"), tmp_path / "c.gguf", layer=0, dtype="f32")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import gguf
 import numpy as np
 
 from jaxmoe.config import MoEConfig, RouterConfig
@@ -41,8 +42,14 @@ def dequantize_f64(qt, index=None) -> np.ndarray:
 
     ``int8``: ``scales[o, i // g] * q[o, i]``; ``int4``: byte ``j`` holds element ``2j`` in its
     low nibble and ``2j + 1`` in its high nibble, value ``scales * q + biases``.
+    The GGUF block kinds (``q4_k``, ...) are decoded by ``gguf.quants.dequantize``.
     """
     take = (lambda a: a) if index is None else (lambda a: a[index])
+    if qt.scales is None:  # a GGUF block kind: gguf-py decodes the raw blocks (float32, exact)
+        raw = np.asarray(take(qt.qdata), np.uint8)
+        return np.swapaxes(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qt.kind.upper()]), -1, -2).astype(
+            np.float64
+        )
     q = np.asarray(take(qt.qdata))
     if qt.kind == "int4":
         lo, hi = q & 0xF, q >> 4

@@ -97,7 +97,13 @@ def case_rows(res: dict[str, Any]) -> list[list[str]]:
                     f"{_ms(r['time_min'])}-{_ms(r['time_max'])}",
                     _fmt(_v(r["tokens_per_s"]), ".4g"),
                     _fmt(_v(r["bandwidth"]), ".3g"),
-                    _status(r) + ("" if r["passed"] else f": {r.get('reason', '')}"),
+                    _status(r)
+                    + ("" if r["passed"] else f": {r.get('reason', '')}")
+                    + (
+                        f" (quantization error {_fmt(_v(r['quantization_error']))} vs float weights, not gated)"
+                        if "quantization_error" in r
+                        else ""
+                    ),
                 ]
             )
     return rows

@@ -34,6 +34,7 @@ import jaxmoe.evaluation.plots as P
 import jaxmoe.evaluation.report as R
 from jaxmoe.evaluation.config import FLOAT64_REFERENCE, EvalConfig, case_label, case_tolerance
 from jaxmoe.evaluation.reference import reference_forward, route_f64, router_logits_f64, to_f64
+from jaxmoe.evaluation.schema import RunOptions
 from jaxmoe.evaluation.sources import LayerSpec, case_params, layer_specs, load_inputs, load_params
 from jaxmoe.impls.policy import resolve_impl
 from jaxmoe.impls.registry import available_impls
@@ -130,7 +131,11 @@ def _reference(spec: LayerSpec, ecfg: EvalConfig, params, x_route: np.ndarray, n
     return y, ids, time.perf_counter() - t0
 
 
-def _run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant, t) -> dict[str, Any]:
+def _run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant, t, y_float=None) -> dict[str, Any]:
+    """One measured case. ``y_ref`` is the gate's reference: for a quantized case the float64
+    forward of the DEQUANTIZED case weights (kernel correctness). ``y_float``, when given, is
+    the float64 forward of the float weights: the case's quantization error against it is
+    reported (``quantization_error``), never gated."""
     cfg = spec.cfg
     resolved = resolve_impl(impl, t * cfg.top_k, experts=params.experts, dtype=dtype)
     row: dict[str, Any] = {
@@ -165,6 +170,9 @@ def _run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant,
         return row
     n = min(t, y_ref.shape[0])
     err = M.errors(np.asarray(y[:n], np.float64), y_ref[:n])
+    if y_float is not None:
+        q_err = M.errors(np.asarray(y[:n], np.float64), y_float[:n])
+        row["quantization_error"] = M.quantity(q_err["rel"], "ratio vs the float weights' reference (not gated)")
     ids = np.asarray(r.expert_ids)
     n_route = min(t, ids_ref.shape[0])
     agree = M.routing_agreement(ids[:n_route], ids_ref[:n_route])
@@ -258,6 +266,11 @@ def run_eval(
         for dtype in ecfg.case_dtypes:
             for quant in ecfg.quantize:
                 params = case_params(base, dtype, quant)
+                # quantized case: gate against the float64 forward of its dequantized weights
+                # (same router, so same routing), report the error against the float weights
+                y_case, y_float = y_ref, None
+                if quant != "none" and ecfg.ref.impl == FLOAT64_REFERENCE:
+                    y_case, y_float = reference_forward(params, x_base[:n_ref], cfg)[0], y_ref
                 wb = M.weight_bytes(params)
                 done: dict[tuple[str, int], dict[str, Any]] = {}
                 # concrete impls first, so an `auto` that resolves to one of them reuses its measurement
@@ -272,7 +285,9 @@ def run_eval(
                                 measured_as=case_label(resolved, dtype, quant),
                             )
                         else:
-                            row = _run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant, t)
+                            row = _run_case(
+                                spec, ecfg, params, wb, x_all, y_case, ids_ref, impl, dtype, quant, t, y_float
+                            )
                         done[(impl, t)] = judge(row, ecfg)
                         progress.advance(f"{spec.label}: {case_label(impl, dtype, quant)} T={t}")
                 for impl in ecfg.impls:
@@ -332,19 +347,13 @@ class _Bar:
         self.prog.update(self.task, advance=1, description=msg)
 
 
-def run(
-    ecfg: EvalConfig,
-    *,
-    source: str = "<config>",
-    out: str | os.PathLike | None = None,
-    overrides: list[str] | None = None,
-    progress: bool = True,
-    console: Console | None = None,
-) -> tuple[dict, Path]:
+def run(ecfg: EvalConfig, opts: RunOptions | None = None) -> tuple[dict, Path]:
     """Runs ``ecfg`` and writes the run directory (``out``, else ``<output_dir>/<name>-<UTC
     timestamp>``). Returns (results mapping, run directory); ``results["gate"]["passed"]``
     says whether every case met its tolerance."""
-    console = console or Console()
+    opts = opts or RunOptions()
+    source, out, overrides, progress = opts.source, opts.out, list(opts.overrides), opts.progress
+    console = opts.console or Console()
     specs = layer_specs(ecfg, source)
     run_dir = R.make_run_dir(ecfg.output_dir, ecfg.name, out)
     if progress:

@@ -29,8 +29,9 @@ llama.cpp semantics this follows (read from llama.cpp, not from HF):
 - gpt-oss: softmax over the k selected logits of a router with bias, experts with biases
   and the clamped SwiGLU (alpha 1.702, limit 7, hard-coded in llama.cpp).
 
-Tensors Q8_0 and Q4_0 stay quantized (`jaxmoe.quant.QuantizedTensor`, see
-`jaxmoe.io.gguf_codec`); everything else is dequantized with gguf-py at load. Routers,
+Tensors Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K stay quantized
+(`jaxmoe.quant.QuantizedTensor`, see `jaxmoe.io.gguf_codec`); everything else is
+dequantized with gguf-py at load. Routers,
 biases and the shared gate vector are loaded as float32.
 
 ``save_gguf((cfg, params), path, layer=i, dtype=...)`` writes the layer back with
@@ -193,8 +194,8 @@ def _arch(meta: dict[str, Any], path) -> str:
 class _Keys:
     """Typed access to ``{arch}.*`` keys with messages that name the key."""
 
-    def __init__(self, meta: dict[str, Any], arch: str, path):
-        self.meta, self.arch, self.path = meta, arch, path
+    def __init__(self, meta: dict[str, Any], arch: str, path, layer: int | None = None):
+        self.meta, self.arch, self.path, self.layer = meta, arch, path, layer
 
     def full(self, key: str) -> str:
         return f"{self.arch}.{key}"
@@ -209,10 +210,15 @@ class _Keys:
 
     def int(self, key: str, default: int | None = None, required: bool = False, layer: int | None = None):
         v = self.raw(key, default, required)
-        if isinstance(v, list):  # per-layer arrays (get_key_or_arr)
+        layer = self.layer if layer is None else layer
+        if isinstance(v, list):  # per-layer arrays (get_key_or_arr): the entry of `layer` (0 if none given)
             if not v:
                 raise CheckpointError(f"{self.path}: key {self.full(key)} is an empty array")
-            v = v[layer if layer is not None and layer < len(v) else 0]
+            if layer is not None and not 0 <= layer < len(v):
+                raise CheckpointError(
+                    f"{self.path}: per-layer key {self.full(key)} has {len(v)} entries, no entry for layer {layer}"
+                )
+            v = v[0 if layer is None else layer]
         if v is None:
             return None
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
@@ -220,12 +226,16 @@ class _Keys:
         return int(v)
 
 
-def config_from_reader(reader: gguf.GGUFReader, path="<gguf>") -> MoEConfig:
-    """The `MoEConfig` of a GGUF file's MoE layers (metadata and tensor names only)."""
+def config_from_reader(reader: gguf.GGUFReader, path="<gguf>", layer: int | None = None) -> MoEConfig:
+    """The `MoEConfig` of a GGUF file's MoE layers (metadata and tensor names only).
+
+    A per-layer array key takes its entry ``layer`` (entry 0 when ``layer`` is None); an
+    array with no entry for ``layer`` is a `CheckpointError`.
+    """
     meta = read_metadata(reader)
     arch = _arch(meta, path)
     spec = ARCHS[arch]
-    k = _Keys(meta, arch, path)
+    k = _Keys(meta, arch, path, layer)
     n_layers = k.int("block_count", required=True)
     d = k.int("embedding_length", required=True)
     e = k.int("expert_count")
@@ -440,7 +450,7 @@ def load_layer_params(
         raw, qt = data(role)
         if rows is not None:  # output rows of a merged tensor (quant blocks run along `in`)
             raw = raw[..., rows[0] : rows[1], :]
-        return gc.weight_from_gguf(raw, qt, dtype)
+        return gc.weight_from_gguf(raw, qt, dtype, name=f"{path}: tensor {plan[role][0].name}")
 
     def vec(role) -> jnp.ndarray:
         raw, qt = data(role)
@@ -489,12 +499,13 @@ def load_layer(
     Args:
       path: the ``.gguf`` file.
       layer: the block index ``i`` of ``blk.{i}.*``.
-      dtype: dtype of the float expert and shared-expert weights (Q8_0 / Q4_0 experts stay
+      dtype: dtype of the float expert and shared-expert weights (Q8_0 / Q4_0 / Q4_1 / Q5_0 /
+        Q5_1 / Q4_K / Q5_K / Q6_K experts stay
         quantized; routers and biases are float32).
       on_read: called with each tensor name before its bytes are read.
     """
     reader = open_reader(path)
-    cfg = config_from_reader(reader, path)
+    cfg = config_from_reader(reader, path, layer)
     return cfg, load_layer_params(reader, cfg, layer, dtype=dtype, path=path, on_read=on_read)
 
 
@@ -585,18 +596,21 @@ def save_gguf(
         (an `MoEBlock`).
       path: the output ``.gguf`` path.
       layer: the block index the tensors get (``blk.{layer}.*``).
-      dtype: ``f32``, ``f16``, ``bf16``, ``q8_0`` or ``q4_0`` for the expert and
-        shared-expert matrices (routers and biases are always F32). Experts already
-        quantized exactly in the target format are written byte for byte.
+      dtype: ``f32``, ``f16``, ``bf16``, ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``
+        (quantized by gguf-py), ``q4_k``, ``q5_k``, ``q6_k`` (only for weights already
+        stored so), or ``keep``: each matrix in the type it is stored in exactly
+        (`jaxmoe.io.gguf_codec.native_qtype`), so a loaded Q4_K_M layer is written back
+        byte for byte. Routers and biases are always F32. Experts already quantized
+        exactly in the target format are written byte for byte.
       arch: the GGUF architecture; by default from ``cfg.family``.
       name: ``general.name`` (default ``cfg.name``).
     Returns:
       the path written.
     """
     cfg, p = cfg_and_params(model)
-    if dtype not in gc.EXPORT_TYPES:
-        raise ValueError(f"save_gguf: unknown dtype {dtype!r}; expected one of {sorted(gc.EXPORT_TYPES)}")
-    qtype = gc.EXPORT_TYPES[dtype]
+    if dtype not in gc.EXPORT_TYPES and dtype != gc.KEEP:
+        raise ValueError(f"save_gguf: unknown dtype {dtype!r}; expected one of {sorted([*gc.EXPORT_TYPES, gc.KEEP])}")
+    qtype = gc.EXPORT_TYPES.get(dtype)
     if arch is None:
         arch = FAMILY_TO_ARCH.get(cfg.family)
         if arch is None:
@@ -640,7 +654,7 @@ def save_gguf(
         return np.ascontiguousarray(gc.to_numpy_f32(x) if isinstance(x, QuantizedTensor) else np.asarray(x, np.float32))
 
     def mat(tname, x):
-        data, raw = gc.weight_to_gguf(x, qtype, pre + tname)
+        data, raw = gc.weight_to_gguf(x, gc.native_qtype(x) if qtype is None else qtype, pre + tname)
         w.add_tensor(pre + tname, data, raw_dtype=raw)
 
     w.add_tensor(pre + "ffn_gate_inp.weight", np.ascontiguousarray(f32(p.w_router).T))

@@ -16,12 +16,16 @@ blocks along ``in``: the GGUF layout itself, so Q8_0 and Q4_0 map onto it block 
   in float16 when ``8 |d|`` fits, i.e. ``|d| <= 8188``, else both float32, since
   ``-8 d`` would overflow float16 to ``-inf``), nibbles repacked to jaxmoe's order
   (element ``2j`` low, ``2j + 1`` high).
-- F32, F16, BF16, F64 and every other type `gguf.quants.dequantize` handles (Q4_K, Q5_K,
-  Q6_K, MXFP4, Q4_1, Q5_0, Q5_1, ...) -> a float array, via ``gguf.quants.dequantize``
-  (so bit-exact with it).
+- Q4_1, Q5_0, Q5_1 (blocks of 32) and Q4_K, Q5_K, Q6_K (super-blocks of 256) -> a GGUF
+  block `QuantizedTensor` (``kind="q4_1"`` ... ``"q6_k"``) holding the file's block bytes of
+  each row unchanged (`jaxmoe.quant.GGUF_BLOCKS`): resident bytes = file bytes.
+- F32, F16, BF16, F64 and every other type `gguf.quants.dequantize` handles (MXFP4, IQ*,
+  Q2_K, Q3_K, ...) -> a float array, via ``gguf.quants.dequantize`` (so bit-exact with it).
 
-Both quantized mappings are exact: ``QuantizedTensor.dequantize(float32)`` equals
-``gguf.quants.dequantize`` bit for bit, and converting back gives the same bytes.
+Every quantized mapping is exact: ``QuantizedTensor.dequantize(float32)`` equals
+``gguf.quants.dequantize`` bit for bit, and converting back gives the same bytes
+(`native_qtype` names the GGUF type a weight is stored in exactly; ``save_gguf(dtype="keep")``
+writes each tensor in it).
 
 `matrix_from_gguf` gives host (numpy) weights, as the expert store hands them out;
 `weight_from_gguf` gives device (jax) weights in a compute dtype, as the loader builds them.
@@ -38,14 +42,25 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
-from jaxmoe.quant import QuantizedTensor, pack_int4
+from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor, gguf_block_tensor, pack_int4
 
+#: GGUF types kept as raw block bytes (a GGUF block `QuantizedTensor` of the same name, lower case).
+BLOCK_TYPES = (QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K)
 #: GGUF types kept quantized in device memory.
-KEPT_QUANTIZED = (QT.Q8_0, QT.Q4_0)
+KEPT_QUANTIZED = (QT.Q8_0, QT.Q4_0, *BLOCK_TYPES)
 #: GGUF types the reader returns as plain numpy floats.
 _PLAIN_FLOATS = (QT.F32, QT.F16, QT.F64)
 #: ``save_gguf(dtype=...)`` names.
-EXPORT_TYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0}
+EXPORT_TYPES = {
+    "f32": QT.F32,
+    "f16": QT.F16,
+    "bf16": QT.BF16,
+    "q8_0": QT.Q8_0,
+    "q4_0": QT.Q4_0,
+    **{qt.name.lower(): qt for qt in BLOCK_TYPES},
+}
+#: ``save_gguf(dtype=KEEP)``: every matrix in the GGUF type it is stored in exactly (`native_qtype`).
+KEEP = "keep"
 
 _Q8_BYTES = GGML_QUANT_SIZES[QT.Q8_0][1]  # 34
 _Q4_BYTES = GGML_QUANT_SIZES[QT.Q4_0][1]  # 18
@@ -141,12 +156,27 @@ def quantized_to_q4_0(w: QuantizedTensor) -> np.ndarray | None:
     return np.ascontiguousarray(blocks.reshape(*lead, out, nb * _Q4_BYTES))
 
 
-def matrix_from_gguf(data: np.ndarray, qtype: QT) -> np.ndarray | QuantizedTensor:
+def block_tensor_from_gguf(
+    data: np.ndarray, qtype: QT, name: str = "weight", n_in: int | None = None
+) -> QuantizedTensor:
+    """Block bytes ``[..., out, row_bytes]`` of a `BLOCK_TYPES` tensor -> a GGUF block
+    `QuantizedTensor` (numpy leaves, the bytes unchanged). ValueError naming ``name``, the
+    type and the shapes for a wrong-sized buffer or a width that is not a multiple of the block."""
+    raw = np.asarray(data)
+    if raw.dtype != np.uint8:
+        raise ValueError(f"{name} ({qtype.name}): block data must be uint8 bytes, got {raw.dtype} of shape {raw.shape}")
+    return gguf_block_tensor(raw, qtype.name, n_in=n_in, name=name)
+
+
+def matrix_from_gguf(data: np.ndarray, qtype: QT, name: str = "weight") -> np.ndarray | QuantizedTensor:
     """One GGUF matrix (reader data, numpy ``[..., out, in]``) -> a host weight ``[..., in, out]``.
 
-    Q8_0 / Q4_0 stay quantized (a `QuantizedTensor` with numpy leaves); F32 / F16 keep
-    their stored dtype; every other type is dequantized with gguf-py to float32.
+    Q8_0 / Q4_0 and the `BLOCK_TYPES` stay quantized (a `QuantizedTensor` with numpy
+    leaves); F32 / F16 keep their stored dtype; every other type is dequantized with
+    gguf-py to float32. ``name`` appears in errors.
     """
+    if qtype in BLOCK_TYPES:
+        return block_tensor_from_gguf(data, qtype, name)
     if qtype == QT.Q8_0:
         return q8_0_to_quantized(data)
     if qtype == QT.Q4_0:
@@ -155,13 +185,13 @@ def matrix_from_gguf(data: np.ndarray, qtype: QT) -> np.ndarray | QuantizedTenso
     return np.ascontiguousarray(np.swapaxes(w, -1, -2))
 
 
-def weight_from_gguf(data: np.ndarray, qtype: QT, dtype):
+def weight_from_gguf(data: np.ndarray, qtype: QT, dtype, name: str = "weight"):
     """One GGUF matrix (reader data, numpy ``[..., out, in]``) -> a device weight ``[..., in, out]``.
 
-    Q8_0 / Q4_0 stay quantized (a `QuantizedTensor`); every other type is dequantized
-    with gguf-py to float32 and cast to ``dtype``.
+    The `KEPT_QUANTIZED` types stay quantized (a `QuantizedTensor`); every other type is
+    dequantized with gguf-py to float32 and cast to ``dtype``.
     """
-    w = matrix_from_gguf(data, qtype)
+    w = matrix_from_gguf(data, qtype, name)
     if isinstance(w, QuantizedTensor):
         return jax.tree.map(jnp.asarray, w)
     return jnp.asarray(np.asarray(w, np.float32).astype(jnp.dtype(dtype)))
@@ -172,6 +202,10 @@ def to_numpy_f32(w) -> np.ndarray:
     device computation is compiled for an export)."""
     if not isinstance(w, QuantizedTensor):
         return np.asarray(w, np.float32)
+    if w.kind in GGUF_BLOCKS:
+        v = gguf.quants.dequantize(np.asarray(w.qdata, np.uint8), QT[w.kind.upper()]).astype(np.float32, copy=False)
+        return np.swapaxes(v, -1, -2)
+    assert w.scales is not None
     q = np.asarray(w.qdata)
     if w.kind == "int4":
         q = np.stack([q & 0x0F, q >> 4], axis=-1).reshape(*q.shape[:-1], -1)
@@ -184,13 +218,33 @@ def to_numpy_f32(w) -> np.ndarray:
     return np.swapaxes(v.reshape(*lead, out, n), -1, -2)
 
 
+def native_qtype(w) -> QT:
+    """The GGUF type ``w`` is stored in exactly: a GGUF block kind its own type, an int8 /
+    int4 `QuantizedTensor` Q8_0 / Q4_0 when it is exactly that, else F32 (F16 / BF16 for
+    such float arrays); for ``save_gguf(dtype="keep")``."""
+    if isinstance(w, QuantizedTensor):
+        if w.kind in GGUF_BLOCKS:
+            return QT[w.kind.upper()]
+        if quantized_to_q8_0(w) is not None:
+            return QT.Q8_0
+        if quantized_to_q4_0(w) is not None:
+            return QT.Q4_0
+        return QT.F32
+    dt = np.dtype(getattr(w, "dtype", np.float32))
+    return {np.dtype(np.float16): QT.F16, np.dtype(jnp.bfloat16): QT.BF16}.get(dt, QT.F32)
+
+
 def weight_to_gguf(w, qtype: QT, name: str) -> tuple[np.ndarray, QT | None]:
     """A jaxmoe weight ``[..., in, out]`` -> (data for ``GGUFWriter.add_tensor``, raw_dtype).
 
-    Already-quantized weights that are exactly Q8_0 / Q4_0 are written byte for byte
-    (no second lossy rounding); anything else is dequantized and quantized with gguf-py.
+    Already-quantized weights that are exactly in ``qtype`` (Q8_0 / Q4_0, or a GGUF block
+    kind of that type) are written byte for byte (no second lossy rounding); anything
+    else is dequantized and quantized with gguf-py (ValueError naming the tensor when
+    gguf-py cannot quantize to ``qtype``, e.g. the K-quants).
     """
     if isinstance(w, QuantizedTensor):
+        if w.kind in GGUF_BLOCKS and QT[w.kind.upper()] == qtype:
+            return np.ascontiguousarray(np.asarray(w.qdata, np.uint8)), qtype
         direct = quantized_to_q8_0(w) if qtype == QT.Q8_0 else quantized_to_q4_0(w) if qtype == QT.Q4_0 else None
         if direct is not None:
             return direct, qtype
@@ -205,4 +259,10 @@ def weight_to_gguf(w, qtype: QT, name: str) -> tuple[np.ndarray, QT | None]:
             f"save_gguf: tensor {name} has input dim {dense.shape[-1]}, not a multiple of the "
             f"{qtype.name} block size {block}"
         )
-    return gguf.quants.quantize(dense, qtype), qtype
+    try:
+        return gguf.quants.quantize(dense, qtype), qtype
+    except NotImplementedError:
+        raise ValueError(
+            f"save_gguf: tensor {name} (shape {dense.shape}) cannot be quantized to {qtype.name} by gguf-py; "
+            f"only weights already stored as {qtype.name} are written in it (dtype='keep' writes each as stored)"
+        ) from None

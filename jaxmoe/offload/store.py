@@ -21,8 +21,9 @@ Two backends:
   expert and turned to the ``x @ W`` convention by the GGUF block codec the loader uses
   (`jaxmoe.io.gguf_codec`). F32 / F16 stay float; Q8_0 becomes an ``int8``
   `QuantizedTensor` and Q4_0 an ``int4`` one (``scale = d, bias = -8 d``, float16, or
-  float32 for an expert with ``|d| > 8188``), both bit-exact against
-  ``gguf.quants.dequantize``; other types are dequantized with gguf-py.
+  float32 for an expert with ``|d| > 8188``), Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K a GGUF
+  block one (the raw block bytes), all bit-exact against ``gguf.quants.dequantize``; other
+  types are dequantized with gguf-py.
   `write_gguf_store` writes such a file (with the jaxmoe config as JSON metadata).
 
 Every failure to produce an expert raises `ExpertStoreError` (a ``ValueError``) naming
@@ -518,7 +519,10 @@ class GGUFStore(ExpertStore):
                 f"layer {layer}, expert {expert}: tensor {tname} in {self.path} is unreadable ({e})"
             ) from None
         out = gguf_codec.matrix_from_gguf(raw, t.tensor_type)  # [in, out]: float, or quantized as stored
-        vals = [out.scales, out.biases] if isinstance(out, QuantizedTensor) else [out]
+        if isinstance(out, QuantizedTensor):  # the GGUF block kinds keep their scales inside the bytes
+            vals = [out.scales, out.biases] if out.scales is not None else [gguf_codec.to_numpy_f32(out)]
+        else:
+            vals = [out]
         if self.check_finite and not all(np.isfinite(v).all() for v in vals if v is not None):
             raise ExpertStoreError(
                 f"layer {layer}, expert {expert}: tensor {tname} in {self.path} holds "
