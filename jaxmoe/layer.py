@@ -12,9 +12,9 @@ from __future__ import annotations
 import jax
 
 from jaxmoe.config import MoEConfig
+from jaxmoe.dispatch import check_expert_ids
 from jaxmoe.experts import shared_expert
-from jaxmoe.impls.policy import resolve_impl
-from jaxmoe.impls.registry import get_impl
+from jaxmoe.impls.policy import call_impl
 from jaxmoe.params import MoEParams, compute_routing, init_params, params_from_sampler
 from jaxmoe.routing import Routing
 
@@ -36,9 +36,13 @@ def moe_apply(
       params: the layer's `MoEParams`.
       x: activations ``[..., d]``.
       cfg: the layer's `MoEConfig`.
-      impl: execution strategy name (`jaxmoe.available_impls`).
+      impl: execution strategy name (`jaxmoe.available_impls`); ``auto`` is resolved
+        for the platform the program is lowered for (`jaxmoe.impls.policy.call_impl`).
       return_routing: also return the `Routing` used (over the flattened tokens).
-      routing: use this routing instead of computing it (e.g. to replay a trace).
+      routing: use this routing instead of computing it (e.g. to replay a trace):
+        ``expert_ids`` integer and ``weights`` float, both ``[T, k]`` over the flattened
+        tokens. Ids outside ``[0, E)`` are a ValueError when concrete; under ``jit`` such
+        a pair adds exactly zero (docs/routing.md, "Invalid expert ids").
     """
     if x.shape[-1] != cfg.d_model:
         raise ValueError(f"moe_apply: x has width {x.shape[-1]} but d_model is {cfg.d_model} (shape {x.shape})")
@@ -46,10 +50,11 @@ def moe_apply(
     x2 = x.reshape(-1, cfg.d_model)
     if routing is None:
         routing = compute_routing(params, x2, cfg)
-    name = resolve_impl(impl, x2.shape[0] * cfg.top_k, experts=params.experts, dtype=x2.dtype)
-    fn = get_impl(name)
-    with jax.named_scope(f"routed_experts_{name}"):
-        y = fn(x2, routing, params.experts, cfg)
+    else:
+        shape = (x2.shape[0], cfg.top_k)
+        check_expert_ids(routing.expert_ids, cfg.num_experts, "moe_apply", shape=shape, weights=routing.weights)
+    with jax.named_scope(f"routed_experts_{impl}"):
+        y, _ = call_impl(impl, x2, routing, params.experts, cfg)
     y = y + shared_expert(x2, params.shared, cfg)
     y = y.astype(x.dtype).reshape(*lead, cfg.d_model)
     return (y, routing) if return_routing else y

@@ -8,3 +8,6 @@ INTEL_PLATFORMS = ("oneapi", "sycl", "xpu")
 PALLAS_PLATFORMS = ("cuda", "rocm", "gpu")
 #: Platforms with a native `jax.lax.ragged_dot` (others expand it to a dense masked dot).
 RAGGED_PLATFORMS = ("cuda", "rocm", "gpu", "tpu")
+#: Platforms with their own branch of ``impl="auto"`` at lowering time (names that
+#: `jax.lax.platform_dependent` takes; any other platform gets the default branch).
+BRANCH_PLATFORMS = ("cpu", "cuda", "rocm", *INTEL_PLATFORMS)

@@ -23,15 +23,17 @@ def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def default_interpret() -> bool:
-    """Interpret mode from ``JAXMOE_PALLAS_INTERPRET``, else on whenever the default
-    backend is not a GPU (so the same kernels run, slowly, on CPU)."""
+def default_interpret(platform: str | None = None) -> bool:
+    """Interpret mode from ``JAXMOE_PALLAS_INTERPRET``, else on whenever ``platform``
+    (default: the default backend's) is not a GPU with Triton, so the same kernels run,
+    slowly, on the CPU. Pass the *lowering* platform to decide per platform (what
+    `jax.lax.platform_dependent` callers do)."""
     env = os.environ.get(INTERPRET_ENV, "").strip().lower()
     if env in ("1", "true", "yes", "on"):
         return True
     if env in ("0", "false", "no", "off"):
         return False
-    return jax.default_backend() not in TRITON_PLATFORMS
+    return (platform or jax.default_backend()) not in TRITON_PLATFORMS
 
 
 def check_array(name: str, a, shape: tuple, dtype=None, kinds: str | None = None) -> None:

@@ -18,15 +18,16 @@ import jaxmoe
 from jaxmoe import MoEConfig, RouterConfig, Routing
 from jaxmoe.experts import experts_dense
 from jaxmoe.impls import policy, registry
-from jaxmoe.impls.cpu import experts_cpu
+from jaxmoe.impls.cpu import cpu_kernel_available, experts_cpu
 from jaxmoe.impls.ragged import experts_ragged_dot
 from jaxmoe.impls.xla import choose_block_m, experts_xla
+from jaxmoe.impls.xla_tiled import experts_xla_tiled
 from jaxmoe.platforms import INTEL_PLATFORMS
 from jaxmoe.quant import quantize_int4_affine, quantize_int8
 
 PRESETS = jaxmoe.list_presets()
 GROUPED = ["xla", "ragged_dot", "cpu"]
-QUANT_IMPLS = ["xla", "ragged_dot", "gather"]  # cpu refuses quantized experts (tests/test_impls_cpu.py)
+QUANT_IMPLS = ["xla", "ragged_dot", "gather", "cpu"]  # cpu reads int8/int4 in place (tests/test_impls_cpu.py)
 F32 = dict(rtol=2e-5, atol=2e-5)
 
 
@@ -59,7 +60,7 @@ def test_quantized_experts(preset, quant, rng):
     for impl in QUANT_IMPLS:
         y = jaxmoe.moe_apply(p, jnp.asarray(x), cfg, impl=impl)
         np.testing.assert_allclose(np.asarray(y), ref, **F32, err_msg=impl)
-    assert policy.resolve_impl("auto", 9 * cfg.top_k, platform="cpu", experts=p.experts) == "xla"
+    assert policy.resolve_impl("auto", 9 * cfg.top_k, platform="cpu", experts=p.experts) == "cpu"
 
 
 @pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "gpt-oss-20b"])
@@ -76,8 +77,11 @@ def test_bf16_matches_dense(preset, rng):
         )
 
 
-@pytest.mark.parametrize("t, block_m", [(1, 1), (1, 16), (5, 4), (13, 8), (37, 4), (37, 16)])
-def test_uneven_routing_block_sizes(t, block_m, rng):
+@pytest.mark.parametrize("fn", [experts_xla, experts_xla_tiled], ids=["xla", "xla_tiled"])
+@pytest.mark.parametrize(
+    "t, block_m", [(1, None), (1, 1), (1, 16), (5, 4), (13, 8), (37, 1), (37, 4), (37, 16), (37, 64)]
+)
+def test_uneven_routing_block_sizes(fn, t, block_m, rng):
     """One expert takes most pairs, half the experts are empty, T*k not a multiple of block_m."""
     cfg = shrink(jaxmoe.load_config("qwen3-30b-a3b"), e=12)
     p = random_params(cfg, rng)
@@ -85,7 +89,7 @@ def test_uneven_routing_block_sizes(t, block_m, rng):
     x = rng.normal(size=(t, cfg.d_model)).astype(np.float32)
     ref = np_experts(x, ids, ws, params_to_numpy(p), cfg)
     r = Routing(jnp.asarray(ids), jnp.asarray(ws))
-    y = experts_xla(jnp.asarray(x), r, p.experts, cfg, block_m=block_m)
+    y = fn(jnp.asarray(x), r, p.experts, cfg, block_m=block_m)
     chex.assert_shape(y, (t, cfg.d_model))
     np.testing.assert_allclose(np.asarray(y), ref, **F32)
 
@@ -253,8 +257,11 @@ def test_auto_resolution():
     small, big = policy.GATHER_MAX_PAIRS, policy.GATHER_MAX_PAIRS + 1
     assert policy.resolve_impl("auto", small, platform="cpu") == "gather"
     assert policy.resolve_impl("auto", big, platform="cpu") == "xla"
-    for plat in INTEL_PLATFORMS:
-        assert policy.resolve_impl("auto", big, platform=plat) == "xla"
+    for plat in INTEL_PLATFORMS:  # the loop-free XLA formulation at every T
+        assert policy.resolve_impl("auto", big, platform=plat) == policy.GPU_XLA == "xla_tiled"
+        assert policy.resolve_impl("auto", small, platform=plat) == "xla_tiled"
+        assert policy.resolve_impl("xla", big, platform=plat) == "xla_tiled"  # xla's GPU shape
+        assert policy.resolve_impl("gather", big, platform=plat) == "gather"
     for plat in ("cuda", "rocm"):
         assert policy.resolve_impl("auto", big, platform=plat) == "pallas"
         assert policy.resolve_impl("auto", small, platform=plat) == "pallas"  # the kernels have a decode path
@@ -271,9 +278,27 @@ def test_auto_takes_the_cpu_kernel_for_float_experts(rng):
     # bf16 compute over f32 experts would need a rounded copy of every expert: not the kernel's job
     assert policy.resolve_impl("auto", 10**4, platform="cpu", experts=p.experts, dtype=jnp.bfloat16) == "xla"
     for plat in INTEL_PLATFORMS:  # an XLA:CPU custom call only
-        assert policy.resolve_impl("auto", 10**4, platform=plat, experts=p.experts) == "xla"
+        assert policy.resolve_impl("auto", 10**4, platform=plat, experts=p.experts) == "xla_tiled"
         with pytest.raises(ValueError, match="cpu.*" + plat):
             policy.resolve_impl("cpu", 64, platform=plat)
+
+
+def test_lowering_impls_per_platform(rng):
+    """``auto``'s branch per lowering platform (jaxmoe.impls.policy.call_impl switches on it)."""
+    cfg = shrink(jaxmoe.load_config("qwen3-30b-a3b"))
+    p = random_params(cfg, rng)
+    table = policy.lowering_impls("auto", 10**4, experts=p.experts, dtype=jnp.float32)
+    assert table["cuda"] == table["rocm"] == "pallas"
+    assert {table[plat] for plat in INTEL_PLATFORMS} == {"xla_tiled"}
+    assert table["cpu"] == ("cpu" if cpu_kernel_available() else "xla")
+    assert table["default"] == "xla"
+    assert policy.lowering_impls("auto", 1, experts=p.experts)["default"] == "gather"
+    forced = policy.lowering_impls("xla", 64)
+    assert forced["cpu"] == forced["cuda"] == forced["default"] == "xla"
+    assert {forced[plat] for plat in INTEL_PLATFORMS} == {"xla_tiled"}
+    assert set(policy.lowering_impls("gather", 64).values()) == {"gather"}
+    with pytest.raises(ValueError, match="unknown impl"):
+        policy.lowering_impls("nope", 8)
 
 
 def test_pallas_forced_where_it_cannot_lower():
@@ -288,7 +313,7 @@ def test_unknown_impl():
 
 
 def test_registry_is_an_explicit_table():
-    assert set(registry.BUILTIN) == {"dense", "gather", "xla", "ragged_dot", "cpu", "pallas"}
+    assert set(registry.BUILTIN) == {"dense", "gather", "xla", "xla_tiled", "ragged_dot", "cpu", "pallas"}
     assert registry.available_impls()[0] == "auto"
     assert registry.get_impl("xla") is experts_xla
     with pytest.raises(ValueError, match="already registered"):

@@ -9,22 +9,29 @@ becomes a kernel operand (`kernel_weight`: a float array as is, a
 (``T * k <= tuning.DECODE_MAX_PAIRS``) take the per-pair decode kernels; otherwise the
 plan is built (`jaxmoe.dispatch.plan_dispatch`) and the fused gate/up and down grouped
 kernels run over it, then `pallas_kernels.down.combine` sums each token's slots.
-`jaxmoe.impls.registry` lists it as ``impl="pallas"``.
+`jaxmoe.impls.registry` lists it as ``impl="pallas"``. Expert ids outside ``[0, E)``
+are a ValueError when concrete; under ``jit`` such a pair adds exactly zero (the decode
+kernels read expert 0 for it and the result is masked; the plan drops it).
 
-Off GPU the kernels run in Pallas interpret mode (same kernel bodies, slow); set
-``JAXMOE_PALLAS_INTERPRET=0`` to demand compiled kernels, which then fails with a
-ValueError on a platform where Pallas's Triton backend does not lower.
+The interpret switch is resolved for the lowering platform (`jax.lax.platform_dependent`):
+lowered for CUDA / ROCm the kernels are compiled Triton kernels, even when the program
+is traced on a CPU host (``jax.jit(f).lower(lowering_platforms=("cuda",))``,
+``jax.export``); lowered anywhere else they run in Pallas interpret mode (same kernel
+bodies, slow). ``JAXMOE_PALLAS_INTERPRET=1`` / ``0`` forces interpret / compiled mode on
+every platform (compiled mode then fails to lower where Pallas's Triton backend does not
+exist: "MLIR translation rule for primitive 'pallas_call' not found").
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.dispatch import plan_dispatch
+from jaxmoe.dispatch import check_expert_ids, id_valid, plan_dispatch
 from jaxmoe.experts import ExpertWeights
-from jaxmoe.platforms import PALLAS_PLATFORMS
 from jaxmoe.quant import QuantizedTensor
 from jaxmoe.routing import Routing
 from pallas_kernels import tuning
@@ -34,11 +41,19 @@ from pallas_kernels.down import combine, down_project
 from pallas_kernels.quant import QuantWeight
 from pallas_kernels.swiglu import gate_up_swiglu
 
+#: Lowering platforms (`jax.lax.platform_dependent` names) where the kernels are compiled.
+_TRITON_LOWERING = ("cuda", "rocm")
 
-def kernel_weight(w: jax.Array | QuantizedTensor) -> jax.Array | QuantWeight:
+
+def kernel_weight(w: jax.Array | QuantizedTensor, dtype=jnp.float32) -> jax.Array | QuantWeight:
     """An expert weight ``[E, K, N]`` as the kernels take it: a float array unchanged, a
-    `QuantizedTensor` (int8 / int4) as the `QuantWeight` of the same arrays."""
+    `QuantizedTensor` (int8 / int4) as the `QuantWeight` of the same arrays. A GGUF block
+    kind (``q4_k``, ...; `jaxmoe.quant.GGUF_BLOCKS`) is not yet decoded inside the kernels:
+    it is dequantized to ``dtype`` here (a float copy of the stack; issue 11 item 3 open)."""
+    if isinstance(w, QuantizedTensor) and w.scales is None:
+        return w.dequantize(dtype)
     if isinstance(w, QuantizedTensor):
+        assert w.scales is not None
         biases = None if w.biases is None else jnp.asarray(w.biases)
         return QuantWeight(jnp.asarray(w.qdata), jnp.asarray(w.scales), biases, kind=w.kind, group_size=w.group_size)
     return w
@@ -68,8 +83,8 @@ def experts_pallas(
       routing: `jaxmoe.routing.Routing` with ``expert_ids, weights [T, k]``.
       experts: `jaxmoe.experts.ExpertWeights` (arrays or `QuantizedTensor`s).
       cfg: the `jaxmoe.config.MoEConfig`.
-      interpret: Pallas interpret mode; default `pallas_kernels.common.default_interpret`
-        (an explicit False skips the platform check, e.g. to lower for CUDA from a CPU host).
+      interpret: Pallas interpret mode; default: `pallas_kernels.common.default_interpret`
+        of the lowering platform (compiled on CUDA / ROCm, interpreted elsewhere).
       config: block sizes; default ``tuning.choose(T * k, d, F)``.
       debug: the Pallas ``debug`` flag (prints each kernel's jaxpr and generated code).
     """
@@ -77,23 +92,23 @@ def experts_pallas(
         raise ValueError(f"experts_pallas: x must be [T, {cfg.d_model}], got shape {x.shape}")
     t, d = x.shape
     k = cfg.top_k
-    if routing.expert_ids.shape != (t, k):
-        raise ValueError(f"experts_pallas: routing.expert_ids {routing.expert_ids.shape} must be {(t, k)}")
+    check_expert_ids(routing.expert_ids, experts.num_experts, "experts_pallas", shape=(t, k), weights=routing.weights)
     if interpret is None:
-        interpret = default_interpret()
-        if not interpret and jax.default_backend() not in PALLAS_PLATFORMS:
-            raise ValueError(
-                f"impl='pallas' compiles Triton kernels, which do not lower on platform "
-                f"{jax.default_backend()!r}; use impl='xla' there (or JAXMOE_PALLAS_INTERPRET=1 to "
-                "run the kernels in the slow interpreter)"
-            )
+        modes = {plat: default_interpret(plat) for plat in (*_TRITON_LOWERING, "cpu")}
+        if len(set(modes.values())) > 1:
+            run = functools.partial(experts_pallas, cfg=cfg, config=config, debug=debug)
+            by_mode = {m: functools.partial(run, interpret=m) for m in (False, True)}  # one branch per mode
+            per = {plat: by_mode[modes[plat]] for plat in _TRITON_LOWERING}
+            return jax.lax.platform_dependent(x, routing, experts, default=by_mode[modes["cpu"]], **per)
+        interpret = modes["cpu"]
     kc = config or tuning.choose(t * k, d, cfg.expert_dim)
     act = Activation(cfg.activation, float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
     akw = dict(activation=act.kind, alpha=act.alpha, limit=act.limit)
-    ids = routing.expert_ids.astype(jnp.int32)
+    ok = id_valid(routing.expert_ids, experts.num_experts)  # [T, k]
+    ids = jnp.where(ok, routing.expert_ids, 0).astype(jnp.int32)  # never an index past the weights
     w = routing.weights.reshape(-1).astype(jnp.float32)  # [P] pair order
     woi = cfg.weight_on_input
-    w_gate, w_up, w_down = (kernel_weight(a) for a in (experts.w_gate, experts.w_up, experts.w_down))
+    w_gate, w_up, w_down = (kernel_weight(a, x.dtype) for a in (experts.w_gate, experts.w_up, experts.w_down))
     if t == 0:
         return jnp.zeros((0, d), jnp.float32)
     if kc.decode:
@@ -121,9 +136,9 @@ def experts_pallas(
                 interpret=interpret,
                 debug=debug,
             )
-            return combine_pairs(y, k)
+            return combine_pairs(jnp.where(ok.reshape(-1, 1), y, 0.0), k)
     with jax.named_scope("pallas_grouped"):
-        plan = plan_dispatch(ids, cfg.num_experts, kc.gate_up.block_m)
+        plan = plan_dispatch(routing.expert_ids, cfg.num_experts, kc.gate_up.block_m)  # drops invalid ids
         ws = w[plan.sort_idx]  # [P] sorted order
         meta = (plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
         h = gate_up_swiglu(
@@ -150,4 +165,4 @@ def experts_pallas(
             interpret=interpret,
             debug=debug,
         )
-        return combine(y, plan.inv, k)
+        return combine(jnp.where(plan.row_valid()[:, None], y, 0.0), plan.inv, k)

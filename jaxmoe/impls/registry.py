@@ -18,6 +18,7 @@ from jaxmoe.impls.cpu import experts_cpu
 from jaxmoe.impls.pallas import experts_pallas
 from jaxmoe.impls.ragged import experts_ragged_dot
 from jaxmoe.impls.xla import experts_xla
+from jaxmoe.impls.xla_tiled import experts_xla_tiled
 
 ImplFn = Callable[..., jax.Array]
 
@@ -27,6 +28,7 @@ BUILTIN: MappingProxyType[str, ImplFn] = MappingProxyType(
         "dense": experts_dense,  # every expert on every token, masked: the oracle
         "gather": experts_gather,  # the k selected experts of each token, pair by pair
         "xla": experts_xla,  # sorted, tiled grouped SwiGLU in XLA ops
+        "xla_tiled": experts_xla_tiled,  # the same without a loop: batched dots over tiles (GPUs without Pallas)
         "ragged_dot": experts_ragged_dot,  # jax.lax.ragged_dot, comparison only
         "cpu": experts_cpu,  # C++ XLA FFI kernel on XLA:CPU
         "pallas": experts_pallas,  # Pallas/Triton kernels on CUDA / ROCm

@@ -1,0 +1,99 @@
+"""``xla_tiled`` (loop-free, for GPUs without Pallas) against today's ``xla`` on this CPU,
+side by side in one run, plus kernel launches counted from each compiled program.
+
+The routed experts of one layer (default: the Qwen3.6-35B-A3B shape, 256 experts top-8,
+d 2048, width 512; ``--experts`` fewer for a quick run), random routing, fresh tokens
+per call. Prints per T: ms of each (best of ``--repeats``, round robin), the ratio
+tiled / xla (target <= 1.5), and launches per call from the XLA:CPU program
+(`hlo_kernels.count_kernels`; a loop with a data-dependent trip count shows ``?``, its
+launches grow with the touched experts; on a GPU backend the counts come from
+benchmarks/intel_compile_check.py).
+
+    python benchmarks/bench_xla_tiled.py --tokens 1,16,256 --dtype bf16
+    python benchmarks/bench_xla_tiled.py --experts 32 --tokens 1,16 --repeats 2   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from hlo_kernels import count_kernels  # noqa: E402
+
+import jaxmoe  # noqa: E402
+from jaxmoe.impls.xla import experts_xla  # noqa: E402
+from jaxmoe.impls.xla_tiled import experts_xla_tiled  # noqa: E402
+
+IMPLS = {"xla": experts_xla, "xla_tiled": experts_xla_tiled}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen3.6-35b-a3b")
+    ap.add_argument("--tokens", default="1,16,256")
+    ap.add_argument("--experts", type=int, default=None)
+    ap.add_argument("--dtype", default="bf16", choices=["f32", "bf16"])
+    ap.add_argument("--repeats", type=int, default=5)
+    a = ap.parse_args(argv)
+    cfg = jaxmoe.load_config(a.preset)
+    if a.experts:
+        cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, num_experts=a.experts))
+    dt = jnp.bfloat16 if a.dtype == "bf16" else jnp.float32
+    e, d, f, k = cfg.num_experts, cfg.d_model, cfg.expert_dim, cfg.top_k
+    rng = np.random.default_rng(0)
+    ew = jaxmoe.ExpertWeights(
+        *(jnp.asarray(rng.standard_normal(s, np.float32) / 16, dt) for s in ((e, d, f), (e, d, f), (e, f, d)))
+    )
+    print(f"{a.preset}: E={e} k={k} d={d} F={f} {a.dtype}, backend {jax.default_backend()}")
+    print("| T | xla ms | xla_tiled ms | tiled/xla | xla launches | xla_tiled launches |")
+    print("|---|---|---|---|---|---|")
+    for t in (int(s) for s in a.tokens.split(",")):
+
+        def inputs(t=t):
+            x = jnp.asarray(rng.standard_normal((t, d), np.float32), dt)
+            ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+            w = rng.uniform(0.1, 1, (t, k)).astype(np.float32)
+            return x, jaxmoe.Routing(jnp.asarray(ids), jnp.asarray(w))
+
+        fns = {n: jax.jit(lambda x, r, fn=fn: fn(x, r, ew, cfg)) for n, fn in IMPLS.items()}
+        x0, r0 = inputs()
+        launches, outs = {}, {}
+        for n, fn in fns.items():
+            launches[n] = count_kernels(fn.lower(x0, r0).compile().as_text() or "").row()
+            outs[n] = np.asarray(fn(x0, r0), np.float32)
+        err = float(np.abs(outs["xla"] - outs["xla_tiled"]).max())
+        scale = float(np.abs(outs["xla"]).max())
+        if err > 1e-2 * max(scale, 1.0):
+            print(f"T={t}: outputs differ by {err} (scale {scale})", file=sys.stderr)
+            return 1
+        best = {n: float("inf") for n in fns}
+        for i in range(a.repeats):
+            x, r = inputs()
+            order = list(fns)[i % 2 :] + list(fns)[: i % 2]
+            for n in order:
+                t0 = time.perf_counter()
+                fns[n](x, r).block_until_ready()
+                best[n] = min(best[n], time.perf_counter() - t0)
+
+        def fmt(row):
+            return f"{row['launches'] if row['launches'] is not None else '?'} (top {row['kernels_top']}, loops {row['loops'] or '-'})"
+
+        print(
+            f"| {t} | {best['xla'] * 1e3:.1f} | {best['xla_tiled'] * 1e3:.1f} | "
+            f"{best['xla_tiled'] / best['xla']:.2f} | {fmt(launches['xla'])} | {fmt(launches['xla_tiled'])} |",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,193 @@
+"""``xla_tiled`` (the loop-free XLA formulation for GPUs without Pallas) against the float64
+numpy references: every preset family (shrunk), quantized and not, uneven routing, empty
+experts, one expert taking every token, both layouts (pairs and tiles); and its shape:
+no loop and no ``[T, E, ...]`` array in the traced program."""
+
+import dataclasses
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import np_experts, np_moe, params_to_numpy, random_params, shrink, skewed_routing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxmoe
+from jaxmoe import MoEConfig, RouterConfig, Routing
+from jaxmoe.experts import experts_dense
+from jaxmoe.impls.xla_tiled import MAX_BLOCK_M, choose_block_m, experts_xla_tiled
+from jaxmoe.quant import quantize_int4_affine, quantize_int8
+
+PRESETS = jaxmoe.list_presets()
+F32 = dict(rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("t", [1, 11])
+def test_presets_match_float64(preset, t, rng):
+    cfg = shrink(jaxmoe.load_config(preset))
+    p = random_params(cfg, rng)
+    x = rng.normal(size=(t, cfg.d_model)).astype(np.float32)
+    y = jaxmoe.moe_apply(p, jnp.asarray(x), cfg, impl="xla_tiled")
+    ref, _, _ = np_moe(x, params_to_numpy(p), cfg)
+    np.testing.assert_allclose(np.asarray(y), ref, **F32)
+
+
+@pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "gpt-oss-20b"])
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("t", [1, 9])
+def test_quantized_experts(preset, quant, t, rng):
+    cfg = shrink(jaxmoe.load_config(preset))
+    p = random_params(cfg, rng)
+    q = quantize_int8 if quant == "int8" else (lambda w: quantize_int4_affine(w, 32))
+    ew = p.experts
+    p = dataclasses.replace(
+        p, experts=dataclasses.replace(ew, w_gate=q(ew.w_gate), w_up=q(ew.w_up), w_down=q(ew.w_down))
+    )
+    x = rng.normal(size=(t, cfg.d_model)).astype(np.float32)
+    ref, _, _ = np_moe(x, params_to_numpy(p), cfg)
+    y = jaxmoe.moe_apply(p, jnp.asarray(x), cfg, impl="xla_tiled")
+    np.testing.assert_allclose(np.asarray(y), ref, **F32)
+
+
+# uneven routing, empty experts and block sizes: tests/test_impls.py::test_uneven_routing_block_sizes
+
+
+@pytest.mark.parametrize("block_m", [None, 1, 8, 64])
+def test_one_expert_takes_every_token(block_m, rng):
+    cfg = MoEConfig(d_model=32, expert_dim=16, router=RouterConfig(num_experts=8, top_k=1), expert_bias=True)
+    p = random_params(cfg, rng)
+    ew = p.experts
+    p = dataclasses.replace(
+        p,
+        experts=dataclasses.replace(
+            ew,
+            **{
+                b: jnp.asarray(rng.normal(size=getattr(ew, b).shape), jnp.float32) for b in ("b_gate", "b_up", "b_down")
+            },
+        ),
+    )
+    t = 29
+    ids = np.full((t, 1), 5, np.int32)
+    ws = rng.uniform(0.1, 1.0, size=(t, 1)).astype(np.float32)
+    x = rng.normal(size=(t, 32)).astype(np.float32)
+    ref = np_experts(x, ids, ws, params_to_numpy(p), cfg)
+    y = experts_xla_tiled(jnp.asarray(x), Routing(jnp.asarray(ids), jnp.asarray(ws)), p.experts, cfg, block_m=block_m)
+    np.testing.assert_allclose(np.asarray(y), ref, **F32)
+
+
+def test_weight_on_input_and_bf16(rng):
+    cfg = MoEConfig(
+        d_model=32,
+        expert_dim=16,
+        router=RouterConfig(num_experts=8, top_k=2, score_fn="sigmoid_topk", renorm="none"),
+        weight_on_input=True,
+    )
+    p = random_params(cfg, rng)
+    for t in (2, 21):  # pairs and tiles
+        x = rng.normal(size=(t, 32)).astype(np.float32)
+        ref, _, _ = np_moe(x, params_to_numpy(p), cfg)
+        np.testing.assert_allclose(np.asarray(jaxmoe.moe_apply(p, jnp.asarray(x), cfg, impl="xla_tiled")), ref, **F32)
+    pb = random_params(cfg, rng, jnp.bfloat16)
+    xb = jnp.asarray(rng.normal(size=(21, 32)), jnp.bfloat16)
+    y = jaxmoe.moe_apply(pb, xb, cfg, impl="xla_tiled")
+    assert y.dtype == jnp.bfloat16
+    yd = jaxmoe.moe_apply(pb, xb, cfg, impl="dense")
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(yd, np.float32), rtol=3e-2, atol=3e-2)
+
+
+def test_nan_token_isolated(rng):
+    cfg = shrink(jaxmoe.load_config("qwen3.6-35b-a3b"))
+    p = random_params(cfg, rng)
+    x = rng.normal(size=(9, cfg.d_model)).astype(np.float32)
+    x[4, 3] = np.nan
+    y = np.asarray(jaxmoe.moe_apply(p, jnp.asarray(x), cfg, impl="xla_tiled"))
+    assert np.isnan(y[4]).all()
+    rest = np.delete(np.arange(9), 4)
+    ref, _, _ = np_moe(x[rest], params_to_numpy(p), cfg)
+    np.testing.assert_allclose(y[rest], ref, **F32)
+
+
+XLA_CFG = MoEConfig(d_model=16, expert_dim=8, router=RouterConfig(num_experts=12, top_k=3))
+
+
+@settings(deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from(["uniform", "skewed", "few"]), st.sampled_from([None, 1, 2, 16]))
+def test_hypothesis(seed, mode, block_m):
+    r = np.random.default_rng(seed)
+    t, k, e = 24, 3, 12
+    if mode == "skewed":
+        ids, ws = skewed_routing(r, t, k, e, share=0.9)
+    else:
+        pool = r.choice(e, size=k + 1, replace=False) if mode == "few" else np.arange(e)
+        ids = np.stack([r.choice(pool, k, replace=False) for _ in range(t)]).astype(np.int32)
+        ws = r.uniform(0.05, 1, size=(t, k)).astype(np.float32)
+    p = random_params(XLA_CFG, r)
+    x = r.normal(size=(t, 16)).astype(np.float32)
+    y = experts_xla_tiled(
+        jnp.asarray(x), Routing(jnp.asarray(ids), jnp.asarray(ws)), p.experts, XLA_CFG, block_m=block_m
+    )
+    np.testing.assert_allclose(np.asarray(y), np_experts(x, ids, ws, params_to_numpy(p), XLA_CFG), **F32)
+
+
+def _eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _eqns(sub)
+
+
+@pytest.mark.parametrize("t", [1, 41])
+def test_no_loop_and_no_tokens_by_experts_array(t, rng):
+    """A bounded set of ops (no while / scan), and work that grows with T*k, not T*E."""
+    e, k = 23, 2
+    cfg = MoEConfig(d_model=16, expert_dim=8, router=RouterConfig(num_experts=e, top_k=k))
+    p = random_params(cfg, rng)
+    r = Routing(jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32), jnp.ones((t, k), jnp.float32))
+    jaxpr = jax.make_jaxpr(lambda x: experts_xla_tiled(x, r, p.experts, cfg))(jnp.ones((t, 16))).jaxpr
+    eqns = list(_eqns(jaxpr))
+    prims = {q.primitive.name for q in eqns}
+    assert not prims & {"while", "scan"}, prims
+    shapes = {tuple(getattr(v.aval, "shape", ())) for q in eqns for v in q.outvars}
+    bad = [s for s in shapes if (t in s or t * k in s) and e in s and t > 1]
+    assert not bad, bad
+    loopy = jax.make_jaxpr(lambda x: jaxmoe.impls.xla.experts_xla(x, r, p.experts, cfg))(jnp.ones((t, 16))).jaxpr
+    assert "while" in {q.primitive.name for q in _eqns(loopy)}  # the check itself can fail
+
+
+def test_choose_block_m():
+    assert choose_block_m(8, 256) == 1  # decode: pairs layout
+    assert choose_block_m(256, 256) == 1
+    assert choose_block_m(257, 256) == 4
+    assert choose_block_m(2048, 256) == 16
+    assert choose_block_m(10**7, 8) == MAX_BLOCK_M
+
+
+def test_matches_dense_at_every_layout(rng):
+    cfg = shrink(jaxmoe.load_config("mixtral-8x7b"))
+    p = random_params(cfg, rng)
+    x = jnp.asarray(rng.normal(size=(17, cfg.d_model)), jnp.float32)
+    r = jaxmoe.layer.compute_routing(p, x, cfg)
+    yd = experts_dense(x, r, p.experts, cfg)
+    for bm in (1, 2, 4, 32, 256):
+        np.testing.assert_allclose(
+            np.asarray(experts_xla_tiled(x, r, p.experts, cfg, block_m=bm)), np.asarray(yd), **F32
+        )
+
+
+def test_bad_input(rng):
+    cfg = shrink(jaxmoe.load_config("qwen3-30b-a3b"))
+    p = random_params(cfg, rng)
+    r = Routing(jnp.zeros((4, cfg.top_k), jnp.int32), jnp.ones((4, cfg.top_k)))
+    with pytest.raises(ValueError, match="x must be"):
+        experts_xla_tiled(jnp.ones((4,)), r, p.experts, cfg)
+    with pytest.raises(ValueError, match="block_m"):
+        experts_xla_tiled(jnp.ones((4, cfg.d_model)), r, p.experts, cfg, block_m=0)
+    assert experts_xla_tiled(
+        jnp.ones((0, cfg.d_model)), Routing(r.expert_ids[:0], r.weights[:0]), p.experts, cfg
+    ).shape == (
+        0,
+        cfg.d_model,
+    )
