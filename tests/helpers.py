@@ -165,13 +165,17 @@ def random_params(cfg, rng, dtype=jnp.float32):
 
 
 def np_experts(x, ids, ws, p, cfg):
-    """float64 routed-expert output for a given routing (per pair loop)."""
+    """float64 routed-expert output for a given routing (per pair loop); a pair whose id is
+    outside ``[0, E)`` adds nothing (docs/routing.md, "Invalid expert ids")."""
     x = np.asarray(x, np.float64)
     f = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    n_experts = np.shape(p["w_gate"])[0]
     y = np.zeros_like(x)
     for t in range(x.shape[0]):
         for s in range(ids.shape[1]):
-            e, w = ids[t, s], np.float64(ws[t, s])
+            e, w = int(ids[t, s]), np.float64(ws[t, s])
+            if not 0 <= e < n_experts:
+                continue
             xin = x[t] * w if cfg.weight_on_input else x[t]
             g, u = xin @ f(p["w_gate"][e]), xin @ f(p["w_up"][e])
             if p.get("b_gate") is not None:
@@ -208,3 +212,27 @@ def assert_same_params(expected, *others):
         for (k, a), (_, b) in zip(leaves, got):
             assert a.dtype == b.dtype, jax.tree_util.keystr(k)
             np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(k))
+
+
+def gguf_block_bytes(rng, qtype, shape, d_range=(1e-3, 4e-3)):
+    """Random, valid GGUF block bytes for a logical numpy ``shape`` ``[..., out, in]`` of the
+    block type ``qtype``: random codes and packed scales, finite float16 super-block scales
+    drawn from ``d_range`` (Q4_1 / Q5_0 / Q5_1 through ``gguf.quants.quantize`` of random
+    floats). Returns uint8 ``[..., out, in / block * block_bytes]``."""
+    import gguf
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as QT
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    if qtype in (QT.Q4_1, QT.Q5_0, QT.Q5_1):
+        return gguf.quants.quantize((rng.standard_normal(shape) * 0.1).astype(np.float32), qtype)
+    n_blocks = int(np.prod(shape)) // block
+    b = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
+    if qtype in (QT.Q4_K, QT.Q5_K):  # d, dmin at bytes 0:4
+        b[:, 0:2] = rng.uniform(*d_range, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+        b[:, 2:4] = rng.uniform(*d_range, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+    elif qtype == QT.Q6_K:  # d at the end
+        b[:, size - 2 :] = (rng.uniform(*d_range, (n_blocks, 1)) / 10).astype(np.float16).view(np.uint8)
+    else:
+        raise ValueError(f"gguf_block_bytes: {qtype!r} is not a GGUF block type")
+    return b.reshape(*shape[:-1], shape[-1] // block * size)

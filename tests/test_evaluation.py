@@ -499,13 +499,60 @@ def test_eval_quantized_and_npy_inputs(tmp_path, rng):
     lay = res["layers"][0]
     assert _q(lay["stats"]["tokens"]) == 20  # every token of the file
     by = {(r["quantize"], r["tokens"]): r for r in lay["results"]}
-    e_none, e8, e4 = (_q(by[(q, 20)]["rel_error"]) for q in ("none", "int8", "int4"))
-    assert e_none < 1e-5 < e8 < e4 < 0.3
+    # the gate: each case against the float64 forward of ITS weights (dequantized): tight
+    assert all(_q(by[(q, 20)]["rel_error"]) < 1e-5 for q in ("none", "int8", "int4"))
+    # the quantization error against the float weights is reported separately, not gated
+    assert "quantization_error" not in by[("none", 20)]
+    e8, e4 = (_q(by[(q, 20)]["quantization_error"]) for q in ("int8", "int4"))
+    assert 1e-5 < e8 < e4 < 0.3
+    assert "quantization error" in (out / "report.md").read_text()
     b = {q: _q(by[(q, 20)]["weight_bytes_read"]) for q in ("none", "int8", "int4")}
     assert b["int4"] < b["int8"] < b["none"]
     # too few tokens in the file for the requested counts: a config error
     data["tokens"] = [21]
     assert cli_main([str(_write(tmp_path, data)), "--no-progress", "--out", str(out)]) == 2
+
+
+def test_quantized_gate_fails_a_broken_kernel(tmp_path):
+    """A deliberately broken quantized impl (its int4 dequantization off by one code) passes
+    a loose quantization-error tolerance against the float weights but fails the tight gate
+    against the dequantized weights; the float cases are untouched."""
+    from jaxmoe.impls import registry
+
+    good = registry.get_impl("gather")
+
+    def broken(x, routing, ew, cfg):
+        def off(w):
+            if isinstance(w, jaxmoe.QuantizedTensor) and w.kind == "int4":
+                assert w.scales is not None and w.biases is not None
+                return dataclasses.replace(w, biases=w.biases + w.scales)  # every code read as q + 1
+            return w
+
+        return good(x, routing, dataclasses.replace(ew, w_gate=off(ew.w_gate)), cfg)
+
+    model = dict(TINY["model"], shrink={"d_model": 64, "expert_dim": 64, "num_experts": 16})
+    data = dict(
+        TINY,
+        model=model,
+        impls=["broken_q"],
+        tokens=[5],
+        quantize=["none", "int8", "int4"],
+        plots=False,
+        tolerance={"default": 1e-5},
+        min_routing_agreement=0.0,
+    )
+    out = tmp_path / "run"
+    registry.register_impl("broken_q", broken)
+    try:
+        assert cli_main([str(_write(tmp_path, data)), "--no-progress", "--out", str(out)]) == 1
+    finally:
+        registry.unregister_impl("broken_q")
+    res = json.loads((out / "results.json").read_text())
+    by = {r["quantize"]: r for r in res["layers"][0]["results"]}
+    assert by["none"]["passed"] and by["int8"]["passed"] and not by["int4"]["passed"]
+    assert "rel_error" in by["int4"]["reason"]
+    assert res["gate"]["failures"] and "broken_q/float32/int4" in res["gate"]["failures"][0]
+    assert _q(by["int4"]["quantization_error"]) < 0.5  # a loose quantization-error bound would not catch it
 
 
 def test_eval_reads_a_gguf_file(tmp_path, rng):
@@ -571,9 +618,9 @@ def test_kind_key_picks_schema_and_runner(tmp_path, monkeypatch, capsys):
     # the CLI hands each kind to its runner
     seen = []
 
-    def fake_run(cfg, *, source, out, overrides, progress):
-        seen.append((type(cfg).__name__, source, out, overrides))
-        return {"gate": {"passed": cfg.tokens != 9}}, out
+    def fake_run(cfg, opts):
+        seen.append((type(cfg).__name__, opts.source, opts.out, list(opts.overrides)))
+        return {"gate": {"passed": cfg.tokens != 9}}, opts.out
 
     monkeypatch.setitem(KINDS, "offload", dataclasses.replace(KINDS["offload"], run=fake_run))
     spec = {"kind": "offload", "name": "x", "model": {"preset": "qwen3.6-35b-a3b"}}

@@ -16,7 +16,7 @@ import argparse
 import sys
 
 from jaxmoe.evaluation.kinds import KINDS, kind_of, load_any
-from jaxmoe.evaluation.schema import ConfigError, find_config, list_eval_configs
+from jaxmoe.evaluation.schema import ConfigError, RunOptions, find_config, list_eval_configs
 
 #: Exit codes of `cli_main`.
 EXIT_PASSED, EXIT_GATE_FAILED, EXIT_CONFIG_ERROR = 0, 1, 2
@@ -66,7 +66,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     try:
         path = find_config(a.config)
         cfg = load_any(path, a.overrides)
-        res, _ = kind_of(cfg).run(cfg, source=str(path), out=a.out, overrides=a.overrides, progress=not a.no_progress)
+        res, _ = kind_of(cfg).run(
+            cfg, RunOptions(source=str(path), out=a.out, overrides=tuple(a.overrides or ()), progress=not a.no_progress)
+        )
     except ConfigError as e:
         print(f"jaxmoe eval: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

@@ -45,10 +45,12 @@ from typing import Any, Literal
 from jaxmoe.config import list_presets
 from jaxmoe.evaluation.schema import (
     Context,
+    check_impls,
+    check_name,
     find_config,
+    mapping_reader,
     read_config_file,
     to_plain,
-    validate,
 )
 from jaxmoe.impls.registry import available_impls
 
@@ -142,13 +144,6 @@ class EvalConfig:
 # --------------------------------------------------------------------------- loading
 
 
-def config_from_mapping(
-    data: Any, source: str = "<mapping>", overrides: list[str] | None = None, default_name: str = "eval"
-) -> EvalConfig:
-    """Validates a raw mapping (with ``--set`` overrides applied) into an `EvalConfig`."""
-    return validate(EvalConfig, data, source, overrides, default_name=default_name, check=check)
-
-
 def load_eval_config(name_or_path: str | os.PathLike, overrides: list[str] | None = None) -> EvalConfig:
     """Reads, overrides and validates a ``default``-kind eval config; every problem is a `ConfigError`."""
     path = find_config(name_or_path)
@@ -212,13 +207,7 @@ def check(cfg: EvalConfig, ctx: Context) -> None:
         ctx.fail("inputs.stats_tokens", f"must be >= 1, got {inp.stats_tokens}")
 
     impls = available_impls()
-    if not cfg.impls:
-        ctx.fail("impls", "is an empty list")
-    for i, name in enumerate(cfg.impls):
-        if name not in impls:
-            ctx.fail(f"impls[{i}]", f"impl {name!r} is not available here; available: {impls}")
-    if len(set(cfg.impls)) != len(cfg.impls):
-        ctx.fail("impls", f"has duplicates: {list(cfg.impls)}")
+    check_impls(ctx, cfg.impls, impls)
     if not cfg.tokens:
         ctx.fail("tokens", "is an empty list")
     for i, t in enumerate(cfg.tokens):
@@ -264,8 +253,10 @@ def check(cfg: EvalConfig, ctx: Context) -> None:
         ctx.fail("min_routing_agreement", f"must lie in [0, 1], got {cfg.min_routing_agreement}")
     if cfg.heatmap_tokens < 1:
         ctx.fail("heatmap_tokens", f"must be >= 1, got {cfg.heatmap_tokens}")
-    if not cfg.name or any(c in cfg.name for c in "/\\"):
-        ctx.fail("name", f"must be a non-empty name without slashes, got {cfg.name!r}")
+    check_name(ctx, cfg.name)
+
+
+config_from_mapping = mapping_reader(EvalConfig, check, default_name="eval")
 
 
 def case_label(impl: str, dtype: str, quantize: str) -> str:

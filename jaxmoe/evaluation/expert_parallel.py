@@ -15,6 +15,15 @@ CPU devices (``jax_num_cpu_devices``) when the backend is not yet up; otherwise 
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8``. A mesh larger than the devices
 present is recorded as skipped.
 
+Several processes (``processes: 2``, e.g. ``--set processes=2``): the run starts that many
+worker processes on this machine (`run_processes`), each with ``devices_per_process``
+CPU devices, joined by ``jax.distributed.initialize`` on ``127.0.0.1`` (a free port) with
+gloo CPU collectives; every worker runs the cases (`run_cases`) on meshes over all
+processes' devices (a mesh not spanning every device is skipped: each process must own
+part of it), and compares with the single-device layer computed in that process. Process
+0's results are the run's; a worker that fails or outlives ``timeout_s`` fails the run
+with its output.
+
 Schema (`ExpertParallelConfig`; every key checked, unknown keys are errors naming the key)::
 
     kind: expert-parallel
@@ -28,6 +37,9 @@ Schema (`ExpertParallelConfig`; every key checked, unknown keys are errors namin
     capacity_factors: [null, 1.0]  # null: no drops (worst-case capacity)
     repeats: 3
     tolerance: 1.0e-5
+    processes: 1                   # > 1: jax.distributed worker processes on 127.0.0.1
+    devices_per_process: 4         # CPU devices of each worker process
+    timeout_s: 600                 # bound on the workers' wall time
     output_dir: runs
 
 ``model.shrink`` replaces the preset's widths as given (``shared_expert_dim: 0`` drops
@@ -39,6 +51,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -51,10 +67,10 @@ from rich.console import Console
 from jaxmoe.config import MoEConfig, list_presets, load_config
 from jaxmoe.evaluation.config import ShrinkSection
 from jaxmoe.evaluation.report import make_run_dir
-from jaxmoe.evaluation.schema import Context, to_plain, validate
+from jaxmoe.evaluation.schema import Context, RunOptions, check_impls, check_name, mapping_reader, to_plain
 from jaxmoe.impls.registry import available_impls
 from jaxmoe.layer import moe_apply
-from jaxmoe.parallel import make_mesh, moe_apply_ep, shard_params
+from jaxmoe.parallel import gather_output, global_input, make_mesh, moe_apply_ep, shard_params
 from jaxmoe.params import init_params
 
 KIND = "expert-parallel"
@@ -101,6 +117,9 @@ class ExpertParallelConfig:
     capacity_factors: tuple[float | None, ...] = (None,)
     repeats: int = 3
     tolerance: float = 1e-5
+    processes: int = 1
+    devices_per_process: int = 4
+    timeout_s: float = 600.0
     output_dir: str = "runs"
 
     def to_dict(self) -> dict[str, Any]:
@@ -124,12 +143,7 @@ def check(cfg: ExpertParallelConfig, ctx: Context) -> None:
         for axis in ("expert", "data"):
             if getattr(m, axis) < 1:
                 ctx.fail(f"mesh[{i}].{axis}", f"must be a positive int, got {getattr(m, axis)!r}")
-    impls = available_impls()
-    if not cfg.impls:
-        ctx.fail("impls", "must be a non-empty list of impl names")
-    for i, name in enumerate(cfg.impls):
-        if name not in impls:
-            ctx.fail(f"impls[{i}]", f"impl {name!r} is not available here; available: {impls}")
+    check_impls(ctx, cfg.impls, available_impls())
     if not cfg.tokens:
         ctx.fail("tokens", "must be a non-empty list of positive ints")
     for i, t in enumerate(cfg.tokens):
@@ -144,15 +158,15 @@ def check(cfg: ExpertParallelConfig, ctx: Context) -> None:
         ctx.fail("repeats", f"must be a positive int, got {cfg.repeats}")
     if not cfg.tolerance > 0:
         ctx.fail("tolerance", f"must be a positive number, got {cfg.tolerance!r}")
-    if not cfg.name or any(c in cfg.name for c in "/\\"):
-        ctx.fail("name", f"must be a non-empty name without slashes, got {cfg.name!r}")
+    for key in ("processes", "devices_per_process"):
+        if getattr(cfg, key) < 1:
+            ctx.fail(key, f"must be a positive int, got {getattr(cfg, key)!r}")
+    if not cfg.timeout_s > 0:
+        ctx.fail("timeout_s", f"must be a positive number of seconds, got {cfg.timeout_s!r}")
+    check_name(ctx, cfg.name)
 
 
-def config_from_mapping(
-    data: Any, source: str = "<mapping>", overrides: list[str] | None = None, default_name: str = KIND
-) -> ExpertParallelConfig:
-    """Validates a raw mapping (with ``--set`` overrides applied) into an `ExpertParallelConfig`."""
-    return validate(ExpertParallelConfig, data, source, overrides, default_name=default_name, check=check)
+config_from_mapping = mapping_reader(ExpertParallelConfig, check, default_name=KIND)
 
 
 def model_config(cfg: ExpertParallelConfig) -> MoEConfig:
@@ -177,12 +191,22 @@ def ensure_cpu_devices(n: int) -> None:
 
 
 def run_expert_parallel(cfg: ExpertParallelConfig) -> dict[str, Any]:
-    """Runs every case of ``cfg``; returns the results mapping (no files written)."""
+    """Runs every case of ``cfg``; returns the results mapping (no files written).
+    With ``processes > 1`` the cases run in that many worker processes (`run_processes`)."""
+    if cfg.processes > 1:
+        return run_processes(cfg)
     ensure_cpu_devices(max(m.expert * m.data for m in cfg.mesh))
+    return run_cases(cfg)
+
+
+def run_cases(cfg: ExpertParallelConfig) -> dict[str, Any]:
+    """The cases of ``cfg`` in this process, on meshes over ``jax.devices()`` (all processes'
+    devices after ``jax.distributed.initialize``)."""
     mcfg = model_config(cfg)
     params = init_params(mcfg, jax.random.key(cfg.model.seed))
     single = jax.jit(moe_apply, static_argnames=("cfg", "impl"))
     ndev = len(jax.devices())
+    nproc = jax.process_count()
     cases = []
     for t in cfg.tokens:
         x = jax.random.normal(jax.random.key(cfg.inputs.seed + t), (t, mcfg.d_model), jnp.float32) * cfg.inputs.scale
@@ -195,21 +219,26 @@ def run_expert_parallel(cfg: ExpertParallelConfig) -> dict[str, Any]:
                     if e * d > ndev:
                         cases.append({**case, "status": "skipped", "reason": f"needs {e * d} devices, {ndev} present"})
                         continue
+                    if nproc > 1 and e * d != ndev:
+                        why = f"{nproc} processes: a mesh must span all {ndev} devices"
+                        cases.append({**case, "status": "skipped", "reason": why})
+                        continue
                     mesh = make_mesh(e, d)
                     ps = shard_params(params, mesh)
+                    xg = global_input(x, mesh)
                     step = jax.jit(
                         lambda p, x, mesh=mesh, cf=cf, impl=impl: moe_apply_ep(
                             p, x, mcfg, mesh, impl=impl, capacity_factor=cf, return_stats=True
                         )
                     )
-                    y, st = step(ps, x)
+                    y, st = step(ps, xg)
                     ts = []
                     for _ in range(cfg.repeats):
                         t0 = time.perf_counter()
-                        jax.block_until_ready(step(ps, x))
+                        jax.block_until_ready(step(ps, xg))
                         ts.append(time.perf_counter() - t0)
-                    err = float(np.abs(np.asarray(y) - y1).max() / max(np.abs(y1).max(), 1e-30))
-                    dropped = int(st.dropped_pairs)
+                    err = float(np.abs(gather_output(y) - y1).max() / max(np.abs(y1).max(), 1e-30))
+                    dropped = int(gather_output(st.dropped_pairs))
                     rows = e * st.capacity  # per device, each direction
                     buf = e * d * rows * (mcfg.d_model * x.dtype.itemsize + 8 + mcfg.d_model * 4)
                     ok = dropped > 0 or err <= cfg.tolerance
@@ -236,6 +265,7 @@ def run_expert_parallel(cfg: ExpertParallelConfig) -> dict[str, Any]:
         model=mcfg.to_dict(),
         platform=jax.devices()[0].platform,
         devices=ndev,
+        processes=nproc,
         cases=cases,
         gate=dict(passed=passed),
     )
@@ -248,7 +278,8 @@ def report_md(res: dict) -> str:
         "",
         res["description"],
         "",
-        f"platform {res['platform']}, {res['devices']} devices, tolerance {res['config']['tolerance']:g} "
+        f"platform {res['platform']}, {res['devices']} devices in {res.get('processes', 1)} process(es), "
+        f"tolerance {res['config']['tolerance']:g} "
         "(max relative difference from the single-device layer, when no pair is dropped)",
         "",
         "| tokens | impl | expert x data | capacity factor | C | dropped / pairs | max rel err | "
@@ -271,19 +302,13 @@ def report_md(res: dict) -> str:
     return "\n".join(lines)
 
 
-def run(
-    cfg: ExpertParallelConfig,
-    *,
-    source: str = "<config>",
-    out: str | os.PathLike | None = None,
-    overrides: list[str] | None = None,
-    progress: bool = True,
-    console: Console | None = None,
-) -> tuple[dict, Path]:
+def run(cfg: ExpertParallelConfig, opts: RunOptions | None = None) -> tuple[dict, Path]:
     """Runs ``cfg`` and writes ``results.json`` and ``report.md`` into the run directory
     (``out``, else ``<output_dir>/<name>-<UTC timestamp>``). Returns (results, run directory).
-    ``progress`` is accepted for a uniform signature (this run prints no progress bar)."""
-    console = console or Console()
+    ``opts.progress`` does not apply (this run prints no progress bar)."""
+    opts = opts or RunOptions()
+    source, out, overrides = opts.source, opts.out, list(opts.overrides)
+    console = opts.console or Console()
     res = run_expert_parallel(cfg)
     res["config_file"] = source
     res["overrides"] = list(overrides or [])
@@ -294,3 +319,81 @@ def run(
     console.print(report_md(res), markup=False, highlight=False, soft_wrap=True)
     console.print(f"results: {run_dir}/ (results.json, report.md)", soft_wrap=True)
     return res, run_dir
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0 and release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def worker_env(devices: int) -> dict[str, str]:
+    """The environment of a worker: CPU only, ``devices`` host devices, no inherited device count."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def run_processes(cfg: ExpertParallelConfig) -> dict[str, Any]:
+    """Runs ``cfg`` in ``cfg.processes`` worker processes joined by ``jax.distributed`` on
+    ``127.0.0.1``; returns process 0's results. RuntimeError (with the workers' output
+    tails) when a worker fails, or when they outlive ``cfg.timeout_s`` (all are killed)."""
+    n = cfg.processes
+    address = f"127.0.0.1:{free_port()}"
+    with tempfile.TemporaryDirectory(prefix="jaxmoe-ep-") as tmp:
+        conf = Path(tmp) / "config.json"
+        conf.write_text(json.dumps(dataclasses.replace(cfg, processes=1).to_dict()))
+        procs, logs = [], []
+        for i in range(n):
+            log = open(Path(tmp) / f"worker{i}.log", "w+")  # noqa: SIM115 (closed below)
+            logs.append(log)
+            cmd = [sys.executable, "-m", "jaxmoe.evaluation.expert_parallel", str(conf), str(i), str(n), address, tmp]
+            procs.append(
+                subprocess.Popen(cmd, env=worker_env(cfg.devices_per_process), stdout=log, stderr=subprocess.STDOUT)
+            )
+        deadline = time.monotonic() + cfg.timeout_s
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            timed_out = [i for i, proc in enumerate(procs) if proc.poll() is None]
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        tails = []
+        for i, log in enumerate(logs):
+            log.seek(0)
+            tails.append(f"--- worker {i} (rc {procs[i].returncode}) ---\n{log.read()[-3000:]}")
+            log.close()
+        if timed_out:
+            raise RuntimeError(
+                f"expert-parallel workers {timed_out} outlived timeout_s={cfg.timeout_s}\n" + "\n".join(tails)
+            )
+        if any(proc.returncode for proc in procs):
+            raise RuntimeError("an expert-parallel worker failed\n" + "\n".join(tails))
+        res = json.loads((Path(tmp) / "result0.json").read_text())
+    res["config"] = cfg.to_dict()
+    return res
+
+
+def worker_main(argv: list[str] | None = None) -> None:
+    """One worker of `run_processes`: ``CONFIG_JSON PROCESS_ID NUM_PROCESSES ADDRESS OUT_DIR``."""
+    conf, pid, n, address, out = argv if argv is not None else sys.argv[1:]
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=address, num_processes=int(n), process_id=int(pid))
+    try:
+        cfg = config_from_mapping(json.loads(Path(conf).read_text()), source=conf)
+        res = run_cases(cfg)
+        (Path(out) / f"result{pid}.json").write_text(json.dumps(res))
+    finally:
+        jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    worker_main()

@@ -11,7 +11,7 @@ A config's top-level ``kind`` key picks its row of `KINDS` (``default`` when abs
 
 Every kind goes through the same schema engine (`jaxmoe.evaluation.schema`), so unknown
 keys, wrong types and ``--set`` overrides behave alike, and every runner has the same
-signature ``run(cfg, *, source, out, overrides, progress, console) -> (results, run_dir)``
+signature ``run(cfg, opts: RunOptions | None) -> (results, run_dir)``
 with ``results["gate"]["passed"]`` the run's verdict.
 """
 
@@ -41,7 +41,7 @@ class EvalKind:
       name: the value of the config's ``kind`` key.
       config_class: the dataclass its configs validate into.
       from_mapping: ``(data, source, overrides, default_name) -> config``.
-      run: ``(config, *, source, out, overrides, progress, console) -> (results, run directory)``.
+      run: ``(config, opts: schema.RunOptions | None) -> (results, run directory)``.
       description: one line for listings.
     """
 

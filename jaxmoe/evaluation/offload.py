@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -55,7 +54,7 @@ from rich.console import Console
 from jaxmoe.config import MoEConfig, list_presets, load_config
 from jaxmoe.evaluation.config import ShrinkSection
 from jaxmoe.evaluation.report import make_run_dir
-from jaxmoe.evaluation.schema import Context, to_plain, validate
+from jaxmoe.evaluation.schema import Context, RunOptions, check_name, mapping_reader, to_plain
 from jaxmoe.impls.registry import available_impls
 from jaxmoe.offload.cache import POLICIES, SCOPES
 from jaxmoe.offload.driver import OffloadConfig, OffloadedModel
@@ -179,15 +178,10 @@ def check(cfg: OffloadSweepConfig, ctx: Context) -> None:
             ctx.fail(key, f"must be an int >= 2, got {getattr(cfg, key)!r}")
     if cfg.prefetch_k is not None and cfg.prefetch_k < 0:
         ctx.fail("prefetch_k", f"must be >= 0 (or null), got {cfg.prefetch_k}")
-    if not cfg.name or any(c in cfg.name for c in "/\\"):
-        ctx.fail("name", f"must be a non-empty name without slashes, got {cfg.name!r}")
+    check_name(ctx, cfg.name)
 
 
-def config_from_mapping(
-    data: Any, source: str = "<mapping>", overrides: list[str] | None = None, default_name: str = KIND
-) -> OffloadSweepConfig:
-    """Validates a raw mapping (with ``--set`` overrides applied) into an `OffloadSweepConfig`."""
-    return validate(OffloadSweepConfig, data, source, overrides, default_name=default_name, check=check)
+config_from_mapping = mapping_reader(OffloadSweepConfig, check, default_name=KIND)
 
 
 def stack_config(cfg: OffloadSweepConfig) -> MoEConfig:
@@ -406,20 +400,14 @@ def plot_results(results: dict, path: Path) -> Path:
     return path
 
 
-def run(
-    cfg: OffloadSweepConfig,
-    *,
-    source: str = "<config>",
-    out: str | os.PathLike | None = None,
-    overrides: list[str] | None = None,
-    progress: bool = True,
-    console: Console | None = None,
-) -> tuple[dict, Path]:
+def run(cfg: OffloadSweepConfig, opts: RunOptions | None = None) -> tuple[dict, Path]:
     """Runs the sweep into the run directory (``out``, else ``<output_dir>/<name>-<UTC
     timestamp>``), logging one line per configuration. Returns (results, run directory).
-    ``source`` and ``overrides`` are recorded in the results; ``progress`` is accepted for
-    a uniform signature (the log lines are the progress)."""
-    console = console or Console()
+    ``opts.source`` and ``opts.overrides`` are recorded in the results; ``opts.progress``
+    does not apply (the log lines are the progress)."""
+    opts = opts or RunOptions()
+    source, out, overrides = opts.source, opts.out, list(opts.overrides)
+    console = opts.console or Console()
     run_dir = make_run_dir(cfg.output_dir, cfg.name, out)
     res = run_sweep(cfg, run_dir, log=lambda s: console.print(s, markup=False, highlight=False, soft_wrap=True))
     res["config_file"] = source

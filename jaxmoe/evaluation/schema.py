@@ -357,3 +357,52 @@ def read_config_file(path: str | os.PathLike) -> Any:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot be read: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How an eval run is invoked (the same for every kind).
+
+    Attributes:
+      source: where the config came from (recorded in the results).
+      out: the run directory; default ``<output_dir>/<name>-<UTC timestamp>``.
+      overrides: the ``--set`` overrides applied (recorded in the results).
+      progress: show a progress bar where the runner has one.
+      console: where the summary goes (default: a new `rich.console.Console`).
+    """
+
+    source: str = "<config>"
+    out: str | os.PathLike | None = None
+    overrides: tuple[str, ...] = ()
+    progress: bool = True
+    console: Any = None
+
+
+def check_name(ctx: Context, name: str) -> None:
+    """A run name must be non-empty and free of path separators (it names a directory)."""
+    if not name or any(c in name for c in "/\\"):
+        ctx.fail("name", f"must be a non-empty name without slashes, got {name!r}")
+
+
+def check_impls(ctx: Context, names, available: list[str], key: str = "impls") -> None:
+    """``names`` is a non-empty list of distinct impls, each one of ``available``."""
+    if not names:
+        ctx.fail(key, "must be a non-empty list of impl names")
+    for i, name in enumerate(names):
+        if name not in available:
+            ctx.fail(f"{key}[{i}]", f"impl {name!r} is not available here; available: {available}")
+    if len(set(names)) != len(names):
+        ctx.fail(key, f"has duplicates: {list(names)}")
+
+
+def mapping_reader(cls: type[C], check: Callable[[C, Context], None], default_name: str) -> Callable[..., C]:
+    """``config_from_mapping(data, source="<mapping>", overrides=None, default_name=...)`` of one
+    eval kind: `validate` with the kind's dataclass ``cls`` and its cross-key ``check``."""
+
+    def config_from_mapping(
+        data: Any, source: str = "<mapping>", overrides: list[str] | None = None, default_name: str = default_name
+    ) -> C:
+        return validate(cls, data, source, overrides, default_name=default_name, check=check)
+
+    config_from_mapping.__doc__ = f"Validates a raw mapping (``--set`` overrides applied) into a `{cls.__name__}`."
+    return config_from_mapping
