@@ -1,11 +1,14 @@
 """Shared test helpers: independent float64 numpy references (written from the model
 references and docs/routing.md, not from jaxmoe's code), random inputs and shrunk configs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.params import init_params
+from jaxmoe.quant import quantize_int4_affine, quantize_int8
 
 
 def np_route(
@@ -236,3 +239,13 @@ def gguf_block_bytes(rng, qtype, shape, d_range=(1e-3, 4e-3)):
     else:
         raise ValueError(f"gguf_block_bytes: {qtype!r} is not a GGUF block type")
     return b.reshape(*shape[:-1], shape[-1] // block * size)
+
+
+def quantize_experts(p, quant: str):
+    """``p`` with its routed experts quantized: ``int8`` (Q8_0 rule, group 32) or ``int4``
+    (MLX affine rule, group 32)."""
+    q = quantize_int8 if quant == "int8" else (lambda w: quantize_int4_affine(w, 32))
+    ew = p.experts
+    return dataclasses.replace(
+        p, experts=dataclasses.replace(ew, w_gate=q(ew.w_gate), w_up=q(ew.w_up), w_down=q(ew.w_down))
+    )

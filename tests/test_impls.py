@@ -10,7 +10,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import np_experts, np_moe, params_to_numpy, random_params, shrink, skewed_routing
+from helpers import np_experts, np_moe, params_to_numpy, quantize_experts, random_params, shrink, skewed_routing
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -23,7 +23,6 @@ from jaxmoe.impls.ragged import experts_ragged_dot
 from jaxmoe.impls.xla import choose_block_m, experts_xla
 from jaxmoe.impls.xla_tiled import experts_xla_tiled
 from jaxmoe.platforms import INTEL_PLATFORMS
-from jaxmoe.quant import quantize_int4_affine, quantize_int8
 
 PRESETS = jaxmoe.list_presets()
 GROUPED = ["xla", "ragged_dot", "cpu"]
@@ -50,11 +49,7 @@ def test_presets_match_float64_and_dense(preset, impl, rng):
 def test_quantized_experts(preset, quant, rng):
     cfg = shrink(jaxmoe.load_config(preset))
     p = random_params(cfg, rng)
-    q = quantize_int8 if quant == "int8" else (lambda w: quantize_int4_affine(w, 32))
-    ew = p.experts
-    p = dataclasses.replace(
-        p, experts=dataclasses.replace(ew, w_gate=q(ew.w_gate), w_up=q(ew.w_up), w_down=q(ew.w_down))
-    )
+    p = quantize_experts(p, quant)
     x = rng.normal(size=(9, cfg.d_model)).astype(np.float32)
     ref, _, _ = np_moe(x, params_to_numpy(p), cfg)
     for impl in QUANT_IMPLS:

@@ -10,7 +10,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import np_experts, np_moe, params_to_numpy, random_params, shrink, skewed_routing
+from helpers import np_experts, np_moe, params_to_numpy, quantize_experts, random_params, shrink, skewed_routing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,7 +18,6 @@ import jaxmoe
 from jaxmoe import MoEConfig, RouterConfig, Routing
 from jaxmoe.experts import experts_dense
 from jaxmoe.impls.xla_tiled import MAX_BLOCK_M, choose_block_m, experts_xla_tiled
-from jaxmoe.quant import quantize_int4_affine, quantize_int8
 
 PRESETS = jaxmoe.list_presets()
 F32 = dict(rtol=2e-5, atol=2e-5)
@@ -41,11 +40,7 @@ def test_presets_match_float64(preset, t, rng):
 def test_quantized_experts(preset, quant, t, rng):
     cfg = shrink(jaxmoe.load_config(preset))
     p = random_params(cfg, rng)
-    q = quantize_int8 if quant == "int8" else (lambda w: quantize_int4_affine(w, 32))
-    ew = p.experts
-    p = dataclasses.replace(
-        p, experts=dataclasses.replace(ew, w_gate=q(ew.w_gate), w_up=q(ew.w_up), w_down=q(ew.w_down))
-    )
+    p = quantize_experts(p, quant)
     x = rng.normal(size=(t, cfg.d_model)).astype(np.float32)
     ref, _, _ = np_moe(x, params_to_numpy(p), cfg)
     y = jaxmoe.moe_apply(p, jnp.asarray(x), cfg, impl="xla_tiled")
