@@ -76,6 +76,13 @@ def id_valid(expert_ids: jax.Array, num_experts: int) -> jax.Array:
     return (expert_ids >= 0) & (expert_ids < num_experts)
 
 
+def replace_invalid(expert_ids: jax.Array, num_experts: int, fill: int) -> jax.Array:
+    """``expert_ids`` with every id outside ``[0, num_experts)`` replaced by ``fill``
+    (``num_experts``: an index a ``mode="drop"`` scatter or a sort puts past every expert;
+    ``0``: a safe index whose result the caller masks). Same shape and dtype."""
+    return jnp.where(id_valid(expert_ids, num_experts), expert_ids, fill)
+
+
 def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Static bound on the number of tile visits.
 
@@ -169,7 +176,7 @@ def _plan(expert_ids: jax.Array, num_experts: int, block_m: int) -> DispatchPlan
     with jax.named_scope("plan_dispatch"):
         raw = expert_ids.reshape(p)
         # invalid ids (checked before the int32 cast) sort after every expert, in no group
-        flat = jnp.where(id_valid(raw, e), raw, e).astype(jnp.int32)
+        flat = replace_invalid(raw, e, e).astype(jnp.int32)
         sort_idx = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [P]
         token_idx = sort_idx // k
         inv = jnp.zeros((p,), jnp.int32).at[sort_idx].set(jnp.arange(p, dtype=jnp.int32))

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.dispatch import check_expert_ids, id_valid
+from jaxmoe.dispatch import check_expert_ids, id_valid, replace_invalid
 from jaxmoe.quant import QuantizedTensor, materialize
 from jaxmoe.routing import Routing
 from pallas_kernels.activation import Activation
@@ -35,15 +35,24 @@ _HI = jax.lax.Precision.HIGHEST
 Weight = jax.Array | QuantizedTensor
 
 
-def mm(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """``einsum(spec, a, b)`` accumulated and returned in float32.
+def dot_f32(op, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``op(a, b)``, a dot that accumulates and returns float32, with operands as the
+    platform takes them.
 
-    XLA:CPU has no bf16 x bf16 -> f32 dot, so on the CPU low-precision operands are
-    upcast (exact); elsewhere the dot accumulates in f32 from the stored dtype.
+    XLA:CPU has no bf16 x bf16 -> f32 dot, so the CPU branch upcasts low-precision
+    operands (exact); other platforms accumulate in f32 from the stored dtype. The branch
+    is chosen for the platform the program is lowered for (`jax.lax.platform_dependent`),
+    not the host it is traced on.
     """
-    if a.dtype != jnp.float32 and jax.default_backend() == "cpu":
-        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, precision=_HI)
+    if a.dtype == jnp.float32 and b.dtype == jnp.float32:
+        return op(a, b)
+    f32 = jnp.float32
+    return jax.lax.platform_dependent(a, b, cpu=lambda a, b: op(a.astype(f32), b.astype(f32)), default=op)
+
+
+def mm(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``einsum(spec, a, b)`` accumulated and returned in float32 (`dot_f32`)."""
+    return dot_f32(lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, precision=_HI), a, b)
 
 
 @jax.tree_util.register_dataclass
@@ -146,7 +155,7 @@ def combine_matrix(routing: Routing, num_experts: int) -> jax.Array:
     """``[T, E]`` float32 combine weights (zero for experts a token did not select; a
     pair with an id outside ``[0, E)`` adds nothing)."""
     t, _ = routing.expert_ids.shape
-    ids = jnp.where(id_valid(routing.expert_ids, num_experts), routing.expert_ids, num_experts)
+    ids = replace_invalid(routing.expert_ids, num_experts, num_experts)
     return (
         jnp.zeros((t, num_experts), jnp.float32)
         .at[jnp.arange(t)[:, None], ids]
@@ -163,7 +172,7 @@ def experts_dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoECon
     e = ew.num_experts
     check_expert_ids(routing.expert_ids, e, "experts_dense", shape=(x.shape[0], None), weights=routing.weights)
     comb = combine_matrix(routing, e)  # [T, E]
-    ids = jnp.where(id_valid(routing.expert_ids, e), routing.expert_ids, e)  # invalid: out of range, dropped
+    ids = replace_invalid(routing.expert_ids, e, e)  # invalid: out of range, dropped
     sel = jnp.zeros(comb.shape, bool).at[jnp.arange(comb.shape[0])[:, None], ids].set(True, mode="drop")
     wg, wu, wd = (materialize(w, dt) for w in (ew.w_gate, ew.w_up, ew.w_down))
     g = mm("td,edf->tef", x, wg)
@@ -212,7 +221,7 @@ def _experts_gather(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEC
         xin = (xin.astype(jnp.float32) * w[..., None]).astype(dt)
     xin = xin.reshape(p, 1, x.shape[1])  # [P, 1, d]
     ok = id_valid(ids, ew.num_experts).reshape(p)
-    flat = jnp.where(ok, ids.reshape(p), 0)  # never an index past the weights
+    flat = replace_invalid(ids.reshape(p), ew.num_experts, 0)  # never an index past the weights
 
     def run(i):
         one = ew.take(flat[i])  # this pair's expert: w_gate [d, F], w_up [d, F], w_down [F, d]
@@ -228,3 +237,11 @@ def _experts_gather(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEC
         ys = ys * w[..., None]
     ys = jnp.where(ok.reshape(t, k, 1), ys, 0.0)  # an invalid pair adds exactly zero
     return ys.sum(axis=1)
+
+
+def gather_vjp(cfg: MoEConfig, res, g):
+    """The backward pass of a strategy with no reverse mode of its own (a `jax.custom_vjp`
+    whose forward saves ``res = (x, routing, experts)``): the VJP of `experts_gather`."""
+    x, routing, ew = res
+    _, vjp = jax.vjp(lambda x, r, w: experts_gather(x, r, w, cfg), x, routing, ew)
+    return vjp(g)

@@ -59,7 +59,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmoe.config import MoEConfig, RouterConfig
-from jaxmoe.dispatch import check_expert_ids, id_valid
+from jaxmoe.dispatch import check_expert_ids, id_valid, replace_invalid
 from jaxmoe.experts import shared_expert
 from jaxmoe.impls.policy import default_platform, resolve_impl
 from jaxmoe.impls.registry import get_impl
@@ -433,7 +433,7 @@ def moe_apply_ep(
     if given:
         ids, w = jnp.asarray(routing.expert_ids), jnp.asarray(routing.weights)
         check_expert_ids(ids, cfg.num_experts, "moe_apply_ep", shape=(t, cfg.top_k), weights=w)
-        ids = jnp.where(id_valid(ids, cfg.num_experts), ids, cfg.num_experts)  # before the int32 cast
+        ids = replace_invalid(ids, cfg.num_experts, cfg.num_experts)  # before the int32 cast
         ids, w = ids.astype(jnp.int32), w.astype(jnp.float32)
     impl = resolve_impl(impl, n * c, experts=params.experts, dtype=x2.dtype) if impl == "auto" else impl
     get_impl(impl)  # ValueError for unknown names, before tracing

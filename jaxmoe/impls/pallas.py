@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.dispatch import check_expert_ids, id_valid, plan_dispatch
+from jaxmoe.dispatch import check_expert_ids, id_valid, plan_dispatch, replace_invalid
 from jaxmoe.experts import ExpertWeights
-from jaxmoe.quant import QuantizedTensor
+from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
 from jaxmoe.routing import Routing
 from pallas_kernels import tuning
 from pallas_kernels.common import Activation, default_interpret
@@ -50,13 +50,12 @@ def kernel_weight(w: jax.Array | QuantizedTensor, dtype=jnp.float32) -> jax.Arra
     `QuantizedTensor` (int8 / int4) as the `QuantWeight` of the same arrays. A GGUF block
     kind (``q4_k``, ...; `jaxmoe.quant.GGUF_BLOCKS`) is not yet decoded inside the kernels:
     it is dequantized to ``dtype`` here (a float copy of the stack; issue 11 item 3 open)."""
-    if isinstance(w, QuantizedTensor) and w.scales is None:
+    if not isinstance(w, QuantizedTensor):
+        return w
+    if w.kind in GGUF_BLOCKS or w.scales is None:
         return w.dequantize(dtype)
-    if isinstance(w, QuantizedTensor):
-        assert w.scales is not None
-        biases = None if w.biases is None else jnp.asarray(w.biases)
-        return QuantWeight(jnp.asarray(w.qdata), jnp.asarray(w.scales), biases, kind=w.kind, group_size=w.group_size)
-    return w
+    biases = None if w.biases is None else jnp.asarray(w.biases)
+    return QuantWeight(jnp.asarray(w.qdata), jnp.asarray(w.scales), biases, kind=w.kind, group_size=w.group_size)
 
 
 def _launch(b: tuning.Blocks, grouped: bool) -> dict:
@@ -105,7 +104,7 @@ def experts_pallas(
     act = Activation(cfg.activation, float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
     akw = dict(activation=act.kind, alpha=act.alpha, limit=act.limit)
     ok = id_valid(routing.expert_ids, experts.num_experts)  # [T, k]
-    ids = jnp.where(ok, routing.expert_ids, 0).astype(jnp.int32)  # never an index past the weights
+    ids = replace_invalid(routing.expert_ids, experts.num_experts, 0).astype(jnp.int32)  # never past the weights
     w = routing.weights.reshape(-1).astype(jnp.float32)  # [P] pair order
     woi = cfg.weight_on_input
     w_gate, w_up, w_down = (kernel_weight(a, x.dtype) for a in (experts.w_gate, experts.w_up, experts.w_down))

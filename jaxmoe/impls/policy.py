@@ -17,7 +17,7 @@ import functools
 import jax
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.experts import ExpertWeights, experts_gather
+from jaxmoe.experts import ExpertWeights, gather_vjp
 from jaxmoe.impls.cpu import cpu_kernel_available, supports
 from jaxmoe.impls.registry import get_impl
 from jaxmoe.platforms import BRANCH_PLATFORMS, INTEL_PLATFORMS, PALLAS_PLATFORMS
@@ -164,9 +164,7 @@ def _switch_fwd(x, routing, experts, cfg, table):
 
 
 def _switch_bwd(cfg, table, res, g):
-    x, routing, experts = res
-    _, vjp = jax.vjp(lambda x, r, w: experts_gather(x, r, w, cfg), x, routing, experts)
-    return vjp(g)
+    return gather_vjp(cfg, res, g)
 
 
 _switch.defvjp(_switch_fwd, _switch_bwd)

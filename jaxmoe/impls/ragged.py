@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import plan_dispatch
-from jaxmoe.experts import ExpertWeights, activation
+from jaxmoe.experts import ExpertWeights, activation, dot_f32
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.quant import materialize
 from jaxmoe.routing import Routing
@@ -22,10 +22,8 @@ _HI = jax.lax.Precision.HIGHEST
 
 
 def _ragged(a: jax.Array, b: jax.Array, gs: jax.Array) -> jax.Array:
-    """``ragged_dot(a [P, K], b [E, K, N], gs [E]) -> [P, N]`` float32 (operands upcast on CPU, as `mm`)."""
-    if a.dtype != jnp.float32 and jax.default_backend() == "cpu":
-        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return jax.lax.ragged_dot(a, b, gs, precision=_HI, preferred_element_type=jnp.float32)
+    """``ragged_dot(a [P, K], b [E, K, N], gs [E]) -> [P, N]`` float32 (`jaxmoe.experts.dot_f32`)."""
+    return dot_f32(lambda a, b: jax.lax.ragged_dot(a, b, gs, precision=_HI, preferred_element_type=jnp.float32), a, b)
 
 
 def experts_ragged_dot(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:

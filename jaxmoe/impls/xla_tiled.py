@@ -39,12 +39,10 @@ import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import plan_dispatch
-from jaxmoe.experts import ExpertWeights, activation
+from jaxmoe.experts import ExpertWeights, activation, mm
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.quant import materialize
 from jaxmoe.routing import Routing
-
-_HI = jax.lax.Precision.HIGHEST
 
 #: Largest row tile.
 MAX_BLOCK_M = 256
@@ -57,20 +55,6 @@ def choose_block_m(num_pairs: int, num_experts: int) -> int:
         return 1
     want = -(-2 * num_pairs // num_experts)
     return int(min(MAX_BLOCK_M, max(2, 1 << (want - 1).bit_length())))
-
-
-def _bmm(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """Batched einsum accumulated in float32. XLA:CPU has no bf16 x bf16 -> f32 dot, so the
-    CPU branch upcasts (exact); other platforms take the stored dtype (chosen at lowering)."""
-
-    def native(a, b):
-        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, precision=_HI)
-
-    if a.dtype == jnp.float32 and b.dtype == jnp.float32:
-        return native(a, b)
-    return jax.lax.platform_dependent(
-        a, b, cpu=lambda a, b: native(a.astype(jnp.float32), b.astype(jnp.float32)), default=native
-    )
 
 
 def experts_xla_tiled(
@@ -97,12 +81,12 @@ def _swiglu(xv: jax.Array, ids: jax.Array, ew: ExpertWeights, cfg: MoEConfig) ->
     one = ew.take(ids)  # [V, ...]: the visited experts' weights, still quantized
     wg, wu, wd = (materialize(w, dt) for w in (one.w_gate, one.w_up, one.w_down))  # [V,d,F] [V,d,F] [V,F,d]
     bias = one.biases_f32()  # [V, F], [V, F], [V, d]
-    g = _bmm("vmd,vdf->vmf", xv, wg)
-    u = _bmm("vmd,vdf->vmf", xv, wu)
+    g = mm("vmd,vdf->vmf", xv, wg)
+    u = mm("vmd,vdf->vmf", xv, wu)
     if bias is not None:
         g, u = g + bias[0][:, None], u + bias[1][:, None]
     h = activation(g, u, cfg).astype(dt)
-    y = _bmm("vmf,vfd->vmd", h, wd)
+    y = mm("vmf,vfd->vmd", h, wd)
     if bias is not None:
         y = y + bias[2][:, None]
     return y

@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import plan_dispatch
-from jaxmoe.experts import ExpertWeights, experts_gather
+from jaxmoe.experts import ExpertWeights, gather_vjp
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.impls.cpu.build import TARGET, cpu_kernel_status
 from jaxmoe.quant import QuantizedTensor
@@ -131,13 +131,7 @@ def _fwd(x, routing, ew, cfg):
     return _forward(x, routing, ew, cfg), (x, routing, ew)
 
 
-def _bwd(cfg, res, g):
-    x, routing, ew = res
-    _, vjp = jax.vjp(lambda x, r, w: experts_gather(x, r, w, cfg), x, routing, ew)
-    return vjp(g)
-
-
-_experts_cpu.defvjp(_fwd, _bwd)
+_experts_cpu.defvjp(_fwd, gather_vjp)
 
 
 #: Columns of one task: gate/up tasks cover ``UP_BLOCK`` columns of F, down tasks
