@@ -6,6 +6,11 @@ emitted as the ``__gpu$xla.gpu.triton`` custom call (XLA compiles the Triton IR)
 jaxlibs compile it at lowering time and emit ``triton_kernel_call_ffi``. Either one
 counts; a Mosaic GPU custom call (what JAX picks when no Triton compiler params are
 passed) or a missing call fails.
+
+jax >= 0.11 reads the GPU's compute capability during the Triton lowering and, on a host
+without a GPU, raises "No supported GPU devices found" unless an abstract GPU device is in
+scope: every lowering here runs inside ``use_abstract_mesh`` with an H200 `AbstractDevice`
+(harmless on jax 0.10.2). benchmarks/gpu_compile_check.py runs this file under jax 0.11.2.
 """
 
 import dataclasses
@@ -28,10 +33,14 @@ from pallas_kernels.gmm import gmm
 from pallas_kernels.swiglu import gate_up_swiglu
 
 TRITON_CALL = re.compile(r"__gpu\$xla\.gpu\.triton|triton_kernel_call")
+#: The GPU the Triton lowering compiles for when the host has none (jax >= 0.11 asks).
+H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
 
 
 def lower_text(f, *args) -> str:
-    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def assert_triton(txt: str, n: int):
