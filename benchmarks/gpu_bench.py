@@ -1,21 +1,28 @@
-"""GPU check and benchmark of the routed-expert paths (run by benchmarks/gpu_check.sh).
+"""Timing phase of benchmarks/gpu_check.sh: routed experts on the GPU, one row at a time.
 
-Two phases, one process:
+For the Qwen3.6-35B-A3B layer (d 2048, 256 experts top-8, F 512) and the Mixtral-8x7B
+layer (d 4096, 8 experts top-2, F 14336), bf16 and Q8_0 experts, ``T`` in
+`gpu_common.TOKENS`, it times ``xla``, ``pallas``, ``ragged_dot`` and tokamax's
+``ragged_dot`` (bf16; Mosaic GPU, else Triton) and appends one JSON line per row to
+``bench.jsonl`` as soon as the row exists. The first lines are the plan (every row it
+means to write, so the summary can name the ones a timeout cut off) and the ceilings:
+a measured copy bandwidth (read + write bytes of an in-place scale of 2 GiB) and bf16
+matmul rate (a chain of 8192^3 products).
 
-1. ``check``: the Pallas kernels compiled for the GPU against their pure-jnp references
-   and the full ``pallas`` impl against ``experts_dense`` / ``experts_gather`` (bf16,
-   Q8_0, 4-bit; decode and grouped paths; biases and gpt-oss's activation).
-2. ``bench``: at the Qwen3.6-35B-A3B layer (d 2048, 256 experts, top-8, F 512) and the
-   Mixtral-8x7B layer (d 4096, 8 experts, top-2, F 14336), for T in {1, 16, 128, 2048,
-   16384}, bf16 and Q8_0 weights: ``pallas``, ``xla``, ``ragged_dot`` and, if importable,
-   ``tokamax.ragged_dot(implementation="triton")`` (bf16 only). Each row prints the time,
-   the achieved weight bandwidth against a measured copy bandwidth (the HBM floor: bytes
-   of the experts actually selected / copy bandwidth), and TFLOP/s against a measured
-   bf16 matmul rate.
+Device-side timing: each row is one jitted ``fori_loop`` of ``N`` iterations (a static
+trip count: XLA runs it with no host round trip per iteration), iteration ``i`` on input
+set ``i % R`` of ``R`` rotating sets (tokens and routings), so a decode call reads
+experts the previous call did not (cold, as in decoding; ``reuse_prev`` says how many it
+shared) and the working set is far above L2. The row's time is the loop's wall time over
+``N`` (median of up to three calls after a warm-up call), with ``N`` sized to ~50 ms per
+call; ``loop_us`` is the same loop around a trivial body (the harness's own cost,
+included in every row). Floors: HBM = bytes of the distinct selected experts (stored
+format) + x read + y written, over the copy bandwidth; matmul = the routed FLOPs over
+the matmul rate. Every output is compared with ``xla``'s for the same inputs.
 
-Results go to ``--out`` (default ``$OUT`` or ``./gpu_results``): ``check.json``,
-``bench.json`` and ``bench.md``. ``--dry-run`` runs the same plumbing on CPU with tiny
-shapes and the kernels in interpret mode (what the CPU test suite exercises).
+``--dry-run``: the same code on the CPU, tiny shapes, the kernels in interpret mode,
+``N = R = 2``; tokamax, when not installed, is stood in for by `jax.lax.ragged_dot`
+(marked in the row).
 """
 
 from __future__ import annotations
@@ -23,421 +30,341 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import json
-import os
-import platform
+import math
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_common as common  # noqa: E402
+from gpu_common import log  # noqa: E402
 
 import jaxmoe  # noqa: E402
-from jaxmoe.dispatch import plan_dispatch  # noqa: E402
-from jaxmoe.impls.pallas import experts_pallas, kernel_weight  # noqa: E402
-from jaxmoe.impls.registry import available_impls, get_impl  # noqa: E402
-from jaxmoe.quant import QuantizedTensor, materialize, quantize_int4_affine, quantize_int8  # noqa: E402
-from pallas_kernels import decode, down, swiglu  # noqa: E402
 
-SHAPES = {"qwen3.6": "qwen3.6-35b-a3b", "mixtral": "mixtral-8x7b"}
-TOKENS = (1, 16, 128, 2048, 16384)
-KINDS = ("bf16", "q8_0")
-TOL = {"bf16": 4e-2, "q8_0": 4e-2, "int4": 4e-2, "f32": 1e-4}
+# ------------------------------------------------------------------ device-side timing
 
 
-# ------------------------------------------------------------------ utilities
+def loop_fn(fn, n: int, r: int):
+    """``jit(run)(xs [R, T, d], ids [R, T, k], ws [R, T, k], ew) -> y [T, d]``: ``n`` calls of
+    ``fn(x, routing, ew)`` on input set ``i % r`` in one ``fori_loop``; ``y`` is the last
+    call's output (input set ``r - 1`` when ``r`` divides ``n``)."""
+
+    def run(xs, ids, ws, ew):
+        def body(i, y):
+            j = jax.lax.rem(i, r)
+            pick = functools.partial(jax.lax.dynamic_index_in_dim, index=j, keepdims=False)
+            return fn(pick(xs), jaxmoe.Routing(pick(ids), pick(ws)), ew).astype(jnp.float32)
+
+        return jax.lax.fori_loop(0, n, body, jnp.zeros(xs.shape[1:], jnp.float32))
+
+    return jax.jit(run)
 
 
-def log(*a):
-    print(*a, flush=True)
+def trivial_body(x, routing, ew):
+    """The harness alone: reads the picked tokens and routing, writes a ``[T, d]`` f32."""
+    del ew
+    return x.astype(jnp.float32) * routing.weights[:, :1] + routing.expert_ids[:, :1].astype(jnp.float32)
 
 
-def timeit(fn, *args, min_time: float = 0.2, max_iters: int = 100, warmup: int = 1) -> float:
-    """Median seconds of ``fn(*args)`` (already jitted), after ``warmup`` calls."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
+def time_compiled(run, args, n: int, dry_run: bool) -> dict:
+    """Compile ``run`` for ``args``, call it once (warm-up), then time up to 3 calls.
+    Returns seconds per iteration, the spread (max / min of the timed calls), compile
+    seconds and the warm-up call's output."""
+    t0 = time.perf_counter()
+    compiled = run.lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    y = jax.block_until_ready(compiled(*args))
+    warm = time.perf_counter() - t0
+    reps = 1 if dry_run else 3 if warm < 1.0 else 1 if warm < 10.0 else 0
     times = []
-    t_start = time.perf_counter()
-    while len(times) < max_iters and (time.perf_counter() - t_start < min_time or len(times) < 3):
+    for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    times = times or [warm]
+    return dict(
+        sec=float(np.median(times)) / n,
+        spread=float(max(times) / min(times)),
+        compile_s=compile_s,
+        calls=len(times),
+        y=y,
+    )
 
 
-def measure_copy_bandwidth(nbytes: int, **kw) -> float:
-    """Bytes/s of a read+write elementwise pass over ``nbytes`` (bf16)."""
-    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-    f = jax.jit(lambda a: a * jnp.bfloat16(1.5))
-    return 2 * nbytes / timeit(f, x, **kw)
+def measure_ceilings(dry_run: bool) -> dict:
+    """Copy bandwidth (bytes read + written per second) and bf16 matmul rate, each timed
+    the same way as the rows (one jitted loop)."""
+    nbytes = 2**20 if dry_run else 2**31
+    n_iter = 2 if dry_run else 100  # the carry starts as a copy of x: ~1% of the time
+    x = jax.random.normal(jax.random.key(7), (nbytes // 2,), jnp.bfloat16)
+    s = jnp.asarray([1.5, 1 / 1.5], jnp.bfloat16)  # an argument, so no iteration folds away
+
+    @jax.jit
+    def copy_loop(x, s):
+        return jax.lax.fori_loop(0, n_iter, lambda i, a: a * s[jax.lax.rem(i, 2)], x)
+
+    copy = time_compiled(copy_loop, (x, s), n_iter, dry_run)
+    del x
+    m = 128 if dry_run else 8192
+    mm_iter = 2 if dry_run else 30
+    a = jax.random.normal(jax.random.key(8), (m, m), jnp.bfloat16)
+    b = (jax.random.normal(jax.random.key(9), (m, m), jnp.float32) / m**0.5).astype(jnp.bfloat16)
+
+    @jax.jit
+    def mm_loop(a, b):
+        def body(i, c):
+            return jnp.dot(c, b)  # bf16 in and out, float32 accumulation (as cuBLAS runs it)
+
+        return jax.lax.fori_loop(0, mm_iter, body, a)
+
+    mm = time_compiled(mm_loop, (a, b), mm_iter, dry_run)
+    return dict(
+        type="ceilings",
+        copy_bytes=2 * nbytes,
+        copy_gbps=2 * nbytes / copy["sec"] / 1e9,
+        matmul_n=m,
+        matmul_tflops=2 * m**3 / mm["sec"] / 1e12,
+        copy_spread=copy["spread"],
+        matmul_spread=mm["spread"],
+    )
 
 
-def measure_matmul(n: int, dtype=jnp.bfloat16, **kw) -> float:
-    """FLOP/s of an ``n x n x n`` matmul in ``dtype`` with float32 accumulation."""
-    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
-    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
-    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dtype))
-    return 2 * n**3 / timeit(f, a, b, **kw)
+# ------------------------------------------------------------------ rows
 
 
-def random_experts(cfg, kind: str, key) -> jaxmoe.ExpertWeights:
-    """Random expert weights made on device: bf16 arrays, or Q8_0 codes and scales."""
-    e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_dim
-    ks = jax.random.split(key, 6)
-    if kind == "bf16":
-        return jaxmoe.ExpertWeights(
-            *(
-                jax.random.normal(k_, s, jnp.bfloat16) * (1 / s[1] ** 0.5)
-                for k_, s in zip(ks, ((e, d, f), (e, d, f), (e, f, d)))
-            )
-        )
-
-    def q8(k1, k2, n_in, n_out):  # logical [E, n_in, n_out], stored [E, n_out, n_in]
-        q = jax.random.randint(k1, (e, n_out, n_in), -127, 128, jnp.int32).astype(jnp.int8)
-        s = jax.random.uniform(k2, (e, n_out, n_in // 32), jnp.float32, 0.5, 1.5) / (127 * n_in**0.5)
-        return QuantizedTensor(q, s.astype(jnp.float16), None, "int8", 32)
-
-    return jaxmoe.ExpertWeights(q8(ks[0], ks[1], d, f), q8(ks[2], ks[3], d, f), q8(ks[4], ks[5], f, d))
+def iterations(est_s: float, r: int, dry_run: bool) -> int:
+    """Loop length: ~50 ms per call at the estimated time, a multiple of ``r``, in [r, 2000]."""
+    if dry_run:
+        return r
+    n = math.ceil(0.05 / max(est_s, 1e-6) / r) * r
+    return int(min(max(n, r), 2000 // r * r))
 
 
-def random_routing(cfg, t: int, key) -> jaxmoe.Routing:
-    logits = jax.random.normal(key, (t, cfg.num_experts), jnp.float32)
-    return jaxmoe.route(logits, cfg.router)
+@dataclasses.dataclass
+class Layer:
+    """One (layer, weights) pair being timed: its experts and what earlier rows taught."""
+
+    shape: str
+    kind: str
+    cfg: object
+    ew: jaxmoe.ExpertWeights
+    w_gate_up: jax.Array | None  # [E, d, 2F] bf16 for tokamax, concatenated once
+    ratio: dict = dataclasses.field(default_factory=dict)  # impl -> (T, time / larger floor)
+    dead: dict = dataclasses.field(default_factory=dict)  # impl -> why it is not run again
+    tk_impl: str | None = None  # the tokamax implementation that compiled
 
 
-def weight_bytes_per_expert(cfg, kind: str) -> float:
-    per = 3 * cfg.d_model * cfg.expert_dim
-    return per * (2.0 if kind == "bf16" else 34 / 32)
+@dataclasses.dataclass
+class Run:
+    """What every row of the phase shares."""
+
+    rows: common.Rows
+    dl: common.Deadline
+    dry_run: bool
+    interpret: bool
+    impls: list
+    copy_bw: float
+    mm_rate: float
+    tokamax: object
+    tk_note: str
+    reserve: float  # seconds a row may take: none is started with less left
+    row_cap: float  # a row expected to take longer is skipped
+    harness: dict = dataclasses.field(default_factory=dict)  # (T, R, N) -> loop_us
+    n_err: int = 0
 
 
-# ------------------------------------------------------------------ implementations
+def skip_reason(run: Run, layer: Layer, impl: str, est: float, n: int) -> str | None:
+    if run.dl.left() < run.reserve:
+        return "phase deadline"
+    if impl in layer.dead:
+        return layer.dead[impl]
+    if impl == "tokamax" and layer.kind != "bf16":
+        return "tokamax's own quantized operands (qwix) are not wired here: bf16 only"
+    if impl == "tokamax" and run.tokamax is None and not run.dry_run:
+        return run.tk_note
+    if est * n * 2 > run.row_cap:
+        return f"~{est:.2f} s per call expected from T={layer.ratio[impl][0]}: too slow to time"
+    return None
 
 
-def _ragged_dot_path(x, routing, ew, cfg):
-    """``jax.lax.ragged_dot`` over the sorted pairs (comparison only)."""
-    dt = x.dtype
-    plan = plan_dispatch(routing.expert_ids, cfg.num_experts, 16)
-    xs = x[plan.token_idx]
-    gs = plan.group_sizes
-    wg, wu, wd = (materialize(w, dt) for w in (ew.w_gate, ew.w_up, ew.w_down))
-    g = jax.lax.ragged_dot(xs, wg, gs, preferred_element_type=jnp.float32)
-    u = jax.lax.ragged_dot(xs, wu, gs, preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(g) * u).astype(dt)
-    y = jax.lax.ragged_dot(h, wd, gs, preferred_element_type=jnp.float32)
-    y = y * routing.weights.reshape(-1)[plan.sort_idx][:, None]
-    return down.combine(y, plan.inv, cfg.top_k)
-
-
-def _tokamax_path(x, routing, ew, cfg):
-    import tokamax
-
-    dt = x.dtype
-    plan = plan_dispatch(routing.expert_ids, cfg.num_experts, 16)
-    xs = x[plan.token_idx]
-    gs = plan.group_sizes
-    rd = functools.partial(tokamax.ragged_dot, preferred_element_type=jnp.float32, implementation="triton")
-    g = rd(xs, ew.w_gate, gs)
-    u = rd(xs, ew.w_up, gs)
-    h = (jax.nn.silu(g) * u).astype(dt)
-    y = rd(h, ew.w_down, gs) * routing.weights.reshape(-1)[plan.sort_idx][:, None]
-    return down.combine(y, plan.inv, cfg.top_k)
-
-
-def implementations(interpret: bool) -> dict:
-    impls = {"pallas": functools.partial(experts_pallas, interpret=interpret)}
-    if "xla" in available_impls():
-        impls["xla"] = get_impl("xla")
-    impls["ragged_dot"] = get_impl("ragged_dot") if "ragged_dot" in available_impls() else _ragged_dot_path
-    try:
-        import tokamax  # noqa: F401
-
-        impls["tokamax"] = _tokamax_path
-    except Exception as e:  # not installed (no wheel carried) or broken on this jax
-        log(f"note: tokamax not importable ({type(e).__name__}: {e}); its column is skipped")
-    return impls
-
-
-# ------------------------------------------------------------------ phase 1: check
-
-
-def _err(a, b) -> float:
-    a = np.asarray(jnp.asarray(a, jnp.float32))
-    b = np.asarray(jnp.asarray(b, jnp.float32))
-    if np.isnan(a).any():
-        return float("nan")
-    return float(np.abs(a - b).max() / max(1e-6, np.abs(b).max()))
-
-
-def check(interpret: bool, small: bool, limit: int | None = None) -> list[dict]:
-    """Kernels and the full pallas impl vs references; returns one record per case."""
-    rows = []
-    d, f, e = (512, 256, 16) if not small else (64, 32, 8)
-    cases = []
-    for preset in ("qwen3.6-35b-a3b", "gpt-oss-20b", "mixtral-8x7b"):
-        c = jaxmoe.load_config(preset)
-        c = dataclasses.replace(
-            c,
-            d_model=d,
-            expert_dim=f,
-            shared_expert_dim=0,
-            num_shared_experts=0,
-            shared_expert_gate=False,
-            router=dataclasses.replace(c.router, num_experts=e, top_k=min(c.top_k, 4)),
-        )
-        for kind in ("bf16", "q8_0", "int4"):
-            for t in (1, 5, 300):
-                cases.append((preset, c, kind, t))
-    if small:  # plumbing only: one case per preset, both paths, every weight kind
-        keep = {("qwen3.6-35b-a3b", "bf16", 1), ("gpt-oss-20b", "q8_0", 300), ("mixtral-8x7b", "int4", 5)}
-        cases = [c for c in cases if (c[0], c[2], c[3]) in keep]
-    cases = cases[:limit]
-    key = jax.random.key(0)
-    for preset, cfg, kind, t in cases:
-        key, k1, k2, k3 = jax.random.split(key, 4)
-        p = jaxmoe.init_params(cfg, k1, dtype=jnp.float32)
-        ew = p.experts
-        dt = jnp.bfloat16
-        if kind == "q8_0":
-            ew = dataclasses.replace(
-                ew, **{n: quantize_int8(np.asarray(getattr(ew, n))) for n in ("w_gate", "w_up", "w_down")}
-            )
-        elif kind == "int4":
-            ew = dataclasses.replace(
-                ew, **{n: quantize_int4_affine(np.asarray(getattr(ew, n)), 32) for n in ("w_gate", "w_up", "w_down")}
-            )
-        else:
-            ew = jax.tree.map(lambda a, dt=dt: a.astype(dt), ew)
-        x = jax.random.normal(k2, (t, cfg.d_model), dt)
-        r = random_routing(cfg, t, k3)
-        rec = dict(preset=preset, kind=kind, T=t)
+def time_group(run: Run, layer: Layer, t: int) -> None:
+    """Every impl's row at ``T = t``: rotating inputs, the harness loop, then each impl."""
+    cfg = layer.cfg
+    r = common.rotation(t, run.dry_run)
+    xs, rts = common.rotating_inputs(cfg, t, r, jax.random.key(t))
+    tr = common.traffic(cfg, layer.kind, np.asarray(rts.expert_ids))
+    floor_hbm, floor_mm = tr["bytes"] / run.copy_bw, tr["flops"] / run.mm_rate
+    floor = max(floor_hbm, floor_mm)
+    base = dict(type="row", shape=layer.shape, kind=layer.kind, T=t, R=r, **tr)
+    base.update(floor_hbm_ms=floor_hbm * 1e3, floor_mm_ms=floor_mm * 1e3)
+    args = (xs, rts.expert_ids, rts.weights, layer.ew)
+    n0 = iterations(floor, r, run.dry_run)
+    if (t, r, n0) not in run.harness and run.dl.left() > run.reserve:
+        h = time_compiled(loop_fn(trivial_body, n0, r), (xs, rts.expert_ids, rts.weights, None), n0, run.dry_run)
+        run.harness[(t, r, n0)] = h["sec"] * 1e6
+    ref = None
+    for impl in run.impls:
+        row = dict(base, impl=impl, loop_us=run.harness.get((t, r, n0)))
+        est = floor * (layer.ratio[impl][1] if impl in layer.ratio else 4.0)
+        n = iterations(est, r, run.dry_run)
+        why = skip_reason(run, layer, impl, est, n)
+        if why:
+            row["skipped"] = why
+            run.rows.write(row)
+            log(fmt_row(row))
+            continue
         try:
-            y = jax.jit(functools.partial(experts_pallas, cfg=cfg, interpret=interpret))(x, r, ew)
-            ref = jaxmoe.experts_dense(x, r, ew, cfg)
-            rec["rel_err_vs_dense"] = _err(y, ref)
-            # the kernels one by one against their references (grouped or decode path)
-            wg, wu = kernel_weight(ew.w_gate), kernel_weight(ew.w_up)
-            if t * cfg.top_k <= 64:
-                h = decode.decode_gate_up(
-                    x,
-                    r.expert_ids,
-                    wg,
-                    wu,
-                    ew.b_gate,
-                    ew.b_up,
-                    interpret=interpret,
-                    activation=cfg.activation,
-                )
-                rec["rel_err_kernel"] = _err(
-                    h,
-                    decode.decode_gate_up_reference(
-                        x, r.expert_ids, wg, wu, ew.b_gate, ew.b_up, activation=cfg.activation
-                    ),
-                )
+            if impl == "tokamax":
+                res, layer.tk_impl, row["note"] = time_tokamax(run, layer, args, n, r)
             else:
-                plan = plan_dispatch(r.expert_ids, cfg.num_experts, 32)
-                meta = (plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
-                h = swiglu.gate_up_swiglu(
-                    x,
-                    plan.token_idx,
-                    *meta,
-                    wg,
-                    wu,
-                    ew.b_gate,
-                    ew.b_up,
-                    block_m=32,
-                    interpret=interpret,
-                    activation=cfg.activation,
-                )
-                rec["rel_err_kernel"] = _err(
-                    h,
-                    swiglu.gate_up_swiglu_reference(
-                        x,
-                        plan.token_idx,
-                        plan.group_offsets,
-                        wg,
-                        wu,
-                        ew.b_gate,
-                        ew.b_up,
-                        activation=cfg.activation,
-                    ),
-                )
-            rec["ok"] = bool(rec["rel_err_vs_dense"] <= TOL[kind] and rec["rel_err_kernel"] <= TOL[kind])
-        except Exception as ex:  # record and continue: one broken case must not hide the rest
-            rec.update(ok=False, error=f"{type(ex).__name__}: {ex}"[:2000])
-            traceback.print_exc()
-        log(
-            f"check {preset:16s} {kind:5s} T={t:<4d} "
-            + " ".join(
-                f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
-                for k, v in rec.items()
-                if k not in ("preset", "kind", "T")
+                fn = functools.partial(common.impl_fn(impl, run.interpret), cfg=cfg)
+                res = time_compiled(loop_fn(fn, n, r), args, n, run.dry_run)
+            sec = res["sec"]
+            row.update(
+                n_iter=n,
+                calls=res["calls"],
+                compile_s=res["compile_s"],
+                ms=sec * 1e3,
+                spread=res["spread"],
+                gbps=tr["bytes"] / sec / 1e9,
+                tflops=tr["flops"] / sec / 1e12,
+                x_hbm_floor=sec / floor_hbm,
+                frac_mm=floor_mm / sec,
             )
+            layer.ratio[impl] = (t, sec / floor)
+            if impl == "xla":
+                ref = res["y"]
+            elif ref is not None:
+                err = common.rel_err(res["y"], ref)
+                row.update(rel_err_vs_xla=err, ok=bool(err <= common.BF16_TOL))
+                run.n_err += not row["ok"]
+            del res
+        except Exception as ex:  # one broken row must not hide the rest
+            msg = f"{type(ex).__name__}: {ex}"
+            row["error"] = msg[:1500]
+            run.n_err += 1
+            if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower():
+                layer.dead[impl] = f"out of memory at T={t}"
+        run.rows.write(row)
+        log(fmt_row(row))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="folder of bench.jsonl (and env.json, read for L2)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, interpret-mode kernels, DRY_GROUPS")
+    ap.add_argument("--deadline", type=float, default=250.0, help="seconds this phase plans to use")
+    ap.add_argument("--shapes", default=",".join(common.SHAPES))
+    ap.add_argument("--kinds", default=",".join(common.KINDS))
+    ap.add_argument("--tokens", default=",".join(map(str, common.TOKENS)))
+    ap.add_argument("--impls", default=",".join(common.IMPLS))
+    a = ap.parse_args(argv)
+    dl = common.Deadline(a.deadline)
+    interpret = common.check_backend(a.dry_run)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shapes, kinds, impls = a.shapes.split(","), a.kinds.split(","), a.impls.split(",")
+    for name, got, allowed in (("--shapes", shapes, common.SHAPES), ("--kinds", kinds, common.KINDS)):
+        if bad := [g for g in got if g not in allowed]:
+            ap.error(f"{name}: unknown {bad}; choose from {list(allowed)}")
+    if bad := [i for i in impls if i not in common.IMPLS]:
+        ap.error(f"--impls: unknown {bad}; choose from {list(common.IMPLS)}")
+    # bf16 of every layer first, then Q8_0: what a deadline cuts off is the least needed
+    groups = [(s, k, int(t)) for k in kinds for s in shapes for t in a.tokens.split(",")]
+    targets = dict(common.TARGETS)
+    if a.dry_run:  # its own groups and token counts, which exercise both target rules
+        groups = list(common.DRY_GROUPS)
+        targets.update(hbm_max_t=min(g[2] for g in groups), mm_min_t=max(g[2] for g in groups))
+    env = json.loads((out / "env.json").read_text()) if (out / "env.json").exists() else {}
+    rows = common.Rows(out / "bench.jsonl")
+    rows.write(
+        dict(
+            type="meta",
+            dry_run=a.dry_run,
+            device=str(jax.devices()[0].device_kind),
+            jax=jax.__version__,
+            planned=[[*g, i] for g in groups for i in impls],
+            targets=targets,
+            l2_bytes=env.get("l2_bytes") or common.L2_BYTES_DEFAULT,
+            deadline_s=a.deadline,
         )
-        rows.append(rec)
-    return rows
+    )
+    ceil = measure_ceilings(a.dry_run)
+    rows.write(ceil)
+    log(f"ceilings: copy {ceil['copy_gbps']:.1f} GB/s, bf16 matmul {ceil['matmul_tflops']:.2f} TFLOP/s")
+    tokamax, tk_note = common.import_tokamax() if "tokamax" in impls else (None, "")
+    log(f"note: {tk_note}")
+    run = Run(
+        rows=rows,
+        dl=dl,
+        dry_run=a.dry_run,
+        interpret=interpret,
+        impls=impls,
+        copy_bw=ceil["copy_gbps"] * 1e9,
+        mm_rate=ceil["matmul_tflops"] * 1e12,
+        tokamax=tokamax,
+        tk_note=tk_note,
+        reserve=0.0 if a.dry_run else 12.0,
+        row_cap=60.0 if a.dry_run else 25.0,
+    )
+    layer = None
+    for shape, kind, t in groups:
+        if layer is None or (layer.shape, layer.kind) != (shape, kind):
+            layer = None
+            gc.collect()
+            cfg = common.layer_config(shape, a.dry_run)
+            ew = common.random_experts(cfg, kind, jax.random.key(1))
+            w_gu = jnp.concatenate([ew.w_gate, ew.w_up], axis=-1) if "tokamax" in impls and kind == "bf16" else None
+            layer = Layer(shape, kind, cfg, ew, w_gu)
+        if dl.left() < run.reserve:
+            for impl in impls:
+                rows.write(dict(type="row", shape=shape, kind=kind, T=t, impl=impl, skipped="phase deadline"))
+            continue
+        time_group(run, layer, t)
+        gc.collect()
+    log(f"timing phase done in {a.deadline - dl.left():.0f} s, {run.n_err} rows with errors or mismatches")
+    return 1 if run.n_err else 0
 
 
-# ------------------------------------------------------------------ phase 2: bench
-
-
-def bench(shapes, tokens, kinds, interpret: bool, small: bool, slow_cutoff: float, only=None) -> dict:
-    tk = dict(min_time=0.05, max_iters=3) if small else dict(min_time=0.3, max_iters=200)
-    copy_bw = measure_copy_bandwidth(2**20 if small else 2**31, **tk)
-    mm_rate = measure_matmul(256 if small else 8192, **tk)
-    log(f"measured copy bandwidth {copy_bw / 1e9:.1f} GB/s, bf16 matmul {mm_rate / 1e12:.1f} TFLOP/s")
-    impls = implementations(interpret)
-    if only:
-        impls = {k: v for k, v in impls.items() if k in only}
-    rows = []
-    for shape in shapes:
-        cfg = jaxmoe.load_config(SHAPES[shape])
-        cfg = dataclasses.replace(cfg, shared_expert_dim=0, num_shared_experts=0, shared_expert_gate=False)
-        if small:
-            cfg = dataclasses.replace(
-                cfg,
-                d_model=64,
-                expert_dim=32,
-                router=dataclasses.replace(cfg.router, num_experts=8, top_k=min(2, cfg.top_k)),
-            )
-        for kind in kinds:
-            ew = random_experts(cfg, kind, jax.random.key(1))
-            too_slow: set[str] = set()
-            for t in tokens:
-                x = jax.random.normal(jax.random.key(2), (t, cfg.d_model), jnp.bfloat16)
-                r = random_routing(cfg, t, jax.random.key(3))
-                n_used = int(np.unique(np.asarray(r.expert_ids)).size)
-                wbytes = n_used * weight_bytes_per_expert(cfg, kind) + 2 * t * cfg.d_model * 2
-                flops = 2 * 3 * t * cfg.top_k * cfg.d_model * cfg.expert_dim
-                floor_mem = wbytes / copy_bw
-                floor_mm = flops / mm_rate
-                for name, fn in impls.items():
-                    rec = dict(
-                        shape=shape,
-                        kind=kind,
-                        T=t,
-                        impl=name,
-                        experts_used=n_used,
-                        bytes=wbytes,
-                        flops=flops,
-                        floor_hbm_ms=floor_mem * 1e3,
-                        floor_mm_ms=floor_mm * 1e3,
-                    )
-                    if name == "tokamax" and kind != "bf16":
-                        rec["skipped"] = "tokamax takes bf16 weights here (its own QuantizedArray not wired)"
-                    elif name in too_slow:
-                        rec["skipped"] = f"over {slow_cutoff}s at a smaller T"
-                    else:
-                        try:
-                            f = jax.jit(functools.partial(fn, cfg=cfg))
-                            sec = timeit(f, x, r, ew, **tk)
-                            rec.update(
-                                ms=sec * 1e3,
-                                gbps=wbytes / sec / 1e9,
-                                tflops=flops / sec / 1e12,
-                                x_hbm_floor=sec / floor_mem,
-                                frac_mm_rate=floor_mm / sec,
-                            )
-                            if sec > slow_cutoff:
-                                too_slow.add(name)
-                        except Exception as ex:
-                            rec["error"] = f"{type(ex).__name__}: {ex}"[:1000]
-                            too_slow.add(name)
-                    rows.append(rec)
-                    log(fmt_row(rec))
-    return dict(copy_bw=copy_bw, matmul_rate=mm_rate, rows=rows)
+def time_tokamax(run: Run, layer: Layer, args, n: int, r: int):
+    """``(timing, implementation, note)`` of tokamax's ``ragged_dot`` experts with the first
+    implementation that compiles (Mosaic GPU, then Triton; remembered per layer); a dry
+    run without tokamax uses `jax.lax.ragged_dot` in its place."""
+    cfg = layer.cfg
+    if run.tokamax is None:
+        fn = functools.partial(
+            common.tokamax_experts, cfg=cfg, rd=common.tokamax_rd(None, None), w_gate_up=layer.w_gate_up
+        )
+        res = time_compiled(loop_fn(fn, n, r), args, n, run.dry_run)
+        return res, None, f"stand-in: jax.lax.ragged_dot ({run.tk_note})"
+    order = (layer.tk_impl,) if layer.tk_impl else ("xla",) if run.dry_run else ("mosaic", "triton")
+    errors = []
+    for impl in order:
+        rd = common.tokamax_rd(run.tokamax, impl)
+        fn = functools.partial(common.tokamax_experts, cfg=cfg, rd=rd, w_gate_up=layer.w_gate_up)
+        try:
+            return time_compiled(loop_fn(fn, n, r), args, n, run.dry_run), impl, f"{run.tk_note}, implementation={impl}"
+        except Exception as ex:
+            errors.append(f"{impl}: {type(ex).__name__}: {str(ex)[:300]}")
+    raise RuntimeError("tokamax: no implementation compiled: " + " | ".join(errors))
 
 
 def fmt_row(r: dict) -> str:
     head = f"{r['shape']:8s} {r['kind']:5s} T={r['T']:<6d} {r['impl']:10s}"
     if "ms" in r:
+        err = f"  err {r['rel_err_vs_xla']:.1e}" if "rel_err_vs_xla" in r else ""
         return (
-            f"{head} {r['ms']:9.3f} ms  {r['gbps']:7.1f} GB/s  {r['tflops']:7.2f} TFLOP/s  "
-            f"x{r['x_hbm_floor']:.2f} of HBM floor  {100 * r['frac_mm_rate']:.0f}% of matmul rate"
+            f"{head} {r['ms']:9.4f} ms  {r['gbps']:7.1f} GB/s  {r['tflops']:7.2f} TFLOP/s  "
+            f"x{r['x_hbm_floor']:.2f} HBM floor  {100 * r['frac_mm']:5.1f}% mm  N={r['n_iter']}{err}"
         )
     return f"{head} {r.get('skipped') or r.get('error')}"
-
-
-def markdown(res: dict, env: dict) -> str:
-    lines = [
-        f"# jaxmoe GPU bench ({env['device']}, jax {env['jax']})",
-        "",
-        f"copy bandwidth {res['copy_bw'] / 1e9:.1f} GB/s, bf16 matmul {res['matmul_rate'] / 1e12:.1f} TFLOP/s",
-        "",
-        "| shape | weights | T | impl | ms | GB/s | TFLOP/s | x HBM floor | % matmul rate |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in res["rows"]:
-        if "ms" in r:
-            lines.append(
-                f"| {r['shape']} | {r['kind']} | {r['T']} | {r['impl']} | {r['ms']:.3f} | {r['gbps']:.1f} | "
-                f"{r['tflops']:.2f} | {r['x_hbm_floor']:.2f} | {100 * r['frac_mm_rate']:.0f} |"
-            )
-        else:
-            lines.append(
-                f"| {r['shape']} | {r['kind']} | {r['T']} | {r['impl']} | "
-                f"{r.get('skipped') or r.get('error')} | | | | |"
-            )
-    return "\n".join(lines) + "\n"
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dry-run", action="store_true", help="tiny shapes, kernels in interpret mode (CPU)")
-    ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_results")
-    ap.add_argument("--phase", choices=("all", "check", "bench"), default="all")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--tokens", default=None, help="comma list (default 1,16,128,2048,16384; dry run 1,16,40)")
-    ap.add_argument("--kinds", default=",".join(KINDS))
-    ap.add_argument("--impls", default=None, help="comma list to time (default: pallas,xla,ragged_dot,tokamax)")
-    ap.add_argument("--check-limit", type=int, default=None, help="run only the first N check cases")
-    ap.add_argument("--slow-cutoff", type=float, default=2.0, help="skip larger T for an impl slower than this (s)")
-    a = ap.parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    interpret = a.dry_run or jax.default_backend() not in ("gpu", "cuda", "rocm")
-    if interpret and not a.dry_run:
-        log(f"warning: no GPU backend ({jax.default_backend()}); running the kernels in interpret mode")
-    dev = jax.devices()[0]
-    env = dict(
-        device=getattr(dev, "device_kind", str(dev)),
-        platform=dev.platform,
-        jax=jax.__version__,
-        python=platform.python_version(),
-        interpret=interpret,
-        impls=available_impls(),
-    )
-    (out / "env.json").write_text(json.dumps(env, indent=1))
-    log(json.dumps(env))
-    ok = True
-    if a.phase in ("all", "check"):
-        rows = check(interpret, small=a.dry_run, limit=a.check_limit)
-        (out / "check.json").write_text(json.dumps(rows, indent=1))
-        bad = [r for r in rows if not r.get("ok")]
-        log(f"check: {len(rows) - len(bad)}/{len(rows)} cases within tolerance")
-        ok = not bad
-    if a.phase in ("all", "bench"):
-        tokens = [int(s) for s in (a.tokens or ("1,16,40" if a.dry_run else ",".join(map(str, TOKENS)))).split(",")]
-        res = bench(
-            a.shapes.split(","),
-            tokens,
-            a.kinds.split(","),
-            interpret,
-            a.dry_run,
-            a.slow_cutoff,
-            a.impls.split(",") if a.impls else None,
-        )
-        res["env"] = env
-        (out / "bench.json").write_text(json.dumps(res, indent=1))
-        (out / "bench.md").write_text(markdown(res, env))
-        log(markdown(res, env))
-    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,42 +1,71 @@
 #!/usr/bin/env bash
-# One prepared GPU check for a lent H200 (Python 3.12, jax 0.11.x + CUDA plugin, flax, chex, torch, triton).
+# The one prepared GPU check (benchmarks/README.md, "GPU"): fits one device call.
 #
-#   bash benchmarks/gpu_check.sh            # on the GPU machine, from the repo root; results under $OUT
-#   bash benchmarks/gpu_check.sh --dry-run  # anywhere: tiny shapes, kernels in interpret mode on CPU
+#   bash benchmarks/gpu_check.sh            # on the GPU machine, from anywhere; results under $OUT
+#   bash benchmarks/gpu_check.sh --dry-run  # anywhere: the same phases on the CPU (tiny shapes,
+#                                           # kernels in interpret mode); tests/test_gpu_check.py runs it
 #
-# Nothing can be downloaded there: wheels for gguf, tokamax and their pure-Python deps travel in .whl/
-# (carry ".whl"), made here with
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl gguf tokamax immutabledict jaxtyping wadler-lindig
-# Without them the tokamax column is skipped with a note.
-# Steps: 1) env + nvidia-smi, 2) lowering tests through pytest if available, 3) kernels vs references on the GPU,
-# 4) timings of pallas / xla / ragged_dot / tokamax at the Qwen3.6 and Mixtral shapes, T in {1,16,128,2048,16384},
-# bf16 and Q8_0, against a measured copy bandwidth and bf16 matmul rate.
+# Phases, each its own process with its own timeout (a crash or a hung kernel in one does
+# not take the next with it), each writing its rows as soon as they exist:
+#   wheels   install the carried wheels (.whl/, listed in benchmarks/gpu_wheels.txt) into $SITE
+#   check    benchmarks/gpu_kernels_check.py: env.json, then check.jsonl (kernels vs references)
+#   bench    benchmarks/gpu_bench.py: bench.jsonl (ceilings, then one row per timing)
+#   summary  benchmarks/gpu_summary.py: bench.md (tables and targets), printed last
+# Files under $OUT (5): env.json check.jsonl bench.jsonl bench.md log.txt
+# Exit code: the summary's (1 if a check failed, a row errored or mismatched, a phase
+# failed or timed out, or a planned row is missing).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/gpu_results}"
+DRY=0
+if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
+if [[ $# -gt 0 ]]; then echo "usage: bash benchmarks/gpu_check.sh [--dry-run]" >&2; exit 2; fi
+
+# Time limits in seconds: each phase's timeout plus KILL seconds of grace after it; their
+# sum stays under 480 s (8 minutes) so one device call of at most 10 minutes holds it.
+T_WHEELS=15 T_CHECK=135 T_BENCH=270 T_SUMMARY=15 KILL=5
+TOTAL=$((T_WHEELS + T_CHECK + T_BENCH + T_SUMMARY + 4 * KILL))
+if ((TOTAL >= 480)); then echo "error: phase timeouts sum to $TOTAL s, not under 480 s" >&2; exit 2; fi
+
+OUT="${OUT:-${TMPDIR:-/tmp}/jaxmoe-gpu-check}"
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+rm -f "$OUT"/{env.json,check.jsonl,bench.jsonl,bench.md,log.txt}
+LOG="$OUT/log.txt"
 PY="${PYTHON:-python3}"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "note: installing .whl/ failed; continuing without it"
+SITE="${TMPDIR:-/tmp}/jaxmoe-gpu-site"
+WHEELS="${WHEELS:-.whl}"  # the carried wheels (benchmarks/gpu_wheels.txt)
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ((DRY)); then
+  export JAX_PLATFORMS=cpu JAXMOE_PALLAS_INTERPRET=1
+  # the dry run checks plumbing, not CPU speed: XLA:CPU compiles faster unoptimized
+  export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+  FLAG=(--dry-run)
 else
-  echo "note: no .whl/ directory: gguf and tokamax are not installed here (tokamax column skipped)"
+  export JAXMOE_PALLAS_INTERPRET=0
+  FLAG=()
 fi
-if [[ "${1:-}" == "--dry-run" ]]; then
-  shift
-  JAX_PLATFORMS=cpu "$PY" benchmarks/gpu_bench.py --dry-run --out "$OUT" "$@"
-  exit $?
+echo "gpu_check: out=$OUT dry_run=$DRY timeouts wheels=$T_WHEELS check=$T_CHECK bench=$T_BENCH" \
+  "summary=$T_SUMMARY kill=$KILL sum=$TOTAL s" | tee -a "$LOG"
+
+PHASES=()
+phase() {  # phase NAME TIMEOUT CMD...: run CMD under timeout, log it, record NAME:RC:SECONDS:TIMEOUT
+  local name=$1 limit=$2 start=$SECONDS rc
+  shift 2
+  echo "== phase $name (timeout ${limit} s)" | tee -a "$LOG"
+  timeout -k "$KILL" "$limit" "$@" 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  echo "== phase $name: exit $rc after $((SECONDS - start)) s" | tee -a "$LOG"
+  PHASES+=(--phase "$name:$rc:$((SECONDS - start)):$limit")
+}
+
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  rm -rf "$SITE"
+  phase wheels "$T_WHEELS" "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl
+  export PYTHONPATH="$PYTHONPATH:$SITE"
+else
+  echo "note: no $WHEELS/*.whl: the carried wheels (benchmarks/gpu_wheels.txt: gguf, tokamax, ...) are not installed" | tee -a "$LOG"
 fi
-{ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv || true; } | tee "$OUT/nvidia_smi.txt"
-"$PY" -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$OUT/env.txt"
-rc=0
-if "$PY" -c "import pytest, hypothesis" 2>/dev/null; then
-  JAX_PLATFORMS= timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_pallas_lowering.py 2>&1 | tail -15 \
-    | tee "$OUT/lowering_tests.txt" || rc=1
-fi
-JAXMOE_PALLAS_INTERPRET=0 timeout 420 "$PY" benchmarks/gpu_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_bench.log"
-[[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
-exit $rc
+phase check "$T_CHECK" "$PY" benchmarks/gpu_kernels_check.py --out "$OUT" --deadline $((T_CHECK - 15)) "${FLAG[@]}"
+phase bench "$T_BENCH" "$PY" benchmarks/gpu_bench.py --out "$OUT" --deadline $((T_BENCH - 20)) "${FLAG[@]}"
+timeout -k "$KILL" "$T_SUMMARY" "$PY" benchmarks/gpu_summary.py --out "$OUT" "${PHASES[@]}" 2>&1 | tee -a "$LOG"
+exit "${PIPESTATUS[0]}"
