@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "pallas_kernels": 0,
     "jaxmoe.platforms": 0,
     "jaxmoe.config": 0,
+    "jaxmoe.invariance": 0,
     "jaxmoe.quant": 0,
     "jaxmoe.routing": 0,
     "jaxmoe.experts": 0,

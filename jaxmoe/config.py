@@ -130,6 +130,9 @@ class MoEConfig:
       dense_layers: indices of layers that are dense, not MoE (e.g. DeepSeek's first 3).
       dense_dim: intermediate width of those dense layers (0 when unknown / none).
       name, family: preset name and model family (informational).
+      batch_invariant: a token's output independent of the batch it is in (bitwise;
+        `jaxmoe.invariance`): ``True`` for every strategy, ``False`` for none beyond the
+        routing, ``None`` (default) where it is free (``impl="cpu"``).
     """
 
     d_model: int
@@ -148,9 +151,12 @@ class MoEConfig:
     dense_dim: int = 0
     name: str = ""
     family: str = ""
+    batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
         c = "MoEConfig"
+        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
+            _fail(c, "batch_invariant", f"must be true, false or null, got {self.batch_invariant!r}")
         if not isinstance(self.router, RouterConfig):
             _fail(c, "router", f"must be a RouterConfig, got {type(self.router).__name__}")
         for f in ("d_model", "expert_dim", "num_layers"):

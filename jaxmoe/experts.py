@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import check_expert_ids, id_valid, replace_invalid
+from jaxmoe.invariance import row_blocks, slot_sum, wants_invariance
 from jaxmoe.quant import QuantizedTensor, materialize
 from jaxmoe.routing import Routing
 from pallas_kernels.activation import Activation
@@ -139,16 +140,27 @@ def swiglu_ffn(x: jax.Array, w_gate, w_up, w_down, cfg: MoEConfig, b_gate=None, 
     return y
 
 
-def shared_expert(x: jax.Array, sw: SharedWeights | None, cfg: MoEConfig) -> jax.Array:
-    """Shared output ``[T, d]`` float32: ``g * shared(x)``, g = sigmoid(x . gate) or 1."""
+def shared_expert(x: jax.Array, sw: SharedWeights | None, cfg: MoEConfig, *, invariant: bool = False) -> jax.Array:
+    """Shared output ``[T, d]`` float32: ``g * shared(x)``, g = sigmoid(x . gate) or 1.
+
+    ``invariant``: computed on fixed-shape row blocks (`jaxmoe.invariance.row_blocks`),
+    so a token's row does not depend on ``T``.
+    """
     if sw is None:
         return jnp.zeros(x.shape, jnp.float32)
     with jax.named_scope("shared_expert"):
+        if invariant:
+            return row_blocks(lambda xb: shared_expert(xb, sw, cfg), x)
         y = swiglu_ffn(x, sw.w_gate, sw.w_up, sw.w_down, cfg)
         if sw.gate is not None:
-            g = jnp.dot(x.astype(jnp.float32), sw.gate.astype(jnp.float32), precision=_HI)
-            y = y * jax.nn.sigmoid(g)[:, None]
+            y = y * shared_gate(x, sw.gate)
     return y
+
+
+def shared_gate(x: jax.Array, gate: jax.Array) -> jax.Array:
+    """``sigmoid(x . gate)`` as ``[T, 1]`` float32 (Qwen's shared-expert gate, ``gate [d]``)."""
+    g = jnp.dot(x.astype(jnp.float32), gate.astype(jnp.float32), precision=_HI)
+    return jax.nn.sigmoid(g)[:, None]
 
 
 def combine_matrix(routing: Routing, num_experts: int) -> jax.Array:
@@ -168,9 +180,16 @@ def experts_dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoECon
 
     Memory ``O(T * E * F)``: for tests and small shapes only.
     """
-    dt = x.dtype
     e = ew.num_experts
     check_expert_ids(routing.expert_ids, e, "experts_dense", shape=(x.shape[0], None), weights=routing.weights)
+    if wants_invariance(cfg, "dense"):  # fixed-shape token blocks
+        return row_blocks(lambda xr, ew: _dense(xr[0], xr[1], ew, cfg), (x, routing), ew)
+    return _dense(x, routing, ew, cfg)
+
+
+def _dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+    dt = x.dtype
+    e = ew.num_experts
     comb = combine_matrix(routing, e)  # [T, E]
     ids = replace_invalid(routing.expert_ids, e, e)  # invalid: out of range, dropped
     sel = jnp.zeros(comb.shape, bool).at[jnp.arange(comb.shape[0])[:, None], ids].set(True, mode="drop")
@@ -233,10 +252,9 @@ def _experts_gather(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEC
         return jax.lax.dynamic_update_slice_in_dim(ys, y, i, axis=0)
 
     ys = jax.lax.fori_loop(0, p, pair, jnp.zeros((p, x.shape[1]), jnp.float32)).reshape(t, k, -1)
-    if not cfg.weight_on_input:
-        ys = ys * w[..., None]
-    ys = jnp.where(ok.reshape(t, k, 1), ys, 0.0)  # an invalid pair adds exactly zero
-    return ys.sum(axis=1)
+    # an invalid pair adds exactly zero; slots in order (batch invariant: one per-pair program)
+    scale = None if cfg.weight_on_input else w
+    return slot_sum(ys, scale, ok.reshape(t, k), invariant=wants_invariance(cfg, "gather"))
 
 
 def gather_vjp(cfg: MoEConfig, res, g):

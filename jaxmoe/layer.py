@@ -9,12 +9,16 @@ routed experts by the chosen implementation (`jaxmoe.impls`), plus the shared ex
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import check_expert_ids
-from jaxmoe.experts import shared_expert
-from jaxmoe.impls.policy import call_impl
+from jaxmoe.experts import SharedWeights, shared_expert
+from jaxmoe.impls.cpu import shared_expert_cpu, shared_supported
+from jaxmoe.impls.policy import call_impl, resolve_impl
+from jaxmoe.invariance import wants_invariance
 from jaxmoe.params import MoEParams, compute_routing, init_params, params_from_sampler
 from jaxmoe.routing import Routing
 
@@ -48,13 +52,35 @@ def moe_apply(
         raise ValueError(f"moe_apply: x has width {x.shape[-1]} but d_model is {cfg.d_model} (shape {x.shape})")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cfg.d_model)
+    host = resolve_impl(impl, x2.shape[0] * cfg.top_k, experts=params.experts, dtype=x2.dtype)
+    inv = wants_invariance(cfg, host)  # batch invariance (jaxmoe.invariance)
     if routing is None:
-        routing = compute_routing(params, x2, cfg)
+        routing = compute_routing(params, x2, cfg, invariant=inv)
     else:
         shape = (x2.shape[0], cfg.top_k)
         check_expert_ids(routing.expert_ids, cfg.num_experts, "moe_apply", shape=shape, weights=routing.weights)
     with jax.named_scope(f"routed_experts_{impl}"):
         y, _ = call_impl(impl, x2, routing, params.experts, cfg)
-    y = y + shared_expert(x2, params.shared, cfg)
+    if params.shared is not None:
+        y = y + _shared(x2, params.shared, cfg, inv)
     y = y.astype(x.dtype).reshape(*lead, cfg.d_model)
     return (y, routing) if return_routing else y
+
+
+def _shared(x2: jax.Array, sw: SharedWeights | None, cfg: MoEConfig, invariant: bool) -> jax.Array:
+    """The shared expert; batch-invariant when asked: through the C++ kernel when the
+    program is lowered for the CPU and the kernel takes the weights, else on fixed row
+    blocks in XLA."""
+    if sw is None or not invariant or not shared_supported(sw, x2.dtype):
+        return shared_expert(x2, sw, cfg, invariant=invariant)
+    return _shared_switch(x2, sw, cfg)
+
+
+@functools.partial(jax.jit, static_argnums=(2,))  # staged: an eager platform switch misdispatches on jax 0.10
+def _shared_switch(x2: jax.Array, sw: SharedWeights, cfg: MoEConfig) -> jax.Array:
+    return jax.lax.platform_dependent(
+        x2,
+        sw,
+        cpu=functools.partial(shared_expert_cpu, cfg=cfg),
+        default=lambda x, sw: shared_expert(x, sw, cfg, invariant=True),
+    )

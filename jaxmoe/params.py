@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.experts import ExpertWeights, SharedWeights
+from jaxmoe.invariance import row_blocks
 from jaxmoe.routing import Routing, route, router_logits
 
 
@@ -90,7 +91,14 @@ def init_params(cfg: MoEConfig, key: jax.Array, dtype=jnp.float32, scale: float 
     return params_from_sampler(cfg, nrm)
 
 
-def compute_routing(params: MoEParams, x2: jax.Array, cfg: MoEConfig) -> Routing:
-    """Routing of ``x2 [T, d]`` (float32 math)."""
-    z = router_logits(x2, params.w_router, params.b_router)
-    return route(z, cfg.router, params.selection_bias)
+def compute_routing(params: MoEParams, x2: jax.Array, cfg: MoEConfig, *, invariant: bool = False) -> Routing:
+    """Routing of ``x2 [T, d]`` (float32 math).
+
+    ``invariant``: the router logits on fixed-shape row blocks and the rule one token at
+    a time (`jaxmoe.invariance.row_blocks`), so a token's routing does not depend on ``T``.
+    """
+    if not invariant:
+        return route(router_logits(x2, params.w_router, params.b_router), cfg.router, params.selection_bias)
+    z = row_blocks(router_logits, x2, params.w_router, params.b_router)
+    # one token per step: XLA:CPU vectorizes exp differently for large arrays
+    return row_blocks(lambda zb: route(zb, cfg.router, params.selection_bias), z, block=1)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 
 from jaxmoe.config import RouterConfig
+from jaxmoe.invariance import fixed_softmax, fixed_sum
 
 
 class Routing(NamedTuple):
@@ -83,7 +84,8 @@ def group_mask(c: jax.Array, cfg: RouterConfig) -> jax.Array:
     if cfg.group_score == "max":
         gs = g.max(axis=-1)
     else:
-        gs = jax.lax.top_k(g, 2)[0].sum(axis=-1)
+        top2 = jax.lax.top_k(g, 2)[0]
+        gs = top2[..., 0] + top2[..., 1]
     _, gidx = jax.lax.top_k(gs, cfg.topk_group)  # [T, topk_group]
     keep = jnp.zeros((t, cfg.n_group), bool).at[jnp.arange(t)[:, None], gidx].set(True)
     return jnp.repeat(keep, cfg.experts_per_group, axis=1)
@@ -104,7 +106,7 @@ def route(logits: jax.Array, cfg: RouterConfig, selection_bias: jax.Array | None
     k = cfg.top_k
     with jax.named_scope("route"):
         if cfg.score_fn == "softmax":
-            s = jax.nn.softmax(z, axis=-1)
+            s = fixed_softmax(z, axis=-1)
         elif cfg.score_fn == "sigmoid":
             s = jax.nn.sigmoid(z)
         else:  # *_topk: select on the logits themselves
@@ -114,13 +116,13 @@ def route(logits: jax.Array, cfg: RouterConfig, selection_bias: jax.Array | None
             c = jnp.where(group_mask(c, cfg), c, -jnp.inf)
         _, ids = jax.lax.top_k(c, k)
         if cfg.score_fn == "softmax_topk":
-            w = jax.nn.softmax(jnp.take_along_axis(z, ids, axis=-1), axis=-1)
+            w = fixed_softmax(jnp.take_along_axis(z, ids, axis=-1), axis=-1)
         elif cfg.score_fn == "sigmoid_topk":
             w = jax.nn.sigmoid(jnp.take_along_axis(z, ids, axis=-1))
         else:
             w = jnp.take_along_axis(s, ids, axis=-1)
         if cfg.renorm != "none":
-            den = w.sum(axis=-1, keepdims=True)
+            den = fixed_sum(w, axis=-1, keepdims=True)
             if cfg.renorm == "clamp":
                 den = jnp.maximum(den, cfg.renorm_eps)
             elif cfg.renorm == "add":

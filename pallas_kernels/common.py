@@ -78,3 +78,12 @@ __all__ = [
     "compiler_params",
     "default_interpret",
 ]
+
+
+def slot_sum(y: jax.Array) -> jax.Array:
+    """``y [T, k, n]`` -> ``[T, n]``: each token's ``k`` slot rows added in slot order as
+    elementwise adds (one fixed order per token whatever ``T`` is: batch invariance)."""
+    acc = y[:, 0]
+    for i in range(1, y.shape[1]):
+        acc = acc + y[:, i]
+    return acc

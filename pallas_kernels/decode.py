@@ -317,7 +317,7 @@ def combine_pairs(y: jax.Array, top_k: int) -> jax.Array:
     """``[T * k, d]`` pair-order rows -> ``[T, d]`` float32, slots summed in order."""
     if y.ndim != 2 or y.shape[0] % top_k:
         raise ValueError(f"combine_pairs: y {y.shape} must be [T * k, d] with k = {top_k}")
-    return y.astype(jnp.float32).reshape(-1, top_k, y.shape[1]).sum(axis=1)
+    return common.slot_sum(y.astype(jnp.float32).reshape(-1, top_k, y.shape[1]))
 
 
 def decode_gate_up_reference(

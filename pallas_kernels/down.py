@@ -113,7 +113,7 @@ def combine(y_sorted: jax.Array, inv: jax.Array, top_k: int) -> jax.Array:
     if y_sorted.shape[0] % top_k:
         raise ValueError(f"combine: {y_sorted.shape[0]} rows are not a multiple of top_k={top_k}")
     y = y_sorted.astype(jnp.float32)[inv]
-    return y.reshape(-1, top_k, y_sorted.shape[1]).sum(axis=1)
+    return common.slot_sum(y.reshape(-1, top_k, y_sorted.shape[1]))
 
 
 def down_project_reference(h, group_offsets, w_down, b_down=None, row_scale=None, out_dtype=jnp.float32):

@@ -127,6 +127,21 @@ def choose(num_pairs: int, d: int, f: int) -> KernelConfig:
     return fit_config(kc, num_pairs, d, f)
 
 
+def fixed(d: int, f: int) -> KernelConfig:
+    """A grouped `KernelConfig` for a ``d x F`` expert that does not depend on the pair
+    count: the ``small`` entry with ``block_m`` kept and the other blocks fitted to ``d``
+    and ``F`` only. With it every output row is computed by the same tile program
+    (same K steps, same accumulation order) whatever ``T`` is: batch invariance, at the
+    cost of the decode kernels' speed for a handful of tokens."""
+    if d < 1 or f < 1:
+        raise ValueError(f"tuning.fixed: need positive d, F; got {d}, {f}")
+    kc = TABLE.get(("small", d, f)) or TABLE[("small", 0, 0)]
+    bm = kc.gate_up.block_m
+    gu = dataclasses.replace(kc.gate_up, block_n=fit(kc.gate_up.block_n, f), block_k=fit(kc.gate_up.block_k, d))
+    dn = dataclasses.replace(kc.down, block_m=bm, block_n=fit(kc.down.block_n, d), block_k=fit(kc.down.block_k, f))
+    return KernelConfig("small", gu, dn)
+
+
 def fit_config(kc: KernelConfig, num_pairs: int, d: int, f: int) -> KernelConfig:
     """``kc`` with blocks shrunk to the shape: gate/up is ``[P, d] x [d, F]``, down ``[P, F] x [F, d]``."""
     bm = fit(kc.gate_up.block_m, num_pairs)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import DispatchPlan, check_expert_ids
 from jaxmoe.experts import ExpertWeights
+from jaxmoe.invariance import slot_sum
 from jaxmoe.routing import Routing
 
 
@@ -41,15 +42,17 @@ def sorted_inputs(x: jax.Array, routing: Routing, plan: DispatchPlan, cfg: MoECo
     return xs
 
 
-def combine(ys: jax.Array, routing: Routing, plan: DispatchPlan, cfg: MoEConfig) -> jax.Array:
-    """Sorted rows ``[P, d]`` -> tokens ``[T, d]`` float32 (routing weight unless on input).
+def combine(
+    ys: jax.Array, routing: Routing, plan: DispatchPlan, cfg: MoEConfig, *, invariant: bool = False
+) -> jax.Array:
+    """Sorted rows ``[P, d]`` -> tokens ``[T, d]`` float32 (routing weight unless on input),
+    each token's slots added in slot order (`jaxmoe.invariance.slot_sum`; ``invariant``:
+    the batch-invariant form).
 
     A dropped pair (id outside ``[0, E)``) adds exactly zero, whatever its row holds (the
     rows past ``plan.num_valid`` are never computed and may be uninitialized).
     """
     t, k = routing.expert_ids.shape
     y = ys[plan.inv].reshape(t, k, -1)  # [T, k, d]
-    if not cfg.weight_on_input:
-        y = y * routing.weights[..., None]
-    y = jnp.where(plan.pair_valid().reshape(t, k, 1), y, 0.0)
-    return y.sum(axis=1)
+    scale = None if cfg.weight_on_input else routing.weights
+    return slot_sum(y, scale, plan.pair_valid().reshape(t, k), invariant=invariant)

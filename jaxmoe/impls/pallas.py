@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import check_expert_ids, id_valid, plan_dispatch, replace_invalid
 from jaxmoe.experts import ExpertWeights
+from jaxmoe.invariance import wants_invariance
 from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
 from jaxmoe.routing import Routing
 from pallas_kernels import tuning
@@ -84,7 +85,8 @@ def experts_pallas(
       cfg: the `jaxmoe.config.MoEConfig`.
       interpret: Pallas interpret mode; default: `pallas_kernels.common.default_interpret`
         of the lowering platform (compiled on CUDA / ROCm, interpreted elsewhere).
-      config: block sizes; default ``tuning.choose(T * k, d, F)``.
+      config: block sizes; default ``tuning.choose(T * k, d, F)``, or ``tuning.fixed(d, F)``
+        when ``cfg`` asks for batch invariance (`jaxmoe.invariance`).
       debug: the Pallas ``debug`` flag (prints each kernel's jaxpr and generated code).
     """
     if x.ndim != 2 or x.shape[1] != cfg.d_model:
@@ -100,7 +102,13 @@ def experts_pallas(
             per = {plat: by_mode[modes[plat]] for plat in _TRITON_LOWERING}
             return jax.lax.platform_dependent(x, routing, experts, default=by_mode[modes["cpu"]], **per)
         interpret = modes["cpu"]
-    kc = config or tuning.choose(t * k, d, cfg.expert_dim)
+    if config is None:  # batch-invariant: one tile program whatever T is, no decode switch
+        config = (
+            tuning.fixed(d, cfg.expert_dim)
+            if wants_invariance(cfg, "pallas")
+            else tuning.choose(t * k, d, cfg.expert_dim)
+        )
+    kc = config
     act = Activation(cfg.activation, float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
     akw = dict(activation=act.kind, alpha=act.alpha, limit=act.limit)
     ok = id_valid(routing.expert_ids, experts.num_experts)  # [T, k]

@@ -26,6 +26,7 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import plan_dispatch
 from jaxmoe.experts import ExpertWeights, activation, mm
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
+from jaxmoe.invariance import ROW_BLOCK, wants_invariance
 from jaxmoe.quant import materialize
 from jaxmoe.routing import Routing
 
@@ -50,13 +51,16 @@ def experts_xla(
       routing: ``expert_ids, weights [T, k]``.
       ew: `ExpertWeights` ``[E, ...]``, arrays or `QuantizedTensor`.
       cfg: the layer config (activation, biases, ``weight_on_input``).
-      block_m: rows per expert dot (default `choose_block_m`).
+      block_m: rows per expert dot (default `choose_block_m`; `jaxmoe.invariance.ROW_BLOCK`
+        when ``cfg`` asks for batch invariance).
     """
     check_inputs(x, routing, ew, "experts_xla")
     t, k = routing.expert_ids.shape
     if block_m is not None and (not isinstance(block_m, int) or block_m < 1):
         raise ValueError(f"experts_xla: block_m must be a positive int, got {block_m!r}")
-    return _experts_xla(x, routing, ew, cfg=cfg, block_m=block_m or choose_block_m(t * k, ew.num_experts))
+    if block_m is None:  # batch-invariant: one chunk shape whatever T is (jaxmoe.invariance)
+        block_m = ROW_BLOCK if wants_invariance(cfg, "xla") else choose_block_m(t * k, ew.num_experts)
+    return _experts_xla(x, routing, ew, cfg=cfg, block_m=block_m)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "block_m"))
@@ -101,4 +105,4 @@ def _experts_xla(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConf
     with jax.named_scope("grouped_swiglu"):
         ys = jax.lax.fori_loop(0, n_active, expert_body, jnp.zeros((p + bm, d), jnp.float32))
     with jax.named_scope("combine"):
-        return combine(ys[:p], routing, plan, cfg)
+        return combine(ys[:p], routing, plan, cfg, invariant=wants_invariance(cfg, "xla"))

@@ -41,6 +41,7 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import plan_dispatch
 from jaxmoe.experts import ExpertWeights, activation, mm
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
+from jaxmoe.invariance import ROW_BLOCK, slot_sum, wants_invariance
 from jaxmoe.quant import materialize
 from jaxmoe.routing import Routing
 
@@ -69,7 +70,9 @@ def experts_xla_tiled(
     t, k = routing.expert_ids.shape
     if block_m is not None and (not isinstance(block_m, int) or block_m < 1):
         raise ValueError(f"experts_xla_tiled: block_m must be a positive int, got {block_m!r}")
-    bm = block_m or choose_block_m(t * k, ew.num_experts)
+    if block_m is None:  # batch-invariant: the tiles layout with one tile shape whatever T is
+        block_m = ROW_BLOCK if wants_invariance(cfg, "xla_tiled") else choose_block_m(t * k, ew.num_experts)
+    bm = block_m
     if t == 0:
         return jnp.zeros((0, x.shape[1]), jnp.float32)
     return _experts_xla_tiled(x, routing, ew, cfg=cfg, block_m=bm)
@@ -106,10 +109,8 @@ def _experts_xla_tiled(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: M
                 xin = (xin.astype(jnp.float32) * routing.weights[..., None]).astype(dt)
             y = _swiglu(xin.reshape(p, 1, d), ids.reshape(p), ew, cfg).reshape(t, k, d)
             ok = (ids >= 0) & (ids < ew.num_experts)  # an id outside [0, E) is dropped, never clamped
-            y = jnp.where(ok[..., None], y, 0.0)
-        if not cfg.weight_on_input:
-            y = y * routing.weights[..., None]
-        return y.sum(axis=1)
+        scale = None if cfg.weight_on_input else routing.weights
+        return slot_sum(y, scale, ok, invariant=False)  # not taken when invariant (fixed tiles instead)
     bm = block_m
     with jax.named_scope("dispatch"):
         plan = plan_dispatch(ids, ew.num_experts, bm)
@@ -128,7 +129,7 @@ def _experts_xla_tiled(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: M
     with jax.named_scope("combine"):
         dest = jnp.where(valid, rows, p)  # others out of range: dropped
         ys = jnp.zeros((p, d), jnp.float32).at[dest.reshape(-1)].set(y.reshape(-1, d), mode="drop")
-        return combine(ys, routing, plan, cfg)
+        return combine(ys, routing, plan, cfg, invariant=wants_invariance(cfg, "xla_tiled"))
 
 
 __all__ = ["MAX_BLOCK_M", "choose_block_m", "experts_xla_tiled"]

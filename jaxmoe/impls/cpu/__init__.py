@@ -5,7 +5,15 @@
 """
 
 from jaxmoe.impls.cpu.build import cpu_kernel_available, cpu_kernel_status
-from jaxmoe.impls.cpu.kernel import DOWN_BLOCK, UP_BLOCK, experts_cpu, grouped_swiglu, supports
+from jaxmoe.impls.cpu.kernel import (
+    DOWN_BLOCK,
+    UP_BLOCK,
+    experts_cpu,
+    grouped_swiglu,
+    shared_expert_cpu,
+    shared_supported,
+    supports,
+)
 
 __all__ = [
     "DOWN_BLOCK",
@@ -14,5 +22,7 @@ __all__ = [
     "cpu_kernel_status",
     "experts_cpu",
     "grouped_swiglu",
+    "shared_expert_cpu",
+    "shared_supported",
     "supports",
 ]

@@ -36,9 +36,10 @@ import numpy as np
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import plan_dispatch
-from jaxmoe.experts import ExpertWeights, gather_vjp
+from jaxmoe.experts import ExpertWeights, SharedWeights, gather_vjp, shared_expert, shared_gate
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.impls.cpu.build import TARGET, cpu_kernel_status
+from jaxmoe.invariance import row_blocks, wants_invariance
 from jaxmoe.quant import QuantizedTensor
 from jaxmoe.routing import Routing
 
@@ -201,10 +202,56 @@ def grouped_swiglu(
     return ys
 
 
+def shared_supported(sw: SharedWeights, dtype) -> bool:
+    """Whether `shared_expert_cpu` takes these shared-expert weights (float32 / bfloat16
+    arrays the kernel reads for activations of ``dtype``) and the kernel built."""
+    ws = (sw.w_gate, sw.w_up, sw.w_down)
+    if any(isinstance(w, QuantizedTensor) for w in ws):
+        return False
+    ew = ExpertWeights(*(w[None] for w in ws))
+    return supports(ew, dtype) is None and cpu_kernel_status()[0]
+
+
+def shared_expert_cpu(x: jax.Array, sw: SharedWeights, cfg: MoEConfig) -> jax.Array:
+    """The shared expert through the C++ kernel (one expert owning every row), gated as
+    `jaxmoe.experts.shared_expert`. ``x [T, d]`` -> ``[T, d]`` float32.
+
+    The kernel accumulates each output element in one fixed order whatever ``T`` is, so
+    this is the batch-invariant shared expert on the CPU at the kernel's speed. Requires
+    `shared_supported`. Gradients: the VJP of the XLA shared expert.
+    """
+    return _shared_cpu(x, sw, cfg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _shared_cpu(x: jax.Array, sw: SharedWeights, cfg: MoEConfig) -> jax.Array:
+    t = x.shape[0]
+    ew = ExpertWeights(sw.w_gate[None], sw.w_up[None], sw.w_down[None])  # E = 1: [1, d, F], [1, F, d]
+    one = jnp.zeros((1,), jnp.int32)
+    y = grouped_swiglu(
+        x.astype(jnp.float32), one, jnp.full((1,), t, jnp.int32), ew, cfg, round_h=bool(x.dtype == jnp.bfloat16)
+    )
+    if sw.gate is not None:
+        y = row_blocks(lambda r: r[0] * shared_gate(r[1], sw.gate), (y, x))  # the product inside a loop
+    return y
+
+
+def _shared_cpu_fwd(x, sw, cfg):
+    return _shared_cpu(x, sw, cfg), (x, sw)
+
+
+def _shared_cpu_bwd(cfg, res, g):
+    x, sw = res
+    return jax.vjp(lambda x, sw: shared_expert(x, sw, cfg), x, sw)[1](g)
+
+
+_shared_cpu.defvjp(_shared_cpu_fwd, _shared_cpu_bwd)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _forward(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
     e = ew.num_experts
     plan = plan_dispatch(routing.expert_ids, e, 1)
     xs = sorted_inputs(x, routing, plan, cfg).astype(jnp.float32)  # [P, d]
     ys = grouped_swiglu(xs, plan.group_offsets[:e], plan.group_sizes, ew, cfg, round_h=bool(x.dtype == jnp.bfloat16))
-    return combine(ys, routing, plan, cfg)
+    return combine(ys, routing, plan, cfg, invariant=wants_invariance(cfg, "cpu"))

@@ -1,0 +1,163 @@
+"""Batch invariance: a token's output depends only on that token and the weights.
+
+Serving batches whatever requests arrive, and a user expects a token's output not to
+change with its neighbours, the batch size or its position in the batch. Plain XLA
+breaks that: a library dot picks its algorithm by the number of rows (XLA:CPU's YNNPACK
+dots give one rounding for 1 or >= 64 rows and another for 2..63), a row reduction is
+vectorized differently for large batches, and a strategy's tile size follows ``T``.
+The rules here make every arithmetic step that produces a token's row independent of
+``T`` by construction:
+
+- **Dots over tokens run on fixed-shape row blocks** (`row_blocks`): the token rows are
+  padded to a multiple of `ROW_BLOCK` and one program of shape ``[ROW_BLOCK, ...]``
+  computes every block, whatever ``T`` is, so the same executable (same algorithm, same
+  reduction order per output element) produces every row.
+- **Row reductions in a fixed order** (`fixed_sum`, `fixed_softmax`): a pairwise tree of
+  elementwise adds over slices, which no compiler may reassociate.
+- **Strategies with fixed tiles**: the routed-expert strategies take a ``T``-independent
+  tile size and no ``T``-dependent algorithm switch when invariance is on (each
+  strategy's module says how); the C++ kernel (``impl="cpu"``) accumulates every output
+  element in one sequential order whatever its row count, so it is invariant always.
+
+`MoEConfig.batch_invariant` chooses: ``True`` every strategy invariant, ``False`` none
+beyond the routing (its fixed-order sums cost nothing), ``None`` (default) invariant
+where it is free: ``impl="cpu"`` (the default on the CPU). The cost of ``True`` per
+strategy is measured by ``benchmarks/bench_invariance.py`` (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxmoe.config import MoEConfig
+
+#: Rows per block of a token-dimension dot in invariant mode.
+ROW_BLOCK = 8
+
+#: Strategies that are invariant at no cost, so ``batch_invariant=None`` turns it on.
+INVARIANT_BY_DEFAULT = frozenset({"cpu"})
+
+
+def wants_invariance(cfg: MoEConfig, impl: str) -> bool:
+    """Whether strategy ``impl`` (a resolved name) runs batch-invariant under ``cfg``."""
+    if cfg.batch_invariant is None:
+        return impl in INVARIANT_BY_DEFAULT
+    return bool(cfg.batch_invariant)
+
+
+def row_blocks(fn: Callable[..., Any], rows: Any, *args, block: int = ROW_BLOCK) -> Any:
+    """``fn`` over fixed-shape row blocks: ``rows`` (an array or pytree of arrays, all
+    ``[T, ...]``) -> ``fn``'s output pytree, every leaf ``[T, ...]``.
+
+    ``fn(rows_b, *args)`` takes the blocks ``[block, ...]`` and returns leaves
+    ``[block, ...]``; it runs on every block of the zero-padded rows inside one loop, so
+    each output row is computed by the same program whatever ``T`` is. ``args`` (the
+    weights) are passed unchanged.
+    """
+    leaves = jax.tree.leaves(rows)
+    t = leaves[0].shape[0]
+    if any(v.shape[0] != t for v in leaves):
+        raise ValueError(f"row_blocks: every row array needs the same leading size, got {[v.shape for v in leaves]}")
+    if t == 0:
+        spec = jax.tree.map(lambda v: jax.ShapeDtypeStruct((block, *v.shape[1:]), v.dtype), rows)
+        out = jax.eval_shape(lambda r: fn(r, *args), spec)
+        return jax.tree.map(lambda o: jnp.zeros((0, *o.shape[1:]), o.dtype), out)
+    nb = -(-t // block)
+    floats = [v for v in leaves if jnp.issubdtype(v.dtype, jnp.floating)]
+    if not floats:
+        raise ValueError("row_blocks: the rows need at least one floating-point array")
+    padded = jax.tree.map(lambda v: jnp.pad(v, ((0, nb * block - t),) + ((0, 0),) * (v.ndim - 1)), rows)
+    spec = jax.tree.map(lambda v: jax.ShapeDtypeStruct((block, *v.shape[1:]), v.dtype), rows)
+    out = jax.eval_shape(lambda r: fn(r, *args), spec)
+
+    def body(b, ys):
+        r0 = jnp.minimum(b, nb - 1) * block
+        rb = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, r0, block), padded)
+        yb = fn(rb, *args)
+        return jax.tree.map(lambda y, o: jax.lax.dynamic_update_slice_in_dim(y, o, r0, axis=0), ys, yb)
+
+    ys = jax.tree.map(lambda o: jnp.zeros((nb * block, *o.shape[1:]), o.dtype), out)
+    # A trip count XLA cannot see (nb, plus one for a NaN in the first element, which only
+    # redoes the last block): a loop it knows runs once would be inlined and fused with its
+    # neighbours, so T <= block would get other code (another vectorization, other fused
+    # multiply-adds) than larger T.
+    first = jnp.ravel(floats[0])[0]
+    n = jnp.int32(nb) + (first != first).astype(jnp.int32)
+    ys = jax.lax.fori_loop(0, n, body, ys)
+    return jax.tree.map(lambda y: y[:t], ys)
+
+
+def fixed_sum(v: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """Sum over ``axis`` as a pairwise tree of elementwise adds (a fixed order per element).
+
+    For small reduced sizes (expert counts, top-k): ``ceil(log2(n))`` adds of slices.
+    """
+    v = jnp.moveaxis(v, axis, -1)
+    n = v.shape[-1]
+    if n == 0:
+        s = jnp.zeros(v.shape[:-1], v.dtype)
+    else:
+        while n > 1:
+            h = n // 2
+            s2 = v[..., :h] + v[..., h : 2 * h]
+            v = jnp.concatenate([s2, v[..., 2 * h :]], axis=-1) if n % 2 else s2
+            n = v.shape[-1]
+        s = v[..., 0]
+    if keepdims:
+        s = jnp.expand_dims(s, axis if axis >= 0 else s.ndim + 1 + axis)
+    return s
+
+
+def ordered_sum(v: jax.Array, axis: int) -> jax.Array:
+    """Sum over ``axis`` in index order, ``((v0 + v1) + v2) + ...``, as elementwise adds
+    (for short axes: the top-k slots of a token)."""
+    v = jnp.moveaxis(v, axis, 0)
+    acc = v[0]
+    for i in range(1, v.shape[0]):
+        acc = acc + v[i]
+    return acc
+
+
+def slot_sum(y: jax.Array, scale: jax.Array | None, valid: jax.Array, *, invariant: bool) -> jax.Array:
+    """``y [T, k, n]`` -> ``[T, n]`` float32: ``sum_j valid[t, j] ? scale[t, j] * y[t, j] : 0``
+    with the slots added in order (``scale`` None: no scaling).
+
+    ``invariant``: the products are formed inside `row_blocks`' loop, apart from the
+    sums, so no compiler fuses a product and a sum into a multiply-add for some ``T``
+    and not for others.
+    """
+
+    def products(r):
+        yb, sb, vb = r
+        p = yb if sb is None else yb * sb[..., None]
+        return jnp.where(vb[..., None], p, 0.0)
+
+    if invariant:
+        return ordered_sum(row_blocks(products, (y, scale, valid)), axis=1)
+    return ordered_sum(products((y, scale, valid)), axis=1)
+
+
+def fixed_softmax(z: jax.Array, axis: int = -1) -> jax.Array:
+    """``softmax(z)`` along ``axis`` with the normalizer summed by `fixed_sum`.
+
+    Same conventions as `jax.nn.softmax` (max subtracted first; a row of ``-inf`` gives NaN).
+    """
+    m = jax.lax.stop_gradient(jnp.max(z, axis=axis, keepdims=True))
+    e = jnp.exp(z - m)
+    return e / fixed_sum(e, axis=axis, keepdims=True)
+
+
+__all__ = [
+    "INVARIANT_BY_DEFAULT",
+    "ROW_BLOCK",
+    "fixed_softmax",
+    "fixed_sum",
+    "ordered_sum",
+    "row_blocks",
+    "slot_sum",
+    "wants_invariance",
+]
