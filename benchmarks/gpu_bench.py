@@ -16,7 +16,8 @@ experts the previous call did not (cold, as in decoding; ``reuse_prev`` says how
 shared) and the working set is far above L2. The row's time is the loop's wall time over
 ``N`` (median of up to three calls after a warm-up call), with ``N`` sized to ~50 ms per
 call; ``loop_us`` is the same loop around a trivial body (the harness's own cost,
-included in every row). Floors: HBM = bytes of the distinct selected experts (stored
+included in every row). Compiling dominates the phase: the loops of one (layer, weights,
+T) compile in parallel threads, then run one at a time. Floors: HBM = bytes of the distinct selected experts (stored
 format) + x read + y written, over the copy bandwidth; matmul = the routed FLOPs over
 the matmul rate. Every output is compared with ``xla``'s for the same inputs.
 
@@ -28,11 +29,13 @@ the matmul rate. Every output is compared with ``xla``'s for the same inputs.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import functools
 import gc
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -72,13 +75,17 @@ def trivial_body(x, routing, ew):
     return x.astype(jnp.float32) * routing.weights[:, :1] + routing.expert_ids[:, :1].astype(jnp.float32)
 
 
-def time_compiled(run, args, n: int, dry_run: bool) -> dict:
-    """Compile ``run`` for ``args``, call it once (warm-up), then time up to 3 calls.
-    Returns seconds per iteration, the spread (max / min of the timed calls), compile
-    seconds and the warm-up call's output."""
+def compile_loop(run, args) -> tuple:
+    """``(compiled executable, compile seconds)``: lowering and XLA's compile (Triton's too)."""
     t0 = time.perf_counter()
     compiled = run.lower(*args).compile()
-    compile_s = time.perf_counter() - t0
+    return compiled, time.perf_counter() - t0
+
+
+def time_calls(compiled, args, n: int, dry_run: bool) -> dict:
+    """Call ``compiled`` once (warm-up), then time up to 3 calls (fewer when one is long).
+    Returns seconds per iteration (median call / ``n``), the spread (max / min of the timed
+    calls) and the warm-up call's output."""
     t0 = time.perf_counter()
     y = jax.block_until_ready(compiled(*args))
     warm = time.perf_counter() - t0
@@ -89,13 +96,12 @@ def time_compiled(run, args, n: int, dry_run: bool) -> dict:
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - t0)
     times = times or [warm]
-    return dict(
-        sec=float(np.median(times)) / n,
-        spread=float(max(times) / min(times)),
-        compile_s=compile_s,
-        calls=len(times),
-        y=y,
-    )
+    return dict(sec=float(np.median(times)) / n, spread=float(max(times) / min(times)), calls=len(times), y=y)
+
+
+def time_compiled(run, args, n: int, dry_run: bool) -> dict:
+    compiled, compile_s = compile_loop(run, args)
+    return dict(time_calls(compiled, args, n, dry_run), compile_s=compile_s)
 
 
 def measure_ceilings(dry_run: bool) -> dict:
@@ -176,6 +182,7 @@ class Run:
     tk_note: str
     reserve: float  # seconds a row may take: none is started with less left
     row_cap: float  # a row expected to take longer is skipped
+    workers: int = 4  # compile threads
     harness: dict = dataclasses.field(default_factory=dict)  # (T, R, N) -> loop_us
     n_err: int = 0
 
@@ -195,7 +202,9 @@ def skip_reason(run: Run, layer: Layer, impl: str, est: float, n: int) -> str | 
 
 
 def time_group(run: Run, layer: Layer, t: int) -> None:
-    """Every impl's row at ``T = t``: rotating inputs, the harness loop, then each impl."""
+    """Every impl's row at ``T = t``: rotating inputs; the harness loop and every impl's
+    loop compiled at once in threads (compiling dominates the phase; XLA and Triton
+    compile outside the GIL); then each timed alone, in order, its row written."""
     cfg = layer.cfg
     r = common.rotation(t, run.dry_run)
     xs, rts = common.rotating_inputs(cfg, t, r, jax.random.key(t))
@@ -206,31 +215,47 @@ def time_group(run: Run, layer: Layer, t: int) -> None:
     base.update(floor_hbm_ms=floor_hbm * 1e3, floor_mm_ms=floor_mm * 1e3)
     args = (xs, rts.expert_ids, rts.weights, layer.ew)
     n0 = iterations(floor, r, run.dry_run)
-    if (t, r, n0) not in run.harness and run.dl.left() > run.reserve:
-        h = time_compiled(loop_fn(trivial_body, n0, r), (xs, rts.expert_ids, rts.weights, None), n0, run.dry_run)
-        run.harness[(t, r, n0)] = h["sec"] * 1e6
-    ref = None
+    rows, jobs = {}, {}
+    if (t, r, n0) not in run.harness:
+        hargs = (xs, rts.expert_ids, rts.weights, None)
+        jobs["harness"] = functools.partial(compile_loop, loop_fn(trivial_body, n0, r), hargs)
     for impl in run.impls:
-        row = dict(base, impl=impl, loop_us=run.harness.get((t, r, n0)))
+        row = rows[impl] = dict(base, impl=impl)
         est = floor * (layer.ratio[impl][1] if impl in layer.ratio else 4.0)
-        n = iterations(est, r, run.dry_run)
-        why = skip_reason(run, layer, impl, est, n)
-        if why:
+        row["n_iter"] = n = iterations(est, r, run.dry_run)
+        if why := skip_reason(run, layer, impl, est, n):
             row["skipped"] = why
+        elif impl == "tokamax":
+            jobs[impl] = functools.partial(compile_tokamax, run, layer, args, n, r)
+        else:
+            fn = functools.partial(common.impl_fn(impl, run.interpret), cfg=cfg)
+            jobs[impl] = functools.partial(compile_loop, loop_fn(fn, n, r), args)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=run.workers) as pool:
+        futures = {k: pool.submit(job) for k, job in jobs.items()}
+    done = {k: f.exception() or f.result() for k, f in futures.items()}
+    if isinstance(done.get("harness"), tuple):
+        run.harness[(t, r, n0)] = time_calls(done["harness"][0], hargs, n0, run.dry_run)["sec"] * 1e6
+    ref = None
+    for impl, row in rows.items():
+        row["loop_us"] = run.harness.get((t, r, n0))
+        if "skipped" not in row and run.dl.left() < run.reserve:
+            row["skipped"] = "phase deadline"
+        if "skipped" in row:
+            row.pop("n_iter")
             run.rows.write(row)
             log(fmt_row(row))
             continue
         try:
-            if impl == "tokamax":
-                res, layer.tk_impl, row["note"] = time_tokamax(run, layer, args, n, r)
-            else:
-                fn = functools.partial(common.impl_fn(impl, run.interpret), cfg=cfg)
-                res = time_compiled(loop_fn(fn, n, r), args, n, run.dry_run)
+            job = done[impl]
+            if isinstance(job, BaseException):
+                raise job
+            compiled, row["compile_s"], *note = job
+            if note:
+                layer.tk_impl, row["note"] = note
+            res = time_calls(compiled, args, row["n_iter"], run.dry_run)
             sec = res["sec"]
             row.update(
-                n_iter=n,
                 calls=res["calls"],
-                compile_s=res["compile_s"],
                 ms=sec * 1e3,
                 spread=res["spread"],
                 gbps=tr["bytes"] / sec / 1e9,
@@ -245,13 +270,14 @@ def time_group(run: Run, layer: Layer, t: int) -> None:
                 err = common.rel_err(res["y"], ref)
                 row.update(rel_err_vs_xla=err, ok=bool(err <= common.BF16_TOL))
                 run.n_err += not row["ok"]
-            del res
+            del res, compiled
         except Exception as ex:  # one broken row must not hide the rest
             msg = f"{type(ex).__name__}: {ex}"
             row["error"] = msg[:1500]
             run.n_err += 1
             if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower():
                 layer.dead[impl] = f"out of memory at T={t}"
+        done.pop(impl, None)
         run.rows.write(row)
         log(fmt_row(row))
 
@@ -313,6 +339,7 @@ def main(argv=None) -> int:
         tk_note=tk_note,
         reserve=0.0 if a.dry_run else 12.0,
         row_cap=60.0 if a.dry_run else 25.0,
+        workers=min(len(impls) + 1, os.cpu_count() or 1),
     )
     layer = None
     for shape, kind, t in groups:
@@ -333,24 +360,23 @@ def main(argv=None) -> int:
     return 1 if run.n_err else 0
 
 
-def time_tokamax(run: Run, layer: Layer, args, n: int, r: int):
-    """``(timing, implementation, note)`` of tokamax's ``ragged_dot`` experts with the first
-    implementation that compiles (Mosaic GPU, then Triton; remembered per layer); a dry
-    run without tokamax uses `jax.lax.ragged_dot` in its place."""
+def compile_tokamax(run: Run, layer: Layer, args, n: int, r: int):
+    """``(compiled, compile seconds, implementation, note)`` of tokamax's ``ragged_dot``
+    experts with the first implementation that compiles (Mosaic GPU, then Triton; the one
+    that compiled is kept for the layer); a dry run without tokamax uses
+    `jax.lax.ragged_dot` in its place."""
     cfg = layer.cfg
     if run.tokamax is None:
-        fn = functools.partial(
-            common.tokamax_experts, cfg=cfg, rd=common.tokamax_rd(None, None), w_gate_up=layer.w_gate_up
-        )
-        res = time_compiled(loop_fn(fn, n, r), args, n, run.dry_run)
-        return res, None, f"stand-in: jax.lax.ragged_dot ({run.tk_note})"
-    order = (layer.tk_impl,) if layer.tk_impl else ("xla",) if run.dry_run else ("mosaic", "triton")
+        rd = common.tokamax_rd(None, None)
+        fn = functools.partial(common.tokamax_experts, cfg=cfg, rd=rd, w_gate_up=layer.w_gate_up)
+        return (*compile_loop(loop_fn(fn, n, r), args), None, f"stand-in: jax.lax.ragged_dot ({run.tk_note})")
+    order = (layer.tk_impl,) if layer.tk_impl else ("xla",) if run.dry_run else ("mosaic_gpu", "triton")
     errors = []
     for impl in order:
         rd = common.tokamax_rd(run.tokamax, impl)
         fn = functools.partial(common.tokamax_experts, cfg=cfg, rd=rd, w_gate_up=layer.w_gate_up)
         try:
-            return time_compiled(loop_fn(fn, n, r), args, n, run.dry_run), impl, f"{run.tk_note}, implementation={impl}"
+            return (*compile_loop(loop_fn(fn, n, r), args), impl, f"{run.tk_note}, implementation={impl}")
         except Exception as ex:
             errors.append(f"{impl}: {type(ex).__name__}: {str(ex)[:300]}")
     raise RuntimeError("tokamax: no implementation compiled: " + " | ".join(errors))
