@@ -337,7 +337,7 @@ def main(argv=None) -> int:
         mm_rate=ceil["matmul_tflops"] * 1e12,
         tokamax=tokamax,
         tk_note=tk_note,
-        reserve=0.0 if a.dry_run else 12.0,
+        reserve=0.0 if a.dry_run else 20.0,
         row_cap=60.0 if a.dry_run else 25.0,
         workers=min(len(impls) + 1, os.cpu_count() or 1),
     )

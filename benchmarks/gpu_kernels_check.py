@@ -9,7 +9,8 @@ expert on every token, masked, float32-accumulated ``HIGHEST`` einsums): bf16, Q
 and 4-bit experts within 4e-2 of the reference's largest value; float32 within 1e-4 (a
 TF32 dot would miss that); gpt-oss's clamped SwiGLU with biases; the routing weight on
 the input (Llama 4); Mixtral's top-2. A failing case also checks its gate/up kernel
-alone against that kernel's pure-jnp reference, to say which kernel is wrong. The last
+alone against that kernel's pure-jnp reference, to say which kernel is wrong. Cases run
+four at a time in threads (compiling dominates); rows are written in case order. The last
 case runs a whole layer (`jaxmoe.moe_apply`, shared expert included) with
 ``impl="auto"`` against ``impl="dense"``; on the GPU it must lower to the Triton kernels.
 
@@ -20,10 +21,12 @@ shapes, one case per code path).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import functools
 import importlib.metadata
 import json
+import os
 import platform
 import re
 import subprocess
@@ -227,23 +230,30 @@ def main(argv=None) -> int:
     interpret = common.check_backend(a.dry_run)
     rows = common.Rows(out / "check.jsonl")
     cases = DRY_CASES if a.dry_run else CASES
+    reserve = 0.0 if a.dry_run else 8.0
+
+    def one(i: int, case: Case) -> dict:
+        if dl.left() < reserve:
+            return dict(case=case.name, ok=False, skipped="phase deadline")
+        try:
+            return run_case(case, interpret, a.dry_run, jax.random.key(100 + i))
+        except Exception as ex:  # record and go on: one broken case must not hide the rest
+            traceback.print_exc()
+            return dict(case=case.name, ok=False, error=f"{type(ex).__name__}: {ex}"[:2000])
+
+    # cases run in threads (compiling dominates: XLA and Triton compile outside the GIL);
+    # rows are written in case order, each as soon as it and those before it are done
     bad = 0
-    for i, case in enumerate(cases):
-        if dl.left() < (0 if a.dry_run else 8):
-            rec = dict(case=case.name, ok=False, skipped="phase deadline")
-        else:
-            try:
-                rec = run_case(case, interpret, a.dry_run, jax.random.key(100 + i))
-            except Exception as ex:  # record and go on: one broken case must not hide the rest
-                traceback.print_exc()
-                rec = dict(case=case.name, ok=False, error=f"{type(ex).__name__}: {ex}"[:2000])
-        rows.write(rec)
-        bad += not rec["ok"]
-        shown = {k: v for k, v in rec.items() if k not in ("case", "preset", "kind", "T")}
-        log(
-            f"check {case.name:40s} "
-            + " ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
-        )
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        for case, fut in [(c, pool.submit(one, i, c)) for i, c in enumerate(cases)]:
+            rec = fut.result()
+            rows.write(rec)
+            bad += not rec["ok"]
+            shown = {k: v for k, v in rec.items() if k not in ("case", "preset", "kind", "T")}
+            log(
+                f"check {case.name:40s} "
+                + " ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
+            )
     log(f"kernel checks: {len(cases) - bad}/{len(cases)} within tolerance")
     return 1 if bad else 0
 
