@@ -91,9 +91,13 @@ KNOWN_FAILURES: dict[str, str] = {
         "issue 12 item 2: Pallas's Triton lowering switches to 64-bit offsets only above 2^32 bytes, "
         "the 3.76e9 int8 codes per projection get int32 offsets"
     ),
-    r"^size/mixtral-8x7b/int4/T1:moe_decode$": (
+    r"^(size/mixtral-8x7b/int4/T1|table/decode-4096x14336/int4):moe_decode$": (
         "issue 12 item 2: the int4 decode gate/up (block_n 128 x block_k 128, two dequantized tiles) "
-        "runs out of registers at Mixtral's widths"
+        "runs out of registers at Mixtral's blocks"
+    ),
+    r"^table/large-4096x14336/int4:moe_gmm$": (
+        "issue 12 item 2: the int4 grouped gate/up with Mixtral's large blocks (128 x 128 x 64, 8 warps) "
+        "runs out of registers"
     ),
 }
 
@@ -295,9 +299,14 @@ def _cases() -> list[Case]:
     return cases
 
 
+#: Known failures outside the families ``--ci`` keeps whole: kept too, so CI sees a fix.
+_CI_KNOWN = ("table/decode-4096x14336/int4", "table/large-4096x14336/int4")
+
+
 def ci_subset(cases: list[Case]) -> list[Case]:
     """Every kernel x weight kind x activation dtype once (family ``kernel``), every table
-    entry in bf16 plus one decode and one grouped entry per quantized kind, both variants
+    entry in bf16 plus one decode and one grouped entry per quantized kind (and the int4
+    Mixtral entries, known failures), both variants
     at both paths, the gpu_bench check at one preset per weight kind, the real Qwen3.6 /
     Mixtral layers at T = 1 and 2048 in bf16 and Q8_0, and the DeepSeek-V3 size cases."""
     keep = []
@@ -307,7 +316,7 @@ def ci_subset(cases: list[Case]) -> list[Case]:
             keep.append(c)
         elif c.family == "table":
             bucket_shape, kind = parts[1], parts[2]
-            if kind == "bf16" or bucket_shape in ("decode-0x0", "large-0x0"):
+            if kind == "bf16" or bucket_shape in ("decode-0x0", "large-0x0") or c.name in _CI_KNOWN:
                 keep.append(c)
         elif c.family == "check":
             if (parts[1], parts[2]) in {("qwen3.6-35b-a3b", "bf16"), ("gpt-oss-20b", "q8_0"), ("mixtral-8x7b", "int4")}:
