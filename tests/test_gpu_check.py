@@ -136,3 +136,13 @@ def test_summary_counts_missing_and_torn_rows(tmp_path):
     assert "1 planned rows never written" in text and "s/bf16/1/pallas" in text
     assert "| bench | 124 (timed out) |" in text
     assert problems == 2  # the timed-out phase and the missing row
+
+
+def test_timing_phase_deadline_skips_rows_in_plan_order(tmp_path):
+    """Past its deadline the timing phase still writes every planned row, as skipped."""
+    bench = _module("gpu_bench")
+    assert bench.main(["--out", str(tmp_path), "--dry-run", "--deadline", "0"]) == 0
+    rows = _rows(tmp_path / "bench.jsonl")
+    body = [r for r in rows if r["type"] == "row"]
+    assert [[r["shape"], r["kind"], r["T"], r["impl"]] for r in body] == rows[0]["planned"]
+    assert {r.get("skipped") for r in body} == {"phase deadline"}
