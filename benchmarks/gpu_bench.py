@@ -193,7 +193,7 @@ def skip_reason(run: Run, layer: Layer, impl: str, est: float, n: int) -> str | 
     if impl in layer.dead:
         return layer.dead[impl]
     if impl == "tokamax" and layer.kind != "bf16":
-        return "tokamax's own quantized operands (qwix) are not wired here: bf16 only"
+        return "bf16 only (tokamax's qwix operands not wired)"
     if impl == "tokamax" and run.tokamax is None and not run.dry_run:
         return run.tk_note
     if est * n * 2 > run.row_cap:

@@ -146,6 +146,8 @@ def markdown(out: Path, phases: list[str]) -> tuple[str, int]:
         lines += [
             f"## Targets (pallas; HBM floor for T <= {tg['hbm_max_t']}, matmul rate for T >= {tg['mm_min_t']})",
             "",
+            "Times include the harness's own per-iteration cost (`loop us` above); notes, not failures.",
+            "",
             "| layer | weights | T | pallas ms | HBM floor | matmul rate | vs ragged_dot | vs tokamax |",
             "|---|---|---|---|---|---|---|---|",
         ]
