@@ -17,7 +17,7 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import check_expert_ids
 from jaxmoe.experts import SharedWeights, shared_expert
 from jaxmoe.impls.cpu import shared_expert_cpu, shared_supported
-from jaxmoe.impls.policy import call_impl, resolve_impl
+from jaxmoe.impls.policy import call_impl, lowering_impls
 from jaxmoe.invariance import wants_invariance
 from jaxmoe.params import MoEParams, compute_routing, init_params, params_from_sampler
 from jaxmoe.routing import Routing
@@ -52,35 +52,52 @@ def moe_apply(
         raise ValueError(f"moe_apply: x has width {x.shape[-1]} but d_model is {cfg.d_model} (shape {x.shape})")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cfg.d_model)
-    host = resolve_impl(impl, x2.shape[0] * cfg.top_k, experts=params.experts, dtype=x2.dtype)
-    inv = wants_invariance(cfg, host)  # batch invariance (jaxmoe.invariance)
+    # batch invariance per lowering platform (jaxmoe.invariance): on where the strategy
+    # that platform takes asks for it (None: where it is free, the CPU kernel)
+    table = lowering_impls(impl, x2.shape[0] * cfg.top_k, experts=params.experts, dtype=x2.dtype)
+    inv = tuple(sorted((plat, wants_invariance(cfg, name)) for plat, name in table.items()))
     if routing is None:
-        routing = compute_routing(params, x2, cfg, invariant=inv)
+        routing = _per_platform(_routing, inv, (params, x2), cfg)
     else:
         shape = (x2.shape[0], cfg.top_k)
         check_expert_ids(routing.expert_ids, cfg.num_experts, "moe_apply", shape=shape, weights=routing.weights)
     with jax.named_scope(f"routed_experts_{impl}"):
         y, _ = call_impl(impl, x2, routing, params.experts, cfg)
     if params.shared is not None:
-        y = y + _shared(x2, params.shared, cfg, inv)
+        y = y + _per_platform(_shared, inv, (x2, params.shared), cfg)
     y = y.astype(x.dtype).reshape(*lead, cfg.d_model)
     return (y, routing) if return_routing else y
 
 
-def _shared(x2: jax.Array, sw: SharedWeights | None, cfg: MoEConfig, invariant: bool) -> jax.Array:
-    """The shared expert; batch-invariant when asked: through the C++ kernel when the
-    program is lowered for the CPU and the kernel takes the weights, else on fixed row
-    blocks in XLA."""
-    if sw is None or not invariant or not shared_supported(sw, x2.dtype):
-        return shared_expert(x2, sw, cfg, invariant=invariant)
-    return _shared_switch(x2, sw, cfg)
+def _routing(params: MoEParams, x2: jax.Array, cfg: MoEConfig, mode: str) -> Routing:
+    return compute_routing(params, x2, cfg, invariant=mode != "fast")
 
 
-@functools.partial(jax.jit, static_argnums=(2,))  # staged: an eager platform switch misdispatches on jax 0.10
-def _shared_switch(x2: jax.Array, sw: SharedWeights, cfg: MoEConfig) -> jax.Array:
-    return jax.lax.platform_dependent(
-        x2,
-        sw,
-        cpu=functools.partial(shared_expert_cpu, cfg=cfg),
-        default=lambda x, sw: shared_expert(x, sw, cfg, invariant=True),
-    )
+def _shared(x2: jax.Array, sw: SharedWeights, cfg: MoEConfig, mode: str) -> jax.Array:
+    """The shared expert: ``fast``; ``kernel``: batch-invariant through the C++ kernel (the
+    CPU, weights it takes); ``blocks``: batch-invariant on fixed row blocks in XLA."""
+    if mode == "kernel":
+        return shared_expert_cpu(x2, sw, cfg)
+    return shared_expert(x2, sw, cfg, invariant=mode == "blocks")
+
+
+def _per_platform(fn, inv: tuple[tuple[str, bool], ...], args: tuple, cfg: MoEConfig):
+    """``fn(*args, cfg, mode)`` with the mode of each lowering platform: ``fast`` where
+    invariance is off, else ``kernel`` on the CPU when the C++ kernel takes the shared
+    expert (``_shared`` only), else ``blocks``. One platform switch when they differ."""
+    kernel = fn is _shared and shared_supported(args[1], args[0].dtype)
+    modes = {plat: ("fast" if not on else "kernel" if (kernel and plat == "cpu") else "blocks") for plat, on in inv}
+    if len(set(modes.values())) == 1:
+        return fn(*args, cfg, next(iter(modes.values())))
+    return _switch(fn, tuple(sorted(modes.items())), cfg, *args)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))  # staged: an eager platform switch misdispatches on jax 0.10
+def _switch(fn, modes: tuple[tuple[str, str], ...], cfg: MoEConfig, *args):
+    branches = {m: functools.partial(_call_mode, fn, cfg, m) for m in set(dict(modes).values())}
+    per = {plat: branches[m] for plat, m in modes if plat != "default"}
+    return jax.lax.platform_dependent(*args, default=branches[dict(modes)["default"]], **per)
+
+
+def _call_mode(fn, cfg: MoEConfig, mode: str, *args):
+    return fn(*args, cfg, mode)

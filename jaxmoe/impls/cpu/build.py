@@ -31,7 +31,16 @@ import jax
 
 TARGET = "jaxmoe_grouped_swiglu"
 SOURCE = Path(__file__).parent / "grouped_swiglu.cc"
-CXXFLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-Wno-psabi")
+CXXFLAGS = (
+    "-O3",
+    "-march=native",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-fno-math-errno",
+    "-ffp-contract=off",
+    "-Wno-psabi",
+)
 
 _lock = threading.Lock()
 _status: tuple[bool, str] | None = None

@@ -94,6 +94,26 @@ inline float bf16_to_float(uint16_t h) {
 inline float scalar(const float* p) { return *p; }
 inline float scalar(const uint16_t* p) { return bf16_to_float(*p); }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+// a * b + c, fused where the target has FMA. Built with -ffp-contract=off, so the
+// compiler fuses nothing on its own: every output element gets one chain of these,
+// the same whatever a task's row count (GCC contracted some tile shapes and not others,
+// which made a row's result depend on the batch: docs/design.md, batch invariance).
+inline vf fmadd(vf a, vf b, vf c) {
+#if JM_LANES == 16 && defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif JM_LANES == 8 && defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+inline float fmadd(float a, float b, float c) {
+#if defined(__FMA__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
 inline float hsum(vf v) {
   float s = 0.f;
   for (int l = 0; l < kLanes; ++l) s += v[l];
@@ -170,7 +190,8 @@ inline void tile(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K
     for (int j = 0; j < NV; ++j) bv[j] = load(bk + j * kLanes);
     for (int i = 0; i < MR; ++i) {
       const float ai = a[i * lda + k];
-      for (int j = 0; j < NV; ++j) acc[i][j] += ai * bv[j];
+      const vf av = vf{} + ai;
+      for (int j = 0; j < NV; ++j) acc[i][j] = fmadd(av, bv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i)
@@ -184,7 +205,7 @@ void tile_scalar(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < ncols; ++j) {
       float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += a[i * lda + k] * scalar(b + k * ldb + j);
+      for (int64_t k = 0; k < K; ++k) s = fmadd(a[i * lda + k], scalar(b + k * ldb + j), s);
       c[i * ldc + j] = s;
     }
 }
@@ -357,8 +378,8 @@ void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
       for (int i = 0; i < MR; ++i) {
         const vf x0 = load(a + i * lda + k), x1 = load(a + i * lda + k + kLanes);
         for (int j = 0; j < NC; ++j) {
-          acc[i][j] += x0 * w0[j];
-          acc[i][j] += x1 * w1[j];
+          acc[i][j] = fmadd(x0, w0[j], acc[i][j]);
+          acc[i][j] = fmadd(x1, w1[j], acc[i][j]);
         }
       }
     }

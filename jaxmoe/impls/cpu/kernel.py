@@ -205,11 +205,16 @@ def grouped_swiglu(
 def shared_supported(sw: SharedWeights, dtype) -> bool:
     """Whether `shared_expert_cpu` takes these shared-expert weights (float32 / bfloat16
     arrays the kernel reads for activations of ``dtype``) and the kernel built."""
-    ws = (sw.w_gate, sw.w_up, sw.w_down)
-    if any(isinstance(w, QuantizedTensor) for w in ws):
-        return False
-    ew = ExpertWeights(*(w[None] for w in ws))
-    return supports(ew, dtype) is None and cpu_kernel_status()[0]
+    ew = _one_expert(sw)
+    return ew is not None and supports(ew, dtype) is None and cpu_kernel_status()[0]
+
+
+def _one_expert(sw: SharedWeights) -> ExpertWeights | None:
+    """The shared expert as one routed expert (``[1, d, F]``, ``[1, F, d]``); None when quantized."""
+    g, u, d = sw.w_gate, sw.w_up, sw.w_down
+    if isinstance(g, QuantizedTensor) or isinstance(u, QuantizedTensor) or isinstance(d, QuantizedTensor):
+        return None
+    return ExpertWeights(g[None], u[None], d[None])
 
 
 def shared_expert_cpu(x: jax.Array, sw: SharedWeights, cfg: MoEConfig) -> jax.Array:
@@ -226,13 +231,16 @@ def shared_expert_cpu(x: jax.Array, sw: SharedWeights, cfg: MoEConfig) -> jax.Ar
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _shared_cpu(x: jax.Array, sw: SharedWeights, cfg: MoEConfig) -> jax.Array:
     t = x.shape[0]
-    ew = ExpertWeights(sw.w_gate[None], sw.w_up[None], sw.w_down[None])  # E = 1: [1, d, F], [1, F, d]
-    one = jnp.zeros((1,), jnp.int32)
+    ew = _one_expert(sw)
+    if ew is None:
+        raise ValueError("shared_expert_cpu: quantized shared-expert weights are not taken (see shared_supported)")
+    start = jnp.zeros((1,), jnp.int32)
     y = grouped_swiglu(
-        x.astype(jnp.float32), one, jnp.full((1,), t, jnp.int32), ew, cfg, round_h=bool(x.dtype == jnp.bfloat16)
+        x.astype(jnp.float32), start, jnp.full((1,), t, jnp.int32), ew, cfg, round_h=bool(x.dtype == jnp.bfloat16)
     )
-    if sw.gate is not None:
-        y = row_blocks(lambda r: r[0] * shared_gate(r[1], sw.gate), (y, x))  # the product inside a loop
+    gate = sw.gate
+    if gate is not None:
+        y = row_blocks(lambda r: r[0] * shared_gate(r[1], gate), (y, x))  # the product inside a loop
     return y
 
 
