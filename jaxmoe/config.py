@@ -132,7 +132,7 @@ class MoEConfig:
       name, family: preset name and model family (informational).
       batch_invariant: a token's output independent of the batch it is in (bitwise;
         `jaxmoe.invariance`): ``True`` for every strategy, ``False`` for none beyond the
-        routing, ``None`` (default) where it is free (``impl="cpu"``).
+        routing, ``None`` (default) where it is free (measured: nowhere yet, so off).
     """
 
     d_model: int

@@ -150,7 +150,7 @@ def shared_expert(x: jax.Array, sw: SharedWeights | None, cfg: MoEConfig, *, inv
         return jnp.zeros(x.shape, jnp.float32)
     with jax.named_scope("shared_expert"):
         if invariant:
-            return row_blocks(lambda xb: shared_expert(xb, sw, cfg), x)
+            return row_blocks(lambda xb, sw: shared_expert(xb, sw, cfg), x, sw)
         y = swiglu_ffn(x, sw.w_gate, sw.w_up, sw.w_down, cfg)
         if sw.gate is not None:
             y = y * shared_gate(x, sw.gate)

@@ -20,13 +20,15 @@ The rules here make every arithmetic step that produces a token's row independen
   element in one sequential order whatever its row count, so it is invariant always.
 
 `MoEConfig.batch_invariant` chooses: ``True`` every strategy invariant, ``False`` none
-beyond the routing (its fixed-order sums cost nothing), ``None`` (default) invariant
-where it is free: ``impl="cpu"`` (the default on the CPU). The cost of ``True`` per
-strategy is measured by ``benchmarks/bench_invariance.py`` (docs/performance.md).
+beyond the routing's fixed-order sums (they cost nothing and are always on), ``None``
+(default) invariant where it is free (`INVARIANT_BY_DEFAULT`: measured, nowhere yet).
+The cost of ``True`` per strategy is measured by ``benchmarks/bench_invariance.py``
+(docs/performance.md).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -38,8 +40,11 @@ from jaxmoe.config import MoEConfig
 #: Rows per block of a token-dimension dot in invariant mode.
 ROW_BLOCK = 8
 
-#: Strategies that are invariant at no cost, so ``batch_invariant=None`` turns it on.
-INVARIANT_BY_DEFAULT = frozenset({"cpu"})
+#: Strategies whose invariant form costs nothing measurable, so ``batch_invariant=None``
+#: turns it on there. Empty: even ``cpu`` (whose kernel is invariant by itself) pays for
+#: the invariant routing, router, shared expert and combine around it, 0.98-1.31x of the
+#: fast layer by T (benchmarks/bench_invariance.py, docs/performance.md).
+INVARIANT_BY_DEFAULT: frozenset[str] = frozenset()
 
 
 def wants_invariance(cfg: MoEConfig, impl: str) -> bool:
@@ -66,10 +71,16 @@ def row_blocks(fn: Callable[..., Any], rows: Any, *args, block: int = ROW_BLOCK)
         spec = jax.tree.map(lambda v: jax.ShapeDtypeStruct((block, *v.shape[1:]), v.dtype), rows)
         out = jax.eval_shape(lambda r: fn(r, *args), spec)
         return jax.tree.map(lambda o: jnp.zeros((0, *o.shape[1:]), o.dtype), out)
-    nb = -(-t // block)
-    floats = [v for v in leaves if jnp.issubdtype(v.dtype, jnp.floating)]
-    if not floats:
+    if not any(jnp.issubdtype(v.dtype, jnp.floating) for v in leaves):
         raise ValueError("row_blocks: the rows need at least one floating-point array")
+    return _blocked(fn, block, rows, args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _blocked(fn: Callable[..., Any], block: int, rows: Any, args: tuple) -> Any:
+    t = jax.tree.leaves(rows)[0].shape[0]
+    nb = -(-t // block)
+    floats = [v for v in jax.tree.leaves(rows) if jnp.issubdtype(v.dtype, jnp.floating)]
     padded = jax.tree.map(lambda v: jnp.pad(v, ((0, nb * block - t),) + ((0, 0),) * (v.ndim - 1)), rows)
     spec = jax.tree.map(lambda v: jax.ShapeDtypeStruct((block, *v.shape[1:]), v.dtype), rows)
     out = jax.eval_shape(lambda r: fn(r, *args), spec)
@@ -89,6 +100,20 @@ def row_blocks(fn: Callable[..., Any], rows: Any, *args, block: int = ROW_BLOCK)
     n = jnp.int32(nb) + (first != first).astype(jnp.int32)
     ys = jax.lax.fori_loop(0, n, body, ys)
     return jax.tree.map(lambda y: y[:t], ys)
+
+
+def _blocked_fwd(fn, block, rows, args):
+    return _blocked(fn, block, rows, args), (rows, args)
+
+
+def _blocked_bwd(fn, block, res, g):
+    # the loop's trip count is not static, so no reverse mode of its own: the VJP of the
+    # same function on all rows at once (equal up to float rounding)
+    rows, args = res
+    return jax.vjp(lambda r, a: fn(r, *a), rows, args)[1](g)
+
+
+_blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
 
 def fixed_sum(v: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:

@@ -101,4 +101,4 @@ def compute_routing(params: MoEParams, x2: jax.Array, cfg: MoEConfig, *, invaria
         return route(router_logits(x2, params.w_router, params.b_router), cfg.router, params.selection_bias)
     z = row_blocks(router_logits, x2, params.w_router, params.b_router)
     # one token per step: XLA:CPU vectorizes exp differently for large arrays
-    return row_blocks(lambda zb: route(zb, cfg.router, params.selection_bias), z, block=1)
+    return row_blocks(lambda zb, bias: route(zb, cfg.router, bias), z, params.selection_bias, block=1)

@@ -44,14 +44,14 @@ def _experts_ragged_dot(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: 
         starts = plan.group_offsets[:-1]
         ends = plan.group_offsets[1:]
 
-        def block(r, ew):
+        def block(r, ew, starts, ends):
             xb, r0 = r
             lo = r0[0]
             gs = jnp.clip(ends, lo, lo + ROW_BLOCK) - jnp.clip(starts, lo, lo + ROW_BLOCK)
             return _grouped(xb, gs, ew, cfg)
 
         r0 = jnp.arange(p, dtype=jnp.int32) // ROW_BLOCK * ROW_BLOCK  # each row's block start
-        y = row_blocks(block, (xs, r0), ew)
+        y = row_blocks(block, (xs, r0), ew, starts, ends)
     return combine(y, routing, plan, cfg, invariant=wants_invariance(cfg, "ragged_dot"))
 
 

@@ -28,6 +28,7 @@ works, at ``gather``'s speed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -235,12 +236,12 @@ def _shared_cpu(x: jax.Array, sw: SharedWeights, cfg: MoEConfig) -> jax.Array:
     if ew is None:
         raise ValueError("shared_expert_cpu: quantized shared-expert weights are not taken (see shared_supported)")
     start = jnp.zeros((1,), jnp.int32)
+    one_cfg = dataclasses.replace(cfg, expert_dim=int(ew.w_gate.shape[-1]))  # the shared width
     y = grouped_swiglu(
-        x.astype(jnp.float32), start, jnp.full((1,), t, jnp.int32), ew, cfg, round_h=bool(x.dtype == jnp.bfloat16)
+        x.astype(jnp.float32), start, jnp.full((1,), t, jnp.int32), ew, one_cfg, round_h=bool(x.dtype == jnp.bfloat16)
     )
-    gate = sw.gate
-    if gate is not None:
-        y = row_blocks(lambda r: r[0] * shared_gate(r[1], gate), (y, x))  # the product inside a loop
+    if sw.gate is not None:  # the product inside a loop (jaxmoe.invariance.slot_sum)
+        y = row_blocks(lambda r, gate: r[0] * shared_gate(r[1], gate), (y, x), sw.gate)
     return y
 
 
