@@ -53,18 +53,19 @@ def moe_apply(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cfg.d_model)
     # batch invariance per lowering platform (jaxmoe.invariance): on where the strategy
-    # that platform takes asks for it (None: where it is free, the CPU kernel)
+    # that platform takes asks for it
     table = lowering_impls(impl, x2.shape[0] * cfg.top_k, experts=params.experts, dtype=x2.dtype)
-    inv = tuple(sorted((plat, wants_invariance(cfg, name)) for plat, name in table.items()))
+    inv = {plat: wants_invariance(cfg, name) for plat, name in table.items()}
     if routing is None:
-        routing = _per_platform(_routing, inv, (params, x2), cfg)
+        routing = _per_platform(_routing, _modes(inv), (params, x2), cfg)
     else:
         shape = (x2.shape[0], cfg.top_k)
         check_expert_ids(routing.expert_ids, cfg.num_experts, "moe_apply", shape=shape, weights=routing.weights)
     with jax.named_scope(f"routed_experts_{impl}"):
         y, _ = call_impl(impl, x2, routing, params.experts, cfg)
     if params.shared is not None:
-        y = y + _per_platform(_shared, inv, (x2, params.shared), cfg)
+        kernel = any(inv.values()) and shared_supported(params.shared, x2.dtype)
+        y = y + _per_platform(_shared, _modes(inv, kernel), (x2, params.shared), cfg)
     y = y.astype(x.dtype).reshape(*lead, cfg.d_model)
     return (y, routing) if return_routing else y
 
@@ -81,12 +82,17 @@ def _shared(x2: jax.Array, sw: SharedWeights, cfg: MoEConfig, mode: str) -> jax.
     return shared_expert(x2, sw, cfg, invariant=mode == "blocks")
 
 
-def _per_platform(fn, inv: tuple[tuple[str, bool], ...], args: tuple, cfg: MoEConfig):
-    """``fn(*args, cfg, mode)`` with the mode of each lowering platform: ``fast`` where
-    invariance is off, else ``kernel`` on the CPU when the C++ kernel takes the shared
-    expert (``_shared`` only), else ``blocks``. One platform switch when they differ."""
-    kernel = fn is _shared and shared_supported(args[1], args[0].dtype)
-    modes = {plat: ("fast" if not on else "kernel" if (kernel and plat == "cpu") else "blocks") for plat, on in inv}
+def _modes(inv: dict[str, bool], kernel: bool = False) -> dict[str, str]:
+    """Each lowering platform's mode: ``fast`` where invariance is off, else ``kernel`` on
+    the CPU when ``kernel`` (the C++ kernel takes the shared expert), else ``blocks``."""
+    return {
+        plat: "fast" if not on else "kernel" if (kernel and plat == "cpu") else "blocks" for plat, on in inv.items()
+    }
+
+
+def _per_platform(fn, modes: dict[str, str], args: tuple, cfg: MoEConfig):
+    """``fn(*args, cfg, mode)`` with each lowering platform's mode; one platform switch
+    when they differ."""
     if len(set(modes.values())) == 1:
         return fn(*args, cfg, next(iter(modes.values())))
     return _switch(fn, tuple(sorted(modes.items())), cfg, *args)

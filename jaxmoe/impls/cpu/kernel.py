@@ -28,7 +28,6 @@ works, at ``gather``'s speed.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -90,7 +89,11 @@ def supports(ew: ExpertWeights, dtype) -> str | None:
     round float32 weights to bfloat16), and taken with quantized ones (weights
     dequantized to float32 in registers: more exact than a bfloat16 copy).
     """
-    ws = {"w_gate": ew.w_gate, "w_up": ew.w_up, "w_down": ew.w_down}
+    return _weights_problem({"w_gate": ew.w_gate, "w_up": ew.w_up, "w_down": ew.w_down}, dtype)
+
+
+def _weights_problem(ws: dict, dtype) -> str | None:
+    """`supports` for named weights (routed experts, or a shared expert's matrices)."""
     for name, w in ws.items():
         why = _weight_problem(name, w)
         if why:
@@ -171,7 +174,7 @@ def grouped_swiglu(
     call fails with an error naming the expert (checked in C++ when it runs). Rows no
     expert owns come back zero. ``round_h`` rounds the hidden activations to bfloat16.
     """
-    p, f = xs.shape[0], cfg.expert_dim
+    p, f = xs.shape[0], ew.w_gate.shape[-1]  # F of these weights (a shared expert has its own)
     (wg, kg, gg), (wu, ku, gu), (wd, kd, gd) = (_operands(w) for w in (ew.w_gate, ew.w_up, ew.w_down))
     biases = ew.biases_f32() or (jnp.zeros((0,), jnp.float32),) * 3
     call = jax.ffi.ffi_call(
@@ -206,8 +209,10 @@ def grouped_swiglu(
 def shared_supported(sw: SharedWeights, dtype) -> bool:
     """Whether `shared_expert_cpu` takes these shared-expert weights (float32 / bfloat16
     arrays the kernel reads for activations of ``dtype``) and the kernel built."""
-    ew = _one_expert(sw)
-    return ew is not None and supports(ew, dtype) is None and cpu_kernel_status()[0]
+    ws = {"w_gate": sw.w_gate, "w_up": sw.w_up, "w_down": sw.w_down}
+    if any(isinstance(w, QuantizedTensor) for w in ws.values()):
+        return False
+    return _weights_problem(ws, dtype) is None and cpu_kernel_status()[0]
 
 
 def _one_expert(sw: SharedWeights) -> ExpertWeights | None:
@@ -236,9 +241,8 @@ def _shared_cpu(x: jax.Array, sw: SharedWeights, cfg: MoEConfig) -> jax.Array:
     if ew is None:
         raise ValueError("shared_expert_cpu: quantized shared-expert weights are not taken (see shared_supported)")
     start = jnp.zeros((1,), jnp.int32)
-    one_cfg = dataclasses.replace(cfg, expert_dim=int(ew.w_gate.shape[-1]))  # the shared width
     y = grouped_swiglu(
-        x.astype(jnp.float32), start, jnp.full((1,), t, jnp.int32), ew, one_cfg, round_h=bool(x.dtype == jnp.bfloat16)
+        x.astype(jnp.float32), start, jnp.full((1,), t, jnp.int32), ew, cfg, round_h=bool(x.dtype == jnp.bfloat16)
     )
     if sw.gate is not None:  # the product inside a loop (jaxmoe.invariance.slot_sum)
         y = row_blocks(lambda r, gate: r[0] * shared_gate(r[1], gate), (y, x), sw.gate)
