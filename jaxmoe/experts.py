@@ -22,6 +22,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import check_expert_ids, id_valid, replace_invalid
@@ -257,9 +258,49 @@ def _experts_gather(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEC
     return slot_sum(ys, scale, ok.reshape(t, k), invariant=wants_invariance(cfg, "gather"))
 
 
+def zero_cotangent(tree):
+    """The zero cotangent of a pytree: zeros of each floating leaf's shape and dtype, and
+    ``float0`` zeros for integer / bool leaves (what JAX wants for a non-differentiable
+    input of a `jax.custom_vjp`)."""
+
+    def zero(a):
+        dt = np.result_type(a)
+        if np.issubdtype(dt, np.inexact):
+            return jnp.zeros(np.shape(a), dt)
+        return np.zeros(np.shape(a), jax.dtypes.float0)
+
+    return jax.tree.map(zero, tree)
+
+
+def experts_frozen(ew: ExpertWeights) -> bool:
+    """True when any of ``w_gate, w_up, w_down`` is a `QuantizedTensor`: such experts are
+    frozen under differentiation (`frozen_cotangent`)."""
+    return any(isinstance(w, QuantizedTensor) for w in (ew.w_gate, ew.w_up, ew.w_down))
+
+
+def frozen_cotangent(ew: ExpertWeights) -> ExpertWeights:
+    """The cotangent every backward pass returns for frozen (quantized) experts.
+
+    Quantized experts are frozen: the input and routing-weight gradients flow through the
+    dequantized weights, and the experts themselves get no gradient, whatever leaf it is:
+    zeros for the float scales / biases (and any float bias ``b_gate, b_up, b_down`` beside
+    quantized weights), ``float0`` zeros for the integer codes / block bytes (`zero_cotangent`).
+    No strategy computes a weight gradient for them (adapter-style fine-tuning of the
+    router, shared expert or other layers over a quantized MoE; docs/design.md, "Training").
+    """
+    return zero_cotangent(ew)
+
+
 def gather_vjp(cfg: MoEConfig, res, g):
     """The backward pass of a strategy with no reverse mode of its own (a `jax.custom_vjp`
-    whose forward saves ``res = (x, routing, experts)``): the VJP of `experts_gather`."""
+    whose forward saves ``res = (x, routing, experts)``): the VJP of `experts_gather`.
+
+    Frozen (quantized) experts get `frozen_cotangent`; only ``x`` and the routing are
+    differentiated then.
+    """
     x, routing, ew = res
+    if experts_frozen(ew):
+        _, vjp = jax.vjp(lambda x, r: experts_gather(x, r, ew, cfg), x, routing)
+        return (*vjp(g), frozen_cotangent(ew))
     _, vjp = jax.vjp(lambda x, r, w: experts_gather(x, r, w, cfg), x, routing, ew)
     return vjp(g)
