@@ -13,9 +13,11 @@
 //     data    kind 0: [E, in, out] f32 | bf16             (float, in-major)
 //             kind 1: [E, out, in] s8                     (int8 codes, GGUF Q8_0 layout)
 //             kind 2: [E, out, in/2] u8                   (int4 codes, low nibble = even element)
-//     scales  [E, out, in/g] f32 | f16 | bf16             ([0] for kind 0)
-//     qbias   [E, out, in/g] same dtype as scales         ([0] for kind 0 and for int8)
-//     W[i, o] = scales[o, i/g] * q[o, i] + qbias[o, i/g]
+//             kind 3..8: [E, out, in/B * BB] u8           (GGUF blocks as in the file: Q4_1, Q5_0,
+//                        Q5_1 (B 32), Q4_K, Q5_K, Q6_K (B 256); BB bytes per block)
+//     scales  [E, out, in/g] f32 | f16 | bf16             ([0] for kinds 0, 3..8)
+//     qbias   [E, out, in/g] same dtype as scales         ([0] for kinds 0, 1, 3..8)
+//     W[i, o] = scales[o, i/g] * q[o, i] + qbias[o, i/g]  (kinds 1, 2; kinds 3..8 decode as ggml)
 //   b_gate [E, F] | [0], b_up [E, F] | [0], b_down [E, d] | [0]   f32 biases
 // Outputs:
 //   ys  [P, d] f32   ys[r] = down(act(gate(xs[r]), up(xs[r]))) of r's expert
@@ -36,7 +38,9 @@
 // into float32 accumulators, so the result is within float rounding of the
 // dequantized-weight reference (activations stay float). Tasks with >= 8 rows first
 // dequantize their block of columns into a float32 tile buffer (out-major, one block
-// of columns, never an expert) and run the same tiles on it.
+// of columns, never an expert) and run the same tiles on it. GGUF block kinds decode one
+// block per column (32 or 256 elements) into an L1 buffer inside the tile, bit-exact
+// with gguf.quants.dequantize, then take the float tile's order of operations.
 //
 // Vector width is picked at build time from what the compiler targets (-march=native):
 // 16 float lanes with AVX-512, else 8 (AVX2). Tasks run on XLA's intra-op thread pool;
@@ -152,7 +156,13 @@ inline float round_bf16(float f) {  // round to nearest even, NaN kept NaN
 
 // ---------------------------------------------------------------------------------
 // One expert weight operand in its stored format.
-enum Kind : int { kFloat = 0, kInt8 = 1, kInt4 = 2 };
+enum Kind : int { kFloat = 0, kInt8 = 1, kInt4 = 2, kQ4_1 = 3, kQ5_0 = 4, kQ5_1 = 5, kQ4_K = 6, kQ5_K = 7, kQ6_K = 8 };
+constexpr bool is_gguf(int q) { return q >= kQ4_1 && q <= kQ6_K; }
+// GGUF block kinds: elements and bytes per block (ggml's GGML_QUANT_SIZES).
+constexpr int block_elems(int q) { return q <= kQ5_1 ? 32 : 256; }
+constexpr int block_bytes(int q) {
+  return q == kQ4_1 ? 20 : q == kQ5_0 ? 22 : q == kQ5_1 ? 24 : q == kQ4_K ? 144 : q == kQ5_K ? 176 : 210;
+}
 enum SType : int { kSF32 = 0, kSF16 = 1, kSBF16 = 2 };
 
 struct Weight {
@@ -351,6 +361,96 @@ struct QCols {
   int64_t ng, group;
 };
 
+// ---------------------------------------------------------------------------------
+// GGUF block kinds, decoded one block (32 or 256 elements of one column) at a time into
+// float32, bit-exact with gguf.quants.dequantize (the same float32 products and sums in
+// the same order; -ffp-contract=off keeps `d * q + m` two roundings). The loops are
+// written for the compiler's vectorizer (-O3 -march=native: AVX2 / AVX-512 or scalar).
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return half_to_float(h);
+}
+
+// Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes.
+inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+template <int Q>
+inline void decode_block(const uint8_t* b, float* __restrict out) {
+  if constexpr (Q == kQ4_1) {  // d f16, m f16, 16 bytes of nibbles: w = d q + m
+    const float d = f16_at(b), m = f16_at(b + 2);
+    const uint8_t* qs = b + 4;
+    for (int l = 0; l < 16; ++l) out[l] = d * float(qs[l] & 15) + m;
+    for (int l = 0; l < 16; ++l) out[l + 16] = d * float(qs[l] >> 4) + m;
+  } else if constexpr (Q == kQ5_0 || Q == kQ5_1) {  // d f16, [m f16], qh u32, 16 bytes of nibbles
+    const float d = f16_at(b);
+    const float m = Q == kQ5_1 ? f16_at(b + 2) : 0.f;
+    const int o = Q == kQ5_1 ? 4 : 2;
+    uint32_t qh;
+    std::memcpy(&qh, b + o, 4);
+    const uint8_t* qs = b + o + 4;
+    for (int l = 0; l < 16; ++l) {
+      const int q0 = (qs[l] & 15) | int(((qh >> l) & 1u) << 4);
+      const int q1 = (qs[l] >> 4) | int(((qh >> (l + 16)) & 1u) << 4);
+      if constexpr (Q == kQ5_0) {
+        out[l] = d * float(q0 - 16);
+        out[l + 16] = d * float(q1 - 16);
+      } else {
+        out[l] = d * float(q0) + m;
+        out[l + 16] = d * float(q1) + m;
+      }
+    }
+  } else if constexpr (Q == kQ4_K || Q == kQ5_K) {
+    // d f16, dmin f16, 12 scale bytes, [qh 32 bytes (Q5_K)], qs 128 bytes; 8 sub-blocks of
+    // 32: sub-block 2p = low nibbles of qs[32p..], 2p+1 = their high nibbles;
+    // w = (d sc) q - (dmin mn), Q5_K's fifth bit j of sub-block j from qh[l].
+    const float d = f16_at(b), dmin = f16_at(b + 2);
+    const uint8_t* sc6 = b + 4;
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + (Q == kQ5_K ? 48 : 16);
+    for (int j = 0; j < 8; ++j) {
+      int sc, mn;
+      k_scale_min(sc6, j, sc, mn);
+      const float ds = d * float(sc), dm = dmin * float(mn);
+      const uint8_t* q = qs + 32 * (j / 2);
+      const int shift = 4 * (j & 1);
+      float* o = out + 32 * j;
+      for (int l = 0; l < 32; ++l) {
+        int v = (q[l] >> shift) & 15;
+        if constexpr (Q == kQ5_K) v |= ((qh[l] >> j) & 1) << 4;
+        o[l] = ds * float(v) - dm;
+      }
+    }
+  } else {  // Q6_K: ql 128 bytes, qh 64 bytes, 16 int8 scales, d f16; w = (d sc) (q - 32)
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = f16_at(b + 208);
+    for (int h = 0; h < 2; ++h)
+      for (int s = 0; s < 4; ++s) {  // 32 elements: 128 h + 32 s + l
+        const uint8_t* lo = ql + 64 * h + 32 * (s & 1);
+        const uint8_t* hi = qh + 32 * h;
+        const int nib = 4 * (s >> 1), hs = 2 * s;
+        for (int half = 0; half < 2; ++half) {
+          const float ds = d * float(sc[8 * h + 2 * s + half]);
+          float* o = out + 128 * h + 32 * s + 16 * half;
+          for (int l = 16 * half; l < 16 * half + 16; ++l) {
+            const int v = (((lo[l] >> nib) & 15) | (((hi[l] >> hs) & 3) << 4)) - 32;
+            o[l - 16 * half] = ds * float(v);
+          }
+        }
+      }
+  }
+}
+
 // C[MR, NC] (columns col0.. of C at stride ldc) = A[MR, K] . column rows.
 template <int MR, int NC, int Q>
 void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
@@ -388,12 +488,55 @@ void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
     for (int j = 0; j < NC; ++j) c[i * ldc + j0 + j] = hsum(acc[i][j]);
 }
 
+// The same tile for GGUF block kinds: per block of B elements, each of the NC columns'
+// block is decoded into a small float32 buffer (NC x B floats, in L1: never more than
+// one block per column), then multiplied in the same order as qtile<kFloat>, so a
+// row's result does not depend on whether its task took this path or the packed one.
+template <int MR, int NC, int Q>
+void gtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
+  constexpr int B = block_elems(Q), BB = block_bytes(Q);
+  vf acc[MR][NC];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j) acc[i][j] = vf{};
+  const uint8_t* rows[NC];
+  for (int j = 0; j < NC; ++j) rows[j] = reinterpret_cast<const uint8_t*>(w.base + (j0 + j) * w.stride);
+  alignas(64) float wb[NC][B];
+  for (int64_t g0 = 0, blk = 0; g0 < K; g0 += B, ++blk) {
+    for (int j = 0; j < NC; ++j) {
+      const uint8_t* bj = rows[j] + blk * BB;
+      for (int o = 0; o < BB; o += 64) __builtin_prefetch(bj + 4 * BB + o);
+      decode_block<Q>(bj, wb[j]);
+    }
+    for (int k = 0; k < B; k += 2 * kLanes) {
+      vf w0[NC], w1[NC];
+      for (int j = 0; j < NC; ++j) {
+        w0[j] = load(wb[j] + k);
+        w1[j] = load(wb[j] + k + kLanes);
+      }
+      for (int i = 0; i < MR; ++i) {
+        const vf x0 = load(a + i * lda + g0 + k), x1 = load(a + i * lda + g0 + k + kLanes);
+        for (int j = 0; j < NC; ++j) {
+          acc[i][j] = fmadd(x0, w0[j], acc[i][j]);
+          acc[i][j] = fmadd(x1, w1[j], acc[i][j]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j) c[i * ldc + j0 + j] = hsum(acc[i][j]);
+}
+
 template <int MR, int Q>
 void qrow_tile(const float* a, int64_t lda, const QCols& w, int64_t ncols, int64_t K, float* c, int64_t ldc) {
   constexpr int NC = MR == 1 ? 4 : 2;
   int64_t j0 = 0;
-  for (; j0 + NC <= ncols; j0 += NC) qtile<MR, NC, Q>(a, lda, w, j0, K, c, ldc);
-  for (; j0 < ncols; ++j0) qtile<MR, 1, Q>(a, lda, w, j0, K, c, ldc);
+  if constexpr (is_gguf(Q)) {
+    for (; j0 + NC <= ncols; j0 += NC) gtile<MR, NC, Q>(a, lda, w, j0, K, c, ldc);
+    for (; j0 < ncols; ++j0) gtile<MR, 1, Q>(a, lda, w, j0, K, c, ldc);
+  } else {
+    for (; j0 + NC <= ncols; j0 += NC) qtile<MR, NC, Q>(a, lda, w, j0, K, c, ldc);
+    for (; j0 < ncols; ++j0) qtile<MR, 1, Q>(a, lda, w, j0, K, c, ldc);
+  }
 }
 
 template <int Q>
@@ -458,6 +601,22 @@ void quant_matmul(const float* a, int64_t lda, const QCols& wq, int64_t K, int64
   qblock<kFloat>(a, lda, f, m, ncols, K, c, ldc);
 }
 
+// GGUF block kinds: < 8 rows decode block by block inside the tiles; >= 8 rows decode
+// the task's block of columns into the float32 tile buffer (ncols x K) first.
+template <int Q>
+void gguf_matmul(const float* a, int64_t lda, const QCols& w, int64_t K, int64_t m, int64_t ncols, float* c,
+                 int64_t ldc, std::vector<float>& pack) {
+  constexpr int B = block_elems(Q), BB = block_bytes(Q);
+  if (m < kPackRows) return qblock<Q>(a, lda, w, m, ncols, K, c, ldc);
+  pack.resize(size_t(K) * ncols);
+  for (int64_t j = 0; j < ncols; ++j) {
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(w.base + j * w.stride);
+    for (int64_t blk = 0; blk < K / B; ++blk) decode_block<Q>(row + blk * BB, pack.data() + j * K + blk * B);
+  }
+  QCols f{reinterpret_cast<const char*>(pack.data()), K * int64_t(sizeof(float)), nullptr, nullptr, 0, 1, K};
+  qblock<kFloat>(a, lda, f, m, ncols, K, c, ldc);
+}
+
 // C[m, ncols] = A[m, in] @ W_e[:, col0 : col0 + ncols] for any weight format.
 void matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t lda, int64_t m, int64_t ncols, float* c,
             int64_t ldc, std::vector<float>& pack) {
@@ -466,6 +625,19 @@ void matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t ld
     if (w.bf16)
       return float_matmul(a, lda, static_cast<const uint16_t*>(w.data) + e * K * N + col0, N, K, m, ncols, c, ldc, pack);
     return float_matmul(a, lda, static_cast<const float*>(w.data) + e * K * N + col0, N, K, m, ncols, c, ldc, pack);
+  }
+  if (is_gguf(w.kind)) {
+    const int64_t row_bytes = K / block_elems(w.kind) * block_bytes(w.kind);
+    QCols q{static_cast<const char*>(w.data) + (e * N + col0) * row_bytes, row_bytes, nullptr, nullptr, 0, 0,
+            block_elems(w.kind)};
+    switch (w.kind) {
+      case kQ4_1: return gguf_matmul<kQ4_1>(a, lda, q, K, m, ncols, c, ldc, pack);
+      case kQ5_0: return gguf_matmul<kQ5_0>(a, lda, q, K, m, ncols, c, ldc, pack);
+      case kQ5_1: return gguf_matmul<kQ5_1>(a, lda, q, K, m, ncols, c, ldc, pack);
+      case kQ4_K: return gguf_matmul<kQ4_K>(a, lda, q, K, m, ncols, c, ldc, pack);
+      case kQ5_K: return gguf_matmul<kQ5_K>(a, lda, q, K, m, ncols, c, ldc, pack);
+      default: return gguf_matmul<kQ6_K>(a, lda, q, K, m, ncols, c, ldc, pack);
+    }
   }
   const int64_t ng = K / w.group, col = e * N + col0;
   const int64_t ssize = w.stype == kSF32 ? 4 : 2;
@@ -601,6 +773,20 @@ ffi::Error bind_weight(const char* name, ffi::AnyBuffer data, ffi::AnyBuffer sca
     if (t != ffi::DataType::F32 && t != ffi::DataType::BF16) return fail("float weights must be float32 or bfloat16");
     if (dd.size() != 3 || dd[0] != E || dd[1] != in || dd[2] != out) return fail("float weights must be [E, in, out]");
     w.bf16 = t == ffi::DataType::BF16;
+    return ffi::Error::Success();
+  }
+  if (is_gguf(kind)) {
+    const int64_t B = block_elems(kind), BB = block_bytes(kind);
+    const std::string what = "GGUF kind " + std::to_string(kind) + " (block " + std::to_string(B) + " in " +
+                             std::to_string(BB) + " bytes), logical [" + std::to_string(E) + ", " +
+                             std::to_string(in) + ", " + std::to_string(out) + "]";
+    if (group != B || in % B != 0) return fail(what + ": the input width must be a multiple of the block");
+    if (data.element_type() != ffi::DataType::U8 || dd.size() != 3 || dd[0] != E || dd[1] != out ||
+        dd[2] != in / B * BB)
+      return fail(what + ": block bytes must be uint8 [E, out, in / block * block_bytes]");
+    if (scales.element_count() != 0 || qbias.element_count() != 0)
+      return fail(what + ": scales live inside the blocks (pass empty scales / biases)");
+    w.group = B;
     return ffi::Error::Success();
   }
   if (kind != kInt8 && kind != kInt4) return fail("unknown weight kind " + std::to_string(kind));

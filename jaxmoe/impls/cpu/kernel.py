@@ -9,8 +9,11 @@ it (routing, sorting the pairs, the shared expert, the weighted combine) stays i
 Weight formats, each read where it lies: float32 / bfloat16 ``[E, in, out]``, and
 `QuantizedTensor` kinds ``int8`` (GGUF Q8_0: int8 codes ``[E, out, in]``, a scale per
 group of 32) and ``int4`` (MLX affine 4-bit and GGUF Q4_0: packed nibbles, a scale and a
-bias per group of 32 / 64 / 128), with float32, float16 or bfloat16 scales; gate, up and
-down may each have their own format. Quantized codes are widened and scaled in
+bias per group of 32 / 64 / 128), with float32, float16 or bfloat16 scales, and the GGUF
+block kinds ``q4_1``, ``q5_0``, ``q5_1`` (blocks of 32) and ``q4_k``, ``q5_k``, ``q6_k``
+(super-blocks of 256) as the file's block bytes, decoded one block per column inside the
+tiles bit-exact with ``gguf.quants.dequantize``; gate, up and down may each have their
+own format (Q4_K_M: gate/up ``q4_k``, down ``q6_k``). Quantized codes are widened and scaled in
 registers inside the tiles (tasks with >= 8 rows dequantize their block of columns into
 a float32 tile buffer first); activations stay float32, so the result is within float
 rounding of the float64 forward of the dequantized weights. Other QuantizedTensor kinds
@@ -40,7 +43,7 @@ from jaxmoe.experts import ExpertWeights, SharedWeights, gather_vjp, shared_expe
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.impls.cpu.build import TARGET, cpu_kernel_status
 from jaxmoe.invariance import row_blocks, wants_invariance
-from jaxmoe.quant import QuantizedTensor
+from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
 from jaxmoe.routing import Routing
 
 #: Weight formats of the C++ kernel (the ``kind_*`` attributes of the custom call).
@@ -48,18 +51,43 @@ FLOAT, INT8, INT4 = 0, 1, 2
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 _QKINDS = {"int8": (INT8, jnp.dtype(jnp.int8)), "int4": (INT4, jnp.dtype(jnp.uint8))}
+#: GGUF block kinds (raw block bytes, `jaxmoe.quant.GGUF_BLOCKS`) -> the kernel's kind number.
+GGUF_KINDS = {"q4_1": 3, "q5_0": 4, "q5_1": 5, "q4_k": 6, "q5_k": 7, "q6_k": 8}
+assert set(GGUF_KINDS) == set(GGUF_BLOCKS)
 
 
-def _weight_problem(name: str, w) -> str | None:
+def _block_problem(name: str, w: QuantizedTensor, n_in: int | None) -> str | None:
+    """Why GGUF block weight ``name`` is malformed for the kernel, or None. ``n_in``: the
+    input width the other weights imply (None when unknown)."""
+    block, block_bytes = GGUF_BLOCKS[w.kind]
+    shape = tuple(w.qdata.shape)
+    where = f"impl='cpu': {name} ({w.kind.upper()}, block {block} in {block_bytes} bytes) of bytes {shape}"
+    if jnp.dtype(w.qdata.dtype) != jnp.dtype(jnp.uint8) or len(shape) != 3:
+        return f"{where}: block bytes must be uint8 [E, out, n_blocks * {block_bytes}], got {w.qdata.dtype}"
+    if shape[-1] % block_bytes:
+        return f"{where}: rows of {shape[-1]} bytes are not whole blocks (truncated or wrong-sized block buffer)"
+    if n_in is not None and shape[-1] != n_in // block * block_bytes:
+        return (
+            f"{where}: the layer needs input width {n_in}, i.e. rows of {n_in // block * block_bytes} bytes "
+            f"({n_in}/{block} blocks); truncated or wrong-sized block buffer"
+            if n_in % block == 0
+            else f"{where}: input width {n_in} is not a multiple of the block size {block}"
+        )
+    return None
+
+
+def _weight_problem(name: str, w, n_in: int | None = None) -> str | None:
     """Why the kernel cannot read weight ``name`` in its stored format, or None."""
     if not isinstance(w, QuantizedTensor):
         if jnp.dtype(w.dtype) not in _FLOAT_DTYPES:
-            return f"impl='cpu' takes float32, bfloat16 or int8/int4-quantized experts; {name} is {w.dtype}"
+            return f"impl='cpu' takes float32, bfloat16 or int8/int4/GGUF-quantized experts; {name} is {w.dtype}"
         return None
+    if w.kind in GGUF_KINDS:
+        return _block_problem(name, w, n_in)
     if w.kind not in _QKINDS:
         return (
-            f"impl='cpu' reads QuantizedTensor kinds {sorted(_QKINDS)}; {name} is kind={w.kind!r} "
-            f"(qdata {tuple(w.qdata.shape)}); use impl='xla'"
+            f"impl='cpu' reads QuantizedTensor kinds {sorted(_QKINDS) + sorted(GGUF_KINDS)}; {name} is "
+            f"kind={w.kind!r} (qdata {tuple(w.qdata.shape)}); use impl='xla'"
         )
     code_dtype = _QKINDS[w.kind][1]
     if jnp.dtype(w.qdata.dtype) != code_dtype or w.qdata.ndim != 3:
@@ -84,7 +112,9 @@ def supports(ew: ExpertWeights, dtype) -> str | None:
 
     Each of ``w_gate``, ``w_up``, ``w_down`` may be float32, bfloat16 or a `QuantizedTensor`
     of kind ``int8`` / ``int4`` (group size a multiple of 32, scales float32 / float16 /
-    bfloat16), independently (mixed formats in one layer). Activations: float32 or
+    bfloat16) or a GGUF block kind (``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q5_k``,
+    ``q6_k``: raw block bytes ``[E, out, in / block * block_bytes]``, rows that must hold
+    exactly the width the other weights imply), independently (mixed formats in one layer). Activations: float32 or
     bfloat16; bfloat16 activations are refused with float32 experts (the kernel does not
     round float32 weights to bfloat16), and taken with quantized ones (weights
     dequantized to float32 in registers: more exact than a bfloat16 copy).
@@ -94,8 +124,10 @@ def supports(ew: ExpertWeights, dtype) -> str | None:
 
 def _weights_problem(ws: dict, dtype) -> str | None:
     """`supports` for named weights (routed experts, or a shared expert's matrices)."""
+    d, f = ws["w_down"].shape[-1], ws["w_gate"].shape[-1]  # logical [.., in, out]
+    widths = {"w_gate": d, "w_up": d, "w_down": f}
     for name, w in ws.items():
-        why = _weight_problem(name, w)
+        why = _weight_problem(name, w, widths.get(name))
         if why:
             return why
     if jnp.dtype(dtype) not in _FLOAT_DTYPES:
@@ -150,6 +182,8 @@ def _operands(w) -> tuple[tuple, int, int]:
     empty = jnp.zeros((0,), jnp.float32)
     if not isinstance(w, QuantizedTensor):
         return (w, empty, empty), FLOAT, 0
+    if w.kind in GGUF_KINDS:  # raw block bytes; the scales are inside the blocks
+        return (w.qdata, empty, empty), GGUF_KINDS[w.kind], GGUF_BLOCKS[w.kind][0]
     scales = w.scales
     assert scales is not None  # supports() refused the kinds without scales
     qb = w.biases if w.biases is not None else jnp.zeros((0,), scales.dtype)
