@@ -94,8 +94,10 @@ def _verified(lib: Path) -> bool:
         return False
 
 
-def build_library(cxx: str) -> Path:
-    """Compiles the kernel (or finds it in the cache); returns the shared library path.
+def build_library(cxx: str, source: Path = SOURCE) -> Path:
+    """Compiles ``source`` (default: the forward kernel; the backward kernel is its own
+    library, `jaxmoe.impls.cpu.backward`) or finds it in the cache; returns the shared
+    library path.
 
     A cached library is used only when the SHA-256 of its bytes equals the one recorded
     beside it when it was built; otherwise it is rebuilt. Compiler calls time out after
@@ -104,19 +106,19 @@ def build_library(cxx: str) -> Path:
     version = _run([cxx, "--version"]).stdout.splitlines()[:1]
     key = hashlib.sha256(
         "\0".join(
-            [SOURCE.read_text(), importlib.metadata.version("jaxlib"), cxx, *version, *CXXFLAGS, _cpu_flags()]
+            [source.read_text(), importlib.metadata.version("jaxlib"), cxx, *version, *CXXFLAGS, _cpu_flags()]
         ).encode()
     ).hexdigest()[:16]
-    lib = cache_dir() / f"grouped_swiglu-{key}.so"
+    lib = cache_dir() / f"{source.stem}-{key}.so"
     if _verified(lib):
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
-        cmd = [cxx, *CXXFLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
+        cmd = [cxx, *CXXFLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(out)]
         r = _run(cmd)
         if r.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{r.stderr[-4000:]}")
+            raise RuntimeError(f"compiling {source.name} failed ({' '.join(cmd)}):\n{r.stderr[-4000:]}")
         sidecar = Path(tmp) / (lib.stem + ".sha256")
         sidecar.write_text(_digest(out) + "\n")
         # Atomic renames: concurrent builders each write their own temp files; the library
@@ -129,14 +131,15 @@ def build_library(cxx: str) -> Path:
     return lib
 
 
-def _load() -> tuple[bool, str, object]:
-    """Builds (no lock held) and loads the library: ``(ok, message, handler capsule)``."""
+def load_handler(source: Path = SOURCE, symbol: str = "JaxmoeGroupedSwiglu") -> tuple[bool, str, object]:
+    """Builds ``source`` (no lock held) and loads its library: ``(ok, message, capsule of
+    the FFI handler ``symbol``)``; registering it is the caller's (once per process)."""
     cxx = _compiler()
     if cxx is None:
         return False, "no C++ compiler found ($CXX, c++, g++, clang++); impl='cpu' needs one", None
     try:
-        lib = ctypes.CDLL(str(build_library(cxx)))
-        return True, f"built with {cxx}", jax.ffi.pycapsule(lib.JaxmoeGroupedSwiglu)
+        lib = ctypes.CDLL(str(build_library(cxx, source)))
+        return True, f"built with {cxx}", jax.ffi.pycapsule(getattr(lib, symbol))
     except (RuntimeError, OSError, AttributeError) as e:
         return False, str(e), None
 
@@ -151,7 +154,7 @@ def cpu_kernel_status() -> tuple[bool, str]:
     global _status
     if _status is not None:
         return _status
-    ok, msg, capsule = _load()
+    ok, msg, capsule = load_handler()
     with _lock:
         if _status is None:
             if ok:

@@ -1,0 +1,220 @@
+"""The backward pass of ``impl="cpu"``: a second C++ XLA FFI call (``grouped_swiglu_bwd.cc``).
+
+`cpu_vjp` is the ``bwd`` of the forward's `jax.custom_vjp` (`jaxmoe.impls.cpu.kernel`).
+The forward saves only ``(x, routing, experts)``; the backward re-plans the dispatch,
+gathers the upstream gradient into sorted pair order and runs one custom call that, per
+expert, recomputes the gate/up activations of each block of ``F`` columns (nothing of
+size ``[T * k, F]`` is kept between forward and backward), and returns
+
+- ``dxs [P, d]``: the gradient w.r.t. each sorted row's expert input,
+- ``dot [P]``: ``<g_t, y_pair>``, the routing-weight gradient (computed as
+  ``<h, g_t W_d^T> + <g_t, b_down>`` from quantities the input gradient needs anyway),
+- ``dW_gate, dW_up [E, d, F]``, ``dW_down [E, F, d]`` in the weights' dtype (float32
+  accumulation; zero for experts with no rows) and the bias gradients.
+
+Everything around the call (sorting, the per-token sum of ``dxs``, ``weight_on_input``'s
+chain rule) stays in XLA. Every output element is one sequential float32 accumulation in
+a fixed order, so the gradients are deterministic whatever the thread count.
+
+Experts: float32 / bfloat16 arrays get weight gradients; `QuantizedTensor` kinds ``int8``
+and ``int4`` are frozen (`jaxmoe.experts.frozen_cotangent`: no weight gradient) and the
+kernel dequantizes them for the input gradient. Other quantized kinds the forward reads
+(GGUF block kinds), and any case where the backward library did not build, take
+`jaxmoe.experts.gather_vjp` (per-pair loop, frozen experts): `backward_supports` says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmoe.config import MoEConfig
+from jaxmoe.dispatch import plan_dispatch
+from jaxmoe.experts import ExpertWeights, experts_frozen, frozen_cotangent, gather_vjp, zero_cotangent
+from jaxmoe.impls.common import sorted_inputs
+from jaxmoe.impls.cpu.build import load_handler
+from jaxmoe.quant import QuantizedTensor
+from jaxmoe.routing import Routing
+
+BWD_TARGET = "jaxmoe_grouped_swiglu_bwd"
+BWD_SOURCE = Path(__file__).parent / "grouped_swiglu_bwd.cc"
+#: Kind numbers of the backward kernel (as the forward's): float, int8, int4.
+BWD_KINDS = {"int8": 1, "int4": 2}
+#: Columns of F per phase-A task and of d per phase-B task (measured on the Qwen3.6 layer).
+BWD_UP_BLOCK = 64
+BWD_DOWN_BLOCK = 64
+
+_lock = threading.Lock()
+_status: tuple[bool, str] | None = None
+
+
+def backward_kernel_status() -> tuple[bool, str]:
+    """``(available, message)`` of the backward library: built, loaded and registered on
+    the first call (its own cached library: a failure leaves the forward working)."""
+    global _status
+    if _status is not None:
+        return _status
+    ok, msg, capsule = load_handler(BWD_SOURCE, "JaxmoeGroupedSwigluBwd")
+    with _lock:
+        if _status is None:
+            if ok:
+                jax.ffi.register_ffi_target(BWD_TARGET, capsule, platform="cpu")
+            _status = (ok, msg)
+        return _status
+
+
+def backward_supports(ew: ExpertWeights) -> str | None:
+    """None when the C++ backward reads these experts, else why not (then `cpu_vjp`
+    takes `gather_vjp`): float arrays and `QuantizedTensor` kinds int8 / int4."""
+    for name in ("w_gate", "w_up", "w_down"):
+        w = getattr(ew, name)
+        if isinstance(w, QuantizedTensor) and w.kind not in BWD_KINDS:
+            return f"the C++ backward reads quantized kinds {sorted(BWD_KINDS)}; {name} is {w.kind!r}"
+    return None
+
+
+def _operands(w) -> tuple[tuple, int, int]:
+    empty = jnp.zeros((0,), jnp.float32)
+    if not isinstance(w, QuantizedTensor):
+        return (w, empty, empty), 0, 0
+    scales = w.scales
+    assert scales is not None  # the forward's supports() refused kinds without scales
+    qb = w.biases if w.biases is not None else jnp.zeros((0,), scales.dtype)
+    return (w.qdata, scales, qb), BWD_KINDS[w.kind], w.group_size
+
+
+def grouped_swiglu_bwd(
+    xs: jax.Array,
+    gs: jax.Array,
+    scale: jax.Array | None,
+    offsets: jax.Array,
+    sizes: jax.Array,
+    ew: ExpertWeights,
+    cfg: MoEConfig,
+    *,
+    round_h: bool = False,
+    weight_grads: bool = True,
+    up_block: int = BWD_UP_BLOCK,
+    down_block: int = BWD_DOWN_BLOCK,
+):
+    """The backward custom call. ``xs, gs [P, d]`` float32 in sorted pair order (the
+    expert inputs and the unscaled upstream gradient of each row's token), ``scale [P]``
+    the row's routing weight (None: 1), ``offsets, sizes [E]`` as `grouped_swiglu`.
+
+    Returns ``(dxs [P, d], dot [P], (dW_gate, dW_up, dW_down) | None, (db_gate, db_up,
+    db_down) | None)``: weight gradients in the weights' dtype when ``weight_grads`` (float
+    experts only), bias gradients float32 when the experts have biases and ``weight_grads``.
+    """
+    p, d = xs.shape
+    f = ew.w_gate.shape[-1]
+    ops = [_operands(w) for w in (ew.w_gate, ew.w_up, ew.w_down)]
+    biases = ew.biases_f32()
+    empty = jax.ShapeDtypeStruct((0,), jnp.float32)
+    wshapes = [(ew.num_experts, d, f), (ew.num_experts, d, f), (ew.num_experts, f, d)]
+    if weight_grads:
+        dw_out = [jax.ShapeDtypeStruct(s, w.dtype) for s, w in zip(wshapes, (ew.w_gate, ew.w_up, ew.w_down))]
+    else:
+        dw_out = [empty] * 3
+    if weight_grads and biases is not None:
+        e = ew.num_experts
+        db_out = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((e, f), (e, f), (e, d))]
+    else:
+        db_out = [empty] * 3
+    nb = -(-f // up_block)
+    call = jax.ffi.ffi_call(
+        BWD_TARGET,
+        (
+            jax.ShapeDtypeStruct((p, d), jnp.float32),
+            jax.ShapeDtypeStruct((p,), jnp.float32),
+            *dw_out,
+            *db_out,
+            jax.ShapeDtypeStruct((p, 2 * f), jnp.float32),
+            jax.ShapeDtypeStruct((nb, p), jnp.float32),
+        ),
+        vmap_method="sequential",
+    )
+    zero = jnp.zeros((0,), jnp.float32)
+    dxs, dot, dwg, dwu, dwd, dbg, dbu, dbd, _, _ = call(
+        xs.astype(jnp.float32),
+        gs.astype(jnp.float32),
+        zero if scale is None else scale.astype(jnp.float32),
+        offsets.astype(jnp.int32),
+        sizes.astype(jnp.int32),
+        *ops[0][0],
+        *ops[1][0],
+        *ops[2][0],
+        *(biases or (zero,) * 3),
+        act=np.int32(0 if cfg.activation == "swiglu" else 1),
+        alpha=np.float32(cfg.swiglu_alpha),
+        limit=np.float32(cfg.swiglu_limit),
+        round_h=np.int32(round_h),
+        kind_gate=np.int32(ops[0][1]),
+        kind_up=np.int32(ops[1][1]),
+        kind_down=np.int32(ops[2][1]),
+        group_gate=np.int32(ops[0][2]),
+        group_up=np.int32(ops[1][2]),
+        group_down=np.int32(ops[2][2]),
+        up_block=np.int32(up_block),
+        down_block=np.int32(down_block),
+    )
+    dws = (dwg, dwu, dwd) if weight_grads else None
+    dbs = (dbg, dbu, dbd) if weight_grads and biases is not None else None
+    return dxs, dot, dws, dbs
+
+
+def cpu_vjp(cfg: MoEConfig, res, g):
+    """``bwd`` of the ``impl="cpu"`` custom_vjp: ``res = (x, routing, experts)``, ``g [T, d]``
+    -> cotangents of ``(x, routing, experts)``. Falls back to `gather_vjp` when
+    `backward_supports` refuses the experts or the backward library did not build."""
+    x, routing, ew = res
+    if backward_supports(ew) is not None or not backward_kernel_status()[0]:
+        return gather_vjp(cfg, res, g)
+    return _backward(x, routing, ew, g, cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _backward(x: jax.Array, routing: Routing, ew: ExpertWeights, g: jax.Array, cfg: MoEConfig):
+    e = ew.num_experts
+    t, k = routing.expert_ids.shape
+    p = t * k
+    frozen = experts_frozen(ew)
+    plan = plan_dispatch(routing.expert_ids, e, 1)
+    xs = sorted_inputs(x, routing, plan, cfg).astype(jnp.float32)  # [P, d]
+    gs = g.astype(jnp.float32)[plan.token_idx]  # [P, d], unscaled
+    w = routing.weights
+    scale = None if cfg.weight_on_input else w.reshape(p)[plan.sort_idx]
+    dxs, dot, dws, dbs = grouped_swiglu_bwd(
+        xs,
+        gs,
+        scale,
+        plan.group_offsets[:e],
+        plan.group_sizes,
+        ew,
+        cfg,
+        round_h=bool(x.dtype == jnp.bfloat16),
+        weight_grads=not frozen,
+    )
+    valid = plan.pair_valid().reshape(t, k)  # a dropped pair gets exactly zero
+    dxp = jnp.where(valid[..., None], dxs[plan.inv].reshape(t, k, -1), 0.0)  # [T, k, d]
+    if cfg.weight_on_input:  # expert(w x): d/dw = <dxs, x>, d/dx = sum_k w dxs
+        dw = jnp.einsum("tkd,td->tk", dxp, x.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        dxp = dxp * w.astype(jnp.float32)[..., None]
+    else:
+        dw = dot[plan.inv].reshape(t, k)
+    dw = jnp.where(valid, dw, 0.0)
+    dx = dxp.sum(axis=1)
+    d_routing = Routing(zero_cotangent(routing.expert_ids), dw.astype(w.dtype))
+    if frozen:
+        d_ew = frozen_cotangent(ew)
+    else:
+        assert dws is not None
+        bias = (None, None, None)
+        if dbs is not None:
+            bias = tuple(db.astype(jnp.result_type(b)) for db, b in zip(dbs, (ew.b_gate, ew.b_up, ew.b_down)))
+        d_ew = ExpertWeights(*dws, *bias)
+    return dx.astype(x.dtype), d_routing, d_ew

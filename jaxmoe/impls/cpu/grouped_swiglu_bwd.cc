@@ -1,0 +1,669 @@
+// Backward pass of the grouped SwiGLU experts for XLA:CPU (impl="cpu"), an XLA FFI
+// custom call beside grouped_swiglu.cc (its forward). Built as its own library, so a
+// failure here leaves the forward working (jaxmoe/impls/cpu/backward.py falls back).
+//
+// Inputs (sorted pair order, jaxmoe/dispatch.py):
+//   xs      [P, d]  f32   the rows each expert saw in the forward (weighted if weight_on_input)
+//   gs      [P, d]  f32   upstream gradient of each row's token (not scaled)
+//   scale   [P] | [0] f32 each row's routing weight (the forward multiplied its output by it); [0]: 1
+//   offsets [E], sizes [E]  s32  expert e owns rows [offsets[e], offsets[e] + sizes[e]) (sorted, disjoint)
+//   w_gate, w_up, w_down: data, scales, qbias each, in the forward's formats
+//     (kind 0 float32 / bfloat16 [E, in, out]; kind 1 int8 [E, out, in]; kind 2 int4 [E, out, in/2])
+//   b_gate [E, F] | [0], b_up [E, F] | [0], b_down [E, d] | [0]   f32
+// Results:
+//   dxs   [P, d] f32   gradient w.r.t. xs (rows no expert owns: zero)
+//   dot   [P]    f32   <gs_r, y_r>, y_r the row's expert output (the routing-weight gradient)
+//   dw_gate, dw_up [E, d, F], dw_down [E, F, d]: float32 or bfloat16 (the weights' dtype), or [0]
+//                       when that weight is frozen (quantized); experts with no rows get zeros
+//   db_gate, db_up [E, F], db_down [E, d] f32, or [0] without biases
+//   dgu   [P, 2F]  f32 scratch: dL/dgate | dL/dup of every row
+//   parts [nb, P]  f32 scratch: per-F-block partial sums of dot (nb = ceil(F / up_block))
+//
+// Work, on XLA's intra-op thread pool, two phases:
+//   A. tasks (expert, block of up_block columns of F) over all the expert's rows:
+//      recompute gate/up of the block (X W_g[:, blk], X W_u[:, blk]), dh0 = gs W_d[blk, :]^T,
+//      the activation and its derivative (dgate, dup into dgu), the partial dot
+//      sum_j h_j dh0_j, and the weight gradients of the block: dW_g[:, blk] = X^T dgate,
+//      dW_u[:, blk] = X^T dup, dW_d[blk, :] = (s h)^T gs, db_gate / db_up of the block.
+//      Experts with no rows: tasks that zero their weight-gradient slices.
+//   B. tasks (expert, row chunk, block of down_block columns of d):
+//      dxs[:, blk] = [dgate | dup] [W_g[blk, :] | W_u[blk, :]]^T, db_down of the block, and
+//      (block 0) dot = sum of the partials in block order + <gs, b_down>.
+// Every output element is one sequential float32 accumulation in a fixed order
+// (deterministic whatever the thread count). Weights: each task packs the block of weights
+// it reads into a float32 buffer (dequantizing quantized ones); phase A reads W_g, W_u, W_d
+// once, phase B reads W_g, W_u once more. Nothing of size [P, F] is saved by the forward:
+// gate/up are recomputed here (dgu is this call's own scratch).
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512F__)
+#define JB_LANES 16
+#else
+#define JB_LANES 8
+#endif
+constexpr int kLanes = JB_LANES;
+typedef float vf __attribute__((vector_size(JB_LANES * 4)));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+inline float bf16_to_float(uint16_t h) {
+  uint32_t w = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept NaN
+  uint32_t w;
+  std::memcpy(&w, &f, 4);
+  if ((w & 0x7fffffffu) > 0x7f800000u) return uint16_t((w >> 16) | 0x40u);
+  return uint16_t((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
+}
+inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t em = h & 0x7fffu;
+  uint32_t w;
+  if (em >= 0x7c00u) {
+    w = sign | 0x7f800000u | ((em & 0x3ffu) << 13);
+  } else if (em >= 0x400u) {
+    w = sign | ((em + ((127u - 15u) << 10)) << 13);
+  } else {
+    float f = float(em) * 5.9604644775390625e-08f;
+    std::memcpy(&w, &f, 4);
+    w |= sign;
+  }
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+#endif
+}
+// Explicit fused multiply-adds (built with -ffp-contract=off, as the forward).
+inline vf fmadd(vf a, vf b, vf c) {
+#if JB_LANES == 16 && defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif JB_LANES == 8 && defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+inline float fmadd(float a, float b, float c) {
+#if defined(__FMA__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// ---------------------------------------------------------------------------------
+// C[m, n] = A[m, K] @ B[K, n], A read at a[i * sa + k * sk] (so A may be a transpose),
+// B a packed float32 [K, n] buffer (row stride ldb). Register tiles of MR rows x NV vectors.
+template <int MR, int NV>
+inline void tile(const float* a, int64_t sa, int64_t sk, const float* b, int64_t ldb, int64_t K, float* c,
+                 int64_t ldc) {
+  vf acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = vf{};
+  for (int64_t k = 0; k < K; ++k) {
+    const float* bk = b + k * ldb;
+    vf bv[NV];
+    for (int j = 0; j < NV; ++j) bv[j] = load(bk + j * kLanes);
+    for (int i = 0; i < MR; ++i) {
+      const vf av = vf{} + a[i * sa + k * sk];
+      for (int j = 0; j < NV; ++j) acc[i][j] = fmadd(av, bv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) store(c + i * ldc + j * kLanes, acc[i][j]);
+}
+
+template <int MR>
+constexpr int kMaxNV = kLanes == 16 ? (MR <= 2 ? 8 : 4) : (MR == 1 ? 8 : MR == 2 ? 6 : MR <= 4 ? 3 : 2);
+
+template <int MR>
+void row_tile(const float* a, int64_t sa, int64_t sk, const float* b, int64_t ldb, int64_t K, int64_t vec_cols,
+              float* c, int64_t ldc) {
+  constexpr int NV = kMaxNV<MR>;
+  int64_t j0 = 0;
+  for (; j0 + NV * kLanes <= vec_cols; j0 += NV * kLanes) tile<MR, NV>(a, sa, sk, b + j0, ldb, K, c + j0, ldc);
+  for (; j0 < vec_cols; j0 += kLanes) tile<MR, 1>(a, sa, sk, b + j0, ldb, K, c + j0, ldc);
+}
+
+void matmul(const float* a, int64_t sa, int64_t sk, const float* b, int64_t ldb, int64_t K, int64_t m, int64_t n,
+            float* c, int64_t ldc) {
+  const int64_t vec_cols = (n / kLanes) * kLanes;
+  for (int64_t i0 = 0; i0 < m;) {
+    const int64_t mr = std::min<int64_t>(6, m - i0);
+    const float* ai = a + i0 * sa;
+    float* ci = c + i0 * ldc;
+    switch (mr) {
+      case 1: row_tile<1>(ai, sa, sk, b, ldb, K, vec_cols, ci, ldc); break;
+      case 2: row_tile<2>(ai, sa, sk, b, ldb, K, vec_cols, ci, ldc); break;
+      case 3: row_tile<3>(ai, sa, sk, b, ldb, K, vec_cols, ci, ldc); break;
+      case 4: row_tile<4>(ai, sa, sk, b, ldb, K, vec_cols, ci, ldc); break;
+      case 5: row_tile<5>(ai, sa, sk, b, ldb, K, vec_cols, ci, ldc); break;
+      default: row_tile<6>(ai, sa, sk, b, ldb, K, vec_cols, ci, ldc); break;
+    }
+    for (int64_t i = 0; i < mr; ++i)  // tail columns: the same sequential chain per element
+      for (int64_t j = vec_cols; j < n; ++j) {
+        float s = 0.f;
+        for (int64_t k = 0; k < K; ++k) s = fmadd(ai[i * sa + k * sk], b[k * ldb + j], s);
+        ci[i * ldc + j] = s;
+      }
+    i0 += mr;
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// One expert weight operand in its stored format (logical W [E, in, out]).
+enum Kind : int { kFloat = 0, kInt8 = 1, kInt4 = 2 };
+enum SType : int { kSF32 = 0, kSF16 = 1, kSBF16 = 2 };
+
+struct Weight {
+  int kind;
+  bool bf16;
+  const void* data;
+  const void* scales;
+  const void* qbias;
+  int stype;
+  int64_t in, out, group;
+};
+
+inline float load_scale(const void* p, int stype, int64_t i) {
+  switch (stype) {
+    case kSF32: return static_cast<const float*>(p)[i];
+    case kSF16: return half_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+// dst = W_e[in0 : in0 + nin, out0 : out0 + nout] as float32, laid out [nin, nout]
+// (transposed = false) or [nout, nin] (transposed = true); quantized codes dequantized
+// as the forward does (w = s q, int4: w = s q + b).
+void pack(const Weight& w, int64_t e, int64_t in0, int64_t nin, int64_t out0, int64_t nout, bool transposed,
+          float* dst) {
+  const int64_t K = w.in, N = w.out;
+  if (w.kind == kFloat) {
+    for (int64_t ii = 0; ii < nin; ++ii) {
+      const int64_t src = (e * K + in0 + ii) * N + out0;
+      if (!transposed) {
+        float* d = dst + ii * nout;
+        if (w.bf16) {
+          const uint16_t* s = static_cast<const uint16_t*>(w.data) + src;
+          for (int64_t oo = 0; oo < nout; ++oo) d[oo] = bf16_to_float(s[oo]);
+        } else {
+          std::memcpy(d, static_cast<const float*>(w.data) + src, sizeof(float) * size_t(nout));
+        }
+      } else if (w.bf16) {
+        const uint16_t* s = static_cast<const uint16_t*>(w.data) + src;
+        for (int64_t oo = 0; oo < nout; ++oo) dst[oo * nin + ii] = bf16_to_float(s[oo]);
+      } else {
+        const float* s = static_cast<const float*>(w.data) + src;
+        for (int64_t oo = 0; oo < nout; ++oo) dst[oo * nin + ii] = s[oo];
+      }
+    }
+    return;
+  }
+  const int64_t ng = K / w.group;
+  const int64_t row_bytes = w.kind == kInt8 ? K : K / 2;
+  for (int64_t oo = 0; oo < nout; ++oo) {
+    const int64_t col = e * N + out0 + oo;
+    const char* codes = static_cast<const char*>(w.data) + col * row_bytes;
+    for (int64_t ii = 0; ii < nin; ++ii) {
+      const int64_t i = in0 + ii, gi = col * ng + i / w.group;
+      const float s = load_scale(w.scales, w.stype, gi);
+      float v;
+      if (w.kind == kInt8) {
+        v = s * float(reinterpret_cast<const int8_t*>(codes)[i]);
+      } else {
+        const uint8_t byte = reinterpret_cast<const uint8_t*>(codes)[i / 2];
+        v = s * float((i & 1) ? (byte >> 4) : (byte & 15)) + load_scale(w.qbias, w.stype, gi);
+      }
+      if (transposed)
+        dst[oo * nin + ii] = v;
+      else
+        dst[ii * nout + oo] = v;
+    }
+  }
+}
+
+// A weight-gradient result: float32 or bfloat16 [E, in, out], or absent.
+struct Grad {
+  void* data = nullptr;
+  bool bf16 = false;
+};
+
+// Writes src [m, n] (row stride lds) into g at element offset `at` with row stride ld.
+void write_grad(const Grad& g, int64_t at, int64_t ld, const float* src, int64_t lds, int64_t m, int64_t n) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float* s = src + i * lds;
+    if (g.bf16) {
+      uint16_t* d = static_cast<uint16_t*>(g.data) + at + i * ld;
+      for (int64_t j = 0; j < n; ++j) d[j] = float_to_bf16(s[j]);
+    } else {
+      std::memcpy(static_cast<float*>(g.data) + at + i * ld, s, sizeof(float) * size_t(n));
+    }
+  }
+}
+
+void zero_grad(const Grad& g, int64_t at, int64_t count) {
+  if (g.data) std::memset(static_cast<char*>(g.data) + at * (g.bf16 ? 2 : 4), 0, size_t(count) * (g.bf16 ? 2 : 4));
+}
+
+// ---------------------------------------------------------------------------------
+struct Problem {
+  const float* xs;
+  const float* gs;
+  const float* scale;  // null: 1
+  const int32_t* offsets;
+  const int32_t* sizes;
+  Weight wg, wu, wd;
+  const float* bg;
+  const float* bu;
+  const float* bd;
+  float* dxs;
+  float* dot;
+  Grad dwg, dwu, dwd;
+  float* dbg;
+  float* dbu;
+  float* dbd;
+  float* dgu;    // [P, 2F]
+  float* parts;  // [nb, P]
+  int64_t P, d, F, up_block;
+  int act;
+  float alpha, limit;
+  bool round_h;
+};
+
+struct Task {
+  int32_t expert;
+  int32_t row0, rows;
+  int32_t col0, cols;
+};
+
+// Phase A: one (expert, F block) over all of the expert's rows.
+void run_a(const Problem& p, const Task& t) {
+  thread_local std::vector<float> pw, g, u, dh, hs, dg, du, out;
+  const int64_t e = t.expert, d = p.d, F = p.F, n = t.rows, B = t.cols, c0 = t.col0;
+  if (n == 0) {  // an expert with no rows: zero weight gradients
+    const int64_t sz = d * F;
+    zero_grad(p.dwg, e * sz, sz);
+    zero_grad(p.dwu, e * sz, sz);
+    zero_grad(p.dwd, e * sz, sz);
+    if (p.dbg) {
+      std::memset(p.dbg + e * F, 0, sizeof(float) * size_t(F));
+      std::memset(p.dbu + e * F, 0, sizeof(float) * size_t(F));
+    }
+    return;
+  }
+  const float* x = p.xs + int64_t(t.row0) * d;
+  const float* gsr = p.gs + int64_t(t.row0) * d;
+  pw.resize(size_t(d) * B);
+  g.resize(size_t(n) * B);
+  u.resize(size_t(n) * B);
+  dh.resize(size_t(n) * B);
+  pack(p.wg, e, 0, d, c0, B, false, pw.data());
+  matmul(x, d, 1, pw.data(), B, d, n, B, g.data(), B);
+  pack(p.wu, e, 0, d, c0, B, false, pw.data());
+  matmul(x, d, 1, pw.data(), B, d, n, B, u.data(), B);
+  pack(p.wd, e, c0, B, 0, d, true, pw.data());  // pw[i * B + j] = W_d[c0 + j, i]
+  matmul(gsr, d, 1, pw.data(), B, d, n, B, dh.data(), B);
+  hs.resize(size_t(n) * B);
+  dg.resize(size_t(n) * B);
+  du.resize(size_t(n) * B);
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t row = t.row0 + r;
+    const float s = p.scale ? p.scale[row] : 1.f;
+    float part = 0.f;
+    for (int64_t j = 0; j < B; ++j) {
+      const int64_t q = r * B + j;
+      float gv = g[q], uv = u[q];
+      if (p.bg) {
+        gv += p.bg[e * F + c0 + j];
+        uv += p.bu[e * F + c0 + j];
+      }
+      float h, dhdg, dhdu;
+      if (p.act == 0) {
+        const float sig = 1.f / (1.f + std::exp(-gv));
+        const float silu = gv * sig;
+        h = silu * uv;
+        dhdu = silu;
+        dhdg = uv * (sig * (1.f + gv * (1.f - sig)));
+      } else {
+        const bool gin = gv <= p.limit;  // jnp.minimum: the gradient goes to g when g <= L (ties: half in JAX)
+        const bool uin = uv >= -p.limit && uv <= p.limit;
+        const float gc = std::fmin(gv, p.limit);
+        const float uc = std::fmax(std::fmin(uv, p.limit), -p.limit);
+        const float sig = 1.f / (1.f + std::exp(-p.alpha * gc));
+        const float glu = gc * sig;
+        h = (uc + 1.f) * glu;
+        dhdu = uin ? glu : 0.f;
+        dhdg = gin ? (uc + 1.f) * (sig + p.alpha * gc * sig * (1.f - sig)) : 0.f;
+      }
+      if (p.round_h) h = round_bf16(h);
+      const float d0 = dh[q];
+      part = fmadd(h, d0, part);
+      const float dhv = s * d0;
+      dg[q] = dhv * dhdg;
+      du[q] = dhv * dhdu;
+      hs[q] = s * h;
+      p.dgu[row * 2 * F + c0 + j] = dg[q];
+      p.dgu[row * 2 * F + F + c0 + j] = du[q];
+    }
+    p.parts[(c0 / p.up_block) * p.P + row] = part;
+  }
+  if (p.dbg)
+    for (int64_t j = 0; j < B; ++j) {
+      float sg = 0.f, su = 0.f;
+      for (int64_t r = 0; r < n; ++r) {
+        sg += dg[r * B + j];
+        su += du[r * B + j];
+      }
+      p.dbg[e * F + c0 + j] = sg;
+      p.dbu[e * F + c0 + j] = su;
+    }
+  if (p.dwg.data) {  // dW_g[:, blk] = X^T dgate
+    out.resize(size_t(d) * B);
+    matmul(x, 1, d, dg.data(), B, n, d, B, out.data(), B);
+    write_grad(p.dwg, e * d * F + c0, F, out.data(), B, d, B);
+  }
+  if (p.dwu.data) {
+    out.resize(size_t(d) * B);
+    matmul(x, 1, d, du.data(), B, n, d, B, out.data(), B);
+    write_grad(p.dwu, e * d * F + c0, F, out.data(), B, d, B);
+  }
+  if (p.dwd.data) {  // dW_d[blk, :] = (s h)^T gs
+    out.resize(size_t(B) * d);
+    matmul(hs.data(), 1, B, gsr, d, n, B, d, out.data(), d);
+    write_grad(p.dwd, e * F * d + c0 * d, d, out.data(), d, B, d);
+  }
+}
+
+// Phase B: one (expert, row chunk, d block): dxs, db_down, and (block 0) dot.
+void run_b(const Problem& p, const Task& t) {
+  thread_local std::vector<float> pw;
+  const int64_t e = t.expert, d = p.d, F = p.F, n = t.rows, B = t.cols, i0 = t.col0;
+  pw.resize(size_t(2 * F) * B);
+  pack(p.wg, e, i0, B, 0, F, true, pw.data());  // pw[j * B + i] = W_g[i0 + i, j]
+  pack(p.wu, e, i0, B, 0, F, true, pw.data() + F * B);
+  matmul(p.dgu + int64_t(t.row0) * 2 * F, 2 * F, 1, pw.data(), B, 2 * F, n, B, p.dxs + int64_t(t.row0) * d + i0, d);
+  if (i0 != 0) return;
+  const int64_t nb = (F + p.up_block - 1) / p.up_block;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t row = t.row0 + r;
+    float s = 0.f;
+    for (int64_t b = 0; b < nb; ++b) s += p.parts[b * p.P + row];
+    if (p.bd) {
+      const float* gr = p.gs + row * d;
+      float sb = 0.f;
+      for (int64_t i = 0; i < d; ++i) sb = fmadd(gr[i], p.bd[e * d + i], sb);
+      s += sb;
+    }
+    p.dot[row] = s;
+  }
+}
+
+// db_down[e] = sum_r s_r gs_r over all of the expert's rows (zero with no rows).
+void run_bias_down(const Problem& p, int64_t e) {
+  const int64_t d = p.d, o = p.offsets[e], n = p.sizes[e];
+  float* out = p.dbd + e * d;
+  std::memset(out, 0, sizeof(float) * size_t(d));
+  for (int64_t r = 0; r < n; ++r) {
+    const float s = p.scale ? p.scale[o + r] : 1.f;
+    const float* gr = p.gs + (o + r) * d;
+    for (int64_t i = 0; i < d; ++i) out[i] = fmadd(s, gr[i], out[i]);
+  }
+}
+
+template <typename Fn>
+void parallel_tasks(ffi::ThreadPool& pool, int64_t n, Fn fn) {
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, n, &fn]() {
+    for (;;) {
+      const int64_t i = state->next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= n) return;
+      fn(i);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t workers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), n) - 1;
+  for (int64_t w = 0; w < workers; ++w) pool.Schedule(decltype(work)(work));
+  work();
+  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+ffi::Error bind_weight(const char* name, ffi::AnyBuffer data, ffi::AnyBuffer scales, ffi::AnyBuffer qbias, int32_t kind,
+                       int32_t group, int64_t E, int64_t in, int64_t out, Weight& w) {
+  auto fail = [name](const std::string& why) {
+    return ffi::Error::InvalidArgument(std::string("jaxmoe_grouped_swiglu_bwd: ") + name + ": " + why);
+  };
+  const auto dd = data.dimensions();
+  w = Weight{};
+  w.kind = kind;
+  w.in = in;
+  w.out = out;
+  w.data = data.untyped_data();
+  if (kind == kFloat) {
+    const auto t = data.element_type();
+    if (t != ffi::DataType::F32 && t != ffi::DataType::BF16) return fail("float weights must be float32 or bfloat16");
+    if (dd.size() != 3 || dd[0] != E || dd[1] != in || dd[2] != out) return fail("float weights must be [E, in, out]");
+    w.bf16 = t == ffi::DataType::BF16;
+    return ffi::Error::Success();
+  }
+  if (kind != kInt8 && kind != kInt4) return fail("unknown weight kind " + std::to_string(kind));
+  if (group < 2 || group % 2 != 0 || in % group != 0)
+    return fail("group size " + std::to_string(group) + " must be even and divide in=" + std::to_string(in));
+  const int64_t per_byte = kind == kInt4 ? 2 : 1;
+  const auto want_t = kind == kInt4 ? ffi::DataType::U8 : ffi::DataType::S8;
+  if (data.element_type() != want_t || dd.size() != 3 || dd[0] != E || dd[1] != out || dd[2] * per_byte != in)
+    return fail(kind == kInt4 ? "int4 codes must be uint8 [E, out, in/2]" : "int8 codes must be int8 [E, out, in]");
+  const auto st = scales.element_type();
+  if (st != ffi::DataType::F32 && st != ffi::DataType::F16 && st != ffi::DataType::BF16)
+    return fail("scales must be float32, float16 or bfloat16");
+  const auto sd = scales.dimensions();
+  if (sd.size() != 3 || sd[0] != E || sd[1] != out || sd[2] != in / group) return fail("scales must be [E, out, in/g]");
+  w.stype = st == ffi::DataType::F32 ? kSF32 : st == ffi::DataType::F16 ? kSF16 : kSBF16;
+  w.scales = scales.untyped_data();
+  w.group = group;
+  if (qbias.element_count() != 0) {
+    if (qbias.element_type() != st || qbias.element_count() != scales.element_count())
+      return fail("quantization biases must match the scales' shape and dtype");
+    w.qbias = qbias.untyped_data();
+  } else if (kind == kInt4) {
+    return fail("int4 weights need quantization biases");
+  }
+  return ffi::Error::Success();
+}
+
+// A weight-gradient result: empty (frozen), or [E, in, out] in the weight's float dtype.
+ffi::Error bind_grad(const char* name, ffi::Result<ffi::AnyBuffer>& r, const Weight& w, int64_t E, Grad& g) {
+  g = Grad{};
+  if (r->element_count() == 0) return ffi::Error::Success();
+  const auto dd = r->dimensions();
+  const auto t = r->element_type();
+  if (w.kind != kFloat || dd.size() != 3 || dd[0] != E || dd[1] != w.in || dd[2] != w.out ||
+      (t != ffi::DataType::F32 && t != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument(std::string("jaxmoe_grouped_swiglu_bwd: the gradient of ") + name +
+                                       " must be empty or a float32 / bfloat16 [E, in, out] of float weights");
+  g.data = r->untyped_data();
+  g.bf16 = t == ffi::DataType::BF16;
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedSwigluBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi::Buffer<ffi::F32> gs,
+                                ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> offsets,
+                                ffi::Buffer<ffi::S32> sizes, ffi::AnyBuffer wg, ffi::AnyBuffer sg, ffi::AnyBuffer qg,
+                                ffi::AnyBuffer wu, ffi::AnyBuffer su, ffi::AnyBuffer qu, ffi::AnyBuffer wd,
+                                ffi::AnyBuffer sd, ffi::AnyBuffer qd, ffi::Buffer<ffi::F32> bg,
+                                ffi::Buffer<ffi::F32> bu, ffi::Buffer<ffi::F32> bd, ffi::ResultBuffer<ffi::F32> dxs,
+                                ffi::ResultBuffer<ffi::F32> dot, ffi::Result<ffi::AnyBuffer> dwg,
+                                ffi::Result<ffi::AnyBuffer> dwu, ffi::Result<ffi::AnyBuffer> dwd,
+                                ffi::ResultBuffer<ffi::F32> dbg, ffi::ResultBuffer<ffi::F32> dbu,
+                                ffi::ResultBuffer<ffi::F32> dbd, ffi::ResultBuffer<ffi::F32> dgu,
+                                ffi::ResultBuffer<ffi::F32> parts, int32_t act, float alpha, float limit,
+                                int32_t round_h, int32_t kind_gate, int32_t kind_up, int32_t kind_down,
+                                int32_t group_gate, int32_t group_up, int32_t group_down, int32_t up_block,
+                                int32_t down_block) {
+  auto bad = [](const std::string& why) { return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu_bwd: " + why); };
+  const auto xd = xs.dimensions();
+  if (xd.size() != 2 || offsets.dimensions().size() != 1) return bad("xs must be [P, d] and offsets [E]");
+  const int64_t P = xd[0], d = xd[1], E = offsets.dimensions()[0];
+  const auto gd = dgu->dimensions();
+  if (gd.size() != 2 || gd[0] != P || gd[1] % 2 != 0) return bad("the dgu scratch must be [P, 2F]");
+  const int64_t F = gd[1] / 2;
+  if (up_block < 1 || down_block < 1) return bad("up_block and down_block must be positive");
+  const int64_t nb = (F + up_block - 1) / up_block;
+  if (gs.element_count() != size_t(P * d)) return bad("gs must be [P, d] like xs");
+  if (scale.element_count() != 0 && scale.element_count() != size_t(P)) return bad("scale must be [P] or empty");
+  if (sizes.element_count() != size_t(E)) return bad("offsets and sizes must both be [E]");
+  if (parts->element_count() != size_t(nb * P)) return bad("the parts scratch must be [ceil(F / up_block), P]");
+  Problem p{};
+  if (auto err = bind_weight("w_gate", wg, sg, qg, kind_gate, group_gate, E, d, F, p.wg); err.failure()) return err;
+  if (auto err = bind_weight("w_up", wu, su, qu, kind_up, group_up, E, d, F, p.wu); err.failure()) return err;
+  if (auto err = bind_weight("w_down", wd, sd, qd, kind_down, group_down, E, F, d, p.wd); err.failure()) return err;
+  if (auto err = bind_grad("w_gate", dwg, p.wg, E, p.dwg); err.failure()) return err;
+  if (auto err = bind_grad("w_up", dwu, p.wu, E, p.dwu); err.failure()) return err;
+  if (auto err = bind_grad("w_down", dwd, p.wd, E, p.dwd); err.failure()) return err;
+  const bool has_bias = bg.element_count() != 0;
+  if (has_bias && (bg.element_count() != size_t(E * F) || bu.element_count() != size_t(E * F) ||
+                   bd.element_count() != size_t(E * d)))
+    return bad("biases must be [E, F], [E, F], [E, d] or empty");
+  const bool bias_grads = dbg->element_count() != 0;
+  if (bias_grads && (!has_bias || dbg->element_count() != size_t(E * F) || dbu->element_count() != size_t(E * F) ||
+                     dbd->element_count() != size_t(E * d)))
+    return bad("bias gradients must be [E, F], [E, F], [E, d] (with biases) or empty");
+  p.offsets = offsets.typed_data();
+  p.sizes = sizes.typed_data();
+  int64_t covered = 0, end = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t o = p.offsets[e], n = p.sizes[e];
+    if (n < 0 || o < 0 || o + n > P)
+      return bad("expert " + std::to_string(e) + "'s rows [" + std::to_string(o) + ", " + std::to_string(o + n) +
+                 ") run outside xs [0, " + std::to_string(P) + ")");
+    if (n > 0 && o < end)
+      return bad("group ranges must be sorted by expert and disjoint; expert " + std::to_string(e) +
+                 " starts at row " + std::to_string(o) + " before the previous range ends at " + std::to_string(end));
+    if (n > 0) end = o + n;
+    covered += n;
+  }
+  p.xs = xs.typed_data();
+  p.gs = gs.typed_data();
+  p.scale = scale.element_count() ? scale.typed_data() : nullptr;
+  p.bg = has_bias ? bg.typed_data() : nullptr;
+  p.bu = has_bias ? bu.typed_data() : nullptr;
+  p.bd = has_bias ? bd.typed_data() : nullptr;
+  p.dxs = dxs->typed_data();
+  p.dot = dot->typed_data();
+  p.dbg = bias_grads ? dbg->typed_data() : nullptr;
+  p.dbu = bias_grads ? dbu->typed_data() : nullptr;
+  p.dbd = bias_grads ? dbd->typed_data() : nullptr;
+  p.dgu = dgu->typed_data();
+  p.parts = parts->typed_data();
+  p.P = P;
+  p.d = d;
+  p.F = F;
+  p.up_block = up_block;
+  p.act = act;
+  p.alpha = alpha;
+  p.limit = limit;
+  p.round_h = round_h != 0;
+  if (covered < P) {  // rows no expert owns
+    std::memset(p.dxs, 0, sizeof(float) * size_t(P) * d);
+    std::memset(p.dot, 0, sizeof(float) * size_t(P));
+  }
+  // Phase A: (expert, F block) with all the expert's rows; one zeroing task per empty expert
+  // (when there are weight or bias gradients to zero).
+  const bool any_grad = p.dwg.data || p.dwu.data || p.dwd.data || p.dbg;
+  std::vector<Task> a_tasks, b_tasks;
+  for (int64_t e = 0; e < E; ++e) {
+    const int32_t n = p.sizes[e], o = p.offsets[e];
+    if (n == 0) {
+      if (any_grad) a_tasks.push_back(Task{int32_t(e), o, 0, 0, 0});
+      continue;
+    }
+    for (int64_t c = 0; c < F; c += up_block)
+      a_tasks.push_back(Task{int32_t(e), o, n, int32_t(c), int32_t(std::min<int64_t>(up_block, F - c))});
+    constexpr int32_t kRowChunk = 128;
+    for (int32_t r = 0; r < n; r += kRowChunk)
+      for (int64_t c = 0; c < d; c += down_block)
+        b_tasks.push_back(Task{int32_t(e), o + r, std::min(kRowChunk, n - r), int32_t(c),
+                               int32_t(std::min<int64_t>(down_block, d - c))});
+  }
+  parallel_tasks(pool, int64_t(a_tasks.size()), [&](int64_t i) { run_a(p, a_tasks[size_t(i)]); });
+  parallel_tasks(pool, int64_t(b_tasks.size()), [&](int64_t i) { run_b(p, b_tasks[size_t(i)]); });
+  if (p.dbd) parallel_tasks(pool, E, [&](int64_t e) { run_bias_down(p, e); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeGroupedSwigluBwd, GroupedSwigluBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // xs
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gs
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offsets
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // sizes
+                                  .Arg<ffi::AnyBuffer>()         // w_gate data
+                                  .Arg<ffi::AnyBuffer>()         // w_gate scales
+                                  .Arg<ffi::AnyBuffer>()         // w_gate qbias
+                                  .Arg<ffi::AnyBuffer>()         // w_up data
+                                  .Arg<ffi::AnyBuffer>()         // w_up scales
+                                  .Arg<ffi::AnyBuffer>()         // w_up qbias
+                                  .Arg<ffi::AnyBuffer>()         // w_down data
+                                  .Arg<ffi::AnyBuffer>()         // w_down scales
+                                  .Arg<ffi::AnyBuffer>()         // w_down qbias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b_gate
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b_up
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b_down
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dxs
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dot
+                                  .Ret<ffi::AnyBuffer>()         // dw_gate
+                                  .Ret<ffi::AnyBuffer>()         // dw_up
+                                  .Ret<ffi::AnyBuffer>()         // dw_down
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // db_gate
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // db_up
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // db_down
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dgu (scratch)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // parts (scratch)
+                                  .Attr<int32_t>("act")
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("limit")
+                                  .Attr<int32_t>("round_h")
+                                  .Attr<int32_t>("kind_gate")
+                                  .Attr<int32_t>("kind_up")
+                                  .Attr<int32_t>("kind_down")
+                                  .Attr<int32_t>("group_gate")
+                                  .Attr<int32_t>("group_up")
+                                  .Attr<int32_t>("group_down")
+                                  .Attr<int32_t>("up_block")
+                                  .Attr<int32_t>("down_block"));
