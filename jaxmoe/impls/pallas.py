@@ -20,22 +20,40 @@ is traced on a CPU host (``jax.jit(f).lower(lowering_platforms=("cuda",))``,
 bodies, slow). ``JAXMOE_PALLAS_INTERPRET=1`` / ``0`` forces interpret / compiled mode on
 every platform (compiled mode then fails to lower where Pallas's Triton backend does not
 exist: "MLIR translation rule for primitive 'pallas_call' not found").
+
+Reverse mode (a `jax.custom_vjp`, issue 13): the backward runs in Pallas over a dispatch
+plan (the decode bucket's too, with ``tuning.fixed`` blocks), `pallas_kernels.backward`:
+`gate_up_backward` recomputes ``g, u`` and ``dh = w dy Wd^T`` per sorted row (``Wd`` read
+in place as its transpose) and fuses the SwiGLU / gpt-oss derivative (biases included);
+`gmm_transposed` gives the input gradient ``dg Wg^T + du Wu^T``, summed per token in slot
+order; `tgmm` / `group_sum` the weight and bias gradients (per expert, float32,
+deterministic). The routing weights' gradient is ``<dy_t, z_pair>`` from the saved
+unweighted expert outputs ``z [T * k, d]`` float32 (the only residual besides the inputs;
+with ``weight_on_input`` it comes from the gate/up kernel and nothing is saved).
+Quantized experts (`jaxmoe.experts.experts_frozen`) are frozen: the input and routing
+gradients read the quantized weights tile by tile in the kernels (int8 / int4; GGUF
+block kinds through `kernel_weight`'s float copy, as in the forward) and the experts get
+`jaxmoe.experts.frozen_cotangent`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import check_expert_ids, id_valid, plan_dispatch, replace_invalid
-from jaxmoe.experts import ExpertWeights
+from jaxmoe.experts import ExpertWeights, experts_frozen, frozen_cotangent, zero_cotangent
 from jaxmoe.invariance import wants_invariance
 from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
 from jaxmoe.routing import Routing
 from pallas_kernels import tuning
+from pallas_kernels.backward import backward_blocks, gate_up_backward, gmm_transposed, group_sum, tgmm
 from pallas_kernels.common import Activation, default_interpret
 from pallas_kernels.decode import combine_pairs, decode_down, decode_gate_up
 from pallas_kernels.down import combine, down_project
@@ -108,16 +126,25 @@ def experts_pallas(
             if wants_invariance(cfg, "pallas")
             else tuning.choose(t * k, d, cfg.expert_dim)
         )
-    kc = config
+    return _experts_vjp(x, routing, experts, cfg, config, interpret, debug)
+
+
+def _forward(x, routing, experts, cfg, kc, interpret, debug, save: bool):
+    """``(y [T, d] float32, z or None)``; with ``save`` (and the routing weight on the
+    output) ``z [T * k, d]`` float32 are the unweighted expert outputs in pair order
+    (zero for dropped pairs): the residual of the routing weights' gradient."""
+    t, d = x.shape
+    k = cfg.top_k
     act = Activation(cfg.activation, float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
     akw = dict(activation=act.kind, alpha=act.alpha, limit=act.limit)
     ok = id_valid(routing.expert_ids, experts.num_experts)  # [T, k]
     ids = replace_invalid(routing.expert_ids, experts.num_experts, 0).astype(jnp.int32)  # never past the weights
     w = routing.weights.reshape(-1).astype(jnp.float32)  # [P] pair order
     woi = cfg.weight_on_input
+    keep_z = save and not woi  # scale applied here, not in the down kernel
     w_gate, w_up, w_down = (kernel_weight(a, x.dtype) for a in (experts.w_gate, experts.w_up, experts.w_down))
     if t == 0:
-        return jnp.zeros((0, d), jnp.float32)
+        return jnp.zeros((0, d), jnp.float32), (jnp.zeros((0, d), jnp.float32) if keep_z else None)
     if kc.decode:
         with jax.named_scope("pallas_decode"):
             h = decode_gate_up(
@@ -138,12 +165,16 @@ def experts_pallas(
                 ids,
                 w_down,
                 experts.b_down,
-                None if woi else w,
+                None if woi or keep_z else w,
                 **_launch(kc.down, False),
                 interpret=interpret,
                 debug=debug,
             )
-            return combine_pairs(jnp.where(ok.reshape(-1, 1), y, 0.0), k)
+            okp = ok.reshape(-1, 1)
+            if keep_z:
+                z = jnp.where(okp, y, 0.0)
+                return combine_pairs(z * w[:, None], k), z
+            return combine_pairs(jnp.where(okp, y, 0.0), k), None
     with jax.named_scope("pallas_grouped"):
         plan = plan_dispatch(routing.expert_ids, cfg.num_experts, kc.gate_up.block_m)  # drops invalid ids
         ws = w[plan.sort_idx]  # [P] sorted order
@@ -167,9 +198,115 @@ def experts_pallas(
             *meta,
             w_down,
             experts.b_down,
-            None if woi else ws,
+            None if woi or keep_z else ws,
             **_launch(kc.down, True),
             interpret=interpret,
             debug=debug,
         )
-        return combine(jnp.where(plan.row_valid()[:, None], y, 0.0), plan.inv, k)
+        rv = plan.row_valid()[:, None]
+        if keep_z:
+            z = jnp.where(rv, y, 0.0)
+            return combine(z * ws[:, None], plan.inv, k), z[plan.inv]
+        return combine(jnp.where(rv, y, 0.0), plan.inv, k), None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _experts_vjp(x, routing, experts, cfg, kc, interpret, debug):
+    return _forward(x, routing, experts, cfg, kc, interpret, debug, save=False)[0]
+
+
+def _vjp_fwd(x, routing, experts, cfg, kc, interpret, debug):
+    y, z = _forward(x, routing, experts, cfg, kc, interpret, debug, save=True)
+    return y, (x, routing, experts, z)
+
+
+def _vjp_bwd(cfg, kc, interpret, debug, res, dy):
+    """The backward in Pallas over a dispatch plan (the decode bucket's too; see the module doc)."""
+    x, routing, ew, z = res
+    t, d = x.shape
+    k = cfg.top_k
+    frozen = experts_frozen(ew)
+    ids_ct: Any = np.zeros(routing.expert_ids.shape, jax.dtypes.float0)  # no cotangent
+    if t == 0:
+        return jnp.zeros_like(x), Routing(ids_ct, jnp.zeros_like(routing.weights)), zero_cotangent(ew)
+    f = cfg.expert_dim
+    bkc = tuning.fixed(d, f) if kc.decode else kc  # the backward always runs grouped
+    bm = bkc.gate_up.block_m
+    bb = backward_blocks(bm, d, f)
+    lkw = dict(num_warps=bb.num_warps, num_stages=bb.num_stages, interpret=interpret, debug=debug)
+    woi = cfg.weight_on_input
+    dy = dy.astype(jnp.float32)
+    with jax.named_scope("pallas_backward"):
+        plan = plan_dispatch(routing.expert_ids, cfg.num_experts, bm)
+        meta = (plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
+        ws = routing.weights.reshape(-1).astype(jnp.float32)[plan.sort_idx]
+        w_gate, w_up, w_down = (kernel_weight(a, x.dtype) for a in (ew.w_gate, ew.w_up, ew.w_down))
+        dg, du, h, dscale = gate_up_backward(
+            x,
+            dy,
+            plan.token_idx,
+            *meta,
+            w_gate,
+            w_up,
+            w_down,
+            ew.b_gate,
+            ew.b_up,
+            ws,
+            scale="input" if woi else "output",
+            activation=cfg.activation,
+            alpha=float(cfg.swiglu_alpha),
+            limit=float(cfg.swiglu_limit),
+            want_h=not frozen,
+            block_m=bm,
+            block_n=bb.gate_up[0],
+            block_k=bb.gate_up[1],
+            **lkw,
+        )
+        rv = plan.row_valid()
+        dxs = gmm_transposed(
+            (dg, du),
+            (w_gate, w_up),
+            *meta,
+            ws if woi else None,
+            block_m=bm,
+            block_n=bb.input[0],
+            block_k=bb.input[1],
+            **lkw,
+        )
+        dx = combine(jnp.where(rv[:, None], dxs, 0.0), plan.inv, k).astype(x.dtype)
+        if woi:
+            dw = jnp.where(rv, dscale, 0.0)[plan.inv].reshape(t, k)
+        else:  # <dy_t, z_pair>; z is zero for dropped pairs
+            dw = jnp.sum(dy[:, None, :] * z.reshape(t, k, d), axis=-1)
+        d_routing = Routing(ids_ct, dw.astype(routing.weights.dtype))
+        if frozen:
+            return dx, d_routing, frozen_cotangent(ew)
+        tm, tk, tn = bb.tgmm
+        off = plan.group_offsets
+        sin, sout = (ws, None) if woi else (None, ws)
+
+        def tg(lhs, rhs, lmap, rmap, s, like):
+            kw = dict(block_m=tm, block_k=tuning.fit(tk, lhs.shape[1]), block_n=tuning.fit(tn, rhs.shape[1]))
+            return tgmm(lhs, rhs, off, lmap, rmap, s, **kw, **lkw).astype(like.dtype)
+
+        grads = dict(
+            w_gate=tg(x, dg, plan.token_idx, None, sin, ew.w_gate),
+            w_up=tg(x, du, plan.token_idx, None, sin, ew.w_up),
+            w_down=tg(h, dy, None, plan.token_idx, sout, ew.w_down),
+        )
+        if ew.b_gate is not None:
+
+            def gs(rhs, rmap, s, like):
+                return group_sum(rhs, off, rmap, s, block_m=tm, block_n=tuning.fit(tn, rhs.shape[1]), **lkw).astype(
+                    like.dtype
+                )
+
+            grads.update(
+                b_gate=gs(dg, None, None, ew.b_gate),
+                b_up=gs(du, None, None, ew.b_up),
+                b_down=gs(dy, plan.token_idx, sout, ew.b_down),
+            )
+        return dx, d_routing, dataclasses.replace(zero_cotangent(ew), **grads)
+
+
+_experts_vjp.defvjp(_vjp_fwd, _vjp_bwd)
