@@ -23,10 +23,10 @@ The C++ source is compiled on first use (`jaxmoe.impls.cpu.build`);
 `cpu_kernel_status` says whether it built; ``impl="auto"`` takes it on CPU only when it
 did, ``impl="cpu"`` raises with the compiler's message when it did not.
 
-Also ``swiglu`` and ``swiglu_oai``, optional biases, ``weight_on_input``. Gradients: the
-backward pass is the VJP of the ``gather`` path (a `jax.custom_vjp`; ``xla``'s loop over
-a traced number of experts has no reverse mode), so ``jax.grad`` through ``impl="cpu"``
-works, at ``gather``'s speed.
+Also ``swiglu`` and ``swiglu_oai``, optional biases, ``weight_on_input``. Gradients: a
+`jax.custom_vjp` whose backward is a second C++ call (`jaxmoe.impls.cpu.backward`: input,
+routing-weight and weight gradients per expert on XLA's thread pool; quantized experts
+frozen); GGUF block kinds, or a backward library that did not build, take ``gather``'s VJP.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ import numpy as np
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import plan_dispatch
-from jaxmoe.experts import ExpertWeights, SharedWeights, gather_vjp, shared_expert, shared_gate
+from jaxmoe.experts import ExpertWeights, SharedWeights, shared_expert, shared_gate
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
+from jaxmoe.impls.cpu.backward import cpu_vjp
 from jaxmoe.impls.cpu.build import TARGET, cpu_kernel_status
 from jaxmoe.invariance import row_blocks, wants_invariance
 from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
@@ -145,7 +146,7 @@ def _weights_problem(ws: dict, dtype) -> str | None:
 def experts_cpu(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
     """Routed experts through the C++ kernel. ``x [T, d]`` -> ``[T, d]`` float32.
 
-    Same contract as `jaxmoe.impls.xla.experts_xla`; the backward pass is ``gather``'s VJP.
+    Same contract as `jaxmoe.impls.xla.experts_xla`; the backward pass is `cpu_vjp`.
     Raises ValueError for unsupported weights and RuntimeError when the kernel could
     not be built.
     """
@@ -168,7 +169,7 @@ def _fwd(x, routing, ew, cfg):
     return _forward(x, routing, ew, cfg), (x, routing, ew)
 
 
-_experts_cpu.defvjp(_fwd, gather_vjp)
+_experts_cpu.defvjp(_fwd, cpu_vjp)
 
 
 #: Columns of one task: gate/up tasks cover ``UP_BLOCK`` columns of F, down tasks

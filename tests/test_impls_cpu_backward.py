@@ -1,0 +1,192 @@
+"""The C++ backward of ``impl="cpu"`` (jaxmoe/impls/cpu/grouped_swiglu_bwd.cc via
+`jaxmoe.impls.cpu.backward.cpu_vjp`) against ``jax.vjp`` of `experts_dense` and a
+float64 numpy loop: input, routing-weight, weight and bias gradients; column tails,
+empty experts, one expert taking every token, T = 1 / 7 / 130; gpt-oss activation with
+biases; weight_on_input; bfloat16; frozen int8 / int4 experts; NaN isolation;
+determinism; the gather fallback for kinds the backward does not read."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import np_act, quantize_experts, random_params
+
+from jaxmoe import MoEConfig, RouterConfig, Routing
+from jaxmoe.experts import ExpertWeights, experts_dense, gather_vjp
+from jaxmoe.impls.cpu import backward, cpu_kernel_status, experts_cpu
+from jaxmoe.impls.cpu.backward import backward_kernel_status, backward_supports, cpu_vjp
+from jaxmoe.quant import materialize
+
+pytestmark = pytest.mark.skipif(not cpu_kernel_status()[0], reason="no C++ compiler for impl='cpu'")
+
+
+def cfg_of(d, f, e, k, **kw):
+    return MoEConfig(d_model=d, expert_dim=f, router=RouterConfig(num_experts=e, top_k=k), **kw)
+
+
+def problem(rng, t, cfg, ids=None, bias=False, dtype=jnp.float32):
+    e, k = cfg.num_experts, cfg.top_k
+    if ids is None:
+        ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+    ws = rng.uniform(0.05, 1.0, size=ids.shape).astype(np.float32)
+    d, f = cfg.d_model, cfg.expert_dim
+    shapes = dict(w_gate=(e, d, f), w_up=(e, d, f), w_down=(e, f, d))
+    if bias:
+        shapes.update(b_gate=(e, f), b_up=(e, f), b_down=(e, d))
+    ew = ExpertWeights(**{n: jnp.asarray(rng.normal(size=s) * 0.3, dtype) for n, s in shapes.items()})
+    x = jnp.asarray(rng.normal(size=(ids.shape[0], d)), dtype)
+    g = jnp.asarray(rng.normal(size=(ids.shape[0], d)), jnp.float32)
+    return x, Routing(jnp.asarray(ids), jnp.asarray(ws)), ew, g
+
+
+def vjp_of(fn, cfg, x, r, ew, g):
+    return jax.vjp(lambda x, r, w: fn(x, r, w, cfg), x, r, ew)[1](g)
+
+
+def assert_grads_close(got, ref, rtol=1e-4, atol=1e-4):
+    names = ["x", "weights", *[f"experts.{n}" for n in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")]]
+    gl = [got[0], got[1].weights, *jax.tree.leaves(got[2])]
+    rl = [ref[0], ref[1].weights, *jax.tree.leaves(ref[2])]
+    assert len(gl) == len(rl)
+    for n, a, b in zip(names, gl, rl):
+        assert a.shape == b.shape and a.dtype == b.dtype, (n, a.shape, a.dtype, b.shape, b.dtype)
+        b = np.asarray(b, np.float32)
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), b, rtol=rtol, atol=atol * max(1.0, np.abs(b).max()), err_msg=n
+        )
+
+
+def test_backward_kernel_is_built():
+    ok, msg = backward_kernel_status()
+    assert ok, msg
+
+
+@pytest.mark.parametrize(
+    "t, d, f, e, k",
+    [(1, 48, 40, 6, 2), (7, 40, 72, 8, 3), (130, 64, 136, 12, 4), (7, 50, 9, 5, 2), (1, 16, 8, 4, 1)],
+)
+def test_equals_dense_vjp(t, d, f, e, k, rng):
+    """Random shapes with column tails (d, F not multiples of the vector or the blocks)."""
+    cfg = cfg_of(d, f, e, k)
+    x, r, ew, g = problem(rng, t, cfg)
+    assert_grads_close(vjp_of(experts_cpu, cfg, x, r, ew, g), vjp_of(experts_dense, cfg, x, r, ew, g))
+
+
+def np_backward(x, ids, ws, ew, g, cfg):
+    """float64 per-pair loop: (dx, dweights, dW_gate, dW_up, dW_down, db_gate, db_up, db_down)."""
+    x, ws, g = (np.asarray(a, np.float64) for a in (x, ws, g))
+    wg, wu, wd = (np.asarray(w, np.float64) for w in (ew.w_gate, ew.w_up, ew.w_down))
+    bg, bu, bd = (np.asarray(b, np.float64) for b in (ew.b_gate, ew.b_up, ew.b_down))
+    L, a = cfg.swiglu_limit, cfg.swiglu_alpha
+    out = [np.zeros_like(x), np.zeros_like(ws), *(np.zeros_like(v) for v in (wg, wu, wd, bg, bu, bd))]
+    for t in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            e, w = int(ids[t, s]), ws[t, s]
+            gv, uv = x[t] @ wg[e] + bg[e], x[t] @ wu[e] + bu[e]
+            h = np_act(gv, uv, "swiglu_oai", a, L)
+            out[1][t, s] = g[t] @ (h @ wd[e] + bd[e])
+            dh = w * (wd[e] @ g[t])
+            gc, uc = np.minimum(gv, L), np.clip(uv, -L, L)
+            sig = 1 / (1 + np.exp(-a * gc))
+            dgv = dh * np.where(gv <= L, (uc + 1) * (sig + a * gc * sig * (1 - sig)), 0)
+            duv = dh * np.where(np.abs(uv) <= L, gc * sig, 0)
+            out[0][t] += wg[e] @ dgv + wu[e] @ duv
+            out[2][e] += np.outer(x[t], dgv)
+            out[3][e] += np.outer(x[t], duv)
+            out[4][e] += np.outer(h, w * g[t])
+            out[5][e] += dgv
+            out[6][e] += duv
+            out[7][e] += w * g[t]
+    return out
+
+
+def test_gpt_oss_with_biases_equals_float64_loop(rng):
+    cfg = cfg_of(40, 24, 6, 2, activation="swiglu_oai", expert_bias=True, swiglu_limit=1.5)
+    x, r, ew, g = problem(rng, 9, cfg, bias=True)  # limit 1.5: both clamps active on some entries
+    dx, dr, dew = vjp_of(experts_cpu, cfg, x, r, ew, g)
+    want = np_backward(x, np.asarray(r.expert_ids), r.weights, ew, g, cfg)
+    got = [dx, dr.weights, dew.w_gate, dew.w_up, dew.w_down, dew.b_gate, dew.b_up, dew.b_down]
+    for i, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=str(i))
+    assert_grads_close((dx, dr, dew), vjp_of(experts_dense, cfg, x, r, ew, g))
+
+
+def test_weight_on_input(rng):
+    cfg = cfg_of(32, 24, 6, 2, weight_on_input=True)
+    x, r, ew, g = problem(rng, 11, cfg)
+    assert_grads_close(vjp_of(experts_cpu, cfg, x, r, ew, g), vjp_of(experts_dense, cfg, x, r, ew, g))
+
+
+@pytest.mark.parametrize("t", [1, 7, 130])
+def test_one_expert_takes_every_token_and_empty_experts(t, rng):
+    """Slot 0 of every token on expert 3; experts 0 and 7 never chosen: zero weight gradients."""
+    cfg = cfg_of(32, 40, 8, 2, expert_bias=True)
+    ids = np.stack([[3, rng.choice([1, 2, 4, 5, 6])] for _ in range(t)]).astype(np.int32)
+    x, r, ew, g = problem(rng, t, cfg, ids=ids, bias=True)
+    got = vjp_of(experts_cpu, cfg, x, r, ew, g)
+    assert_grads_close(got, vjp_of(experts_dense, cfg, x, r, ew, g))
+    for leaf in jax.tree.leaves(got[2]):
+        assert not np.asarray(leaf)[[0, 7]].any()
+        assert np.asarray(leaf)[3].any()
+
+
+def test_bfloat16_weights_and_activations(rng):
+    cfg = cfg_of(48, 40, 6, 2)
+    x, r, ew, g = problem(rng, 13, cfg, dtype=jnp.bfloat16)
+    got = vjp_of(experts_cpu, cfg, x, r, ew, g)
+    assert got[0].dtype == jnp.bfloat16 and got[2].w_gate.dtype == jnp.bfloat16
+    # the dense path rounds its hidden cotangent to bfloat16, the kernel keeps float32
+    assert_grads_close(got, vjp_of(experts_dense, cfg, x, r, ew, g), rtol=3e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_experts_are_frozen(quant, rng):
+    """Input and routing gradients equal those of the dequantized float weights; the
+    experts get zero cotangents."""
+    cfg = cfg_of(64, 32, 6, 2)
+    qp = quantize_experts(random_params(cfg, rng), quant)
+    qew = qp.experts
+    assert backward_supports(qew) is None
+    few = ExpertWeights(*(materialize(w, jnp.float32) for w in (qew.w_gate, qew.w_up, qew.w_down)))
+    x, r, _, g = problem(rng, 9, cfg)
+    dx, dr, dew = vjp_of(experts_cpu, cfg, x, r, qew, g)
+    rx, rr, _ = vjp_of(experts_dense, cfg, x, r, few, g)
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(rx), rtol=1e-4, atol=1e-4 * float(jnp.abs(rx).max()))
+    np.testing.assert_allclose(np.asarray(dr.weights), np.asarray(rr.weights), rtol=1e-4, atol=1e-4)
+    for leaf in jax.tree.leaves(dew):
+        assert not np.asarray(leaf).astype(bool).any()
+
+
+def test_nan_routing_weight_stays_in_its_row(rng):
+    cfg = cfg_of(32, 24, 6, 2)
+    x, r, ew, g = problem(rng, 9, cfg)
+    r = Routing(r.expert_ids, r.weights.at[4, 1].set(jnp.nan))
+    dx, dr, _ = vjp_of(experts_cpu, cfg, x, r, ew, g)
+    bad = np.isnan(np.asarray(dx)).any(axis=1) | np.isnan(np.asarray(dr.weights)).any(axis=1)
+    assert bad.tolist() == [i == 4 for i in range(9)]
+
+
+def test_deterministic(rng):
+    cfg = cfg_of(64, 136, 4, 2)
+    x, r, ew, g = problem(rng, 130, cfg)
+    a, b = (jax.tree.leaves(vjp_of(experts_cpu, cfg, x, r, ew, g)) for _ in range(2))
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def test_kinds_the_backward_does_not_read_fall_back_to_gather(rng, monkeypatch):
+    """A quantized kind outside `BWD_KINDS` (e.g. the GGUF block kinds): `backward_supports`
+    names it and `cpu_vjp` returns gather's VJP (experts frozen)."""
+    cfg = cfg_of(64, 32, 4, 2)
+    q = quantize_experts(random_params(cfg, rng), "int8").experts
+    x, r, _, g = problem(rng, 5, cfg)
+    want = jax.tree.leaves(cpu_vjp(cfg, (x, r, q), g))
+    monkeypatch.setattr(backward, "BWD_KINDS", {"int4": 2})
+    assert "'int8'" in (backward_supports(q) or "")
+    got = cpu_vjp(cfg, (x, r, q), g)
+    assert_same = jax.tree.leaves(gather_vjp(cfg, (x, r, q), g))
+    for a, b, c in zip(jax.tree.leaves(got), assert_same, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        if a.dtype == jax.dtypes.float0:
+            continue
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32), rtol=1e-4, atol=1e-4)
