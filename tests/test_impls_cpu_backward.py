@@ -30,7 +30,7 @@ def problem(rng, t, cfg, ids=None, bias=False, dtype=jnp.float32):
         ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
     ws = rng.uniform(0.05, 1.0, size=ids.shape).astype(np.float32)
     d, f = cfg.d_model, cfg.expert_dim
-    shapes = dict(w_gate=(e, d, f), w_up=(e, d, f), w_down=(e, f, d))
+    shapes: dict[str, tuple[int, ...]] = dict(w_gate=(e, d, f), w_up=(e, d, f), w_down=(e, f, d))
     if bias:
         shapes.update(b_gate=(e, f), b_up=(e, f), b_down=(e, d))
     ew = ExpertWeights(**{n: jnp.asarray(rng.normal(size=s) * 0.3, dtype) for n, s in shapes.items()})
