@@ -87,10 +87,6 @@ BIG = 2**31  #: operands with this many elements need 64-bit offsets
 
 #: regex on ``case:kernel`` -> reason: compiled and reported, its failure is not fatal.
 KNOWN_FAILURES: dict[str, str] = {
-    r"^size/deepseek-v3/q8_0/": (
-        "issue 12 item 2: Pallas's Triton lowering switches to 64-bit offsets only above 2^32 bytes, "
-        "the 3.76e9 int8 codes per projection get int32 offsets"
-    ),
     r"^(size/mixtral-8x7b/int4/T1|table/decode-4096x14336/int4):moe_decode$": (
         "issue 12 item 2: the int4 decode gate/up (block_n 128 x block_k 128, two dequantized tiles) "
         "runs out of registers at Mixtral's blocks"

@@ -176,6 +176,7 @@ def decode_down(h, expert_ids, w_down, *args, **kwargs):
         "block_k",
         "num_warps",
         "num_stages",
+        "word_loads",
         "interpret",
         "debug",
     ),
@@ -197,6 +198,7 @@ def decode_gate_up_jit(
     block_k: int = 128,
     num_warps: int = 4,
     num_stages: int = 3,
+    word_loads: bool | None = None,
     interpret: bool = False,
     debug: bool = False,
 ):
@@ -208,14 +210,16 @@ def decode_gate_up_jit(
       row_scale: ``[T * k]`` float32 (pair order) multiplying both projections before the
         bias, or None.
       out: optional ``[T * k, F]`` buffer of ``x.dtype`` aliased to the output.
+      word_loads: quantized codes loaded as int32 words (`quant.as_words`); None: only
+        for a code array of >= 2^31 elements, which 32-bit offsets cannot address.
     Returns:
       ``h [T * k, F]`` in ``x.dtype``, pair order.
     """
     common.check_array("decode_gate_up: x", x, (None, None), kinds="float")
     common.check_array("decode_gate_up: expert_ids", expert_ids, (x.shape[0], None), kinds="int")
     t, k = expert_ids.shape
-    lg, ag = weight_operands(w_gate, "decode_gate_up: w_gate", k=x.shape[1])
-    lu, au = weight_operands(w_up, "decode_gate_up: w_up", lg.num_experts, x.shape[1], lg.n)
+    lg, ag = weight_operands(w_gate, "decode_gate_up: w_gate", k=x.shape[1], word_loads=word_loads)
+    lu, au = weight_operands(w_up, "decode_gate_up: w_up", lg.num_experts, x.shape[1], lg.n, word_loads=word_loads)
     if (b_gate is None) != (b_up is None):
         raise ValueError("decode_gate_up: give both b_gate and b_up or neither")
     if b_gate is not None:
@@ -248,7 +252,8 @@ def decode_gate_up_jit(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages", "out_dtype", "interpret", "debug")
+    jax.jit,
+    static_argnames=("block_n", "block_k", "num_warps", "num_stages", "out_dtype", "word_loads", "interpret", "debug"),
 )
 def decode_down_jit(
     h,
@@ -263,6 +268,7 @@ def decode_down_jit(
     num_warps: int = 4,
     num_stages: int = 3,
     out_dtype=jnp.float32,
+    word_loads: bool | None = None,
     interpret: bool = False,
     debug: bool = False,
 ):
@@ -273,6 +279,8 @@ def decode_down_jit(
       w_down: ``[E, F, d]`` array or `quant.QuantWeight`; b_down: ``[E, d]`` or None.
       row_scale: ``[T * k]`` float32 routing weights (pair order) or None.
       out: optional ``[T * k, d]`` buffer of ``out_dtype`` aliased to the output.
+      word_loads: quantized codes loaded as int32 words (`quant.as_words`); None: only
+        for a code array of >= 2^31 elements, which 32-bit offsets cannot address.
     Returns:
       ``[T * k, d]`` in ``out_dtype``, pair order.
     """
@@ -283,7 +291,7 @@ def decode_down_jit(
         raise ValueError(
             f"decode_down: h has {h.shape[0]} rows, expected T*k = {t * k} (expert_ids {expert_ids.shape})"
         )
-    lay, arrs = weight_operands(w_down, "decode_down: w_down", k=h.shape[1])
+    lay, arrs = weight_operands(w_down, "decode_down: w_down", k=h.shape[1], word_loads=word_loads)
     if b_down is not None:
         common.check_array("decode_down: b_down", b_down, (lay.num_experts, lay.n))
     if row_scale is not None:

@@ -20,9 +20,9 @@ from pallas_kernels.quant import dequantize_reference, weight_operands
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _check(where, h, w_down, b_down, row_scale):
+def _check(where, h, w_down, b_down, row_scale, word_loads=False):
     common.check_array(f"{where}: h", h, (None, None), kinds="float")
-    lay, arrs = weight_operands(w_down, f"{where}: w_down", k=h.shape[1])
+    lay, arrs = weight_operands(w_down, f"{where}: w_down", k=h.shape[1], word_loads=word_loads)
     if b_down is not None:
         common.check_array(f"{where}: b_down", b_down, (lay.num_experts, lay.n))
     if row_scale is not None:
@@ -32,7 +32,17 @@ def _check(where, h, w_down, b_down, row_scale):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages", "out_dtype", "interpret", "debug"),
+    static_argnames=(
+        "block_m",
+        "block_n",
+        "block_k",
+        "num_warps",
+        "num_stages",
+        "out_dtype",
+        "word_loads",
+        "interpret",
+        "debug",
+    ),
 )
 def down_project(
     h,
@@ -51,6 +61,7 @@ def down_project(
     num_warps: int = 4,
     num_stages: int = 3,
     out_dtype=jnp.float32,
+    word_loads: bool | None = None,
     interpret: bool = False,
     debug: bool = False,
 ):
@@ -62,10 +73,12 @@ def down_project(
       w_down: ``[E, F, d]`` array or `quant.QuantWeight`; b_down: ``[E, d]`` or None.
       row_scale: ``[P]`` float32 routing weight of each sorted row, or None.
       out: optional ``[P, d]`` buffer of ``out_dtype`` aliased to the output.
+      word_loads: quantized codes loaded as int32 words (`quant.as_words`); None: only
+        for a code array of >= 2^31 elements, which 32-bit offsets cannot address.
     Returns:
       ``[P, d]`` in ``out_dtype`` (sorted rows).
     """
-    lay, arrs = _check("down_project", h, w_down, b_down, row_scale)
+    lay, arrs = _check("down_project", h, w_down, b_down, row_scale, word_loads)
     p = h.shape[0]
     check_plan("down_project", lay.num_experts, tile_group, tile_row, group_offsets, num_tiles)
     common.check_blocks("down_project", block_m=block_m, block_n=block_n, block_k=block_k)

@@ -195,7 +195,17 @@ def fit_block_k(block_k: int, layouts) -> int:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages", "out_dtype", "interpret", "debug"),
+    static_argnames=(
+        "block_m",
+        "block_n",
+        "block_k",
+        "num_warps",
+        "num_stages",
+        "out_dtype",
+        "word_loads",
+        "interpret",
+        "debug",
+    ),
 )
 def gmm(
     lhs,
@@ -212,6 +222,7 @@ def gmm(
     num_warps: int = 4,
     num_stages: int = 3,
     out_dtype=None,
+    word_loads: bool | None = None,
     interpret: bool = False,
     debug: bool = False,
 ):
@@ -225,12 +236,14 @@ def gmm(
       out: optional ``[P, N]`` buffer aliased to the output (rows no visit writes keep it).
       block_m, block_n, block_k: powers of two >= 16 (block_k is raised to a whole
         quantization group).
+      word_loads: quantized codes loaded as int32 words (`quant.as_words`); None: only
+        for a code array of >= 2^31 elements, which 32-bit offsets cannot address.
     Returns:
       ``[P, N]`` in ``out_dtype`` (default ``lhs.dtype``), float32 accumulation.
     """
     common.check_array("gmm: lhs", lhs, (None, None), kinds="float")
     p, k = lhs.shape
-    lay, arrs = weight_operands(rhs, "gmm: rhs", k=k)
+    lay, arrs = weight_operands(rhs, "gmm: rhs", k=k, word_loads=word_loads)
     check_plan("gmm", lay.num_experts, tile_group, tile_row, group_offsets, num_tiles)
     common.check_blocks("gmm", block_m=block_m, block_n=block_n, block_k=block_k)
     odt = jnp.dtype(out_dtype or lhs.dtype)

@@ -14,6 +14,13 @@ The weights stay in this form in device memory; `load_tile` dequantizes one tile
 registers (float32 math, then the compute dtype). `weight_operands` checks a weight and
 splits it into its static `WeightLayout` and its arrays; `dequantize_reference` is the
 pure-jnp reference of the same layouts.
+
+Code arrays of 2^31 elements or more (DeepSeek-V3 in Q8_0: 256 x 2048 x 7168 int8 codes
+per projection) reach the kernel as int32 *words*, 4 bytes each (``WeightLayout.word``
+= 4): a free bitcast of the same memory. Pallas's Triton lowering indexes an operand with
+32-bit element offsets unless it is over 2^32 *bytes*, so a 1-byte array of 2^31..2^32
+elements would be addressed with wrapping offsets; as words it has a quarter of the
+elements and every offset fits. `load_tile` unpacks the bytes in registers.
 """
 
 from __future__ import annotations
@@ -31,6 +38,10 @@ from pallas_kernels.tuning import is_pow2
 KINDS = ("dense", "int8", "int4")
 #: Kinds of a `QuantWeight`.
 QUANT_KINDS = ("int8", "int4")
+#: Code arrays with at least this many elements are loaded as int32 words (see the module doc).
+WORD_MIN_ELEMENTS = 2**31
+#: Code bytes per int32 word.
+WORD_BYTES = 4
 
 
 @jax.tree_util.register_dataclass
@@ -77,6 +88,8 @@ class WeightLayout:
     k: int
     n: int
     group_size: int = 0
+    #: Code bytes per loaded element of the code array: 1 (as stored) or 4 (int32 words).
+    word: int = 1
 
     @property
     def num_arrays(self) -> int:
@@ -88,13 +101,23 @@ class WeightLayout:
 
 
 def weight_operands(
-    w, name: str, num_experts: int | None = None, k: int | None = None, n: int | None = None
+    w,
+    name: str,
+    num_experts: int | None = None,
+    k: int | None = None,
+    n: int | None = None,
+    word_loads: bool | None = None,
 ) -> tuple[WeightLayout, tuple[jax.Array, ...]]:
     """The layout and arrays of an expert weight ``[E, K, N]`` (float array or `QuantWeight`).
 
+    ``word_loads``: a `QuantWeight`'s codes as int32 words (``layout.word == 4``, the
+    code array bitcast to ``[E, N, bytes / 4]`` int32); None: only when the code array has
+    `WORD_MIN_ELEMENTS` or more (what 32-bit offsets cannot address).
+
     Raises ValueError naming ``name`` when ``w`` is neither, when the shape differs from
-    the expected ``(num_experts, k, n)`` (entries left None are not checked), or when a
-    `QuantWeight`'s arrays do not fit its kind and group size.
+    the expected ``(num_experts, k, n)`` (entries left None are not checked), when a
+    `QuantWeight`'s arrays do not fit its kind and group size, or when word loads are
+    needed and the code bytes per row are not a multiple of 4.
     """
     if not isinstance(w, QuantWeight | jax.Array | np.ndarray):
         raise ValueError(
@@ -113,7 +136,8 @@ def weight_operands(
             )
     e, kk, nn = shape
     if isinstance(w, QuantWeight):
-        return _quant_operands(w, name, e, kk, nn)
+        lay, arrs = _quant_operands(w, name, e, kk, nn)
+        return as_words(lay, arrs, name, word_loads)
     if not jnp.issubdtype(w.dtype, jnp.floating):
         raise ValueError(f"{name}: expert weight must be floating point or a QuantWeight, got {w.dtype}")
     return WeightLayout("dense", e, kk, nn), (w,)
@@ -141,20 +165,82 @@ def _quant_operands(w: QuantWeight, name: str, e: int, k: int, n: int) -> tuple[
     return WeightLayout("int4", e, k, n, g), (w.qdata, w.scales, w.biases)
 
 
+def as_words(
+    layout: WeightLayout, arrays: tuple[jax.Array, ...], name: str, word_loads: bool | None = None
+) -> tuple[WeightLayout, tuple[jax.Array, ...]]:
+    """``layout, arrays`` with the code array as int32 words when ``word_loads`` (None: when
+    it has `WORD_MIN_ELEMENTS` elements or more); dense weights are returned as they are."""
+    if layout.kind == "dense" or layout.word != 1:
+        return layout, arrays
+    q = arrays[0]
+    if word_loads is None:
+        word_loads = q.size >= WORD_MIN_ELEMENTS
+    if not word_loads:
+        return layout, arrays
+    e, n, nb = q.shape
+    if nb % WORD_BYTES:
+        raise ValueError(
+            f"{name}: {layout.kind} codes {tuple(q.shape)} are loaded as int32 words (>= {WORD_MIN_ELEMENTS} "
+            f"elements or word_loads=True), which needs the bytes per row ({nb}) to be a multiple of {WORD_BYTES}"
+        )
+    words = jax.lax.bitcast_convert_type(q.reshape(e, n, nb // WORD_BYTES, WORD_BYTES), jnp.int32)
+    return dataclasses.replace(layout, word=WORD_BYTES), (words, *arrays[1:])
+
+
+def word_bytes(words: jax.Array) -> jax.Array:
+    """``words [..., W]`` int32 -> ``[..., 4 W]`` uint8, little-endian (the inverse of `as_words`)."""
+    b = jax.lax.bitcast_convert_type(words, jnp.uint8)
+    return b.reshape(*words.shape[:-1], words.shape[-1] * WORD_BYTES)
+
+
 def dequantize_reference(layout: WeightLayout, arrays, dtype=jnp.float32) -> jax.Array:
     """Pure-jnp reference: the logical ``[E, K, N]`` weight in ``dtype`` (math in float32)."""
     if layout.kind == "dense":
         return arrays[0].astype(dtype)
     e, k, n, g = layout.num_experts, layout.k, layout.n, layout.group_size
+    codes = word_bytes(arrays[0]) if layout.word != 1 else arrays[0]
     if layout.kind == "int8":
-        q = arrays[0].astype(jnp.float32)
+        q = jax.lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.float32)
     else:
-        p = arrays[0]
+        p = codes
         q = jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(e, n, k).astype(jnp.float32)
     w = q.reshape(e, n, k // g, g) * arrays[1].astype(jnp.float32)[..., None]
     if layout.kind == "int4":
         w = w + arrays[2].astype(jnp.float32)[..., None]
     return jnp.swapaxes(w.reshape(e, n, k), 1, 2).astype(dtype)
+
+
+def interleave(planes: list) -> jax.Array:
+    """``m`` planes ``[r, w]`` (``m`` a power of two) -> ``[r, m w]`` with element ``m j + i``
+    from plane ``i`` (in-kernel: pairwise joins along a new last axis, which Triton keeps
+    in order, unlike its concatenate)."""
+    if len(planes) == 1:
+        return planes[0]
+    ev, od = interleave(planes[0::2]), interleave(planes[1::2])
+    r, w = ev.shape
+    return jnp.stack([ev, od], axis=-1).reshape(r, 2 * w)
+
+
+def load_codes(layout: WeightLayout, ref, e, n0, ns, c0, bn: int, nc: int) -> jax.Array:
+    """Codes ``c0 .. c0 + nc`` of rows ``n0 .. n0 + bn`` of expert ``e`` (in-kernel), as
+    ``[bn, nc]`` integers (int8 codes, int4 bytes 0..255); codes past the row read as
+    zero. With word loads (``layout.word == 4``; ``c0``, ``nc`` multiples of 4) the int32
+    words are loaded and their bytes unpacked (little-endian) to int32 values."""
+    per_row = layout.k if layout.kind == "int8" else layout.k // 2
+    if layout.word == 1:
+        cs = c0 + jnp.arange(nc, dtype=jnp.int32)
+        m = (ns < layout.n)[:, None] & (cs < per_row)[None, :]
+        return plgpu.load(ref.at[e, pl.ds(n0, bn), pl.ds(c0, nc)], mask=m, other=0)
+    wb = layout.word
+    nw = nc // wb
+    ws = c0 // wb + jnp.arange(nw, dtype=jnp.int32)
+    m = (ns < layout.n)[:, None] & (ws < per_row // wb)[None, :]
+    words = plgpu.load(ref.at[e, pl.ds(n0, bn), pl.ds(c0 // wb, nw)], mask=m, other=0)  # [bn, nw] int32
+    if layout.kind == "int8":  # byte i sign-extended: shift it to the top, arithmetic shift back
+        planes = [jnp.right_shift(jnp.left_shift(words, 24 - 8 * i), 24) for i in range(wb)]
+    else:
+        planes = [jnp.right_shift(words, 8 * i) & 0xFF for i in range(wb)]
+    return interleave(planes)
 
 
 def load_tile(layout: WeightLayout, refs, e, k0, n0, bk: int, bn: int, dtype):
@@ -178,14 +264,10 @@ def load_tile(layout: WeightLayout, refs, e, k0, n0, bk: int, bn: int, dtype):
     sm = nm & (gs < layout.k // g)[None, :]
     s = plgpu.load(refs[1].at[e, pl.ds(n0, bn), pl.ds(k0 // g, ng)], mask=sm, other=0).astype(jnp.float32)
     if layout.kind == "int8":
-        m = nm & (ks < layout.k)[None, :]
-        q = plgpu.load(refs[0].at[e, pl.ds(n0, bn), pl.ds(k0, bk)], mask=m, other=0).astype(jnp.float32)
+        q = load_codes(layout, refs[0], e, n0, ns, k0, bn, bk).astype(jnp.float32)
         w = (q.reshape(bn, ng, g) * s[:, :, None]).reshape(bn, bk)
         return w.astype(dtype), False
-    half = bk // 2
-    hs = k0 // 2 + jnp.arange(half, dtype=jnp.int32)
-    m = nm & (hs < layout.k // 2)[None, :]
-    p = plgpu.load(refs[0].at[e, pl.ds(n0, bn), pl.ds(k0 // 2, half)], mask=m, other=0)
+    p = load_codes(layout, refs[0], e, n0, ns, k0 // 2, bn, bk // 2)
     lo = (p & 0xF).astype(jnp.float32)
     hi = (p >> 4).astype(jnp.float32)
     q = jnp.stack([lo, hi], axis=-1).reshape(bn, bk)

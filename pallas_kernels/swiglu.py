@@ -23,12 +23,12 @@ from pallas_kernels.quant import dequantize_reference, weight_operands
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _check(where, x, token_idx, w_gate, w_up, b_gate, b_up, row_scale):
+def _check(where, x, token_idx, w_gate, w_up, b_gate, b_up, row_scale, word_loads=False):
     common.check_array(f"{where}: x", x, (None, None), kinds="float")
     common.check_array(f"{where}: token_idx", token_idx, (None,), kinds="int")
     d = x.shape[1]
-    lg, ag = weight_operands(w_gate, f"{where}: w_gate", k=d)
-    lu, au = weight_operands(w_up, f"{where}: w_up", lg.num_experts, d, lg.n)
+    lg, ag = weight_operands(w_gate, f"{where}: w_gate", k=d, word_loads=word_loads)
+    lu, au = weight_operands(w_up, f"{where}: w_up", lg.num_experts, d, lg.n, word_loads=word_loads)
     if (b_gate is None) != (b_up is None):
         raise ValueError(f"{where}: give both b_gate and b_up or neither")
     if b_gate is not None:
@@ -50,6 +50,7 @@ def _check(where, x, token_idx, w_gate, w_up, b_gate, b_up, row_scale):
         "block_k",
         "num_warps",
         "num_stages",
+        "word_loads",
         "interpret",
         "debug",
     ),
@@ -76,6 +77,7 @@ def gate_up_swiglu(
     block_k: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
+    word_loads: bool | None = None,
     interpret: bool = False,
     debug: bool = False,
 ):
@@ -89,10 +91,12 @@ def gate_up_swiglu(
       b_gate, b_up: ``[E, F]`` or None.
       row_scale: ``[P]`` float32 or None: multiplies both projections before the bias.
       out: optional ``[P, F]`` buffer of ``x.dtype`` aliased to the output.
+      word_loads: quantized codes loaded as int32 words (`quant.as_words`); None: only
+        for a code array of >= 2^31 elements, which 32-bit offsets cannot address.
     Returns:
       ``h [P, F]`` in ``x.dtype`` (sorted rows), float32 accumulation and epilogue.
     """
-    (lg, ag), (lu, au) = _check("gate_up_swiglu", x, token_idx, w_gate, w_up, b_gate, b_up, row_scale)
+    (lg, ag), (lu, au) = _check("gate_up_swiglu", x, token_idx, w_gate, w_up, b_gate, b_up, row_scale, word_loads)
     p = token_idx.shape[0]
     check_plan("gate_up_swiglu", lg.num_experts, tile_group, tile_row, group_offsets, num_tiles)
     common.check_blocks("gate_up_swiglu", block_m=block_m, block_n=block_n, block_k=block_k)

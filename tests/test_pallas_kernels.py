@@ -30,7 +30,7 @@ from pallas_kernels.decode import (
 )
 from pallas_kernels.down import combine, down_project, down_project_reference
 from pallas_kernels.gmm import gmm, gmm_reference
-from pallas_kernels.quant import QuantWeight, dequantize_reference, weight_operands
+from pallas_kernels.quant import QuantWeight, as_words, dequantize_reference, weight_operands, word_bytes
 from pallas_kernels.swiglu import gate_up_swiglu, gate_up_swiglu_reference
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -555,3 +555,58 @@ def test_weight_operand_errors(rng):
         weight_operands(QuantWeight(q8.qdata[..., :48], q8.scales[..., :1], None, "int8", 48), "w_up")
     with pytest.raises(ValueError, match=r"QuantWeight.kind: unknown 'int2'"):
         QuantWeight(q8.qdata, q8.scales, None, "int2", 32)
+
+
+# ---------------------------------------------------------------- int32 word loads (>= 2^31 codes)
+
+
+@pytest.mark.parametrize("kind", ["int8", "q4_0", "int4_mlx64"])
+def test_word_loads_match_byte_loads(rng, kind):
+    """Codes loaded as int32 words (what code arrays of >= 2^31 elements get, forced here
+    at a small size) give the references' values and exactly the byte loads' results."""
+    e, d, f, t, k, bm = 4, 128, 128, 9, 2, 16
+    ids = jnp.asarray(routing_ids(rng, "uneven", t, k, e))
+    plan = plan_dispatch(ids, e, bm)
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    wg, wu = (make_weight(rng, (e, d, f), kind)[0] for _ in range(2))
+    wd, _ = make_weight(rng, (e, f, d), kind)
+    lay, arrs = weight_operands(wg, "w", word_loads=True)
+    assert lay.word == 4 and arrs[0].dtype == jnp.int32 and arrs[0].shape[-1] * 4 == wg.qdata.shape[-1]
+    assert weight_operands(wg, "w")[0].word == 1  # small arrays stay bytes by default
+    for wl in (True, False):
+        h = gate_up_swiglu(
+            x,
+            plan.token_idx,
+            *plan_meta(plan),
+            wg,
+            wu,
+            block_m=bm,
+            block_n=32,
+            block_k=64,
+            word_loads=wl,
+            interpret=True,
+        )
+        y = down_project(h, *plan_meta(plan), wd, block_m=bm, block_n=64, block_k=64, word_loads=wl, interpret=True)
+        hd = decode_gate_up(x, ids, wg, wu, block_n=32, block_k=64, word_loads=wl, interpret=True)
+        if wl:
+            words = (h, y, hd)
+            assert_close(h, gate_up_swiglu_reference(x, plan.token_idx, plan.group_offsets, wg, wu), jnp.float32, kind)
+            assert_close(y, down_project_reference(h, plan.group_offsets, wd), jnp.float32, kind)
+            assert_close(hd, decode_gate_up_reference(x, ids, wg, wu), jnp.float32, kind)
+    for a, b in zip(words, (h, y, hd)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_as_words_round_trip_and_errors(rng):
+    q = jnp.asarray(rng.integers(-128, 128, (3, 5, 16)), jnp.int8)
+    w = QuantWeight(q, jnp.asarray(rng.uniform(0.5, 1, (3, 5, 2)), jnp.float32), None, "int8", 8)
+    lay, arrs = weight_operands(w, "w", word_loads=True)
+    want = np.asarray(q).view(np.uint32).view(np.int32)  # numpy's little-endian view
+    np.testing.assert_array_equal(np.asarray(arrs[0]), want)
+    np.testing.assert_array_equal(np.asarray(word_bytes(arrs[0])).view(np.int8), np.asarray(q))
+    np.testing.assert_array_equal(
+        np.asarray(dequantize_reference(lay, arrs)), np.asarray(dequantize_reference(*weight_operands(w, "w")))
+    )
+    odd = QuantWeight(q[..., :6], jnp.ones((3, 5, 3), jnp.float32), None, "int8", 2)
+    with pytest.raises(ValueError, match=r"w_down: int8 codes \(3, 5, 6\) are loaded as int32 words.*multiple of 4"):
+        as_words(*weight_operands(odd, "w_down"), "w_down", word_loads=True)

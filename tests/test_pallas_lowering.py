@@ -25,7 +25,7 @@ import pytest
 import jaxmoe
 from jaxmoe.dispatch import plan_dispatch
 from jaxmoe.impls.pallas import experts_pallas, kernel_weight
-from jaxmoe.quant import quantize_int4_affine, quantize_int8
+from jaxmoe.quant import QuantizedTensor, quantize_int4_affine, quantize_int8
 from pallas_kernels import tuning
 from pallas_kernels.decode import decode_down, decode_gate_up
 from pallas_kernels.down import down_project
@@ -129,3 +129,41 @@ def test_aliased_output_lowers(rng):
     txt = lower_text(lambda a, o: decode_gate_up(a, ids, wg, wu, out=o, block_n=32, block_k=64), x, out)
     assert_triton(txt, 1)
     assert "output_operand_alias" in txt or "operand_output_aliases" in txt or "tf.aliasing_output" in txt
+
+
+_TENSOR = re.compile(r"tensor<([0-9x]+)x[a-z]+[0-9]*>")
+
+
+def triton_operand_sizes(txt: str) -> list[list[int]]:
+    """Element counts of the operands and results of each Triton custom call in ``txt``."""
+    calls = []
+    for line in txt.splitlines():
+        if TRITON_CALL.search(line) and "custom_call" in line:
+            types = line.rsplit(" : ", 1)[-1]
+            calls.append([int(np.prod([int(v) for v in m.split("x")])) for m in _TENSOR.findall(types)])
+    return calls
+
+
+@pytest.mark.parametrize("t", [1, 2048])
+def test_deepseek_v3_q8_0_operands_fit_32_bit_offsets(t):
+    """DeepSeek-V3 in Q8_0 at its real size (abstract arrays): 256 x 2048 x 7168 = 3.76e9 int8
+    codes per projection, over 2^31 elements but under the 2^32 bytes at which Pallas's
+    Triton lowering switches to 64-bit offsets. Every operand each kernel receives must
+    have < 2^31 elements (the codes go in as int32 words), and the whole stack must be
+    passed (no per-call copy or slice: an operand holds all 3.76e9 / 4 words)."""
+    cfg = jaxmoe.load_config("deepseek-v3")
+    e, d, f, k, g = cfg.num_experts, cfg.d_model, cfg.expert_dim, cfg.top_k, 32
+    S = jax.ShapeDtypeStruct
+
+    def q8(n_in, n_out):
+        return QuantizedTensor(S((e, n_out, n_in), jnp.int8), S((e, n_out, n_in // g), jnp.float16), None, "int8", g)
+
+    ew = jaxmoe.ExpertWeights(q8(d, f), q8(d, f), q8(f, d))
+    assert e * d * f >= 2**31 and e * d * f <= 2**32  # the range the fix is for
+    r = jaxmoe.Routing(S((t, k), jnp.int32), S((t, k), jnp.float32))
+    fn = functools.partial(experts_pallas, cfg=cfg, interpret=False)
+    calls = triton_operand_sizes(lower_text(fn, S((t, d), jnp.bfloat16), r, ew))
+    assert len(calls) == 2, calls
+    for sizes in calls:
+        assert max(sizes) < 2**31, f"a Triton kernel operand has {max(sizes):.3g} >= 2^31 elements: {sizes}"
+        assert e * d * f // 4 in sizes, f"the codes are not passed whole as int32 words: {sizes}"
