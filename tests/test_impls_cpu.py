@@ -6,13 +6,15 @@ Preset-level parity, NaN isolation and weight_on_input run in tests/test_impls.p
 
 import dataclasses
 import hashlib
+import re
 
 import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import np_experts, params_to_numpy, random_params, shrink, skewed_routing
+from gguf import GGMLQuantizationType as QT
+from helpers import gguf_block_bytes, np_experts, params_to_numpy, random_params, shrink, skewed_routing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +28,7 @@ from jaxmoe.impls.cpu import build, cpu_kernel_status, experts_cpu, grouped_swig
 from jaxmoe.impls.xla import experts_xla
 from jaxmoe.io import mlx_codec
 from jaxmoe.io.gguf_codec import q4_0_to_quantized, q8_0_to_quantized
-from jaxmoe.quant import QuantizedTensor, quantize_int8
+from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor, gguf_block_tensor, quantize_int8
 
 F32 = dict(rtol=2e-5, atol=2e-5)
 
@@ -223,6 +225,16 @@ def make_weight(fmt: str, w: np.ndarray, rng):
         q = np.asarray(qw.qdata, np.float64)
         e, o, n = q.shape
         ref = (q.reshape(e, o, n // 32, 32) * np.asarray(qw.scales, np.float64)[..., None]).reshape(e, o, n)
+    elif fmt in GGUF_BLOCKS:
+        # Q4_1 / Q5_0 / Q5_1 through gguf.quants.quantize of the floats; the K-quants (which
+        # gguf-py cannot quantize) as random valid blocks with scales sized to the layer
+        qt = QT[fmt.upper()]
+        scale = float(np.abs(w).mean()) / 4
+        raw = gguf_block_bytes(rng, qt, t.shape, d_range=(0.5 * scale / 8, 1.5 * scale / 8))
+        if qt in (QT.Q4_1, QT.Q5_0, QT.Q5_1):
+            raw = gguf.quants.quantize(t, qt)
+        qw = gguf_block_tensor(jnp.asarray(raw), fmt, n_in=t.shape[-1], name=fmt)
+        ref = gguf.quants.dequantize(raw, qt).astype(np.float64)
     elif fmt == "bf16":
         qw = jnp.asarray(w, jnp.bfloat16)
         return qw, np.asarray(qw, np.float64)
@@ -313,6 +325,7 @@ def test_quantized_with_bf16_activations(rng):
 
 def test_column_tails_of_quantized_blocks(rng):
     """Task blocks of 7 and 5 columns: dot tiles of 4 / 2 columns plus single-column tails."""
+    assert cpu_kernel_status()[0]  # grouped_swiglu itself does not build the kernel
     cfg = cfg_of(64, 96, 5, 2)
     ew, ref = quantized_case(cfg, ("mlx4_g32", "q8_0", "q4_0"), rng)
     for t in (3, 11):
@@ -389,6 +402,7 @@ def test_unsupported_quantized_weights_say_why(rng):
 
 
 def test_unsorted_or_overlapping_group_ranges_are_rejected(rng):
+    assert cpu_kernel_status()[0]  # grouped_swiglu itself does not build the kernel
     cfg = cfg_of(32, 32, 3, 1)
     ew, _ = quantized_case(cfg, ("f32",) * 3, rng)
     xs = jnp.asarray(rng.normal(size=(6, 32)).astype(np.float32))
@@ -448,3 +462,161 @@ def test_the_compile_holds_no_lock(monkeypatch):
     monkeypatch.setattr(build, "build_library", slow_build)
     assert cpu_kernel_status() == (False, "fake failure")
     assert seen == [False]
+
+
+# ----------------------------------------------------------------------------- GGUF block kinds
+# Raw GGUF blocks (jaxmoe.quant.GGUF_BLOCKS) read by the kernel; reference: a float64 loop
+# over gguf.quants.dequantize of the same bytes.
+BLOCK_KINDS = tuple(GGUF_BLOCKS)
+Q4_K_M = ("q4_k", "q4_k", "q6_k")
+
+
+def block_width(fmts) -> int:
+    """The smallest input width every format in ``fmts`` divides."""
+    return max(GGUF_BLOCKS[f][0] if f in GGUF_BLOCKS else int(f.split("_g")[1]) if "_g" in f else 32 for f in fmts)
+
+
+@pytest.mark.parametrize("fmt", BLOCK_KINDS)
+@pytest.mark.parametrize("t", [1, 9])
+def test_block_kinds_match_float64(fmt, t, rng):
+    """Every GGUF block kind, in place: within float rounding of the float64 forward of
+    gguf's dequantized weights (F = 96 columns for 32-blocks: 4-column tiles + tails)."""
+    b = GGUF_BLOCKS[fmt][0]
+    d, f = (256, 256) if b == 256 else (64, 96)
+    cfg = cfg_of(d, f, 10, 3)
+    ew, ref = quantized_case(cfg, (fmt,) * 3, rng)
+    assert supports(ew, jnp.float32) is None
+    check_quantized(cfg, ew, ref, *uniform_routing(rng, t, 3, 10), rng, tol=2e-6)
+
+
+@pytest.mark.parametrize("t", [1, 7, 8, 9, 130])
+@pytest.mark.parametrize("fmts", [Q4_K_M, ("q5_0", "q5_1", "q4_1"), ("q5_k", "q8_0", "q5_k")])
+def test_block_kinds_one_expert_takes_every_token(t, fmts, rng):
+    """k = 1 onto one expert: block decode inside the tiles (< 8 rows), the decoded tile
+    buffer (>= 8 rows) and row chunks (> 128 rows); Q4_K_M's q4_k gate/up with q6_k down."""
+    w = block_width(fmts)
+    cfg = cfg_of(w, w, 5, 1)
+    ew, ref = quantized_case(cfg, fmts, rng)
+    ids = np.full((t, 1), 3, np.int32)
+    check_quantized(cfg, ew, ref, ids, rng.uniform(0.1, 1.0, size=(t, 1)).astype(np.float32), rng, tol=2e-6)
+
+
+@pytest.mark.parametrize("fmts", [("q4_k", "q5_0", "q8_0"), ("bf16", "q6_k", "q5_k"), ("q5_1", "mlx4_g64", "q4_1")])
+def test_mixed_block_kinds_and_empty_experts(fmts, rng):
+    w = block_width(fmts)
+    cfg = cfg_of(w, w, 12, 4)
+    ew, ref = quantized_case(cfg, fmts, rng)
+    check_quantized(cfg, ew, ref, *skewed_routing(rng, 40, 4, 12), rng, tol=1e-5)
+
+
+def test_block_kinds_with_biases_and_clamped_activation(rng):
+    base = shrink(jaxmoe.load_config("gpt-oss-20b"), d=256, f=256)
+    assert base.activation == "swiglu_oai" and base.expert_bias
+    ew, ref = quantized_case(base, ("q4_k", "q5_1", "q6_k"), rng, bias=True, gain=30.0)
+    x_probe = rng.normal(size=(4, base.d_model))
+    assert (np.abs(x_probe @ ref["w_gate"][0]) > base.swiglu_limit).mean() > 0.05  # the clamp is hit
+    y, _ = check_quantized(base, ew, ref, *uniform_routing(rng, 11, base.top_k, base.num_experts), rng, tol=2e-5)
+    assert np.isfinite(y).all()
+
+
+def test_block_kinds_with_bf16_activations(rng):
+    cfg = cfg_of(256, 256, 6, 2)
+    ew, ref = quantized_case(cfg, Q4_K_M, rng)
+    assert supports(ew, jnp.bfloat16) is None
+    check_quantized(cfg, ew, ref, *uniform_routing(rng, 13, 2, 6), rng, dtype=jnp.bfloat16, tol=2e-2)
+
+
+def test_column_tails_of_block_kinds(rng):
+    """Task blocks of 7 and 5 columns: 4 / 2-column block tiles plus single-column tails."""
+    assert cpu_kernel_status()[0]  # grouped_swiglu itself does not build the kernel
+    cfg = cfg_of(256, 96, 5, 2)
+    ew, ref = quantized_case(cfg, ("q4_k", "q5_0", "q4_1"), rng)
+    for t in (3, 11):
+        ids, ws = uniform_routing(rng, t, 2, 5)
+        x = rng.normal(size=(t, 256)).astype(np.float32)
+        plan = plan_dispatch(jnp.asarray(ids), 5, 1)
+        r = Routing(jnp.asarray(ids), jnp.asarray(ws))
+        xs = sorted_inputs(jnp.asarray(x), r, plan, cfg)
+        ys = grouped_swiglu(xs, plan.group_offsets[:5], plan.group_sizes, ew, cfg, up_block=7, down_block=5)
+        y = combine(ys, r, plan, cfg)
+        want = np_experts(x, ids, ws, ref, cfg)
+        np.testing.assert_allclose(np.asarray(y), want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    st.integers(1, 3),
+    st.integers(1, 40),
+    st.integers(1, 3),
+    st.sampled_from(BLOCK_KINDS),
+    st.sampled_from(BLOCK_KINDS + ("q8_0",)),
+    st.integers(0, 2**31 - 1),
+)
+def test_hypothesis_block_kinds_shapes_and_routings(nf, t, k, fmt_up, fmt_down, seed):
+    rng = np.random.default_rng(seed)
+    d = block_width((fmt_up,))
+    f = nf * block_width((fmt_down,))
+    cfg = cfg_of(d, f, 7, k)
+    ew, ref = quantized_case(cfg, (fmt_up, fmt_up, fmt_down), rng)
+    ids, ws = skewed_routing(rng, t, k, 7, share=0.9) if k > 1 and rng.random() < 0.5 else uniform_routing(rng, t, k, 7)
+    check_quantized(cfg, ew, ref, ids, ws, rng, tol=5e-6)
+
+
+@pytest.mark.parametrize(
+    "fmt, byte", [("q4_k", 16 + 37), ("q4_k", 5), ("q6_k", 11), ("q6_k", 196), ("q5_0", 9), ("q5_1", 0)]
+)
+@pytest.mark.parametrize("t", [2, 9])
+def test_a_mutated_block_byte_is_caught(fmt, byte, t, rng):
+    """One nibble / packed scale / fp16 scale byte of one block of a used expert changed:
+    the comparison sees it, on both the in-tile (2 rows) and tile-buffer (9 rows) paths."""
+    w = block_width((fmt,))
+    cfg = cfg_of(w, w, 4, 1)
+    ew, ref = quantized_case(cfg, (fmt,) * 3, rng)
+    ids = np.full((t, 1), 2, np.int32)
+    ws = np.ones((t, 1), np.float32)
+    check_quantized(cfg, ew, ref, ids, ws, np.random.default_rng(1), tol=2e-6)  # unmutated: passes
+    q = np.asarray(ew.w_down.qdata).copy()
+    q[2, 7, byte] ^= 0x11  # row 7 of expert 2's down projection (one block per row)
+    bad = dataclasses.replace(ew, w_down=gguf_block_tensor(jnp.asarray(q), fmt))
+    with pytest.raises(AssertionError):
+        check_quantized(cfg, bad, ref, ids, ws, np.random.default_rng(1), tol=2e-6)
+
+
+def test_bad_block_buffers_are_refused_before_running(rng):
+    """A wrong-sized block buffer, a truncated one, an unknown kind: ValueError naming the
+    tensor, the kind and the shapes, before the custom call."""
+    cfg = cfg_of(256, 256, 4, 2)
+    ew, _ = quantized_case(cfg, Q4_K_M, rng)
+    r = Routing(jnp.zeros((3, 2), jnp.int32), jnp.ones((3, 2)))
+    x = jnp.ones((3, 256))
+    wide_up = gguf_block_tensor(jnp.concatenate([ew.w_up.qdata, ew.w_up.qdata], axis=-1), "q4_k")  # in 512
+    wide_down = gguf_block_tensor(jnp.concatenate([ew.w_down.qdata, ew.w_down.qdata], axis=-1), "q6_k")
+    for name, w, pattern in (
+        ("w_up", wide_up, r"w_up \(Q4_K, block 256 in 144 bytes\) of bytes \(4, 256, 288\).*input width 256"),
+        ("w_down", wide_down, r"w_down \(Q6_K, block 256 in 210 bytes\) of bytes \(4, 256, 420\).*width 256"),
+    ):
+        bad = dataclasses.replace(ew, **{name: w})
+        why = supports(bad, jnp.float32)
+        assert why and re.search(pattern, why), why
+        with pytest.raises(ValueError, match=pattern):
+            experts_cpu(x, r, bad, cfg)
+    with pytest.raises(ValueError, match=r"blk\.3\.ffn_down_exps.*Q6_K.*\(4, 256, 209\).*truncated"):
+        gguf_block_tensor(jnp.asarray(ew.w_down.qdata)[..., :-1], "q6_k", name="blk.3.ffn_down_exps")
+    with pytest.raises(ValueError, match=r"Q6_K.*\(4, 256, 209\).*truncated"):
+        dataclasses.replace(ew.w_down, qdata=jnp.asarray(ew.w_down.qdata)[..., :-1])
+    with pytest.raises(ValueError, match=r"Q3_K.*\(4, 256, 210\)"):
+        gguf_block_tensor(ew.w_down.qdata, "Q3_K", name="w_down")
+    with pytest.raises(ValueError, match="unknown 'q3_k'"):
+        QuantizedTensor(ew.w_down.qdata, None, None, "q3_k", 256)
+    # the C++ side checks the same when the custom call is used directly
+    xs = jnp.ones((4, 256), jnp.float32)
+    with pytest.raises(Exception, match=r"w_up: GGUF kind 6 \(block 256 in 144 bytes\), logical \[4, 256, 256\]"):
+        bad = dataclasses.replace(ew, w_up=wide_up)
+        jax.block_until_ready(grouped_swiglu(xs, jnp.array([0, 1, 2, 3]), jnp.ones(4, jnp.int32), bad, cfg))
+
+
+def test_auto_takes_cpu_for_block_kinds(rng):
+    cfg = cfg_of(256, 256, 4, 2)
+    ew, _ = quantized_case(cfg, Q4_K_M, rng)
+    assert policy.resolve_impl("auto", 1, platform="cpu", experts=ew) == "cpu"
+    assert policy.resolve_impl("auto", 64, platform="cpu", experts=ew) == "cpu"
