@@ -183,6 +183,7 @@ def experts_dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoECon
     """
     e = ew.num_experts
     check_expert_ids(routing.expert_ids, e, "experts_dense", shape=(x.shape[0], None), weights=routing.weights)
+    ew = freeze(ew)
     if wants_invariance(cfg, "dense"):  # fixed-shape token blocks
         return row_blocks(lambda xr, ew: _dense(xr[0], xr[1], ew, cfg), (x, routing), ew)
     return _dense(x, routing, ew, cfg)
@@ -227,7 +228,7 @@ def experts_gather(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoECo
     check_expert_ids(
         routing.expert_ids, ew.num_experts, "experts_gather", shape=(x.shape[0], None), weights=routing.weights
     )
-    return _experts_gather(x, routing, ew, cfg)
+    return _experts_gather(x, routing, freeze(ew), cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -289,6 +290,13 @@ def frozen_cotangent(ew: ExpertWeights) -> ExpertWeights:
     router, shared expert or other layers over a quantized MoE; docs/design.md, "Training").
     """
     return zero_cotangent(ew)
+
+
+def freeze(ew: ExpertWeights) -> ExpertWeights:
+    """``ew`` behind `jax.lax.stop_gradient` when frozen (`experts_frozen`), else unchanged:
+    a strategy differentiated by JAX's autodiff then gives the experts zero cotangents
+    (`frozen_cotangent`'s values) and forms no weight gradient."""
+    return jax.lax.stop_gradient(ew) if experts_frozen(ew) else ew
 
 
 def gather_vjp(cfg: MoEConfig, res, g):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import plan_dispatch
-from jaxmoe.experts import ExpertWeights, activation, dot_f32
+from jaxmoe.experts import ExpertWeights, activation, dot_f32, freeze
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.invariance import ROW_BLOCK, row_blocks, wants_invariance
 from jaxmoe.quant import materialize
@@ -30,7 +30,7 @@ def _ragged(a: jax.Array, b: jax.Array, gs: jax.Array) -> jax.Array:
 def experts_ragged_dot(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
     """`jax.lax.ragged_dot` over the sorted rows (comparison only). ``x [T, d]`` -> ``[T, d]`` float32."""
     check_inputs(x, routing, ew, "experts_ragged_dot")
-    return _experts_ragged_dot(x, routing, ew, cfg=cfg)
+    return _experts_ragged_dot(x, routing, freeze(ew), cfg=cfg)  # quantized experts: frozen
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

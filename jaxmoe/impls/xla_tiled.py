@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import plan_dispatch
-from jaxmoe.experts import ExpertWeights, activation, mm
+from jaxmoe.experts import ExpertWeights, activation, freeze, mm
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.invariance import ROW_BLOCK, slot_sum, wants_invariance
 from jaxmoe.quant import materialize
@@ -75,7 +75,7 @@ def experts_xla_tiled(
     bm = block_m
     if t == 0:
         return jnp.zeros((0, x.shape[1]), jnp.float32)
-    return _experts_xla_tiled(x, routing, ew, cfg=cfg, block_m=bm)
+    return _experts_xla_tiled(x, routing, freeze(ew), cfg=cfg, block_m=bm)  # quantized experts: frozen
 
 
 def _swiglu(xv: jax.Array, ids: jax.Array, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
