@@ -1,7 +1,9 @@
 """`MoEBlock`: the Flax NNX module that holds one MoE layer's parameters.
 
 The module only holds variables and calls the pure `jaxmoe.layer.moe_apply`; its
-`params()` method returns the `MoEParams` pytree the functional API takes.
+`params()` method returns the `MoEParams` pytree the functional API takes. For training,
+``block(x, return_aux=True)`` also returns the router's logits, routing and losses
+(`jaxmoe.losses.RouterAux`).
 """
 
 from __future__ import annotations
@@ -15,19 +17,28 @@ from flax import nnx
 from jaxmoe.config import MoEConfig
 from jaxmoe.experts import ExpertWeights, SharedWeights
 from jaxmoe.layer import moe_apply
+from jaxmoe.losses import RouterAux, router_aux, update_selection_bias
 from jaxmoe.parallel import moe_apply_ep
 from jaxmoe.params import MoEParams, init_params
+from jaxmoe.routing import Routing, router_logits
+
+
+class SelectionBias(nnx.Variable):
+    """The router's selection bias ``[E]``: state, not a parameter. Training updates it with
+    `MoEBlock.update_selection_bias` (DeepSeek-V3's loss-free balancing), not the optimizer:
+    ``nnx.Optimizer(block, tx, wrt=nnx.Param)`` and ``nnx.grad`` with an ``nnx.Param``
+    filter leave it alone."""
 
 
 def _var(v):
     return None if v is None else nnx.Param(v)
 
 
-def _val(v: nnx.Param | None) -> jax.Array | None:
+def _val(v: nnx.Variable | None) -> jax.Array | None:
     return None if v is None else v.get_value()
 
 
-def _req(v: nnx.Param | None) -> jax.Array:
+def _req(v: nnx.Variable | None) -> jax.Array:
     if v is None:
         raise ValueError("MoEBlock: a required parameter is missing")
     return v.get_value()
@@ -37,7 +48,15 @@ class MoEBlock(nnx.Module):
     """One MoE layer: router, routed SwiGLU experts, shared expert.
 
     ``block(x)`` maps ``x [..., d]`` to ``y [..., d]``; ``block(x, return_routing=True)``
-    also returns the `jaxmoe.Routing` it used.
+    also returns the `jaxmoe.Routing` it used; ``block(x, return_aux=True)`` returns
+    ``(y, aux)`` with ``aux`` a `jaxmoe.losses.RouterAux`: the router logits ``[T, E]``
+    and routing ``[T, k]`` over the flattened tokens, the Switch load-balancing loss, the
+    router z-loss and DeepSeek-V3's sequence-wise balance loss (sequences: the
+    second-to-last axis of ``x`` when it has three or more, else all of ``x``; scores:
+    sigmoid for ``sigmoid*`` routers, else softmax). The losses are unscaled and
+    differentiable in the router weights; add them to the training loss with your
+    coefficients. The selection bias is not a trained parameter: update it with
+    `jaxmoe.losses.update_selection_bias` from ``aux.routing.expert_ids``.
 
     Args:
       cfg: the `MoEConfig`.
@@ -72,7 +91,7 @@ class MoEBlock(nnx.Module):
     def _set(self, p: MoEParams) -> None:
         self.w_router = nnx.Param(p.w_router)
         self.b_router = _var(p.b_router)
-        self.selection_bias = _var(p.selection_bias)
+        self.selection_bias = None if p.selection_bias is None else SelectionBias(p.selection_bias)
         ew = p.experts
         self.w_gate, self.w_up, self.w_down = nnx.Param(ew.w_gate), nnx.Param(ew.w_up), nnx.Param(ew.w_down)
         self.b_gate, self.b_up, self.b_down = _var(ew.b_gate), _var(ew.b_up), _var(ew.b_down)
@@ -93,15 +112,35 @@ class MoEBlock(nnx.Module):
             shared = SharedWeights(_req(self.s_gate), _req(self.s_up), _req(self.s_down), _val(self.s_sigmoid_gate))
         return MoEParams(_req(self.w_router), ew, _val(self.b_router), _val(self.selection_bias), shared)
 
-    def __call__(self, x: jax.Array, *, return_routing: bool = False, impl: str | None = None):
+    def update_selection_bias(self, expert_ids: jax.Array, gamma: float) -> None:
+        """One loss-free balancing step in place (`jaxmoe.losses.update_selection_bias`)
+        from the ``expert_ids [..., k]`` of the last step(s), e.g. ``aux.routing.expert_ids``.
+        ValueError when the router has no selection bias."""
+        if self.selection_bias is None:
+            raise ValueError(
+                "MoEBlock.update_selection_bias: this router has no selection bias (RouterConfig.use_selection_bias)"
+            )
+        self.selection_bias.set_value(update_selection_bias(self.selection_bias.get_value(), expert_ids, gamma))
+
+    def __call__(
+        self, x: jax.Array, *, return_routing: bool = False, return_aux: bool = False, impl: str | None = None
+    ):
         x = jnp.asarray(x)
         if x.shape[-1] != self.cfg.d_model:
             raise ValueError(f"MoEBlock: x has width {x.shape[-1]} but d_model is {self.cfg.d_model} (shape {x.shape})")
+        if return_routing and return_aux:
+            raise ValueError("MoEBlock: pass return_routing or return_aux, not both (aux.routing is the routing)")
         impl = impl or self.impl
         p = self.params()
+        x = x.astype(self.dtype)
         if self.mesh is not None:
-            return moe_apply_ep(p, x.astype(self.dtype), self.cfg, self.mesh, impl=impl, return_routing=return_routing)
-        return _moe_apply_jit(p, x.astype(self.dtype), self.cfg, impl, return_routing)
+            out = moe_apply_ep(p, x, self.cfg, self.mesh, impl=impl, return_routing=return_routing or return_aux)
+        else:
+            out = _moe_apply_jit(p, x, self.cfg, impl, return_routing or return_aux)
+        if not return_aux:
+            return out
+        y, routing = out
+        return y, _aux_jit(p, x, routing, self.cfg)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
@@ -109,3 +148,14 @@ def _moe_apply_jit(p: MoEParams, x: jax.Array, cfg: MoEConfig, impl: str, return
     # One jitted function per (config, impl): eager calls of the block run compiled, and
     # inside a user's jit this nests at no cost.
     return moe_apply(p, x, cfg, impl=impl, return_routing=return_routing)
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _aux_jit(p: MoEParams, x: jax.Array, routing: Routing, cfg: MoEConfig) -> RouterAux:
+    """`RouterAux` of the call: the logits again (XLA shares them with the layer's own
+    under one jit) and the losses of `jaxmoe.losses.router_aux`."""
+    x2 = x.reshape(-1, cfg.d_model)
+    z = router_logits(x2, p.w_router, p.b_router)
+    seq_len = x.shape[-2] if x.ndim >= 3 else None
+    score_fn = "sigmoid" if cfg.router.score_fn.startswith("sigmoid") else "softmax"
+    return router_aux(z, routing, score_fn=score_fn, seq_len=seq_len)

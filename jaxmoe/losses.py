@@ -10,6 +10,9 @@
   Strategy for Mixture-of-Experts"; DeepSeek-V3 report, section 2.1.2). It returns the
   new selection bias; the bias is a state updated outside the optimizer, not a parameter.
 
+`router_aux` computes the three losses of one layer's call at once (`RouterAux`, what
+``MoEBlock(...)(x, return_aux=True)`` returns beside the output).
+
 None of them multiplies by a loss coefficient: scale them in the training loss. The
 selection (the top-k, the group limit, the selection bias) carries no gradient; the
 losses are differentiable in the logits through the probabilities ``P``.
@@ -17,8 +20,12 @@ losses are differentiable in the logits through the probabilities ``P``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+
+from jaxmoe.routing import Routing
 
 
 def _check(logits: jax.Array, expert_ids: jax.Array, name: str) -> tuple[int, int, int]:
@@ -36,6 +43,7 @@ def _check(logits: jax.Array, expert_ids: jax.Array, name: str) -> tuple[int, in
 def expert_counts(expert_ids: jax.Array, num_experts: int) -> jax.Array:
     """``[E]`` float32: how many (token, slot) pairs chose each expert (ids outside ``[0, E)`` are not counted)."""
     flat = expert_ids.reshape(-1)
+    flat = jnp.where(flat < 0, num_experts, flat)  # a negative index would wrap around in the scatter
     return jnp.zeros((num_experts,), jnp.float32).at[flat].add(1.0, mode="drop")
 
 
@@ -120,3 +128,52 @@ def update_selection_bias(bias: jax.Array, expert_ids: jax.Array, gamma: float) 
     load = expert_counts(expert_ids, bias.shape[0])
     step = gamma * jnp.sign(load.mean() - load)
     return (bias.astype(jnp.float32) + step).astype(bias.dtype)
+
+
+class RouterAux(NamedTuple):
+    """What one MoE layer call adds to a training loss (a pytree; `router_aux` builds it).
+
+    Attributes:
+      logits: ``[T, E]`` float32 router logits over the flattened tokens.
+      routing: the `Routing` ``[T, k]`` the layer used.
+      load_balancing_loss: `switch_load_balancing_loss` of the logits and routing.
+      z_loss: `router_z_loss` of the logits.
+      sequence_balance_loss: `sequence_balance_loss` over the sequences of the call.
+    """
+
+    logits: jax.Array
+    routing: Routing
+    load_balancing_loss: jax.Array
+    z_loss: jax.Array
+    sequence_balance_loss: jax.Array
+
+
+def router_aux(
+    logits: jax.Array, routing: Routing, *, score_fn: str = "softmax", seq_len: int | None = None
+) -> RouterAux:
+    """The router losses of one layer call, as `RouterAux`.
+
+    Args:
+      logits: ``[T, E]`` router logits (`jaxmoe.router_logits`).
+      routing: the `Routing` ``[T, k]`` selected from them.
+      score_fn: ``softmax`` or ``sigmoid``: the scores of `sequence_balance_loss` (a
+        router's ``RouterConfig.score_fn`` family: ``sigmoid*`` -> ``sigmoid``).
+      seq_len: tokens per sequence ``S`` (the ``T`` tokens are ``T // S`` sequences in
+        order); None: one sequence of ``T``.
+    """
+    t = logits.shape[0] if logits.ndim == 2 else -1
+    _check(logits, routing.expert_ids, "router_aux")
+    s = t if seq_len is None else seq_len
+    if s < 1 or t % s:
+        raise ValueError(f"router_aux: seq_len must divide the {t} tokens, got {seq_len!r}")
+    e, k = logits.shape[1], routing.expert_ids.shape[1]
+    seq = sequence_balance_loss(
+        logits.reshape(t // s, s, e), routing.expert_ids.reshape(t // s, s, k), score_fn=score_fn
+    )
+    return RouterAux(
+        logits=logits,
+        routing=routing,
+        load_balancing_loss=switch_load_balancing_loss(logits, routing.expert_ids),
+        z_loss=router_z_loss(logits),
+        sequence_balance_loss=seq,
+    )

@@ -197,3 +197,70 @@ def test_block_bad_input(rng):
         MoEBlock(cfg, params=bad)
     with pytest.raises(ValueError, match="rngs"):
         MoEBlock(cfg)
+
+
+def test_return_aux_gives_the_router_losses(rng):
+    """``return_aux``: logits and routing of the call, losses as numpy computes them from those."""
+    cfg = shrink(jaxmoe.load_config("deepseek-v3"))  # sigmoid router: sigmoid sequence-balance scores
+    block = MoEBlock(cfg, rngs=nnx.Rngs(3))
+    b, s, d = 3, 5, cfg.d_model
+    x = jnp.asarray(rng.normal(size=(b, s, d)), jnp.float32)
+    y, aux = block(x, return_aux=True)
+    y0, r0 = block(x, return_routing=True)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+    np.testing.assert_array_equal(np.asarray(aux.routing.expert_ids), np.asarray(r0.expert_ids))
+    z = np.asarray(x, np.float64).reshape(-1, d) @ np.asarray(block.params().w_router, np.float64)
+    np.testing.assert_allclose(np.asarray(aux.logits), z, rtol=1e-5, atol=1e-5)
+    ids = np.asarray(aux.routing.expert_ids)
+    e, k = cfg.num_experts, cfg.top_k
+    counts = np.bincount(ids.reshape(-1), minlength=e)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(float(aux.load_balancing_loss), e * np.sum(counts / (b * s * k) * p.mean(0)), rtol=1e-5)
+    lse = np.log(np.exp(z).sum(-1))
+    np.testing.assert_allclose(float(aux.z_loss), np.mean(lse**2), rtol=1e-5)
+    sig = 1 / (1 + np.exp(-z.reshape(b, s, e)))
+    sig /= sig.sum(-1, keepdims=True)
+    seq = [
+        np.sum(e / (k * s) * np.bincount(ids.reshape(b, s, k)[i].reshape(-1), minlength=e) * sig[i].mean(0))
+        for i in range(b)
+    ]
+    np.testing.assert_allclose(float(aux.sequence_balance_loss), np.mean(seq), rtol=1e-5)
+    with pytest.raises(ValueError, match="return_routing or return_aux"):
+        block(x, return_routing=True, return_aux=True)
+
+
+def test_router_losses_train_the_router_and_bias_is_state(rng):
+    cfg = shrink(jaxmoe.load_config("deepseek-v3"))
+    block = MoEBlock(cfg, rngs=nnx.Rngs(4))
+    x = jnp.asarray(rng.normal(size=(16, cfg.d_model)), jnp.float32)
+    assert "selection_bias" not in nnx.state(block, nnx.Param)  # kept out of the optimizer
+    g = nnx.grad(lambda m: m(x, return_aux=True)[1].load_balancing_loss, argnums=nnx.DiffState(0, nnx.Param))(block)
+    assert float(jnp.abs(g["w_router"].get_value()).max()) > 0
+    assert float(jnp.abs(g["w_up"].get_value()).max()) == 0  # the losses see the router only
+    bias0 = np.asarray(block.selection_bias.get_value())
+    ids = block(x, return_routing=True)[1].expert_ids
+    block.update_selection_bias(ids, gamma=0.01)
+    want = bias0 + 0.01 * np.sign(
+        np.bincount(np.asarray(ids).reshape(-1), minlength=cfg.num_experts).mean()
+        - np.bincount(np.asarray(ids).reshape(-1), minlength=cfg.num_experts)
+    )
+    np.testing.assert_allclose(np.asarray(block.selection_bias.get_value()), want, rtol=1e-6, atol=1e-7)
+    plain = MoEBlock(shrink(jaxmoe.load_config("qwen3-30b-a3b")), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="no selection bias"):
+        plain.update_selection_bias(ids, gamma=0.01)
+
+
+def test_readme_training_loop_runs():
+    """The README's "Training" block runs as written and its loss falls."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.search(r"## Training\n.*?```python\n(.*?)```", text, re.S).group(1)
+    ns: dict = {}
+    exec(compile(code, "README.md", "exec"), ns)
+    losses = ns["losses"]
+    assert np.isfinite(losses).all() and losses[-1] < 0.5 * losses[0], losses
+    bias = np.asarray(ns["block"].selection_bias.get_value())
+    assert np.abs(bias - np.asarray(jaxmoe.MoEBlock(ns["cfg"], rngs=nnx.Rngs(0)).selection_bias.get_value())).max() > 0

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from jaxmoe import RouterConfig, route
 from jaxmoe.losses import (
     expert_counts,
+    router_aux,
     router_z_loss,
     sequence_balance_loss,
     switch_load_balancing_loss,
@@ -129,3 +130,55 @@ def test_bias_update_moves_load_toward_uniform(rng):
     assert start > 3.0, start
     assert end < 0.5 * start and end < 2.0, (start, end)
     assert np.asarray(bias)[:3].max() < 0 < np.asarray(bias)[3:].max()
+
+
+def test_hand_computed_two_tokens():
+    """Two tokens, two experts, logits (0, ln 3): p = (1/4, 3/4), both pick expert 1."""
+    z = jnp.asarray([[0.0, np.log(3.0)], [0.0, np.log(3.0)]], jnp.float32)
+    ids = jnp.asarray([[1], [1]], jnp.int32)
+    # f = (0, 1), P = (1/4, 3/4): E * sum f P = 2 * 3/4
+    np.testing.assert_allclose(float(switch_load_balancing_loss(z, ids)), 1.5, rtol=1e-6)
+    np.testing.assert_allclose(float(router_z_loss(z)), np.log(4.0) ** 2, rtol=1e-6)  # logsumexp = ln 4
+    # softmax scores: P = (1/4, 3/4), f = E / (k S) * count = (0, 2): 2 * 3/4
+    np.testing.assert_allclose(float(sequence_balance_loss(z, ids, score_fn="softmax")), 1.5, rtol=1e-6)
+    # sigmoid scores (1/2, 3/4) normalized to (2/5, 3/5): 2 * 3/5
+    np.testing.assert_allclose(float(sequence_balance_loss(z, ids, score_fn="sigmoid")), 1.2, rtol=1e-6)
+
+
+def test_sequence_balance_loss_softmax_scores_match_numpy(rng):
+    b, s, e, k = 2, 9, 8, 3
+    z = rng.normal(scale=2.0, size=(b, s, e)).astype(np.float32)
+    ids = np.stack([np.stack([rng.permutation(e)[:k] for _ in range(s)]) for _ in range(b)]).astype(np.int32)
+    want = 0.0
+    for bb in range(b):
+        p = np_softmax(z[bb]).mean(0)
+        counts = np.bincount(ids[bb].reshape(-1), minlength=e)
+        want += (e / (k * s) * counts * p).sum()
+    got = sequence_balance_loss(jnp.asarray(z), jnp.asarray(ids), score_fn="softmax")
+    np.testing.assert_allclose(float(got), want / b, rtol=2e-5)
+
+
+def test_expert_counts_drop_invalid_ids():
+    ids = jnp.asarray([[0, 8], [-1, 2], [2, 0]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(expert_counts(ids, 8)), [2, 0, 2, 0, 0, 0, 0, 0])
+
+
+def test_router_aux_is_the_three_losses(rng):
+    t, e, k, s = 12, 8, 2, 4
+    z = jnp.asarray(rng.normal(size=(t, e)), jnp.float32)
+    r = route(z, RouterConfig(num_experts=e, top_k=k))
+    aux = router_aux(z, r, score_fn="sigmoid", seq_len=s)
+    assert aux.routing is r and aux.logits is z
+    np.testing.assert_allclose(
+        float(aux.load_balancing_loss), np_switch(np.asarray(z), np.asarray(r.expert_ids)), rtol=2e-5
+    )
+    lse = np.log(np.exp(np.asarray(z, np.float64)).sum(-1))
+    np.testing.assert_allclose(float(aux.z_loss), np.mean(lse**2), rtol=2e-5)
+    want = np_sequence(np.asarray(z).reshape(t // s, s, e), np.asarray(r.expert_ids).reshape(t // s, s, k))
+    np.testing.assert_allclose(float(aux.sequence_balance_loss), want, rtol=2e-5)
+    one = router_aux(z, r)  # one sequence of all T tokens
+    np.testing.assert_allclose(
+        float(one.sequence_balance_loss), float(sequence_balance_loss(z, r.expert_ids, score_fn="softmax")), rtol=1e-6
+    )
+    with pytest.raises(ValueError, match="seq_len must divide the 12 tokens"):
+        router_aux(z, r, seq_len=5)
