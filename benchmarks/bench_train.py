@@ -1,0 +1,166 @@
+"""Forward + backward on the CPU: one Qwen3.6-35B-A3B MoE layer (router, routed experts
+top-8 of width 512, sigmoid-gated shared expert, d 2048, float32), per impl and T, against
+the Hugging Face ``Qwen3_5MoeSparseMoeBlock`` (torch CPU, ``loss.backward()``) in the same run.
+
+For each impl: ``fwd`` = the jitted forward ``moe_apply``; ``fwd+bwd`` = the jitted
+``jax.grad`` of ``<moe_apply(p, x), ct>`` w.r.t. every parameter and ``x`` (router, routed
+experts, shared expert: the gradients a training step needs); ``bwd/fwd`` = (fwd+bwd -
+fwd) / fwd. HF: the same loss through the torch block with every parameter and ``x``
+requiring grad, ``loss.backward()`` (parameter grads cleared to None first). Every call
+gets new tokens (cold); each repeat runs every impl once in a rotating order; the table
+shows the best of ``--repeats``. Gradients are checked against HF's before timing (x and
+the routed experts' weights, max error relative to the largest entry).
+
+    python benchmarks/bench_train.py                        # 256 experts, T 64,256,1024 (~14 GB peak)
+    python benchmarks/bench_train.py --experts 64 --tokens 64,256 --impls hf,cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxmoe
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="64,256,1024")
+    ap.add_argument("--impls", default="hf,auto,cpu,xla", help="comma-separated: hf and jaxmoe impls (gather: slow)")
+    ap.add_argument("--experts", type=int, default=None, help="override the number of experts (default 256)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--gather-max-tokens", type=int, default=8, help="skip gather above this T (158 s at T=64)")
+    a = ap.parse_args(argv)
+    a.tokens = [int(t) for t in a.tokens.split(",")]
+    a.impls = [i.strip() for i in a.impls.split(",") if i.strip()]
+    return a
+
+
+def make_hf_train(p: jaxmoe.MoEParams, cfg: jaxmoe.MoEConfig, threads: int):
+    """``step(x, ct) -> (dx, d w_gate [E, d, F])`` through the HF block holding ``p``."""
+    import torch
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    torch.set_num_threads(threads)
+    hc = Qwen3_5MoeTextConfig(
+        hidden_size=cfg.d_model,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k,
+        moe_intermediate_size=cfg.expert_dim,
+        shared_expert_intermediate_size=cfg.shared_expert_dim,
+        hidden_act="silu",
+    )
+    hc._experts_implementation = "eager"
+    blk = hf.Qwen3_5MoeSparseMoeBlock(hc)
+    t = lambda a: torch.from_numpy(np.asarray(a))  # noqa: E731
+    f = cfg.expert_dim
+    with torch.no_grad():
+        ew, sh = p.experts, p.shared
+        blk.experts.gate_up_proj[:, :f, :].copy_(t(ew.w_gate).transpose(1, 2))
+        blk.experts.gate_up_proj[:, f:, :].copy_(t(ew.w_up).transpose(1, 2))
+        blk.experts.down_proj.copy_(t(ew.w_down).transpose(1, 2))
+        blk.gate.weight.copy_(t(p.w_router).T)
+        blk.shared_expert.gate_proj.weight.copy_(t(sh.w_gate).T)
+        blk.shared_expert.up_proj.weight.copy_(t(sh.w_up).T)
+        blk.shared_expert.down_proj.weight.copy_(t(sh.w_down).T)
+        blk.shared_expert_gate.weight.copy_(t(sh.gate)[None, :])
+
+    def step(x, ct):
+        for q in blk.parameters():
+            q.grad = None
+        xt = torch.from_numpy(np.array(x)).requires_grad_(True)
+        out = blk(xt[None])
+        out = out[0] if isinstance(out, tuple) else out
+        loss = (out[0] * torch.from_numpy(np.asarray(ct))).sum()
+        loss.backward()
+        gate_grad = blk.experts.gate_up_proj.grad
+        return xt.grad.numpy(), None if gate_grad is None else gate_grad[:, :f, :].transpose(1, 2).numpy()
+
+    return step
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    cfg = jaxmoe.load_config("qwen3.6-35b-a3b")
+    if a.experts:
+        cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, num_experts=a.experts))
+    d, e, k, f = cfg.d_model, cfg.num_experts, cfg.top_k, cfg.expert_dim
+    print(f"jax {jax.__version__}; layer d={d} E={e} k={k} F={f} Fs={cfg.shared_expert_dim}; float32; cold")
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at start", flush=True)
+    p = jaxmoe.init_params(cfg, jax.random.key(0))
+    jax.block_until_ready(p)
+    hf_step = make_hf_train(p, cfg, a.threads) if "hf" in a.impls else None
+
+    def loss(impl):
+        return lambda p, x, ct: jnp.vdot(jaxmoe.moe_apply(p, x, cfg, impl=impl), ct)
+
+    fwd = {i: jax.jit(lambda p, x, i=i: jaxmoe.moe_apply(p, x, cfg, impl=i)) for i in a.impls if i != "hf"}
+    grad = {i: jax.jit(jax.grad(loss(i), argnums=(0, 1))) for i in a.impls if i != "hf"}
+    rows = []
+    for t in a.tokens:
+        n = 1 + a.repeats * len(a.impls)
+        xs = [jax.random.normal(jax.random.key(100 * t + r), (t, d), jnp.float32) for r in range(n)]
+        cts = [jax.random.normal(jax.random.key(100 * t + r + 50), (t, d), jnp.float32) for r in range(n)]
+        ref = hf_step(xs[0], cts[0]) if hf_step else None
+        fns = {}
+        for impl in a.impls:
+            if impl == "gather" and t > a.gather_max_tokens:
+                print(f"T={t:5d} {impl:8s} skipped (T > {a.gather_max_tokens})", flush=True)
+                continue
+            if impl == "hf":
+                fns[impl] = (hf_step, None)
+                continue
+            try:
+                gp, gx = grad[impl](p, xs[0], cts[0])
+                jax.block_until_ready(fwd[impl](p, xs[0]))
+            except Exception as err:  # e.g. a strategy without reverse mode
+                print(f"T={t:5d} {impl:8s} fails: {type(err).__name__}: {str(err).splitlines()[0][:120]}", flush=True)
+                continue
+            if ref is not None:
+                ex = float(np.abs(np.asarray(gx) - ref[0]).max() / np.abs(ref[0]).max())
+                ew = float(np.abs(np.asarray(gp.experts.w_gate) - ref[1]).max() / np.abs(ref[1]).max())
+                print(f"T={t:5d} {impl:8s} grad vs HF: dx rel {ex:.1e}, dW_gate rel {ew:.1e}", flush=True)
+                if not (ex < 1e-3 and ew < 1e-3):
+                    print(f"T={t} {impl}: gradients differ from HF", file=sys.stderr)
+                    return 1
+            fns[impl] = (lambda x, c, g=grad[impl]: g(p, x, c), lambda x, j=fwd[impl]: j(p, x))
+        times = {i: ([], []) for i in fns}
+        order = list(fns)
+        for r in range(a.repeats):
+            for j, impl in enumerate(order[r % len(order) :] + order[: r % len(order)]):
+                x, c = xs[1 + r * len(order) + j], cts[1 + r * len(order) + j]
+                step, fw = fns[impl]
+                t0 = time.perf_counter()
+                jax.block_until_ready(step(x, c))
+                times[impl][0].append((time.perf_counter() - t0) * 1e3)
+                if fw is not None:
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(fw(x))
+                    times[impl][1].append((time.perf_counter() - t0) * 1e3)
+        hf_ms = min(times["hf"][0]) if "hf" in times else None
+        for impl, (tb, tf) in times.items():
+            row = dict(T=t, impl=impl, step=min(tb), fwd=min(tf) if tf else None)
+            row["vs_hf"] = hf_ms / row["step"] if hf_ms else None
+            rows.append(row)
+            print(f"T={t:5d} {impl:8s} fwd+bwd {row['step']:9.1f} ms (median {np.median(tb):.1f})", flush=True)
+    print("\n|    T | impl     |  fwd ms | fwd+bwd ms | bwd/fwd | HF ms / impl ms |")
+    print("|-----:|:---------|--------:|-----------:|--------:|----------------:|")
+    for r in rows:
+        fw = f"{r['fwd']:7.1f}" if r["fwd"] else "      -"
+        ratio = f"{(r['step'] - r['fwd']) / r['fwd']:7.2f}" if r["fwd"] else "      -"
+        vs = f"{r['vs_hf']:15.2f}" if r["vs_hf"] else "              -"
+        print(f"| {r['T']:4d} | {r['impl']:8s} | {fw} | {r['step']:10.1f} | {ratio} | {vs} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
