@@ -793,6 +793,8 @@ class BackwardBlocks:
     tgmm: tuple[int, int, int] = (32, 64, 64)
     num_warps: int = 4
     num_stages: int = 2
+    #: warps of `gate_up_backward`: three float32 accumulators (4 warps spill at 64 x 64 x 64 in float32)
+    gate_up_warps: int = 8
 
 
 def _fit(block: int, dim: int) -> int:

@@ -260,7 +260,7 @@ def _vjp_bwd(cfg, kc, interpret, debug, res, dy):
             block_m=bm,
             block_n=bb.gate_up[0],
             block_k=bb.gate_up[1],
-            **lkw,
+            **dict(lkw, num_warps=bb.gate_up_warps),
         )
         rv = plan.row_valid()
         dxs = gmm_transposed(
