@@ -292,6 +292,43 @@ def _cases() -> list[Case]:
     c = jaxmoe.load_config("mixtral-8x7b")
     for t in (1, 2048):
         add(f"size/mixtral-8x7b/int4/T{t}", "size", functools.partial(layer, c, t, "int4", jnp.bfloat16, 32))
+
+    # tests/test_pallas_backward.py: the reverse mode (issue 13), the layer's gradient with the
+    # backward kernels (pallas_kernels/backward.py). Float experts: input, routing-weight,
+    # weight and bias gradients; quantized experts are frozen (input and routing weights only).
+    # Family "kernel" so that --ci keeps them all.
+    def backward(cfg, t, kind, dt, gs):
+        def fn(x, ids, w, ew):
+            def loss(x, w, ew):
+                return jnp.sum(experts_pallas(x, jaxmoe.Routing(ids, w), ew, cfg, interpret=False))
+
+            if kind in DT:
+                return jax.grad(loss, argnums=(0, 1, 2))(x, w, ew)
+            return jax.grad(lambda x, w: loss(x, w, ew), argnums=(0, 1))(x, w)
+
+        k = cfg.top_k
+        return fn, (S((t, cfg.d_model), dt), S((t, k), jnp.int32), S((t, k), jnp.float32), experts(cfg, kind, dt, gs))
+
+    for variant, kw in (
+        ("oai_bias", dict(activation="swiglu_oai", expert_bias=True)),
+        ("weight_on_input", dict(weight_on_input=True)),
+    ):
+        for t in (2, 40):
+            c = small_cfg("qwen3-30b-a3b", 128, 64, 8, 2, **kw)
+            add(f"backward/{variant}/bf16/T{t}", "kernel", functools.partial(backward, c, t, "bf16", jnp.bfloat16, 64))
+    for kind in ("f32", "q8_0", "int4"):
+        c = small_cfg("qwen3-30b-a3b", 128, 64, 8, 2)
+        add(
+            f"backward/plain/{kind}/T40",
+            "kernel",
+            functools.partial(backward, c, 40, kind, DT.get(kind, jnp.bfloat16), 64),
+        )
+    for short, preset in (("qwen3.6", "qwen3.6-35b-a3b"), ("mixtral", "mixtral-8x7b")):
+        c = jaxmoe.load_config(preset)
+        for kind in ("bf16", "q8_0"):
+            add(
+                f"backward/{short}/{kind}/T2048", "kernel", functools.partial(backward, c, 2048, kind, jnp.bfloat16, 32)
+            )
     return cases
 
 
