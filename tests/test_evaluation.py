@@ -26,6 +26,7 @@ from jaxmoe.evaluation.reference import dequantize_f64, reference_forward
 from jaxmoe.evaluation.runner import moe_apply_jit
 from jaxmoe.evaluation.schema import apply_overrides, evals_dir, list_eval_configs, parse_override
 from jaxmoe.evaluation.sources import shrink_config
+from jaxmoe.evaluation.train import TrainEvalConfig, reference_grads
 from jaxmoe.experts import ExpertWeights, SharedWeights
 from jaxmoe.params import MoEParams
 
@@ -590,7 +591,12 @@ def test_eval_reads_a_gguf_file(tmp_path, rng):
 def test_kind_key_picks_schema_and_runner(tmp_path, monkeypatch, capsys):
     """Every shipped config names its kind; the kind picks the schema and the runner; one
     engine checks every kind (unknown keys, types, --set) with errors naming file and key."""
-    want = {"default": EvalConfig, "expert-parallel": ExpertParallelConfig, "offload": OffloadSweepConfig}
+    want = {
+        "default": EvalConfig,
+        "expert-parallel": ExpertParallelConfig,
+        "offload": OffloadSweepConfig,
+        "train": TrainEvalConfig,
+    }
     assert {n: k.config_class for n, k in KINDS.items()} == want
     for name in list_eval_configs():
         raw = yaml.safe_load((evals_dir() / f"{name}.yaml").read_text())
@@ -715,3 +721,119 @@ def test_reference_matches_transformers_deepseek_v3_moe(rng):
     y, r = reference_forward(params, x, cfg)
     np.testing.assert_array_equal(np.sort(r.expert_ids, -1), np.sort(hf_ids.numpy(), -1))
     assert M.errors(y, y_hf)["rel"] < 1e-6  # HF's router runs in float32
+
+
+# --------------------------------------------------------------------------- kind: train
+
+
+def _train_loss(params, x, g, cfg):
+    return float(np.sum(g * reference_forward(params, x, cfg)[0]))
+
+
+@pytest.mark.parametrize(
+    "router, weight_on_input",
+    [
+        (RouterConfig(num_experts=6, top_k=2, renorm="sum"), False),  # Qwen
+        (
+            RouterConfig(
+                num_experts=6, top_k=2, score_fn="sigmoid", renorm="add", renorm_eps=0.3, routed_scaling_factor=2.5
+            ),
+            False,
+        ),
+        (RouterConfig(num_experts=6, top_k=3, score_fn="softmax_topk", renorm="none"), False),  # Mixtral
+        (RouterConfig(num_experts=6, top_k=1, score_fn="sigmoid_topk", renorm="none"), True),  # Llama 4
+        (RouterConfig(num_experts=6, top_k=2, score_fn="sigmoid", renorm="clamp", renorm_eps=1e-3), False),
+    ],
+)
+def test_train_reference_grads_match_finite_differences(router, weight_on_input, rng):
+    """`reference_grads` (hand-written float64 backward) against central differences of the
+    float64 forward `reference_forward`, at random coordinates of every gradient."""
+    t, d, f, e = 5, 8, 6, router.num_experts
+    cfg = MoEConfig(
+        d_model=d,
+        expert_dim=f,
+        router=router,
+        shared_expert_dim=4,
+        num_shared_experts=1,
+        shared_expert_gate=True,
+        weight_on_input=weight_on_input,
+    )
+    n = lambda *s: rng.normal(size=s) * 0.7  # noqa: E731
+    params = MoEParams(
+        n(d, e),
+        ExpertWeights(n(e, d, f), n(e, d, f), n(e, f, d)),
+        None,
+        None,
+        SharedWeights(n(d, 4), n(d, 4), n(4, d), n(d)),
+    )
+    x, g = n(t, d), n(t, d)
+    experts: dict[str, list] = {"experts.w_gate": [], "experts.w_up": [], "experts.w_down": []}
+    small, _ = reference_grads(params, x, g, cfg, lambda i, gr: [experts[k].append(v) for k, v in gr.items()])
+    where = {
+        "x": (lambda a: (params, a), x),
+        "w_router": (lambda a: (dataclasses.replace(params, w_router=a), x), params.w_router),
+        "experts.w_gate": (
+            lambda a: (dataclasses.replace(params, experts=dataclasses.replace(params.experts, w_gate=a)), x),
+            params.experts.w_gate,
+        ),
+        "experts.w_down": (
+            lambda a: (dataclasses.replace(params, experts=dataclasses.replace(params.experts, w_down=a)), x),
+            params.experts.w_down,
+        ),
+        "shared.w_up": (
+            lambda a: (dataclasses.replace(params, shared=dataclasses.replace(params.shared, w_up=a)), x),
+            params.shared.w_up,
+        ),
+        "shared.gate": (
+            lambda a: (dataclasses.replace(params, shared=dataclasses.replace(params.shared, gate=a)), x),
+            params.shared.gate,
+        ),
+    }
+    grads = {**small, **{k: np.stack(v) for k, v in experts.items()}}
+    h = 1e-6
+    for name, (put, base) in where.items():
+        for _ in range(12):
+            idx = tuple(int(rng.integers(s)) for s in base.shape)
+            hi, lo = base.copy(), base.copy()
+            hi[idx] += h
+            lo[idx] -= h
+            fd = (_train_loss(*put(hi), g, cfg) - _train_loss(*put(lo), g, cfg)) / (2 * h)
+            assert grads[name][idx] == pytest.approx(fd, rel=1e-5, abs=1e-7), (name, idx)
+
+
+def test_eval_train_end_to_end(tmp_path, capsys):
+    """`jaxmoe eval train` at tiny shapes: each impl's gradients within 1e-5 of float64, the
+    Hugging Face block's too; an impossible tolerance fails the gate (exit code 1)."""
+    shrink = "model.shrink={d_model: 64, expert_dim: 32, shared_expert_dim: 32, num_experts: 16}"
+    args = ["train", "--set", shrink, "--set", "tokens=[3, 9]", "--set", "repeats=1", "--no-progress"]
+    out = tmp_path / "run"
+    rc = cli_main([*args, "--set", "impls=[auto, cpu, xla, dense]", "--set", "tolerance=1e-5", "--out", str(out)])
+    assert rc == 0, capsys.readouterr()
+    res = json.loads((out / "results.json").read_text())
+    assert res["kind"] == "train" and res["gate"]["passed"]
+    rows = {(c["impl"], c["tokens"]): c for c in res["cases"]}
+    assert set(rows) == {(i, t) for i in ("hf", "auto", "cpu", "xla", "dense") for t in (3, 9)}
+    for c in rows.values():
+        assert c["status"] == "pass" and c["routing_agreement"] == 1.0
+        assert set(c["grad_err"]) == {"x", "router", "experts", "shared", "max"}
+        assert 0 < c["grad_err"]["max"] < 1e-5 and c["step_ms"] > 0 and c["fwd_ms"] > 0
+        assert c["impl"] == "hf" or c["vs_hf"] == pytest.approx(rows["hf", c["tokens"]]["step_ms"] / c["step_ms"])
+    md = (out / "report.md").read_text()
+    assert md.count("| pass |") == 10 and "gate: passed" in md
+    rc = cli_main(
+        [*args, "--set", "impls=[dense]", "--set", "hf=false", "--set", "tolerance=1e-12", "--out", str(tmp_path / "f")]
+    )
+    assert rc == 1
+    res = json.loads((tmp_path / "f" / "results.json").read_text())
+    assert not res["gate"]["passed"] and {c["status"] for c in res["cases"]} == {"fail"}
+
+
+def test_eval_train_config_errors():
+    with pytest.raises(ConfigError, match=r"train\.yaml: key 'hf'.*Qwen3_5MoeSparseMoeBlock"):
+        load_any("train", ["model.preset=mixtral-8x7b"])
+    with pytest.raises(ConfigError, match=r"key 'model\.preset'.*no float64 backward reference"):
+        load_any("train", ["model.preset=gpt-oss-20b", "hf=false"])
+    with pytest.raises(ConfigError, match=r"key 'impl_max_tokens\.gather'.*not one of impls"):
+        load_any("train", ["impl_max_tokens={gather: 8}"])
+    cfg = load_any("train")
+    assert cfg.kind == "train" and cfg.hf and cfg.tokens == (64, 256)

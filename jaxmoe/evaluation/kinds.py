@@ -7,7 +7,9 @@ A config's top-level ``kind`` key picks its row of `KINDS` (``default`` when abs
 - ``expert-parallel``: meshes against the single-device layer
   (`jaxmoe.evaluation.expert_parallel`);
 - ``offload``: cache budgets x predictors with experts streamed from storage
-  (`jaxmoe.evaluation.offload`).
+  (`jaxmoe.evaluation.offload`);
+- ``train``: forward + backward step time and gradient error per impl against a float64
+  reference and the Hugging Face block's torch backward (`jaxmoe.evaluation.train`).
 
 Every kind goes through the same schema engine (`jaxmoe.evaluation.schema`), so unknown
 keys, wrong types and ``--set`` overrides behave alike, and every runner has the same
@@ -27,10 +29,13 @@ import jaxmoe.evaluation.config as default_kind
 import jaxmoe.evaluation.expert_parallel as expert_parallel
 import jaxmoe.evaluation.offload as offload
 import jaxmoe.evaluation.runner as runner
+import jaxmoe.evaluation.train as train
 from jaxmoe.evaluation.schema import find_config, prepare, read_config_file
 
 #: Any kind's config dataclass.
-AnyEvalConfig = default_kind.EvalConfig | expert_parallel.ExpertParallelConfig | offload.OffloadSweepConfig
+AnyEvalConfig = (
+    default_kind.EvalConfig | expert_parallel.ExpertParallelConfig | offload.OffloadSweepConfig | train.TrainEvalConfig
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +80,13 @@ KINDS: dict[str, EvalKind] = {
             offload.config_from_mapping,
             offload.run,
             "experts streamed from storage: cache budgets x policies x predictors",
+        ),
+        EvalKind(
+            train.KIND,
+            train.TrainEvalConfig,
+            train.config_from_mapping,
+            train.run,
+            "training step per impl: fwd+bwd time vs the HF torch block, gradient error vs float64",
         ),
     )
 }
