@@ -219,3 +219,22 @@ def test_bad_inputs_raise(rng):
         bw.gate_up_backward(x, x, plan.token_idx, *meta, wg, wu, wd, scale="output", block_m=16)
     with pytest.raises(ValueError, match="w_down"):
         bw.gate_up_backward(x, x, plan.token_idx, *meta, wg, wu, wg, scale="none", block_m=16)
+
+
+def test_saved_residuals(rng, capsys):
+    """The VJP saves its inputs and the unweighted expert outputs ``z [T * k, d]`` only:
+    no ``[T, E, ...]`` and no ``[rows, F]`` array (h, g, u are recomputed)."""
+    from jax.ad_checkpoint import print_saved_residuals
+
+    d, f, e, k, t = 32, 24, 8, 2, 40
+    cfg = _cfg(d, f, e, k)
+    ew = jaxmoe.init_params(cfg, jax.random.key(0)).experts
+    ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    w = jnp.asarray(rng.random((t, k)), jnp.float32)
+    run = functools.partial(experts_pallas, cfg=cfg, interpret=True)
+    print_saved_residuals(lambda x, w, ew: run(x, jaxmoe.Routing(ids, w), ew), x, w, ew)
+    out = capsys.readouterr().out
+    shapes = {tuple(int(v) for v in s.split(",") if v) for s in re.findall(r"\[([\d,]*)\]", out)}
+    allowed = {(t, d), (t, k), (e, d, f), (e, f, d), (t * k, d)}
+    assert (t * k, d) in shapes and shapes <= allowed | {()}, out
