@@ -9,6 +9,8 @@ weights into kernel operands (float arrays or `quant.QuantWeight`).
 - `swiglu`: fused gate + up projection with the SwiGLU epilogue, rows gathered in-kernel.
 - `down`: down projection with bias and routing weight fused, and the deterministic combine.
 - `decode`: one program per (token, expert) pair for few tokens.
+- `backward`: the reverse mode over the same plan (gate/up backward with the SwiGLU
+  derivative fused, input gradient against transposed weights, deterministic tgmm).
 - `quant`: weight operands (`quant.QuantWeight` for Q8_0 int8, MLX / Q4_0 4-bit) and
   in-kernel dequantization.
 - `tuning`: the block-size table; `common`: Triton compiler params, activation, checks.
