@@ -412,7 +412,7 @@ def hf_case(blk, cfg: MoEConfig, xs: list, g, rcfg: TrainEvalConfig) -> tuple[di
     """Times the HF block's forward and ``loss.backward()``; returns (timings, small grads, expert(e))."""
     import torch
 
-    gt = torch.from_numpy(np.asarray(g))
+    gt = torch.from_numpy(np.array(g))
 
     def step(i):
         blk.zero_grad(set_to_none=True)
