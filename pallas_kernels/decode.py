@@ -31,7 +31,15 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import common
 from pallas_kernels.common import Activation
 from pallas_kernels.gmm import fit_block_k
-from pallas_kernels.quant import WeightLayout, dequantize_reference, load_tile, tile_matvec, weight_operands
+from pallas_kernels.quant import (
+    WeightLayout,
+    dequantize_reference,
+    load_tile,
+    planes_of,
+    quant_matvec,
+    tile_matvec,
+    weight_operands,
+)
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -81,14 +89,22 @@ def _pair_kernel(*refs, spec: PairSpec, aliased: bool):
     n0 = j * bn
     ns = n0 + jnp.arange(bn, dtype=jnp.int32)
 
+    def load_x(start, size: int, stride: int):
+        ks = start + stride * jnp.arange(size, dtype=jnp.int32)
+        at = (
+            lhs_ref.at[row, pl.ds(start, size)] if stride == 1 else lhs_ref.at[row, ks]
+        )  # no strided ds in interpret mode
+        x = plgpu.load(at, mask=ks < spec.k, other=0)
+        return x.astype(cdt).astype(jnp.float32)
+
+    def matvec(lay, wr, k0):
+        if lay.kind != "dense" and planes_of(lay) <= lay.group_size:
+            return quant_matvec(lay, wr, e, k0, n0, bk, bn, load_x)
+        return tile_matvec(load_x(k0, bk, 1), *load_tile(lay, wr, e, k0, n0, bk, bn, cdt))
+
     def step(i, accs):
         k0 = i * bk
-        ks = k0 + jnp.arange(bk, dtype=jnp.int32)
-        xr = plgpu.load(lhs_ref.at[row, pl.ds(k0, bk)], mask=ks < spec.k, other=0).astype(cdt)  # [bk]
-        return tuple(
-            acc + tile_matvec(xr, *load_tile(lay, wr, e, k0, n0, bk, bn, cdt))
-            for acc, lay, wr in zip(accs, spec.layouts, w_refs)
-        )
+        return tuple(acc + matvec(lay, wr, k0) for acc, lay, wr in zip(accs, spec.layouts, w_refs))
 
     zero = jnp.zeros((bn,), jnp.float32)
     accs = jax.lax.fori_loop(0, pl.cdiv(spec.k, bk), step, tuple(zero for _ in spec.layouts))

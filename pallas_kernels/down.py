@@ -40,6 +40,7 @@ def _check(where, h, w_down, b_down, row_scale, word_loads=False):
         "num_stages",
         "out_dtype",
         "word_loads",
+        "tf32",
         "interpret",
         "debug",
     ),
@@ -62,6 +63,7 @@ def down_project(
     num_stages: int = 3,
     out_dtype=jnp.float32,
     word_loads: bool | None = None,
+    tf32: bool = False,
     interpret: bool = False,
     debug: bool = False,
 ):
@@ -75,6 +77,8 @@ def down_project(
       out: optional ``[P, d]`` buffer of ``out_dtype`` aliased to the output.
       word_loads: quantized codes loaded as int32 words (`quant.as_words`); None: only
         for a code array of >= 2^31 elements, which 32-bit offsets cannot address.
+      tf32: float32 inputs multiplied as TensorFloat-32 on the tensor cores (faster, 10-bit
+        mantissas); default False: full float32 precision. 16-bit inputs are unaffected.
     Returns:
       ``[P, d]`` in ``out_dtype`` (sorted rows).
     """
@@ -100,6 +104,7 @@ def down_project(
         out_dtype=odt.name,
         num_warps=num_warps,
         num_stages=num_stages,
+        tf32=tf32,
     )
     return grouped_call(
         spec,

@@ -47,6 +47,7 @@ class GroupedSpec:
       has_bias: per-expert biases ``[E, N]`` (one per weight).
       act: the epilogue activation of two weights.
       compute_dtype, out_dtype: dtype the tiles are multiplied in, dtype written.
+      tf32: float32 tiles multiplied as TensorFloat-32 (else full float32 precision).
     """
 
     rows: int
@@ -64,6 +65,7 @@ class GroupedSpec:
     out_dtype: str
     num_warps: int = 4
     num_stages: int = 3
+    tf32: bool = False
 
 
 def _grouped_kernel(*refs, spec: GroupedSpec, aliased: bool):
@@ -105,7 +107,7 @@ def _grouped_kernel(*refs, spec: GroupedSpec, aliased: bool):
             xm = valid[:, None] & (ks < spec.k)[None, :]
             xt = plgpu.load(lhs_ref.at[src[:, None], ks[None, :]], mask=xm, other=0).astype(cdt)  # [bm, bk]
             return tuple(
-                acc + tile_matmul(xt, *load_tile(lay, wr, e, k0, n0, bk, bn, cdt))
+                acc + tile_matmul(xt, *load_tile(lay, wr, e, k0, n0, bk, bn, cdt), tf32=spec.tf32)
                 for acc, lay, wr in zip(accs, spec.layouts, w_refs)
             )
 
@@ -203,6 +205,7 @@ def fit_block_k(block_k: int, layouts) -> int:
         "num_stages",
         "out_dtype",
         "word_loads",
+        "tf32",
         "interpret",
         "debug",
     ),
@@ -223,6 +226,7 @@ def gmm(
     num_stages: int = 3,
     out_dtype=None,
     word_loads: bool | None = None,
+    tf32: bool = False,
     interpret: bool = False,
     debug: bool = False,
 ):
@@ -238,6 +242,8 @@ def gmm(
         quantization group).
       word_loads: quantized codes loaded as int32 words (`quant.as_words`); None: only
         for a code array of >= 2^31 elements, which 32-bit offsets cannot address.
+      tf32: float32 inputs multiplied as TensorFloat-32 on the tensor cores (faster, 10-bit
+        mantissas); default False: full float32 precision. 16-bit inputs are unaffected.
     Returns:
       ``[P, N]`` in ``out_dtype`` (default ``lhs.dtype``), float32 accumulation.
     """
@@ -264,6 +270,7 @@ def gmm(
         out_dtype=odt.name,
         num_warps=num_warps,
         num_stages=num_stages,
+        tf32=tf32,
     )
     return grouped_call(
         spec,

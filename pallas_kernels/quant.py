@@ -267,19 +267,90 @@ def load_tile(layout: WeightLayout, refs, e, k0, n0, bk: int, bn: int, dtype):
         q = load_codes(layout, refs[0], e, n0, ns, k0, bn, bk).astype(jnp.float32)
         w = (q.reshape(bn, ng, g) * s[:, :, None]).reshape(bn, bk)
         return w.astype(dtype), False
-    p = load_codes(layout, refs[0], e, n0, ns, k0 // 2, bn, bk // 2)
-    lo = (p & 0xF).astype(jnp.float32)
-    hi = (p >> 4).astype(jnp.float32)
-    q = jnp.stack([lo, hi], axis=-1).reshape(bn, bk)
+    # dequantized per nibble plane (each [bn, bk / 2], in the compute dtype), then interleaved:
+    # no float32 [bn, bk] code tile next to the result (fewer live registers, issue 12)
     b = plgpu.load(refs[2].at[e, pl.ds(n0, bn), pl.ds(k0 // g, ng)], mask=sm, other=0).astype(jnp.float32)
+    _, planes = code_planes(layout, refs[0], e, n0, ns, k0, bn, bk)
+    if len(planes) == 2 and g >= 2:
+        sb = [(q.reshape(bn, ng, g // 2) * s[:, :, None] + b[:, :, None]).reshape(bn, bk // 2) for q in planes]
+        return interleave([h.astype(dtype) for h in sb]), False
+    q = interleave(planes)  # word loads: 8 nibble planes
     w = (q.reshape(bn, ng, g) * s[:, :, None] + b[:, :, None]).reshape(bn, bk)
     return w.astype(dtype), False
 
 
-def tile_matmul(x: jax.Array, tile: jax.Array, k_major: bool) -> jax.Array:
-    """``x [bm, bk] @ tile`` -> ``[bm, bn]`` float32 (tile ``[bk, bn]`` or ``[bn, bk]``)."""
+def tile_matmul(x: jax.Array, tile: jax.Array, k_major: bool, tf32: bool = False) -> jax.Array:
+    """``x [bm, bk] @ tile`` -> ``[bm, bn]`` float32 (tile ``[bk, bn]`` or ``[bn, bk]``).
+
+    float32 operands are multiplied at full float32 precision (Triton ``ieee``) unless
+    ``tf32`` (then TensorFloat-32 tensor cores: 10-bit mantissas, faster); 16-bit operands
+    are unaffected."""
     dims = (((1,), (0,)), ((), ())) if k_major else (((1,), (1,)), ((), ()))
-    return jax.lax.dot_general(x, tile, dims, preferred_element_type=jnp.float32)
+    prec = jax.lax.Precision.DEFAULT if tf32 else jax.lax.Precision.HIGHEST
+    return jax.lax.dot_general(x, tile, dims, precision=prec, preferred_element_type=jnp.float32)
+
+
+def code_planes(layout: WeightLayout, ref, e, n0, ns, k0, bn: int, bk: int) -> tuple[int, list[jax.Array]]:
+    """The codes of a ``[bn, bk]`` tile as ``m`` planes ``[bn, bk / m]`` without interleaving
+    them (in-kernel): plane ``i`` holds the codes of rows ``k0 + m j + i``. Returns ``(m, planes)``
+    with float32 planes: int8 codes, int4 values 0..15."""
+    if layout.kind == "int8":
+        if layout.word == 1:
+            q = load_codes(layout, ref, e, n0, ns, k0, bn, bk)
+            return 1, [q.astype(jnp.float32)]
+        wb = layout.word
+        nw = bk // wb
+        ws = k0 // wb + jnp.arange(nw, dtype=jnp.int32)
+        m = (ns < layout.n)[:, None] & (ws < layout.k // wb)[None, :]
+        words = plgpu.load(ref.at[e, pl.ds(n0, bn), pl.ds(k0 // wb, nw)], mask=m, other=0)
+        planes = [jnp.right_shift(jnp.left_shift(words, 24 - 8 * i), 24) for i in range(wb)]
+        return wb, [p.astype(jnp.float32) for p in planes]
+    if layout.word == 1:
+        p = load_codes(layout, ref, e, n0, ns, k0 // 2, bn, bk // 2)
+        return 2, [(p & 0xF).astype(jnp.float32), (p >> 4).astype(jnp.float32)]
+    wb = layout.word
+    nw = bk // (2 * wb)
+    ws = k0 // (2 * wb) + jnp.arange(nw, dtype=jnp.int32)
+    m = (ns < layout.n)[:, None] & (ws < layout.k // (2 * wb))[None, :]
+    words = plgpu.load(ref.at[e, pl.ds(n0, bn), pl.ds(k0 // (2 * wb), nw)], mask=m, other=0)
+    planes = [jnp.right_shift(words, 4 * i) & 0xF for i in range(2 * wb)]
+    return 2 * wb, [p.astype(jnp.float32) for p in planes]
+
+
+def quant_matvec(layout: WeightLayout, refs, e, k0, n0, bk: int, bn: int, load_x) -> jax.Array:
+    """``x[k0 : k0 + bk] @ W[e][k0 : k0 + bk, n0 : n0 + bn]`` -> ``[bn]`` float32 for a
+    quantized weight (in-kernel), without dequantizing the tile: per quantization group,
+    ``s * sum(x * q) (+ b * sum(x))``. The codes stay in planes (`code_planes`), each
+    multiplied by the strided part of ``x`` it pairs with: no interleave, no ``[bn, bk]``
+    float tile. ``load_x(start, size, stride)`` loads ``[size]`` float32 entries of ``x``
+    (zero past K). Needs the group size to be a multiple of the plane count."""
+    g = layout.group_size
+    ng = bk // g
+    ns = n0 + jnp.arange(bn, dtype=jnp.int32)
+    mp, planes = code_planes(layout, refs[0], e, n0, ns, k0, bn, bk)
+    per = g // mp  # codes of one group in one plane
+    dot = None
+    xsum = None
+    for i, q in enumerate(planes):
+        xi = load_x(k0 + i, bk // mp, mp)  # [bk / m]
+        t = (q * xi[None, :]).reshape(bn, ng, per).sum(axis=2)  # [bn, ng]
+        dot = t if dot is None else dot + t
+        if layout.kind == "int4":
+            xs = xi.reshape(ng, per).sum(axis=1)
+            xsum = xs if xsum is None else xsum + xs
+    gs = k0 // g + jnp.arange(ng, dtype=jnp.int32)
+    sm = (ns < layout.n)[:, None] & (gs < layout.k // g)[None, :]
+    s = plgpu.load(refs[1].at[e, pl.ds(n0, bn), pl.ds(k0 // g, ng)], mask=sm, other=0).astype(jnp.float32)
+    y = dot * s
+    if layout.kind == "int4":
+        b = plgpu.load(refs[2].at[e, pl.ds(n0, bn), pl.ds(k0 // g, ng)], mask=sm, other=0).astype(jnp.float32)
+        y = y + b * xsum[None, :]
+    return y.sum(axis=1)
+
+
+def planes_of(layout: WeightLayout) -> int:
+    """Code planes of a quantized layout (`code_planes`): 1, 2, 4 or 8."""
+    return (1 if layout.kind == "int8" else 2) * layout.word
 
 
 def tile_matvec(x: jax.Array, tile: jax.Array, k_major: bool) -> jax.Array:

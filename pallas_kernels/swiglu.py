@@ -51,6 +51,7 @@ def _check(where, x, token_idx, w_gate, w_up, b_gate, b_up, row_scale, word_load
         "num_warps",
         "num_stages",
         "word_loads",
+        "tf32",
         "interpret",
         "debug",
     ),
@@ -78,6 +79,7 @@ def gate_up_swiglu(
     num_warps: int = 4,
     num_stages: int = 3,
     word_loads: bool | None = None,
+    tf32: bool = False,
     interpret: bool = False,
     debug: bool = False,
 ):
@@ -93,6 +95,8 @@ def gate_up_swiglu(
       out: optional ``[P, F]`` buffer of ``x.dtype`` aliased to the output.
       word_loads: quantized codes loaded as int32 words (`quant.as_words`); None: only
         for a code array of >= 2^31 elements, which 32-bit offsets cannot address.
+      tf32: float32 inputs multiplied as TensorFloat-32 on the tensor cores (faster, 10-bit
+        mantissas); default False: full float32 precision. 16-bit inputs are unaffected.
     Returns:
       ``h [P, F]`` in ``x.dtype`` (sorted rows), float32 accumulation and epilogue.
     """
@@ -117,6 +121,7 @@ def gate_up_swiglu(
         out_dtype=x.dtype.name,
         num_warps=num_warps,
         num_stages=num_stages,
+        tf32=tf32,
     )
     return grouped_call(
         spec,

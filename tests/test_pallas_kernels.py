@@ -563,7 +563,8 @@ def test_weight_operand_errors(rng):
 @pytest.mark.parametrize("kind", ["int8", "q4_0", "int4_mlx64"])
 def test_word_loads_match_byte_loads(rng, kind):
     """Codes loaded as int32 words (what code arrays of >= 2^31 elements get, forced here
-    at a small size) give the references' values and exactly the byte loads' results."""
+    at a small size) give the references' values, and exactly the byte loads' results in
+    the grouped kernels (the decode kernel sums its code planes in another order)."""
     e, d, f, t, k, bm = 4, 128, 128, 9, 2, 16
     ids = jnp.asarray(routing_ids(rng, "uneven", t, k, e))
     plan = plan_dispatch(ids, e, bm)
@@ -593,8 +594,9 @@ def test_word_loads_match_byte_loads(rng, kind):
             assert_close(h, gate_up_swiglu_reference(x, plan.token_idx, plan.group_offsets, wg, wu), jnp.float32, kind)
             assert_close(y, down_project_reference(h, plan.group_offsets, wd), jnp.float32, kind)
             assert_close(hd, decode_gate_up_reference(x, ids, wg, wu), jnp.float32, kind)
-    for a, b in zip(words, (h, y, hd)):
+    for a, b in zip(words[:2], (h, y)):  # grouped kernels: same tiles, same float ops
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_close(words[2], hd, jnp.float32, f"decode {kind}: words vs bytes")  # planes sum in another order
 
 
 def test_as_words_round_trip_and_errors(rng):
@@ -610,3 +612,18 @@ def test_as_words_round_trip_and_errors(rng):
     odd = QuantWeight(q[..., :6], jnp.ones((3, 5, 3), jnp.float32), None, "int8", 2)
     with pytest.raises(ValueError, match=r"w_down: int8 codes \(3, 5, 6\) are loaded as int32 words.*multiple of 4"):
         as_words(*weight_operands(odd, "w_down"), "w_down", word_loads=True)
+
+
+def test_float32_gmm_matches_float64(rng):
+    """float32 activations and weights: the grouped matmul agrees with a float64 numpy loop
+    at float32 accuracy (the kernels multiply float32 tiles at full precision by default)."""
+    e, k_in, n, bm = 3, 256, 48, 16
+    sizes = np.array([7, 0, 20])
+    ids = jnp.asarray(np.repeat(np.arange(e), sizes).reshape(-1, 1).astype(np.int32))
+    plan = plan_dispatch(ids, e, bm)
+    lhs = rng.standard_normal((sizes.sum(), k_in)).astype(np.float32)
+    w = rng.standard_normal((e, k_in, n)).astype(np.float32)
+    y = gmm(jnp.asarray(lhs), jnp.asarray(w), *plan_meta(plan), block_m=bm, block_n=16, block_k=64, interpret=True)
+    ex = np.repeat(np.arange(e), sizes)
+    want = np.stack([lhs[r].astype(np.float64) @ w[ex[r]].astype(np.float64) for r in range(sizes.sum())])
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=1e-5, atol=1e-5 * np.sqrt(k_in))

@@ -167,3 +167,53 @@ def test_deepseek_v3_q8_0_operands_fit_32_bit_offsets(t):
     for sizes in calls:
         assert max(sizes) < 2**31, f"a Triton kernel operand has {max(sizes):.3g} >= 2^31 elements: {sizes}"
         assert e * d * f // 4 in sizes, f"the codes are not passed whole as int32 words: {sizes}"
+
+
+def triton_ir(f, *args) -> list[str]:
+    """The Triton IR text of each Triton custom call of ``f`` lowered for CUDA (the
+    ``ir`` of the custom call's backend config, MLIR bytecode, parsed back)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton.lowering import _new_ir_context
+
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    out = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for o in block.operations:
+                    oo = o.operation
+                    if oo.name == "stablehlo.custom_call" and TRITON_CALL.search(
+                        str(oo.attributes["call_target_name"])
+                    ):
+                        bc = oo.attributes["mhlo.backend_config"]
+                        with _new_ir_context():
+                            out.append(str(ir.Module.parse(ir.StringAttr(bc["ir"]).value_bytes)))
+                    walk(oo)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    return out
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+def test_float32_dots_full_precision_unless_tf32(rng, tf32):
+    """float32 tiles are multiplied at full precision (Triton ``ieee``), as TF32 only when asked."""
+    d, f, e, t, k = 128, 64, 4, 20, 2
+    wg, wu, wd = weights(rng, e, d, f, "f32")
+    ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
+    plan = plan_dispatch(ids, e, 16)
+    meta = (plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    h = jnp.asarray(rng.standard_normal((t * k, f)), jnp.float32)
+    kw = dict(block_m=16, block_n=32, block_k=64, tf32=tf32)
+    irs = triton_ir(lambda a, w1, w2: gate_up_swiglu(a, plan.token_idx, *meta, w1, w2, **kw), x, wg, wu)
+    irs += triton_ir(lambda a, w: down_project(a, *meta, w, **kw), h, wd)
+    irs += triton_ir(lambda a, w: gmm(a, w, *meta, **kw), h, wd)
+    assert len(irs) == 3
+    for txt in irs:
+        dots = [ln for ln in txt.splitlines() if "tt.dot" in ln]
+        assert dots, "no tt.dot in the kernel"
+        for ln in dots:
+            assert ("tf32" in ln) == tf32, ln.strip()[:300]
