@@ -685,7 +685,9 @@ def tgmm(
       row_scale: ``[P]`` float or None, multiplies the rhs rows (in float32).
     Returns:
       ``[E, K, N]`` float32; an expert with no rows gets zeros. Each (expert, K block,
-      N block) program adds its expert's row tiles in order: deterministic.
+      N block) program adds its expert's row tiles in order: deterministic. float32
+      operands multiply at the dot's default precision (TensorFloat-32 on the GPU; the
+      forward's and the input gradient's tiles use full float32, `quant.tile_matmul`).
     """
     common.check_array("tgmm: lhs", lhs, (None, None), kinds="float")
     common.check_array("tgmm: rhs", rhs, (None, None), kinds="float")
