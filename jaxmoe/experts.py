@@ -265,7 +265,7 @@ def zero_cotangent(tree):
     input of a `jax.custom_vjp`)."""
 
     def zero(a):
-        dt = np.result_type(a)
+        dt = np.dtype(a.dtype) if hasattr(a, "dtype") else np.result_type(a)
         if np.issubdtype(dt, np.inexact):
             return jnp.zeros(np.shape(a), dt)
         return np.zeros(np.shape(a), jax.dtypes.float0)

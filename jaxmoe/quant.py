@@ -157,7 +157,7 @@ def check_gguf_blocks(w: QuantizedTensor, name: str = "QuantizedTensor") -> None
     if len(shape) < 2:
         raise ValueError(f"{where}: block bytes must be [..., out, n_blocks * {block_bytes}], got shape {tuple(shape)}")
     dt = getattr(w.qdata, "dtype", None)
-    if dt is not None and np.dtype(dt) != np.uint8:
+    if dt is not None and np.dtype(dt) not in (np.uint8, jax.dtypes.float0):  # float0: a (frozen) cotangent
         raise ValueError(f"{where}: block bytes must be uint8, got {dt} of shape {tuple(shape)}")
     if shape[-1] % block_bytes:
         raise ValueError(
