@@ -24,7 +24,9 @@ ids, in their stored format) plus the shared expert and router by the call's tim
 
 ``--dtype`` picks the routed experts' format (a comma list runs each in turn): ``f32``,
 ``bf16``, ``q8_0`` (int8 codes, float16 scale per 32), ``q4_0`` (int4, float16 scale
-and bias per 32), ``mlx4_g64`` (MLX affine 4-bit, group 64); quantized experts hold
+and bias per 32), ``mlx4_g64`` (MLX affine 4-bit, group 64), the GGUF block kinds
+``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q5_k``, ``q6_k`` (the file's block bytes) and
+``q4_k_m`` (gate/up q4_k, down q6_k, as in a Q4_K_M file); quantized experts hold
 random codes (speed does not depend on the values; the outputs are still checked against
 ``xla``). ``--ggml BIN`` also runs llama.cpp's MoE layer graph (``ggml_moe_layer`` from
 ``/work/shared/anchors``, built by its ``build_ggml_moe_layer.sh``) on the same layer
@@ -56,9 +58,26 @@ import numpy as np
 import jaxmoe
 
 JAX_IMPLS = ("auto", "cpu", "xla", "gather", "ragged_dot", "dense")
-DTYPES = ("f32", "bf16", "q8_0", "q4_0", "mlx4_g64")
-#: The ggml type each expert format is compared with.
-GGML_TYPE = {"f32": "f32", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0", "mlx4_g64": "q4_0"}
+#: GGUF block kinds kept as the file's block bytes (``q4_k_m``: gate/up q4_k, down q6_k, as a
+#: Q4_K_M file stores the experts).
+BLOCK_DTYPES = ("q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k_m")
+DTYPES = ("f32", "bf16", "q8_0", "q4_0", "mlx4_g64", *BLOCK_DTYPES)
+#: The ggml type each expert format is compared with (ggml_moe_layer takes one type for all
+#: three matrices: q4_k_m is compared with q4_K, whose down projection reads fewer bytes).
+GGML_TYPE = {
+    "f32": "f32",
+    "bf16": "bf16",
+    "q8_0": "q8_0",
+    "q4_0": "q4_0",
+    "mlx4_g64": "q4_0",
+    "q4_1": "q4_1",
+    "q5_0": "q5_0",
+    "q5_1": "q5_1",
+    "q4_k": "q4_K",
+    "q5_k": "q5_K",
+    "q6_k": "q6_K",
+    "q4_k_m": "q4_K",
+}
 
 
 def parse_args(argv=None):
@@ -102,6 +121,21 @@ def parse_args(argv=None):
     return a
 
 
+def block_weight(kind: str, e: int, i: int, o: int, seed: int):
+    """Random valid GGUF blocks of ``kind`` for a logical ``[e, i, o]`` weight: random codes
+    and packed scales, small finite float16 block scales (speed does not depend on values)."""
+    from jaxmoe.quant import GGUF_BLOCKS, gguf_block_tensor
+
+    block, size = GGUF_BLOCKS[kind]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (e, o, i // block, size), dtype=np.uint8)
+    scale = (rng.uniform(0.5, 1.5, (e, o, i // block, 1)) * 0.02 / math.sqrt(i) / 16).astype(np.float16)
+    at = {"q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (size - 2,)}[kind]
+    for off in at:
+        b[..., off : off + 2] = scale.view(np.uint8)
+    return gguf_block_tensor(jnp.asarray(b.reshape(e, o, -1)), kind, n_in=i)
+
+
 def expert_weights(p: jaxmoe.MoEParams, fmt: str, key) -> jaxmoe.MoEParams:
     """``p`` with its routed experts in ``fmt`` (quantized ones hold random codes)."""
     from jaxmoe.quant import QuantizedTensor
@@ -109,10 +143,13 @@ def expert_weights(p: jaxmoe.MoEParams, fmt: str, key) -> jaxmoe.MoEParams:
     if fmt == "f32":
         return p
 
-    def conv(w, k):
+    def conv(w, k, which):
         e, i, o = w.shape
         if fmt == "bf16":
             return w.astype(jnp.bfloat16)
+        if fmt in BLOCK_DTYPES:
+            kind = ("q6_k" if which == 2 else "q4_k") if fmt == "q4_k_m" else fmt
+            return block_weight(kind, e, i, o, seed=which)
         g = 64 if fmt == "mlx4_g64" else 32
         s = (jax.random.uniform(k, (e, o, i // g), jnp.float32, 0.5, 1.5) * 0.02 / math.sqrt(i)).astype(jnp.float16)
         if fmt == "q8_0":
@@ -123,7 +160,7 @@ def expert_weights(p: jaxmoe.MoEParams, fmt: str, key) -> jaxmoe.MoEParams:
     ks = jax.random.split(key, 3)
     ew = p.experts
     ew = dataclasses.replace(
-        ew, w_gate=conv(ew.w_gate, ks[0]), w_up=conv(ew.w_up, ks[1]), w_down=conv(ew.w_down, ks[2])
+        ew, w_gate=conv(ew.w_gate, ks[0], 0), w_up=conv(ew.w_up, ks[1], 1), w_down=conv(ew.w_down, ks[2], 2)
     )
     return dataclasses.replace(p, experts=ew)
 
