@@ -454,7 +454,7 @@ def test_compiler_calls_time_out(monkeypatch, tmp_path):
 def test_the_compile_holds_no_lock(monkeypatch):
     seen = []
 
-    def slow_build(cxx):
+    def slow_build(cxx, source=build.SOURCE):
         seen.append(build._lock.locked())
         raise RuntimeError("fake failure")
 
