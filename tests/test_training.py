@@ -176,7 +176,7 @@ def test_frozen_quantized_experts(quant, rng):
                 assert not np.asarray(a).any(), f"{quant} {impl}: the frozen experts got a gradient"
 
 
-@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("impl", [*CPU_IMPLS, "pallas"])
 def test_empty_experts_get_zero_gradient(impl, rng):
     _needs_kernel(impl)
     cfg = _cfg("gpt-oss-20b", d=16, f=16, e=8)  # biases too
@@ -194,7 +194,7 @@ def test_empty_experts_get_zero_gradient(impl, rng):
         assert np.abs(a[used]).max() > 0, jax.tree_util.keystr(path)
 
 
-@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("impl", [*CPU_IMPLS, "pallas"])  # pallas: interpret mode
 def test_nan_weights_stay_in_their_row(impl, rng):
     """A token whose routing weights are NaN: NaN in its own row of dx only."""
     _needs_kernel(impl)
@@ -211,11 +211,12 @@ def test_nan_weights_stay_in_their_row(impl, rng):
 
 
 def test_auto_backward_per_platform(rng):
-    """``auto``'s backward is each platform's own strategy: lowered for Intel (xla_tiled) and
-    CUDA (pallas forward; until the Pallas VJP, xla_tiled's backward) the gradient holds no
-    loop (``gather``'s backward is a loop over the pairs)."""
+    """``auto``'s backward is each platform's own strategy: lowered for Intel (xla_tiled) the
+    gradient holds no loop (``gather``'s backward is a loop over the pairs); lowered for CUDA
+    it runs the Pallas backward kernels (Triton calls) and no loop either."""
     assert backward_impl("xla") == "xla" and backward_impl("cpu") == "cpu"
-    assert OWN_REVERSE >= {"dense", "gather", "xla", "xla_tiled", "ragged_dot", "cpu"}
+    assert backward_impl("pallas") == "pallas"
+    assert OWN_REVERSE >= {"dense", "gather", "xla", "xla_tiled", "ragged_dot", "cpu", "pallas"}
     assert BACKWARD_FALLBACK == "xla_tiled"
     cfg = _cfg(d=32, f=16, e=8)
     p = random_params(cfg, rng)
@@ -224,6 +225,8 @@ def test_auto_backward_per_platform(rng):
     for plat in ("oneapi", "cuda"):
         txt = g.trace(p, x).lower(lowering_platforms=(plat,)).as_text()
         assert "stablehlo.while" not in txt, plat
+        if plat == "cuda":  # forward gmm + the backward's kernels, all Triton
+            assert txt.count("__gpu$xla.gpu.triton") >= 3, txt.count("__gpu$xla.gpu.triton")
 
 
 def test_xla_saves_no_expert_by_token_residual(rng, capsys):

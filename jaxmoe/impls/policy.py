@@ -37,12 +37,12 @@ GPU_XLA = "xla_tiled"
 
 #: Strategies with a reverse mode of their own (autodiff of plain XLA ops, or a
 #: `jax.custom_vjp` whose backward runs in the same strategy: ``xla``'s loop over the
-#: touched experts, ``cpu``'s C++ backward kernels).
-OWN_REVERSE: frozenset[str] = frozenset({"dense", "gather", "xla", "xla_tiled", "ragged_dot", "cpu"})
+#: touched experts, ``cpu``'s C++ backward kernels, ``pallas``'s grouped-matmul kernels).
+OWN_REVERSE: frozenset[str] = frozenset({"dense", "gather", "xla", "xla_tiled", "ragged_dot", "cpu", "pallas"})
 
 #: The backward a platform branch without its own reverse mode runs inside ``auto``'s
-#: platform switch (``pallas`` until its VJP lands): the loop-free XLA formulation a GPU
-#: takes, never the per-pair ``gather`` loop.
+#: platform switch (a registered strategy outside `OWN_REVERSE`): the loop-free XLA
+#: formulation a GPU takes, never the per-pair ``gather`` loop.
 BACKWARD_FALLBACK = "xla_tiled"
 
 
