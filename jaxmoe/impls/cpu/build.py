@@ -21,6 +21,7 @@ import hashlib
 import importlib.metadata
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -55,6 +56,13 @@ def _compiler() -> str | None:
         if c and shutil.which(c):
             return shutil.which(c)
     return None
+
+
+def extra_flags() -> list[str]:
+    """``$JAXMOE_CXXFLAGS`` split on whitespace: flags added after `CXXFLAGS` (part of the
+    cache key), e.g. ``-fsanitize=address -g`` to check the kernels for out-of-bounds
+    accesses (run Python with the sanitizer's runtime in ``LD_PRELOAD``)."""
+    return shlex.split(os.environ.get("JAXMOE_CXXFLAGS", ""))
 
 
 def _cpu_flags() -> str:
@@ -104,9 +112,10 @@ def build_library(cxx: str, source: Path = SOURCE) -> Path:
     `COMPILE_TIMEOUT_S` (``$JAXMOE_CXX_TIMEOUT``).
     """
     version = _run([cxx, "--version"]).stdout.splitlines()[:1]
+    flags = [*CXXFLAGS, *extra_flags()]
     key = hashlib.sha256(
         "\0".join(
-            [source.read_text(), importlib.metadata.version("jaxlib"), cxx, *version, *CXXFLAGS, _cpu_flags()]
+            [source.read_text(), importlib.metadata.version("jaxlib"), cxx, *version, *flags, _cpu_flags()]
         ).encode()
     ).hexdigest()[:16]
     lib = cache_dir() / f"{source.stem}-{key}.so"
@@ -115,7 +124,7 @@ def build_library(cxx: str, source: Path = SOURCE) -> Path:
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
-        cmd = [cxx, *CXXFLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(out)]
+        cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(out)]
         r = _run(cmd)
         if r.returncode != 0:
             raise RuntimeError(f"compiling {source.name} failed ({' '.join(cmd)}):\n{r.stderr[-4000:]}")
