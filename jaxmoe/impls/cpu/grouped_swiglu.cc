@@ -383,31 +383,66 @@ inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
+// Codes (bytes) to float32 in vectors: out[l] = s * (float(q[l]) - z) + m for l < n
+// (n a multiple of the vector width; z, m exact small constants or 0), the operations of
+// gguf.quants.dequantize: float(q - z) == float(q) - z exactly for these small codes.
+inline vf u8_to_vf(const uint8_t* p) {
+#if JM_LANES == 16 && defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vu8 q;
+  std::memcpy(&q, p, kLanes);
+  return __builtin_convertvector(q, vf);
+#endif
+}
+
+enum Affine : int { kScaleAdd, kScaleSub, kScaleShift };  // s q + m | s q - m | s (q - z)
+
+template <int Mode, int N>
+inline void codes_to_float(const uint8_t* q, float s, float m, float z, float* out) {
+  static_assert(N % kLanes == 0, "a group fills whole vectors");
+  const vf sv = vf{} + s, mv = vf{} + m, zv = vf{} + z;
+  for (int l = 0; l < N; l += kLanes) {
+    const vf f = u8_to_vf(q + l);
+    vf w;
+    if constexpr (Mode == kScaleAdd) {
+      w = sv * f;
+      w = w + mv;
+    } else if constexpr (Mode == kScaleSub) {
+      w = sv * f;
+      w = w - mv;
+    } else {
+      w = sv * (f - zv);
+    }
+    store(out + l, w);
+  }
+}
+
 template <int Q>
 inline void decode_block(const uint8_t* b, float* __restrict out) {
+  alignas(64) uint8_t q[256];  // the block's codes, one byte each (byte loops vectorize)
   if constexpr (Q == kQ4_1) {  // d f16, m f16, 16 bytes of nibbles: w = d q + m
-    const float d = f16_at(b), m = f16_at(b + 2);
     const uint8_t* qs = b + 4;
-    for (int l = 0; l < 16; ++l) out[l] = d * float(qs[l] & 15) + m;
-    for (int l = 0; l < 16; ++l) out[l + 16] = d * float(qs[l] >> 4) + m;
+    for (int l = 0; l < 16; ++l) {
+      q[l] = qs[l] & 15;
+      q[l + 16] = qs[l] >> 4;
+    }
+    codes_to_float<kScaleAdd, 32>(q, f16_at(b), f16_at(b + 2), 0.f, out);
   } else if constexpr (Q == kQ5_0 || Q == kQ5_1) {  // d f16, [m f16], qh u32, 16 bytes of nibbles
-    const float d = f16_at(b);
-    const float m = Q == kQ5_1 ? f16_at(b + 2) : 0.f;
     const int o = Q == kQ5_1 ? 4 : 2;
     uint32_t qh;
     std::memcpy(&qh, b + o, 4);
     const uint8_t* qs = b + o + 4;
     for (int l = 0; l < 16; ++l) {
-      const int q0 = (qs[l] & 15) | int(((qh >> l) & 1u) << 4);
-      const int q1 = (qs[l] >> 4) | int(((qh >> (l + 16)) & 1u) << 4);
-      if constexpr (Q == kQ5_0) {
-        out[l] = d * float(q0 - 16);
-        out[l + 16] = d * float(q1 - 16);
-      } else {
-        out[l] = d * float(q0) + m;
-        out[l + 16] = d * float(q1) + m;
-      }
+      q[l] = uint8_t((qs[l] & 15) | (((qh >> l) & 1u) << 4));
+      q[l + 16] = uint8_t((qs[l] >> 4) | (((qh >> (l + 16)) & 1u) << 4));
     }
+    if constexpr (Q == kQ5_0)
+      codes_to_float<kScaleShift, 32>(q, f16_at(b), 0.f, 16.f, out);  // d (q - 16)
+    else
+      codes_to_float<kScaleAdd, 32>(q, f16_at(b), f16_at(b + 2), 0.f, out);
   } else if constexpr (Q == kQ4_K || Q == kQ5_K) {
     // d f16, dmin f16, 12 scale bytes, [qh 32 bytes (Q5_K)], qs 128 bytes; 8 sub-blocks of
     // 32: sub-block 2p = low nibbles of qs[32p..], 2p+1 = their high nibbles;
@@ -416,18 +451,18 @@ inline void decode_block(const uint8_t* b, float* __restrict out) {
     const uint8_t* sc6 = b + 4;
     const uint8_t* qh = b + 16;
     const uint8_t* qs = b + (Q == kQ5_K ? 48 : 16);
+    for (int p = 0; p < 4; ++p)
+      for (int l = 0; l < 32; ++l) {
+        q[64 * p + l] = qs[32 * p + l] & 15;
+        q[64 * p + 32 + l] = qs[32 * p + l] >> 4;
+      }
+    if constexpr (Q == kQ5_K)
+      for (int j = 0; j < 8; ++j)
+        for (int l = 0; l < 32; ++l) q[32 * j + l] |= uint8_t(((qh[l] >> j) & 1) << 4);
     for (int j = 0; j < 8; ++j) {
       int sc, mn;
       k_scale_min(sc6, j, sc, mn);
-      const float ds = d * float(sc), dm = dmin * float(mn);
-      const uint8_t* q = qs + 32 * (j / 2);
-      const int shift = 4 * (j & 1);
-      float* o = out + 32 * j;
-      for (int l = 0; l < 32; ++l) {
-        int v = (q[l] >> shift) & 15;
-        if constexpr (Q == kQ5_K) v |= ((qh[l] >> j) & 1) << 4;
-        o[l] = ds * float(v) - dm;
-      }
+      codes_to_float<kScaleSub, 32>(q + 32 * j, d * float(sc), dmin * float(mn), 0.f, out + 32 * j);
     }
   } else {  // Q6_K: ql 128 bytes, qh 64 bytes, 16 int8 scales, d f16; w = (d sc) (q - 32)
     const uint8_t* ql = b;
@@ -435,19 +470,13 @@ inline void decode_block(const uint8_t* b, float* __restrict out) {
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const float d = f16_at(b + 208);
     for (int h = 0; h < 2; ++h)
-      for (int s = 0; s < 4; ++s) {  // 32 elements: 128 h + 32 s + l
+      for (int s = 0; s < 4; ++s) {  // elements 128 h + 32 s + l
         const uint8_t* lo = ql + 64 * h + 32 * (s & 1);
         const uint8_t* hi = qh + 32 * h;
         const int nib = 4 * (s >> 1), hs = 2 * s;
-        for (int half = 0; half < 2; ++half) {
-          const float ds = d * float(sc[8 * h + 2 * s + half]);
-          float* o = out + 128 * h + 32 * s + 16 * half;
-          for (int l = 16 * half; l < 16 * half + 16; ++l) {
-            const int v = (((lo[l] >> nib) & 15) | (((hi[l] >> hs) & 3) << 4)) - 32;
-            o[l - 16 * half] = ds * float(v);
-          }
-        }
+        for (int l = 0; l < 32; ++l) q[128 * h + 32 * s + l] = uint8_t(((lo[l] >> nib) & 15) | (((hi[l] >> hs) & 3) << 4));
       }
+    for (int g = 0; g < 16; ++g) codes_to_float<kScaleShift, 16>(q + 16 * g, d * float(sc[g]), 0.f, 32.f, out + 16 * g);
   }
 }
 
