@@ -65,8 +65,9 @@ def resolve_impl(
     ``xla_tiled`` (`GPU_XLA`) on Intel GPUs through the oneAPI PJRT plugin, at every
     ``T``. On the CPU, ``cpu`` (the C++ kernel of `jaxmoe.impls.cpu`, which reads the
     selected experts in place) when ``experts`` are given, it takes them (float32 /
-    bfloat16, or int8 / int4 `QuantizedTensor`s: `jaxmoe.impls.cpu.supports`) and it built
-    on this machine. Otherwise (CPU without the kernel, other quantized kinds, any other
+    bfloat16, int8 / int4 or GGUF block-kind `QuantizedTensor`s:
+    `jaxmoe.impls.cpu.supports`) and it built
+    on this machine. Otherwise (CPU without the kernel, experts it refuses, any other
     platform) ``gather`` for at most
     `GATHER_MAX_PAIRS` token pairs ``T * k``, else ``xla``.
     An explicit ``xla`` on an Intel platform is ``xla_tiled`` (its GPU shape); other
