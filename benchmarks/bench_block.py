@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxmoe
+from jaxmoe.evaluation.hf_block import qwen35_moe_block
 
 JAX_IMPLS = ("auto", "cpu", "xla", "gather", "ragged_dot", "dense")
 #: GGUF block kinds kept as the file's block bytes (``q4_k_m``: gate/up q4_k, down q6_k, as a
@@ -242,34 +243,10 @@ def matmul_rate(n=2048, repeats=5) -> float:
 
 
 def make_hf_block(p: jaxmoe.MoEParams, cfg: jaxmoe.MoEConfig, threads: int):
-    """The HF ``Qwen3_5MoeSparseMoeBlock`` holding the same weights as ``p`` (one torch copy)."""
+    """``run(x [T, d]) -> [T, d]``: the HF ``Qwen3_5MoeSparseMoeBlock`` holding ``p`` (no grad)."""
     import torch
-    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
-    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
-    torch.set_num_threads(threads)
-    hc = Qwen3_5MoeTextConfig(
-        hidden_size=cfg.d_model,
-        num_experts=cfg.num_experts,
-        num_experts_per_tok=cfg.top_k,
-        moe_intermediate_size=cfg.expert_dim,
-        shared_expert_intermediate_size=cfg.shared_expert_dim,
-        hidden_act="silu",
-    )
-    hc._experts_implementation = "eager"  # the per-expert loop of modeling_qwen3_5_moe (the default)
-    blk = hf.Qwen3_5MoeSparseMoeBlock(hc).eval()  # torch.empty parameters: untouched until filled
-    t = lambda a: torch.from_numpy(np.asarray(a))  # noqa: E731  zero-copy view of the jax buffer
-    f = cfg.expert_dim
-    with torch.no_grad():
-        ew, sh = p.experts, p.shared
-        blk.experts.gate_up_proj[:, :f, :].copy_(t(ew.w_gate).transpose(1, 2))
-        blk.experts.gate_up_proj[:, f:, :].copy_(t(ew.w_up).transpose(1, 2))
-        blk.experts.down_proj.copy_(t(ew.w_down).transpose(1, 2))
-        blk.gate.weight.copy_(t(p.w_router).T)
-        blk.shared_expert.gate_proj.weight.copy_(t(sh.w_gate).T)
-        blk.shared_expert.up_proj.weight.copy_(t(sh.w_up).T)
-        blk.shared_expert.down_proj.weight.copy_(t(sh.w_down).T)
-        blk.shared_expert_gate.weight.copy_(t(sh.gate)[None, :])
+    blk = qwen35_moe_block(p, cfg, threads).eval()
 
     def run(x):
         with torch.no_grad():

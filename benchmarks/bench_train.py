@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxmoe
+from jaxmoe.evaluation.hf_block import qwen35_moe_block
 
 
 def parse_args(argv=None):
@@ -47,32 +48,9 @@ def parse_args(argv=None):
 def make_hf_train(p: jaxmoe.MoEParams, cfg: jaxmoe.MoEConfig, threads: int):
     """``step(x, ct) -> (dx, d w_gate [E, d, F])`` through the HF block holding ``p``."""
     import torch
-    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
-    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
-    torch.set_num_threads(threads)
-    hc = Qwen3_5MoeTextConfig(
-        hidden_size=cfg.d_model,
-        num_experts=cfg.num_experts,
-        num_experts_per_tok=cfg.top_k,
-        moe_intermediate_size=cfg.expert_dim,
-        shared_expert_intermediate_size=cfg.shared_expert_dim,
-        hidden_act="silu",
-    )
-    hc._experts_implementation = "eager"
-    blk = hf.Qwen3_5MoeSparseMoeBlock(hc)
-    t = lambda a: torch.from_numpy(np.asarray(a))  # noqa: E731
+    blk = qwen35_moe_block(p, cfg, threads)
     f = cfg.expert_dim
-    with torch.no_grad():
-        ew, sh = p.experts, p.shared
-        blk.experts.gate_up_proj[:, :f, :].copy_(t(ew.w_gate).transpose(1, 2))
-        blk.experts.gate_up_proj[:, f:, :].copy_(t(ew.w_up).transpose(1, 2))
-        blk.experts.down_proj.copy_(t(ew.w_down).transpose(1, 2))
-        blk.gate.weight.copy_(t(p.w_router).T)
-        blk.shared_expert.gate_proj.weight.copy_(t(sh.w_gate).T)
-        blk.shared_expert.up_proj.weight.copy_(t(sh.w_up).T)
-        blk.shared_expert.down_proj.weight.copy_(t(sh.w_down).T)
-        blk.shared_expert_gate.weight.copy_(t(sh.gate)[None, :])
 
     def step(x, ct):
         for q in blk.parameters():

@@ -66,6 +66,7 @@ from rich.console import Console
 
 from jaxmoe.config import MoEConfig, RouterConfig, list_presets, load_config
 from jaxmoe.evaluation.config import ShrinkSection
+from jaxmoe.evaluation.hf_block import qwen35_moe_block
 from jaxmoe.evaluation.reference import RefRouting, route_f64, router_logits_f64, to_f64
 from jaxmoe.evaluation.report import make_run_dir
 from jaxmoe.evaluation.schema import Context, RunOptions, check_impls, check_name, mapping_reader, to_plain
@@ -375,39 +376,6 @@ def time_calls(fn: Callable[[int], Any], repeats: int, budget_s: float) -> dict[
     return {"best_ms": 1e3 * min(ts), "median_ms": 1e3 * float(np.median(ts)), "calls": len(ts)}
 
 
-def make_hf_block(p: MoEParams, cfg: MoEConfig, threads: int):
-    """The HF ``Qwen3_5MoeSparseMoeBlock`` holding ``p``'s weights (one torch copy, float32)."""
-    import torch
-    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
-    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
-
-    torch.set_num_threads(threads)
-    hc = Qwen3_5MoeTextConfig(
-        hidden_size=cfg.d_model,
-        num_experts=cfg.num_experts,
-        num_experts_per_tok=cfg.top_k,
-        moe_intermediate_size=cfg.expert_dim,
-        shared_expert_intermediate_size=cfg.shared_expert_dim,
-        hidden_act="silu",
-    )
-    hc._experts_implementation = "eager"  # the per-expert loop of modeling_qwen3_5_moe (the default)
-    blk = hf.Qwen3_5MoeSparseMoeBlock(hc)
-    t = lambda a: torch.from_numpy(np.array(a))  # noqa: E731  a writable copy, one tensor at a time
-    f = cfg.expert_dim
-    ew, sh = p.experts, p.shared
-    assert sh is not None and sh.gate is not None
-    with torch.no_grad():
-        blk.experts.gate_up_proj[:, :f, :].copy_(t(ew.w_gate).transpose(1, 2))
-        blk.experts.gate_up_proj[:, f:, :].copy_(t(ew.w_up).transpose(1, 2))
-        blk.experts.down_proj.copy_(t(ew.w_down).transpose(1, 2))
-        blk.gate.weight.copy_(t(p.w_router).T)
-        blk.shared_expert.gate_proj.weight.copy_(t(sh.w_gate).T)
-        blk.shared_expert.up_proj.weight.copy_(t(sh.w_up).T)
-        blk.shared_expert.down_proj.weight.copy_(t(sh.w_down).T)
-        blk.shared_expert_gate.weight.copy_(t(sh.gate)[None, :])
-    return blk
-
-
 def hf_case(blk, cfg: MoEConfig, xs: list, g, rcfg: TrainEvalConfig) -> tuple[dict, dict, Callable[[int], dict]]:
     """Times the HF block's forward and ``loss.backward()``; returns (timings, small grads, expert(e))."""
     import torch
@@ -486,7 +454,7 @@ def run_train(cfg: TrainEvalConfig, log: Callable[[str], None] = print) -> dict[
     hf_blk = None
     if cfg.hf:
         try:
-            hf_blk = make_hf_block(params, mcfg, cfg.hf_threads)
+            hf_blk = qwen35_moe_block(params, mcfg, cfg.hf_threads)
         except ImportError as e:
             cases.append({"tokens": None, "impl": "hf", "status": "skipped", "reason": f"not installed: {e}"})
     for t in cfg.tokens:
