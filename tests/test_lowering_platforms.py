@@ -95,7 +95,8 @@ def test_export_for_cuda_and_multiplatform_cpu_intel(block, x):
 
 
 def test_grad_through_auto_on_cpu(block, x):
-    """The platform switch has the gather path's VJP (not every branch has a reverse mode)."""
+    """auto's gradient on the CPU (its platform switch differentiated through the CPU branch's
+    own reverse mode) equals dense's."""
     p = block.params()
     cfg = block.cfg
 
