@@ -17,7 +17,6 @@ from jax.test_util import check_grads
 import jaxmoe
 from jaxmoe.experts import ExpertWeights, frozen_cotangent
 from jaxmoe.impls.cpu import cpu_kernel_available
-from jaxmoe.impls.policy import BACKWARD_FALLBACK, OWN_REVERSE, backward_impl
 from jaxmoe.impls.registry import get_impl
 from jaxmoe.quant import QuantizedTensor, gguf_block_tensor, materialize
 from jaxmoe.routing import Routing
@@ -214,10 +213,6 @@ def test_auto_backward_per_platform(rng):
     """``auto``'s backward is each platform's own strategy: lowered for Intel (xla_tiled) the
     gradient holds no loop (``gather``'s backward is a loop over the pairs); lowered for CUDA
     it runs the Pallas backward kernels (Triton calls) and no loop either."""
-    assert backward_impl("xla") == "xla" and backward_impl("cpu") == "cpu"
-    assert backward_impl("pallas") == "pallas"
-    assert OWN_REVERSE >= {"dense", "gather", "xla", "xla_tiled", "ragged_dot", "cpu", "pallas"}
-    assert BACKWARD_FALLBACK == "xla_tiled"
     cfg = _cfg(d=32, f=16, e=8)
     p = random_params(cfg, rng)
     x = jnp.asarray(rng.standard_normal((16, cfg.d_model)), jnp.float32)

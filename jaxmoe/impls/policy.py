@@ -17,7 +17,7 @@ import functools
 import jax
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.experts import ExpertWeights, experts_frozen, frozen_cotangent, zero_cotangent
+from jaxmoe.experts import ExpertWeights
 from jaxmoe.impls.cpu import cpu_kernel_available, supports
 from jaxmoe.impls.registry import get_impl
 from jaxmoe.platforms import BRANCH_PLATFORMS, INTEL_PLATFORMS, PALLAS_PLATFORMS
@@ -34,16 +34,6 @@ GATHER_MAX_PAIRS = 8
 #: with a bounded number of kernel launches (`jaxmoe.impls.xla_tiled`) instead of the
 #: loop over touched experts that suits the CPU.
 GPU_XLA = "xla_tiled"
-
-#: Strategies with a reverse mode of their own (autodiff of plain XLA ops, or a
-#: `jax.custom_vjp` whose backward runs in the same strategy: ``xla``'s loop over the
-#: touched experts, ``cpu``'s C++ backward kernels, ``pallas``'s grouped-matmul kernels).
-OWN_REVERSE: frozenset[str] = frozenset({"dense", "gather", "xla", "xla_tiled", "ragged_dot", "cpu", "pallas"})
-
-#: The backward a platform branch without its own reverse mode runs inside ``auto``'s
-#: platform switch (a registered strategy outside `OWN_REVERSE`): the loop-free XLA
-#: formulation a GPU takes, never the per-pair ``gather`` loop.
-BACKWARD_FALLBACK = "xla_tiled"
 
 
 def default_platform() -> str:
@@ -66,9 +56,8 @@ def resolve_impl(
     ``T``. On the CPU, ``cpu`` (the C++ kernel of `jaxmoe.impls.cpu`, which reads the
     selected experts in place) when ``experts`` are given, it takes them (float32 /
     bfloat16, int8 / int4 or GGUF block-kind `QuantizedTensor`s:
-    `jaxmoe.impls.cpu.supports`) and it built
-    on this machine. Otherwise (CPU without the kernel, experts it refuses, any other
-    platform) ``gather`` for at most
+    `jaxmoe.impls.cpu.supports`) and it built on this machine. Otherwise (CPU without the
+    kernel, experts it refuses, any other platform) ``gather`` for at most
     `GATHER_MAX_PAIRS` token pairs ``T * k``, else ``xla``.
     An explicit ``xla`` on an Intel platform is ``xla_tiled`` (its GPU shape); other
     explicit names are kept. Forcing ``pallas`` on an Intel platform, or ``cpu`` off the
@@ -143,11 +132,9 @@ def call_impl(
     on the CPU, ``pallas`` on CUDA, ``xla_tiled`` on Intel, ...) every branch is traced
     and `jax.lax.platform_dependent` keeps the one of the platform the program is
     lowered for (all of them, behind a switch on the platform, in a multi-platform
-    `jax.export`). Gradients through such a switch are each platform's own: when every
-    branch has a reverse mode (`OWN_REVERSE`) the switch is differentiated through its
-    branches; otherwise it is a `jax.custom_vjp` whose backward is a second platform
-    switch, each platform running the VJP of its own strategy and a strategy without one
-    that of `BACKWARD_FALLBACK` (docs/design.md, "Training / reverse mode").
+    `jax.export`). Every strategy ``auto`` picks has a reverse mode of its own, so the
+    switch is differentiated through its branches: each platform's gradient is its own
+    strategy's (docs/design.md, "Training / reverse mode").
     """
     num_pairs = x.shape[0] * routing.expert_ids.shape[1]
     table = lowering_impls(impl, num_pairs, experts=experts, dtype=x.dtype)
@@ -155,10 +142,7 @@ def call_impl(
     host = table.get("cuda" if plat == "gpu" else plat, table["default"])
     if len(set(table.values())) == 1:
         return get_impl(host)(x, routing, experts, cfg), host
-    items = tuple(sorted(table.items()))
-    if all(name in OWN_REVERSE for name in table.values()):  # differentiated through its branches
-        return _switch_plain_jit(x, routing, experts, cfg, items), host
-    return _switch_jit(x, routing, experts, cfg, items), host
+    return _switch_jit(x, routing, experts, cfg, tuple(sorted(table.items()))), host
 
 
 def _dispatch(x, routing, experts, cfg, table):
@@ -171,59 +155,14 @@ def _run(name, cfg, x, routing, experts):
     return get_impl(name)(x, routing, experts, cfg)
 
 
-def backward_impl(name: str) -> str:
-    """The strategy whose VJP runs where ``name`` runs forward: ``name`` itself when it
-    has a reverse mode of its own (`OWN_REVERSE`), else `BACKWARD_FALLBACK`."""
-    return name if name in OWN_REVERSE else BACKWARD_FALLBACK
-
-
-def _switch_plain(x, routing, experts, cfg, table):
-    return _dispatch(x, routing, experts, cfg, table)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _switch(x, routing, experts, cfg, table):
-    return _dispatch(x, routing, experts, cfg, table)
-
-
-def _switch_fwd(x, routing, experts, cfg, table):
-    return _dispatch(x, routing, experts, cfg, table), (x, routing, experts)
-
-
-def _switch_bwd(cfg, table, res, g):
-    x, routing, experts = res
-    frozen = experts_frozen(experts)
-    names = {name: backward_impl(name) for name in set(dict(table).values())}
-    fns = {b: functools.partial(_branch_vjp, b, cfg, frozen) for b in set(names.values())}
-    per = {plat: fns[names[name]] for plat, name in table if plat != "default"}
-    default = fns[names[dict(table)["default"]]]
-    out = jax.lax.platform_dependent(x, routing.expert_ids, routing.weights, experts, g, default=default, **per)
-    dew = frozen_cotangent(experts) if frozen else out[2]
-    return out[0], Routing(zero_cotangent(routing.expert_ids), out[1]), dew
-
-
-def _branch_vjp(name, cfg, frozen, x, ids, w, experts, g):
-    """``name``'s VJP w.r.t. ``x``, the routing weights and (unless frozen) the experts;
-    every output floating point (a platform switch returns no float0)."""
-    f = get_impl(name)
-    if frozen:
-        return jax.vjp(lambda x, w: f(x, Routing(ids, w), experts, cfg), x, w)[1](g)
-    return jax.vjp(lambda x, w, ew: f(x, Routing(ids, w), ew, cfg), x, w, experts)[1](g)
-
-
-_switch.defvjp(_switch_fwd, _switch_bwd)
 # Always staged: an eager (op-by-op) platform switch dispatches with the wrong argument
 # count on jax 0.10 ("Wrong number of arguments: expected 15 but got 9").
-_switch_jit = jax.jit(_switch, static_argnums=(3, 4))
-_switch_plain_jit = jax.jit(_switch_plain, static_argnums=(3, 4))
+_switch_jit = jax.jit(_dispatch, static_argnums=(3, 4))
 
 
 __all__ = [
-    "BACKWARD_FALLBACK",
     "GATHER_MAX_PAIRS",
     "GPU_XLA",
-    "OWN_REVERSE",
-    "backward_impl",
     "call_impl",
     "default_platform",
     "lowering_impls",
