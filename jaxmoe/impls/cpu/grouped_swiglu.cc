@@ -383,9 +383,9 @@ inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
-// Codes (bytes) to float32 in vectors: out[l] = s * (float(q[l]) - z) + m for l < n
-// (n a multiple of the vector width; z, m exact small constants or 0), the operations of
-// gguf.quants.dequantize: float(q - z) == float(q) - z exactly for these small codes.
+// Codes (bytes) to float32 in vectors, N of them (a multiple of the vector width), in the
+// operations of gguf.quants.dequantize: s q + m, s q - m, or s (q - z) (z a small exact
+// constant: float(q - z) == float(q) - z for these codes).
 inline vf u8_to_vf(const uint8_t* p) {
 #if JM_LANES == 16 && defined(__AVX512F__)
   return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
