@@ -87,12 +87,9 @@ BIG = 2**31  #: operands with this many elements need 64-bit offsets
 
 #: regex on ``case:kernel`` -> reason: compiled and reported, its failure is not fatal.
 KNOWN_FAILURES: dict[str, str] = {
-    # (the table cases of the quantized kinds run float32 activations)
-    r"^(table/large-[^/]+/(int8|int4):moe_gmm(__1)?|backward/plain/f32/T40:moe_gmm)$": (
-        "issue 12 item 2.3: float32 tiles are multiplied at full float32 precision by default (Triton "
-        "ieee dot = FMA, no MMA); the large bucket's 64-128 x 128 x 64 tiles at 8 warps (and the backward "
-        "dW tile) spill. Needs float32-sized tiles in pallas_kernels/tuning.py (or tf32=True)"
-    ),
+    # none at present (the float32 tile spills of issue 12 item 2.3 were the last: 3xTF32
+    # dots and `tuning.for_dtype`'s float32 caps). Entry form:
+    # r"^table/large-[^/]+/int4:moe_gmm$": "issue N: why it fails and what fixes it",
 }
 
 
@@ -206,12 +203,13 @@ def _cases() -> list[Case]:
     cases: list[Case] = []
     add = lambda name, fam, fn: cases.append(Case(name, fam, fn))
 
-    # tests/test_pallas_lowering.py: every table entry, unfitted, through the whole impl
+    # tests/test_pallas_lowering.py: every table entry, unfitted (capped for float32
+    # activations as `tuning.choose` does), through the whole impl
     for key in sorted(tuning.TABLE):
-        kc = tuning.TABLE[key]
         for kind in ("bf16", "int8", "int4"):
-            t = 2 if kc.decode else 300
             dt = jnp.bfloat16 if kind == "bf16" else jnp.float32
+            kc = tuning.for_dtype(tuning.TABLE[key], dt)
+            t = 2 if kc.decode else 300
             add(
                 f"table/{key[0]}-{key[1]}x{key[2]}/{kind}",
                 "table",
@@ -330,25 +328,16 @@ def _cases() -> list[Case]:
     return cases
 
 
-#: Known failures outside the families ``--ci`` keeps whole: kept too, so CI sees a fix.
-_CI_KNOWN = ("table/decode-4096x14336/int4", "table/large-4096x14336/int4")
-
-
 def ci_subset(cases: list[Case]) -> list[Case]:
     """Every kernel x weight kind x activation dtype once (family ``kernel``), every table
-    entry in bf16 plus one decode and one grouped entry per quantized kind (and the int4
-    Mixtral entries, known failures), both variants
-    at both paths, the gpu_bench check at one preset per weight kind, the real Qwen3.6 /
+    entry with every weight kind (the quantized ones with float32 activations: the
+    float32 tile caps), both variants at both paths, the gpu_bench check at one preset per weight kind, the real Qwen3.6 /
     Mixtral layers at T = 1 and 2048 in bf16 and Q8_0, and the DeepSeek-V3 size cases."""
     keep = []
     for c in cases:
         parts = c.name.split("/")
-        if c.family in ("kernel", "variant", "size"):
+        if c.family in ("kernel", "variant", "size", "table"):
             keep.append(c)
-        elif c.family == "table":
-            bucket_shape, kind = parts[1], parts[2]
-            if kind == "bf16" or bucket_shape in ("decode-0x0", "large-0x0") or c.name in _CI_KNOWN:
-                keep.append(c)
         elif c.family == "check":
             if (parts[1], parts[2]) in {("qwen3.6-35b-a3b", "bf16"), ("gpt-oss-20b", "q8_0"), ("mixtral-8x7b", "int4")}:
                 keep.append(c)
@@ -587,7 +576,7 @@ def main(argv=None) -> int:
         if t not in TARGETS:
             ap.error(f"--targets: unknown {t!r}; expected some of {sorted(TARGETS)}")
 
-    with tempfile.TemporaryDirectory(prefix="jaxmoe-gpucc-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="jaxmoe-gpucc-", delete=not os.environ.get("JAXMOE_KEEP")) as tmp:
         work = Path(tmp)
         _setup_env(work)
         import jax

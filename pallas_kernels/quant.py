@@ -279,15 +279,37 @@ def load_tile(layout: WeightLayout, refs, e, k0, n0, bk: int, bn: int, dtype):
     return w.astype(dtype), False
 
 
+def split_tf32(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``a = hi + lo`` (float32, exact): ``hi`` keeps the sign, exponent and the 10 mantissa
+    bits a TensorFloat-32 operand holds, ``lo`` the remainder (the low 13 bits, itself
+    within TF32 rounding when multiplied on the tensor cores)."""
+    hi = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(a, jnp.uint32) & jnp.uint32(0xFFFFE000), jnp.float32)
+    return hi, a - hi
+
+
 def tile_matmul(x: jax.Array, tile: jax.Array, k_major: bool, tf32: bool = False) -> jax.Array:
     """``x [bm, bk] @ tile`` -> ``[bm, bn]`` float32 (tile ``[bk, bn]`` or ``[bn, bk]``).
 
-    float32 operands are multiplied at full float32 precision (Triton ``ieee``) unless
-    ``tf32`` (then TensorFloat-32 tensor cores: 10-bit mantissas, faster); 16-bit operands
-    are unaffected."""
+    16-bit operands: one tensor-core dot. float32 operands: ``tf32`` takes one TensorFloat-32
+    dot (10-bit mantissas); else three (3xTF32, what Triton calls ``tf32x3`` and cuBLAS
+    its float32 emulation): with ``x = xh + xl`` and ``t = th + tl`` (`split_tf32`),
+    ``xh th + xh tl + xl th`` drops only ``xl tl`` (2^-22 relative) and the TF32 rounding of the
+    low parts, so the result is float32-accurate (about 1e-6 relative) on MMA. Triton's
+    plain ``ieee`` float32 dot is per-thread FMA over whole K steps and spilled registers at
+    every float32 tile size of the table (benchmarks/gpu_compile_check.py). Written out
+    here rather than as ``DotAlgorithmPreset.TF32_TF32_F32_X3`` because XLA:CPU (interpret
+    mode) refuses that preset; on the CPU each of the three dots is plain float32, so
+    interpret mode computes the same sum at (more than) float32 accuracy."""
     dims = (((1,), (0,)), ((), ())) if k_major else (((1,), (1,)), ((), ()))
-    prec = jax.lax.Precision.DEFAULT if tf32 else jax.lax.Precision.HIGHEST
-    return jax.lax.dot_general(x, tile, dims, precision=prec, preferred_element_type=jnp.float32)
+
+    def dot(a, b):
+        return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
+
+    if x.dtype != jnp.float32 or tf32:
+        return dot(x, tile)
+    xh, xl = split_tf32(x)
+    th, tl = split_tf32(tile.astype(jnp.float32))
+    return dot(xh, th) + (dot(xh, tl) + dot(xl, th))
 
 
 def code_planes(layout: WeightLayout, ref, e, n0, ns, k0, bn: int, bk: int) -> tuple[int, list[jax.Array]]:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 #: Pair counts (``T * k``) at or below which the decode kernels run.
 DECODE_MAX_PAIRS = 64
 #: Pair counts at or below which the ``small`` grouped configuration runs.
@@ -117,17 +119,48 @@ def bucket_of(num_pairs: int) -> str:
     return "large"
 
 
-def choose(num_pairs: int, d: int, f: int) -> KernelConfig:
+#: Caps on the grouped kernels' tiles for float32 activations: rows per tile, output
+#: elements per tile (``block_m * block_n``), K step, warps. Float32 tiles are multiplied
+#: as 3xTF32 (three tensor-core dots on split operands, `pallas_kernels.quant.tile_matmul`),
+#: which holds two more copies of each operand tile in registers than a 16-bit dot: the
+#: 16-bit tiles (up to 128 x 128 x 64 at 8 warps) spilled 60 B - 1 KB, 32 x 64 int4 gate/up
+#: 56 B (benchmarks/gpu_compile_check.py); tiles of at most 1024 outputs do not. Decode
+#: kernels (no dot) keep their blocks.
+F32_MAX_M, F32_MAX_TILE, F32_MAX_K, F32_MAX_WARPS = 32, 1024, 64, 4
+
+
+def for_dtype(kc: KernelConfig, dtype) -> KernelConfig:
+    """``kc`` for activations of ``dtype``: unchanged for 16-bit ones; the grouped blocks
+    capped (`F32_MAX_M` ...) for float32 (and wider)."""
+    if kc.decode or np.dtype(dtype).itemsize < 4:
+        return kc
+    bm = min(kc.gate_up.block_m, F32_MAX_M)  # one dispatch plan: gate/up and down share it
+
+    def cap(b: Blocks) -> Blocks:
+        return dataclasses.replace(
+            b,
+            block_m=bm,
+            block_n=max(MIN_BLOCK, min(b.block_n, F32_MAX_TILE // bm)),
+            block_k=min(b.block_k, F32_MAX_K),
+            num_warps=min(b.num_warps, F32_MAX_WARPS),
+        )
+
+    return KernelConfig(kc.bucket, cap(kc.gate_up), cap(kc.down))
+
+
+def choose(num_pairs: int, d: int, f: int, dtype=None) -> KernelConfig:
     """The table's `KernelConfig` for ``P = T * k`` pairs of a ``d x F`` expert,
-    with every block fitted to the shape (`fit`)."""
+    with every block fitted to the shape (`fit`) and, given the activations' ``dtype``,
+    capped for it (`for_dtype`)."""
     if num_pairs < 1 or d < 1 or f < 1:
         raise ValueError(f"tuning.choose: need positive num_pairs, d, F; got {num_pairs}, {d}, {f}")
     b = bucket_of(num_pairs)
     kc = TABLE.get((b, d, f)) or TABLE[(b, 0, 0)]
-    return fit_config(kc, num_pairs, d, f)
+    kc = fit_config(kc, num_pairs, d, f)
+    return kc if dtype is None else for_dtype(kc, dtype)
 
 
-def fixed(d: int, f: int) -> KernelConfig:
+def fixed(d: int, f: int, dtype=None) -> KernelConfig:
     """A grouped `KernelConfig` for a ``d x F`` expert that does not depend on the pair
     count: the ``small`` entry with ``block_m`` kept and the other blocks fitted to ``d``
     and ``F`` only. With it every output row is computed by the same tile program
@@ -139,7 +172,8 @@ def fixed(d: int, f: int) -> KernelConfig:
     bm = kc.gate_up.block_m
     gu = dataclasses.replace(kc.gate_up, block_n=fit(kc.gate_up.block_n, f), block_k=fit(kc.gate_up.block_k, d))
     dn = dataclasses.replace(kc.down, block_m=bm, block_n=fit(kc.down.block_n, d), block_k=fit(kc.down.block_k, f))
-    return KernelConfig("small", gu, dn)
+    kc = KernelConfig("small", gu, dn)
+    return kc if dtype is None else for_dtype(kc, dtype)
 
 
 def fit_config(kc: KernelConfig, num_pairs: int, d: int, f: int) -> KernelConfig:

@@ -30,7 +30,15 @@ from pallas_kernels.decode import (
 )
 from pallas_kernels.down import combine, down_project, down_project_reference
 from pallas_kernels.gmm import gmm, gmm_reference
-from pallas_kernels.quant import QuantWeight, as_words, dequantize_reference, weight_operands, word_bytes
+from pallas_kernels.quant import (
+    QuantWeight,
+    as_words,
+    dequantize_reference,
+    split_tf32,
+    tile_matmul,
+    weight_operands,
+    word_bytes,
+)
 from pallas_kernels.swiglu import gate_up_swiglu, gate_up_swiglu_reference
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -388,6 +396,56 @@ def test_table_is_powers_of_two_and_fits():
     assert tuning.choose(100, 2048, 512).bucket == "small"
     with pytest.raises(ValueError, match="block_n"):
         tuning.Blocks(16, 48, 64)
+
+
+def test_float32_caps(rng):
+    """``for_dtype`` keeps 16-bit configs and the decode ones, and caps float32 grouped
+    tiles (what benchmarks/gpu_compile_check.py found spill-free); ``choose`` applies it."""
+    for key, kc in tuning.TABLE.items():
+        assert tuning.for_dtype(kc, jnp.bfloat16) == kc
+        f32 = tuning.for_dtype(kc, jnp.float32)
+        if kc.decode:
+            assert f32 == kc, key
+            continue
+        assert f32.gate_up.block_m == f32.down.block_m <= tuning.F32_MAX_M, key
+        for b in (f32.gate_up, f32.down):
+            assert b.block_m * b.block_n <= tuning.F32_MAX_TILE and b.block_k <= tuning.F32_MAX_K, (key, b)
+            assert b.num_warps <= tuning.F32_MAX_WARPS, (key, b)
+    big = tuning.choose(10_000, 4096, 14336, jnp.float32)
+    assert (big.gate_up.block_m, big.gate_up.block_n, big.gate_up.num_warps) == (32, 32, 4)
+    assert tuning.choose(10_000, 4096, 14336, jnp.bfloat16) == tuning.TABLE[("large", 4096, 14336)]
+    assert tuning.fixed(2048, 512, jnp.float32).gate_up.block_n <= tuning.F32_MAX_TILE // 16
+
+
+def _tf32(a: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even float32 -> TensorFloat-32 (10 mantissa bits), in numpy."""
+    u = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0xFFF + ((u >> 13) & 1)) & 0xFFFFE000
+    return u.astype(np.uint32).view(np.float32)
+
+
+def test_three_tf32_dots_are_float32_accurate(rng):
+    """The float32 tile product (3xTF32): the split is exact, and with each tensor-core
+    operand rounded to TF32 (simulated in numpy, as the GPU does) the three-dot sum stays
+    within 2e-6 of the float64 product (relative to sum |x w|), where one TF32 dot is ~1e-4 off."""
+    x = rng.standard_normal((32, 256)).astype(np.float32) * np.exp(rng.uniform(-3, 3, (32, 1))).astype(np.float32)
+    w = rng.standard_normal((256, 48)).astype(np.float32)
+    xh, xl = (np.asarray(a) for a in split_tf32(jnp.asarray(x)))
+    np.testing.assert_array_equal(xh + xl, x)  # exact
+    assert not (xh.view(np.uint32) & 0x1FFF).any()  # hi holds only TF32 bits
+    wh, wl = (np.asarray(a) for a in split_tf32(jnp.asarray(w)))
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64)
+    f64 = lambda a: _tf32(a).astype(np.float64)  # noqa: E731
+    three = f64(xh) @ f64(wh) + (f64(xh) @ f64(wl) + f64(xl) @ f64(wh))
+    one = f64(x) @ f64(w)
+    assert np.max(np.abs(three - ref) / scale) < 2e-6
+    assert np.max(np.abs(one - ref) / scale) > 2e-5
+    # on the CPU (interpret mode) the same three dots are plain float32
+    got = np.asarray(tile_matmul(jnp.asarray(x), jnp.asarray(w), True))
+    assert np.max(np.abs(got - ref) / scale) < 2e-6
+    got_t = np.asarray(tile_matmul(jnp.asarray(x), jnp.asarray(np.ascontiguousarray(w.T)), False))
+    assert np.max(np.abs(got_t - ref) / scale) < 2e-6
 
 
 # ---------------------------------------------------------------- full path

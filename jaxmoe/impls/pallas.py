@@ -103,7 +103,7 @@ def experts_pallas(
       cfg: the `jaxmoe.config.MoEConfig`.
       interpret: Pallas interpret mode; default: `pallas_kernels.common.default_interpret`
         of the lowering platform (compiled on CUDA / ROCm, interpreted elsewhere).
-      config: block sizes; default ``tuning.choose(T * k, d, F)``, or ``tuning.fixed(d, F)``
+      config: block sizes; default ``tuning.choose(T * k, d, F, x.dtype)``, or ``tuning.fixed(d, F, x.dtype)``
         when ``cfg`` asks for batch invariance (`jaxmoe.invariance`).
       debug: the Pallas ``debug`` flag (prints each kernel's jaxpr and generated code).
     """
@@ -122,9 +122,9 @@ def experts_pallas(
         interpret = modes["cpu"]
     if config is None:  # batch-invariant: one tile program whatever T is, no decode switch
         config = (
-            tuning.fixed(d, cfg.expert_dim)
+            tuning.fixed(d, cfg.expert_dim, x.dtype)
             if wants_invariance(cfg, "pallas")
-            else tuning.choose(t * k, d, cfg.expert_dim)
+            else tuning.choose(t * k, d, cfg.expert_dim, x.dtype)
         )
     return _experts_vjp(x, routing, experts, cfg, config, interpret, debug)
 
@@ -230,7 +230,7 @@ def _vjp_bwd(cfg, kc, interpret, debug, res, dy):
     if t == 0:
         return jnp.zeros_like(x), Routing(ids_ct, jnp.zeros_like(routing.weights)), zero_cotangent(ew)
     f = cfg.expert_dim
-    bkc = tuning.fixed(d, f) if kc.decode else kc  # the backward always runs grouped
+    bkc = tuning.fixed(d, f, x.dtype) if kc.decode else kc  # the backward always runs grouped
     bm = bkc.gate_up.block_m
     bb = backward_blocks(bm, d, f)
     lkw = dict(num_warps=bb.num_warps, num_stages=bb.num_stages, interpret=interpret, debug=debug)
