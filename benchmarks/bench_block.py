@@ -22,7 +22,9 @@ of ``--repeats`` runs (the machine is shared); the log lines give medians too. T
 GB/s columns divide the bytes of the experts each call actually selected (distinct
 ids, in their stored format) plus the shared expert and router by the call's time.
 
-``--dtype`` picks the routed experts' format (a comma list runs each in turn): ``f32``,
+``--dtype`` picks the experts' format, routed and shared (as in a GGUF file and in
+``ggml_moe_layer``; ``--shared-f32`` keeps the shared expert float32), a comma list runs
+each in turn: ``f32``,
 ``bf16``, ``q8_0`` (int8 codes, float16 scale per 32), ``q4_0`` (int4, float16 scale
 and bias per 32), ``mlx4_g64`` (MLX affine 4-bit, group 64), the GGUF block kinds
 ``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q5_k``, ``q6_k`` (the file's block bytes) and
@@ -105,6 +107,11 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="f32", help="comma-separated expert formats: " + ",".join(DTYPES))
     ap.add_argument("--hot", action="store_true", help="repeat one input for every call (experts stay cached)")
     ap.add_argument("--ggml", default=None, metavar="BIN", help="ggml_moe_layer binary to time in the same run")
+    ap.add_argument(
+        "--shared-f32",
+        action="store_true",
+        help="keep the shared expert float32 (default: in --dtype, as in a GGUF file and in ggml_moe_layer)",
+    )
     a = ap.parse_args(argv)
     if a.quick:
         a.experts = a.experts or 32
@@ -137,8 +144,10 @@ def block_weight(kind: str, e: int, i: int, o: int, seed: int):
     return gguf_block_tensor(jnp.asarray(b.reshape(e, o, -1)), kind, n_in=i)
 
 
-def expert_weights(p: jaxmoe.MoEParams, fmt: str, key) -> jaxmoe.MoEParams:
-    """``p`` with its routed experts in ``fmt`` (quantized ones hold random codes)."""
+def expert_weights(p: jaxmoe.MoEParams, fmt: str, key, shared: bool = True) -> jaxmoe.MoEParams:
+    """``p`` with its routed experts, and with ``shared`` its shared expert too (as in a
+    GGUF file's ``ffn_*_shexp`` tensors and in ``ggml_moe_layer``), in ``fmt`` (quantized
+    ones hold random codes)."""
     from jaxmoe.quant import QuantizedTensor
 
     if fmt == "f32":
@@ -158,12 +167,18 @@ def expert_weights(p: jaxmoe.MoEParams, fmt: str, key) -> jaxmoe.MoEParams:
         codes = jax.random.randint(k, (e, o, i // 2), 0, 256, jnp.int32).astype(jnp.uint8)
         return QuantizedTensor(codes, s, (-8 * s.astype(jnp.float32)).astype(jnp.float16), "int4", g)
 
-    ks = jax.random.split(key, 3)
+    ks = jax.random.split(key, 6)
     ew = p.experts
     ew = dataclasses.replace(
         ew, w_gate=conv(ew.w_gate, ks[0], 0), w_up=conv(ew.w_up, ks[1], 1), w_down=conv(ew.w_down, ks[2], 2)
     )
-    return dataclasses.replace(p, experts=ew)
+    sw = p.shared
+    if shared and sw is not None:  # 2-D: convert as one expert, then drop the expert axis
+        one = lambda w, k, which: jax.tree.map(lambda a: a[0], conv(w[None], k, which))  # noqa: E731
+        sw = dataclasses.replace(
+            sw, w_gate=one(sw.w_gate, ks[3], 0), w_up=one(sw.w_up, ks[4], 1), w_down=one(sw.w_down, ks[5], 2)
+        )
+    return dataclasses.replace(p, experts=ew, shared=sw)
 
 
 def nbytes(w) -> int:
@@ -275,7 +290,7 @@ def main(argv=None) -> int:
     jax.block_until_ready(p32)
     status = 0
     for fmt in a.dtype:
-        p = expert_weights(p32, fmt, jax.random.key(a.seed + 1))
+        p = expert_weights(p32, fmt, jax.random.key(a.seed + 1), shared=not a.shared_f32)
         impls = [i for i in a.impls if fmt == "f32" or i not in ("hf", "dense", "ragged_dot")]
         print(f"\n=== experts {fmt}: impls {','.join(impls)}", flush=True)
         rows = run_format(a, cfg, p, impls, bw, rbw, rate, fmt)
@@ -292,7 +307,9 @@ def run_format(a, cfg, p, impls, bw, rbw, rate, fmt):
     d, e, k, f, fs = cfg.d_model, cfg.num_experts, cfg.top_k, cfg.expert_dim, cfg.shared_expert_dim
     ew = p.experts
     expert_bytes = sum(nbytes(w) for w in (ew.w_gate, ew.w_up, ew.w_down)) / e
-    fixed_bytes = 3 * d * fs * 4 + d * e * 4  # shared expert and router (float32)
+    sw = p.shared
+    shared_bytes = sum(nbytes(w) for w in (sw.w_gate, sw.w_up, sw.w_down)) if sw is not None else 0
+    fixed_bytes = shared_bytes + d * e * 4  # shared expert (stored format) and router (float32)
     print(
         f"weights: {e * expert_bytes / 1e9:.2f} GB routed experts; {k} experts = {k * expert_bytes / 1e6:.1f} MB "
         f"-> read floor of one token's experts {k * expert_bytes / rbw * 1e3:.2f} ms"

@@ -16,7 +16,7 @@ import jax
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import check_expert_ids
 from jaxmoe.experts import SharedWeights, shared_expert
-from jaxmoe.impls.cpu import shared_expert_cpu, shared_supported
+from jaxmoe.impls.cpu import shared_expert_cpu, shared_quantized, shared_supported
 from jaxmoe.impls.policy import call_impl, lowering_impls
 from jaxmoe.invariance import wants_invariance
 from jaxmoe.params import MoEParams, compute_routing, init_params, params_from_sampler
@@ -64,8 +64,12 @@ def moe_apply(
     with jax.named_scope(f"routed_experts_{impl}"):
         y, _ = call_impl(impl, x2, routing, params.experts, cfg)
     if params.shared is not None:
-        kernel = any(inv.values()) and shared_supported(params.shared, x2.dtype)
-        y = y + _per_platform(_shared, _modes(inv, kernel), (x2, params.shared), cfg)
+        # the C++ kernel takes the shared expert on the CPU where invariance asks for it, and
+        # quantized shared experts whenever the routed experts run in it there (XLA would
+        # dequantize each whole matrix on every call)
+        quant = table["cpu"] == "cpu" and shared_quantized(params.shared)
+        kernel = (any(inv.values()) or quant) and shared_supported(params.shared, x2.dtype)
+        y = y + _per_platform(_shared, _modes(inv, kernel, quant), (x2, params.shared), cfg)
     y = y.astype(x.dtype).reshape(*lead, cfg.d_model)
     return (y, routing) if return_routing else y
 
@@ -75,19 +79,25 @@ def _routing(params: MoEParams, x2: jax.Array, cfg: MoEConfig, mode: str) -> Rou
 
 
 def _shared(x2: jax.Array, sw: SharedWeights, cfg: MoEConfig, mode: str) -> jax.Array:
-    """The shared expert: ``fast``; ``kernel``: batch-invariant through the C++ kernel (the
-    CPU, weights it takes); ``blocks``: batch-invariant on fixed row blocks in XLA."""
+    """The shared expert: ``fast`` (XLA); ``kernel``: through the C++ kernel (the CPU,
+    weights it takes; batch-invariant, and quantized weights read in their stored format);
+    ``blocks``: batch-invariant on fixed row blocks in XLA."""
     if mode == "kernel":
         return shared_expert_cpu(x2, sw, cfg)
     return shared_expert(x2, sw, cfg, invariant=mode == "blocks")
 
 
-def _modes(inv: dict[str, bool], kernel: bool = False) -> dict[str, str]:
-    """Each lowering platform's mode: ``fast`` where invariance is off, else ``kernel`` on
-    the CPU when ``kernel`` (the C++ kernel takes the shared expert), else ``blocks``."""
-    return {
-        plat: "fast" if not on else "kernel" if (kernel and plat == "cpu") else "blocks" for plat, on in inv.items()
-    }
+def _modes(inv: dict[str, bool], kernel: bool = False, quantized: bool = False) -> dict[str, str]:
+    """Each lowering platform's mode: ``kernel`` on the CPU when ``kernel`` (the C++ kernel
+    takes the shared expert) and invariance is on there or ``quantized``; else ``blocks``
+    where invariance is on, ``fast`` where it is off."""
+
+    def mode(plat: str, on: bool) -> str:
+        if kernel and plat == "cpu" and (on or quantized):
+            return "kernel"
+        return "blocks" if on else "fast"
+
+    return {plat: mode(plat, on) for plat, on in inv.items()}
 
 
 def _per_platform(fn, modes: dict[str, str], args: tuple, cfg: MoEConfig):

@@ -620,3 +620,71 @@ def test_auto_takes_cpu_for_block_kinds(rng):
     ew, _ = quantized_case(cfg, Q4_K_M, rng)
     assert policy.resolve_impl("auto", 1, platform="cpu", experts=ew) == "cpu"
     assert policy.resolve_impl("auto", 64, platform="cpu", experts=ew) == "cpu"
+
+
+# ----------------------------------------------------------------------------- quantized shared expert
+
+
+def quantized_shared(d, fs, fmts, rng):
+    """A gated shared expert with gate/up/down in ``fmts`` (2-D weights, as a GGUF file's
+    ``ffn_*_shexp``) and the float64 matrices it stands for."""
+    cfg1 = cfg_of(d, fs, 1, 1)
+    ew, ref = quantized_case(cfg1, fmts, rng)
+    first = lambda w: jax.tree.map(lambda a: a[0], w)  # noqa: E731
+    gate = rng.normal(size=(d,)).astype(np.float32) / np.sqrt(d)
+    sw = jaxmoe.SharedWeights(first(ew.w_gate), first(ew.w_up), first(ew.w_down), jnp.asarray(gate))
+    return sw, {k: ref[k][0] for k in ("w_gate", "w_up", "w_down")}, gate.astype(np.float64)
+
+
+def np_shared(x, ref, gate):
+    x = np.asarray(x, np.float64)
+    g, u = x @ ref["w_gate"], x @ ref["w_up"]
+    return ((g / (1 + np.exp(-g)) * u) @ ref["w_down"]) / (1 + np.exp(-(x @ gate)))[:, None]
+
+
+@pytest.mark.parametrize("fmts", [("q8_0", "q4_0", "mlx4_g64"), Q4_K_M, ("q5_0", "q5_k", "q4_1")])
+@pytest.mark.parametrize("t", [1, 11])
+def test_quantized_shared_expert_in_the_kernel(fmts, t, rng):
+    """A quantized shared expert (a GGUF file's ``ffn_*_shexp``) runs in the C++ kernel,
+    read in its stored format, within float rounding of the float64 forward of its
+    dequantized matrices; ``moe_apply(auto)`` takes it there (two kernel calls, no
+    float copy of the shared matrices) and adds exactly that to the routed output."""
+    from jaxmoe.impls.cpu import shared_expert_cpu, shared_supported
+
+    w = block_width(fmts)
+    cfg = dataclasses.replace(cfg_of(w, w, 6, 2), shared_expert_dim=w, num_shared_experts=1, shared_expert_gate=True)
+    sw, ref, gate = quantized_shared(w, w, fmts, rng)
+    assert shared_supported(sw, jnp.float32)
+    x = rng.normal(size=(t, w)).astype(np.float32)
+    want = np_shared(x, ref, gate)
+    got = np.asarray(jax.jit(shared_expert_cpu, static_argnums=2)(jnp.asarray(x), sw, cfg))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+    p = dataclasses.replace(random_params(cfg, rng), shared=sw)
+    run = jax.jit(lambda p, x: jaxmoe.moe_apply(p, x, cfg, impl="auto"))
+    hlo = run.lower(p, jnp.asarray(x)).compile().as_text()
+    assert hlo.count(f'custom_call_target="{build.TARGET}"') == 2, "routed + shared in the kernel"
+    routed = jaxmoe.moe_apply(dataclasses.replace(p, shared=None), jnp.asarray(x), cfg, impl="cpu")
+    np.testing.assert_allclose(
+        np.asarray(run(p, jnp.asarray(x))) - np.asarray(routed), want, rtol=0, atol=1e-5 * np.abs(want).max()
+    )
+
+
+def test_quantized_shared_expert_outside_the_kernel_stays_xla(rng):
+    """Reference impls keep the XLA shared expert (no kernel call), with the same result;
+    a kind the kernel does not read is refused by ``shared_supported`` (XLA takes it)."""
+    from jaxmoe.impls.cpu import shared_supported
+
+    cfg = dataclasses.replace(cfg_of(64, 64, 6, 2), shared_expert_dim=64, num_shared_experts=1, shared_expert_gate=True)
+    sw, ref, gate = quantized_shared(64, 64, ("q8_0", "q4_0", "q8_0"), rng)
+    p = dataclasses.replace(random_params(cfg, rng), shared=sw)
+    x = jnp.asarray(rng.normal(size=(5, 64)).astype(np.float32))
+    hlo = jax.jit(lambda p, x: jaxmoe.moe_apply(p, x, cfg, impl="gather")).lower(p, x).as_text()
+    assert build.TARGET not in hlo
+    y_gather = jaxmoe.moe_apply(p, x, cfg, impl="gather")
+    y_auto = jaxmoe.moe_apply(p, x, cfg, impl="auto")
+    np.testing.assert_allclose(np.asarray(y_auto), np.asarray(y_gather), rtol=2e-5, atol=2e-5)
+    odd = dataclasses.replace(sw, w_down=quantize_int8(ref["w_down"].astype(np.float32), group_size=16))
+    assert not shared_supported(odd, jnp.float32)  # group 16: the kernel takes multiples of 32
+    y_odd = jaxmoe.moe_apply(dataclasses.replace(p, shared=odd), x, cfg, impl="auto")
+    np.testing.assert_allclose(np.asarray(y_odd), np.asarray(y_auto), rtol=0, atol=0.05 * np.abs(y_auto).max())

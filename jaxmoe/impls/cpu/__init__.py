@@ -11,6 +11,7 @@ from jaxmoe.impls.cpu.kernel import (
     experts_cpu,
     grouped_swiglu,
     shared_expert_cpu,
+    shared_quantized,
     shared_supported,
     supports,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "experts_cpu",
     "grouped_swiglu",
     "shared_expert_cpu",
+    "shared_quantized",
     "shared_supported",
     "supports",
 ]

@@ -242,20 +242,25 @@ def grouped_swiglu(
 
 
 def shared_supported(sw: SharedWeights, dtype) -> bool:
-    """Whether `shared_expert_cpu` takes these shared-expert weights (float32 / bfloat16
-    arrays the kernel reads for activations of ``dtype``) and the kernel built."""
-    ws = {"w_gate": sw.w_gate, "w_up": sw.w_up, "w_down": sw.w_down}
-    if any(isinstance(w, QuantizedTensor) for w in ws.values()):
-        return False
-    return _weights_problem(ws, dtype) is None and cpu_kernel_status()[0]
+    """Whether `shared_expert_cpu` takes these shared-expert weights for activations of
+    ``dtype`` (the formats `supports` takes for routed experts: float32 / bfloat16 arrays,
+    int8 / int4 / GGUF block `QuantizedTensor`s) and the kernel built."""
+    ew = _one_expert(sw)
+    return (
+        _weights_problem({"w_gate": ew.w_gate, "w_up": ew.w_up, "w_down": ew.w_down}, dtype) is None
+        and (cpu_kernel_status()[0])
+    )
 
 
-def _one_expert(sw: SharedWeights) -> ExpertWeights | None:
-    """The shared expert as one routed expert (``[1, d, F]``, ``[1, F, d]``); None when quantized."""
-    g, u, d = sw.w_gate, sw.w_up, sw.w_down
-    if isinstance(g, QuantizedTensor) or isinstance(u, QuantizedTensor) or isinstance(d, QuantizedTensor):
-        return None
-    return ExpertWeights(g[None], u[None], d[None])
+def shared_quantized(sw: SharedWeights | None) -> bool:
+    """Whether any shared-expert matrix is a `QuantizedTensor`."""
+    return sw is not None and any(isinstance(w, QuantizedTensor) for w in (sw.w_gate, sw.w_up, sw.w_down))
+
+
+def _one_expert(sw: SharedWeights) -> ExpertWeights:
+    """The shared expert as one routed expert (``[1, d, F]``, ``[1, F, d]``; a
+    `QuantizedTensor` gets the leading axis on its codes, scales and biases)."""
+    return ExpertWeights(*(jax.tree.map(lambda a: a[None], w) for w in (sw.w_gate, sw.w_up, sw.w_down)))
 
 
 def shared_expert_cpu(x: jax.Array, sw: SharedWeights, cfg: MoEConfig) -> jax.Array:
@@ -263,8 +268,11 @@ def shared_expert_cpu(x: jax.Array, sw: SharedWeights, cfg: MoEConfig) -> jax.Ar
     `jaxmoe.experts.shared_expert`. ``x [T, d]`` -> ``[T, d]`` float32.
 
     The kernel accumulates each output element in one fixed order whatever ``T`` is, so
-    this is the batch-invariant shared expert on the CPU at the kernel's speed. Requires
-    `shared_supported`. Gradients: the VJP of the XLA shared expert.
+    this is the batch-invariant shared expert on the CPU at the kernel's speed; it also
+    reads quantized weights (a GGUF file's ``ffn_*_shexp`` tensors) in their stored format,
+    where XLA would dequantize each whole matrix on every call (`jaxmoe.moe_apply` takes it
+    for a quantized shared expert whenever the routed experts run in this kernel). Requires
+    `shared_supported`. Gradients: the VJP of the XLA shared expert (quantized weights frozen).
     """
     return _shared_cpu(x, sw, cfg)
 
@@ -273,8 +281,6 @@ def shared_expert_cpu(x: jax.Array, sw: SharedWeights, cfg: MoEConfig) -> jax.Ar
 def _shared_cpu(x: jax.Array, sw: SharedWeights, cfg: MoEConfig) -> jax.Array:
     t = x.shape[0]
     ew = _one_expert(sw)
-    if ew is None:
-        raise ValueError("shared_expert_cpu: quantized shared-expert weights are not taken (see shared_supported)")
     start = jnp.zeros((1,), jnp.int32)
     y = grouped_swiglu(
         x.astype(jnp.float32), start, jnp.full((1,), t, jnp.int32), ew, cfg, round_h=bool(x.dtype == jnp.bfloat16)
