@@ -17,6 +17,10 @@ where = pathlib.Path(jaxmoe.__file__).resolve()
 assert pathlib.Path(sys.prefix).resolve() in where.parents, f"jaxmoe imported from {where}, not the wheel"
 cfg = jaxmoe.load_config("qwen3.6-35b-a3b")
 assert (where.parent / "py.typed").is_file(), "py.typed missing from the wheel"
+from jaxmoe.impls.cpu import cpu_kernel_status
+from jaxmoe.impls.cpu.backward import backward_kernel_status
+for name, (ok, msg) in (("forward", cpu_kernel_status()), ("backward", backward_kernel_status())):
+    assert ok, f"the C++ {name} kernel does not build from the wheel's sources: {msg}"
 print("wheel:", where.parent, "|", cfg.name, cfg.num_experts, "experts |", len(jaxmoe.list_presets()), "presets")
 PY
 "$work/venv/bin/jaxmoe" eval --list

@@ -13,6 +13,11 @@ the routed experts' weights, max error relative to the largest entry).
 
     python benchmarks/bench_train.py                        # 256 experts, T 64,256,1024 (~14 GB peak)
     python benchmarks/bench_train.py --experts 64 --tokens 64,256 --impls hf,cpu
+    python benchmarks/bench_train.py --dtype q4_k_m --tokens 8,64 --impls auto,gather --gather-max-tokens 64
+
+``--dtype`` stores the experts (routed and shared) in one of bench_block.py's formats;
+quantized experts are frozen (adapter-style fine-tuning: gradients of ``x``, the router and
+the other float parameters), and ``hf`` is skipped (its block holds float experts).
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--gather-max-tokens", type=int, default=8, help="skip gather above this T (158 s at T=64)")
+    ap.add_argument(
+        "--dtype",
+        default="f32",
+        help="experts' format (bench_block.py's --dtype: f32, bf16, q8_0, q4_0, mlx4_g64, q4_k_m, ...); "
+        "quantized experts are frozen (gradients of x, router and what else is float) and hf is skipped",
+    )
     a = ap.parse_args(argv)
     a.tokens = [int(t) for t in a.tokens.split(",")]
     a.impls = [i.strip() for i in a.impls.split(",") if i.strip()]
@@ -72,9 +83,18 @@ def main(argv=None) -> int:
     if a.experts:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, num_experts=a.experts))
     d, e, k, f = cfg.d_model, cfg.num_experts, cfg.top_k, cfg.expert_dim
-    print(f"jax {jax.__version__}; layer d={d} E={e} k={k} F={f} Fs={cfg.shared_expert_dim}; float32; cold")
+    print(f"jax {jax.__version__}; layer d={d} E={e} k={k} F={f} Fs={cfg.shared_expert_dim}; {a.dtype}; cold")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at start", flush=True)
     p = jaxmoe.init_params(cfg, jax.random.key(0))
+    if a.dtype != "f32":
+        from bench_block import DTYPES, expert_weights
+
+        if a.dtype not in DTYPES:
+            sys.exit(f"bench_train: --dtype {a.dtype!r} unknown; choose from {','.join(DTYPES)}")
+        p = expert_weights(p, a.dtype, jax.random.key(1))  # routed and shared experts
+        if "hf" in a.impls:
+            print("hf skipped: the Hugging Face block holds float experts only", flush=True)
+            a.impls = [i for i in a.impls if i != "hf"]
     jax.block_until_ready(p)
     hf_step = make_hf_train(p, cfg, a.threads) if "hf" in a.impls else None
 
@@ -82,7 +102,8 @@ def main(argv=None) -> int:
         return lambda p, x, ct: jnp.vdot(jaxmoe.moe_apply(p, x, cfg, impl=impl), ct)
 
     fwd = {i: jax.jit(lambda p, x, i=i: jaxmoe.moe_apply(p, x, cfg, impl=i)) for i in a.impls if i != "hf"}
-    grad = {i: jax.jit(jax.grad(loss(i), argnums=(0, 1))) for i in a.impls if i != "hf"}
+    # allow_int: quantized codes are integer leaves (frozen: float0 cotangents)
+    grad = {i: jax.jit(jax.grad(loss(i), argnums=(0, 1), allow_int=True)) for i in a.impls if i != "hf"}
     rows = []
     for t in a.tokens:
         n = 1 + a.repeats * len(a.impls)

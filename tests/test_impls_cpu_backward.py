@@ -2,20 +2,22 @@
 `jaxmoe.impls.cpu.backward.cpu_vjp`) against ``jax.vjp`` of `experts_dense` and a
 float64 numpy loop: input, routing-weight, weight and bias gradients; column tails,
 empty experts, one expert taking every token, T = 1 / 7 / 130; gpt-oss activation with
-biases; weight_on_input; bfloat16; frozen int8 / int4 experts; NaN isolation;
+biases; weight_on_input; bfloat16; frozen int8 / int4 / GGUF block experts; NaN isolation;
 determinism; the gather fallback for kinds the backward does not read."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import np_act, quantize_experts, random_params
+from gguf import GGMLQuantizationType as QT
+from gguf import quants as gq
+from helpers import gguf_block_bytes, np_act, quantize_experts, random_params
 
 from jaxmoe import MoEConfig, RouterConfig, Routing
 from jaxmoe.experts import ExpertWeights, experts_dense, gather_vjp
 from jaxmoe.impls.cpu import backward, cpu_kernel_status, experts_cpu
 from jaxmoe.impls.cpu.backward import backward_kernel_status, backward_supports, cpu_vjp
-from jaxmoe.quant import materialize
+from jaxmoe.quant import gguf_block_tensor, materialize
 
 
 def test_kernels_build():
@@ -179,9 +181,42 @@ def test_deterministic(rng):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
+@pytest.mark.parametrize("fmts", [("q4_k", "q4_k", "q6_k"), ("q5_k", "q6_k", "q4_k"), ("q5_0", "q5_1", "q4_1")])
+@pytest.mark.parametrize("t", [3, 20])
+def test_gguf_block_experts_are_frozen_in_the_kernel(fmts, t, rng):
+    """GGUF block kinds (Q4_K_M's q4_k gate/up with q6_k down, ...) in the C++ backward:
+    input and routing gradients equal those of the float weights gguf.quants decodes from
+    the same bytes (float64 reference loop through experts_dense); the experts get zero
+    cotangents; the compiled gradient runs the backward custom call (no gather loop).
+    F = 96 / 256 with 64-column tasks: blocks split across tasks are decoded whole."""
+    block = 256 if any(f[-1] == "k" for f in fmts) else 32
+    d, f = (256, 256) if block == 256 else (64, 96)
+    cfg = cfg_of(d, f, 6, 2)
+    shapes = {"w_gate": (6, f, d), "w_up": (6, f, d), "w_down": (6, d, f)}  # stored [E, out, in]
+    qw, fw = {}, {}
+    for (name, shape), kind in zip(shapes.items(), fmts):
+        raw = gguf_block_bytes(rng, QT[kind.upper()], shape)
+        qw[name] = gguf_block_tensor(jnp.asarray(raw), kind, n_in=shape[-1])
+        fw[name] = jnp.asarray(np.swapaxes(gq.dequantize(raw, QT[kind.upper()]), -1, -2).astype(np.float32))
+    qew, few = ExpertWeights(**qw), ExpertWeights(**fw)
+    assert backward_supports(qew) is None
+    x, r, _, g = problem(rng, t, cfg)
+    dx, dr, dew = vjp_of(experts_cpu, cfg, x, r, qew, g)
+    rx, rr, _ = vjp_of(experts_dense, cfg, x, r, few, g)
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(rx), rtol=1e-4, atol=1e-4 * float(jnp.abs(rx).max()))
+    np.testing.assert_allclose(
+        np.asarray(dr.weights), np.asarray(rr.weights), rtol=1e-4, atol=1e-4 * float(jnp.abs(rr.weights).max())
+    )
+    for leaf in jax.tree.leaves(dew):
+        assert not np.asarray(leaf).astype(bool).any()
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(experts_cpu(x, r, qew, cfg) * g)))
+    assert backward.BWD_TARGET in grad.lower(x).compile().as_text()
+
+
 def test_kinds_the_backward_does_not_read_fall_back_to_gather(rng, monkeypatch):
-    """A quantized kind outside `BWD_KINDS` (e.g. the GGUF block kinds): `backward_supports`
-    names it and `cpu_vjp` returns gather's VJP (experts frozen)."""
+    """A quantized kind outside `BWD_KINDS` (every kind the forward reads is in it; here
+    int8 is taken out): `backward_supports` names it and `cpu_vjp` returns gather's VJP
+    (experts frozen)."""
     cfg = cfg_of(64, 32, 4, 2)
     q = quantize_experts(random_params(cfg, rng), "int8").experts
     x, r, _, g = problem(rng, 5, cfg)

@@ -16,10 +16,11 @@ Everything around the call (sorting, the per-token sum of ``dxs``, ``weight_on_i
 chain rule) stays in XLA. Every output element is one sequential float32 accumulation in
 a fixed order, so the gradients are deterministic whatever the thread count.
 
-Experts: float32 / bfloat16 arrays get weight gradients; `QuantizedTensor` kinds ``int8``
-and ``int4`` are frozen (`jaxmoe.experts.frozen_cotangent`: no weight gradient) and the
-kernel dequantizes them for the input gradient. Other quantized kinds the forward reads
-(GGUF block kinds), and any case where the backward library did not build, take
+Experts: float32 / bfloat16 arrays get weight gradients; `QuantizedTensor`s (``int8``,
+``int4`` and the GGUF block kinds ``q4_1`` ... ``q6_k``, every kind the forward reads) are
+frozen (`jaxmoe.experts.frozen_cotangent`: no weight gradient) and the kernel dequantizes
+them block by block for the input gradient (GGUF blocks with the forward's decoder,
+``kernel_common.h``). Where the backward library did not build, `cpu_vjp` takes
 `jaxmoe.experts.gather_vjp` (per-pair loop, frozen experts): `backward_supports` says why.
 """
 
@@ -38,13 +39,14 @@ from jaxmoe.dispatch import plan_dispatch
 from jaxmoe.experts import ExpertWeights, experts_frozen, frozen_cotangent, gather_vjp, zero_cotangent
 from jaxmoe.impls.common import sorted_inputs
 from jaxmoe.impls.cpu.build import load_handler
-from jaxmoe.quant import QuantizedTensor
+from jaxmoe.impls.cpu.kinds import GGUF_KINDS, INT4, INT8
+from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
 from jaxmoe.routing import Routing
 
 BWD_TARGET = "jaxmoe_grouped_swiglu_bwd"
 BWD_SOURCE = Path(__file__).parent / "grouped_swiglu_bwd.cc"
-#: Kind numbers of the backward kernel (as the forward's): float, int8, int4.
-BWD_KINDS = {"int8": 1, "int4": 2}
+#: Kind numbers of the backward kernel (as the forward's): int8, int4, GGUF block kinds.
+BWD_KINDS = {"int8": INT8, "int4": INT4, **GGUF_KINDS}
 #: Columns of F per phase-A task and of d per phase-B task (measured on the Qwen3.6 layer).
 BWD_UP_BLOCK = 64
 BWD_DOWN_BLOCK = 64
@@ -70,7 +72,7 @@ def backward_kernel_status() -> tuple[bool, str]:
 
 def backward_supports(ew: ExpertWeights) -> str | None:
     """None when the C++ backward reads these experts, else why not (then `cpu_vjp`
-    takes `gather_vjp`): float arrays and `QuantizedTensor` kinds int8 / int4."""
+    takes `gather_vjp`): float arrays and every `QuantizedTensor` kind the forward reads."""
     for name in ("w_gate", "w_up", "w_down"):
         w = getattr(ew, name)
         if isinstance(w, QuantizedTensor) and w.kind not in BWD_KINDS:
@@ -82,6 +84,8 @@ def _operands(w) -> tuple[tuple, int, int]:
     empty = jnp.zeros((0,), jnp.float32)
     if not isinstance(w, QuantizedTensor):
         return (w, empty, empty), 0, 0
+    if w.kind in GGUF_BLOCKS:  # raw block bytes; the scales are inside the blocks
+        return (w.qdata, empty, empty), BWD_KINDS[w.kind], GGUF_BLOCKS[w.kind][0]
     scales = w.scales
     assert scales is not None  # the forward's supports() refused kinds without scales
     qb = w.biases if w.biases is not None else jnp.zeros((0,), scales.dtype)

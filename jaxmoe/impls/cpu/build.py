@@ -3,7 +3,8 @@
 The source is compiled on first use with the system C++ compiler (``$CXX``, else
 ``c++`` / ``g++`` / ``clang++``) against the FFI headers of the installed jaxlib, with
 ``-O3 -march=native`` (the machine that runs it compiles it), and cached under
-``$JAXMOE_CACHE_DIR`` (default ``~/.cache/jaxmoe``) keyed by the source, the jaxlib
+``$JAXMOE_CACHE_DIR`` (default ``~/.cache/jaxmoe``) keyed by the source and the headers
+beside it (``kernel_common.h``, shared by the forward and backward kernels), the jaxlib
 version, the compiler and the CPU flags, with the SHA-256 of the library's bytes
 recorded beside it (``.sha256``) and checked before every load (a mismatch rebuilds).
 The library is written under a temporary name and renamed, so concurrent builders
@@ -115,7 +116,15 @@ def build_library(cxx: str, source: Path = SOURCE) -> Path:
     flags = [*CXXFLAGS, *extra_flags()]
     key = hashlib.sha256(
         "\0".join(
-            [source.read_text(), importlib.metadata.version("jaxlib"), cxx, *version, *flags, _cpu_flags()]
+            [
+                source.read_text(),
+                *(h.read_text() for h in sorted(source.parent.glob("*.h"))),  # included headers
+                importlib.metadata.version("jaxlib"),
+                cxx,
+                *version,
+                *flags,
+                _cpu_flags(),
+            ]
         ).encode()
     ).hexdigest()[:16]
     lib = cache_dir() / f"{source.stem}-{key}.so"

@@ -8,7 +8,8 @@
 //   scale   [P] | [0] f32 each row's routing weight (the forward multiplied its output by it); [0]: 1
 //   offsets [E], sizes [E]  s32  expert e owns rows [offsets[e], offsets[e] + sizes[e]) (sorted, disjoint)
 //   w_gate, w_up, w_down: data, scales, qbias each, in the forward's formats
-//     (kind 0 float32 / bfloat16 [E, in, out]; kind 1 int8 [E, out, in]; kind 2 int4 [E, out, in/2])
+//     (kind 0 float32 / bfloat16 [E, in, out]; kind 1 int8 [E, out, in]; kind 2 int4 [E, out, in/2];
+//     kinds 3..8 the GGUF blocks Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K [E, out, in/B * BB], frozen)
 //   b_gate [E, F] | [0], b_up [E, F] | [0], b_down [E, d] | [0]   f32
 // Results:
 //   dxs   [P, d] f32   gradient w.r.t. xs (rows no expert owns: zero)
@@ -56,71 +57,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-#if defined(__AVX512F__)
-#define JB_LANES 16
-#else
-#define JB_LANES 8
-#endif
-constexpr int kLanes = JB_LANES;
-typedef float vf __attribute__((vector_size(JB_LANES * 4)));
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-inline float bf16_to_float(uint16_t h) {
-  uint32_t w = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &w, 4);
-  return f;
-}
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept NaN
-  uint32_t w;
-  std::memcpy(&w, &f, 4);
-  if ((w & 0x7fffffffu) > 0x7f800000u) return uint16_t((w >> 16) | 0x40u);
-  return uint16_t((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
-}
-inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
-inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  const uint32_t em = h & 0x7fffu;
-  uint32_t w;
-  if (em >= 0x7c00u) {
-    w = sign | 0x7f800000u | ((em & 0x3ffu) << 13);
-  } else if (em >= 0x400u) {
-    w = sign | ((em + ((127u - 15u) << 10)) << 13);
-  } else {
-    float f = float(em) * 5.9604644775390625e-08f;
-    std::memcpy(&w, &f, 4);
-    w |= sign;
-  }
-  float f;
-  std::memcpy(&f, &w, 4);
-  return f;
-#endif
-}
-// Explicit fused multiply-adds (built with -ffp-contract=off, as the forward).
-inline vf fmadd(vf a, vf b, vf c) {
-#if JB_LANES == 16 && defined(__AVX512F__)
-  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif JB_LANES == 8 && defined(__FMA__)
-  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  return a * b + c;
-#endif
-}
-inline float fmadd(float a, float b, float c) {
-#if defined(__FMA__)
-  return __builtin_fmaf(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
+#include "kernel_common.h"  // vectors, conversions, weight kinds, GGUF block decoding
 
 // ---------------------------------------------------------------------------------
 // C[m, n] = A[m, K] @ B[K, n], A read at a[i * sa + k * sk] (so A may be a transpose),
@@ -183,24 +120,27 @@ void matmul(const float* a, int64_t sa, int64_t sk, const float* b, int64_t ldb,
 
 // ---------------------------------------------------------------------------------
 // One expert weight operand in its stored format (logical W [E, in, out]).
-enum Kind : int { kFloat = 0, kInt8 = 1, kInt4 = 2 };
-enum SType : int { kSF32 = 0, kSF16 = 1, kSBF16 = 2 };
-
-struct Weight {
-  int kind;
-  bool bf16;
-  const void* data;
-  const void* scales;
-  const void* qbias;
-  int stype;
-  int64_t in, out, group;
-};
-
-inline float load_scale(const void* p, int stype, int64_t i) {
-  switch (stype) {
-    case kSF32: return static_cast<const float*>(p)[i];
-    case kSF16: return half_to_float(static_cast<const uint16_t*>(p)[i]);
-    default: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+// `pack` for a GGUF block kind: each stored column's blocks that overlap [in0, in0 + nin)
+// decoded whole (decode_block, bit-exact with the forward and gguf.quants.dequantize),
+// the overlap copied out.
+template <int Q>
+void pack_gguf(const Weight& w, int64_t e, int64_t in0, int64_t nin, int64_t out0, int64_t nout, bool transposed,
+               float* dst) {
+  constexpr int64_t B = block_elems(Q), BB = block_bytes(Q);
+  const int64_t K = w.in, N = w.out, row_bytes = K / B * BB;
+  alignas(64) float blk[B];
+  for (int64_t oo = 0; oo < nout; ++oo) {
+    const uint8_t* row = static_cast<const uint8_t*>(w.data) + (e * N + out0 + oo) * row_bytes;
+    for (int64_t b0 = in0 / B * B; b0 < in0 + nin; b0 += B) {
+      decode_block<Q>(row + b0 / B * BB, blk);
+      const int64_t lo = std::max(b0, in0), hi = std::min(b0 + B, in0 + nin);
+      for (int64_t i = lo; i < hi; ++i) {
+        if (transposed)
+          dst[oo * nin + (i - in0)] = blk[i - b0];
+        else
+          dst[(i - in0) * nout + oo] = blk[i - b0];
+      }
+    }
   }
 }
 
@@ -230,6 +170,16 @@ void pack(const Weight& w, int64_t e, int64_t in0, int64_t nin, int64_t out0, in
       }
     }
     return;
+  }
+  if (is_gguf(w.kind)) {
+    switch (w.kind) {
+      case kQ4_1: return pack_gguf<kQ4_1>(w, e, in0, nin, out0, nout, transposed, dst);
+      case kQ5_0: return pack_gguf<kQ5_0>(w, e, in0, nin, out0, nout, transposed, dst);
+      case kQ5_1: return pack_gguf<kQ5_1>(w, e, in0, nin, out0, nout, transposed, dst);
+      case kQ4_K: return pack_gguf<kQ4_K>(w, e, in0, nin, out0, nout, transposed, dst);
+      case kQ5_K: return pack_gguf<kQ5_K>(w, e, in0, nin, out0, nout, transposed, dst);
+      default: return pack_gguf<kQ6_K>(w, e, in0, nin, out0, nout, transposed, dst);
+    }
   }
   const int64_t ng = K / w.group;
   const int64_t row_bytes = w.kind == kInt8 ? K : K / 2;
@@ -498,6 +448,20 @@ ffi::Error bind_weight(const char* name, ffi::AnyBuffer data, ffi::AnyBuffer sca
     if (t != ffi::DataType::F32 && t != ffi::DataType::BF16) return fail("float weights must be float32 or bfloat16");
     if (dd.size() != 3 || dd[0] != E || dd[1] != in || dd[2] != out) return fail("float weights must be [E, in, out]");
     w.bf16 = t == ffi::DataType::BF16;
+    return ffi::Error::Success();
+  }
+  if (is_gguf(kind)) {
+    const int64_t B = block_elems(kind), BB = block_bytes(kind);
+    const std::string what = "GGUF kind " + std::to_string(kind) + " (block " + std::to_string(B) + " in " +
+                             std::to_string(BB) + " bytes), logical [" + std::to_string(E) + ", " +
+                             std::to_string(in) + ", " + std::to_string(out) + "]";
+    if (group != B || in % B != 0) return fail(what + ": the input width must be a multiple of the block");
+    if (data.element_type() != ffi::DataType::U8 || dd.size() != 3 || dd[0] != E || dd[1] != out ||
+        dd[2] != in / B * BB)
+      return fail(what + ": block bytes must be uint8 [E, out, in / block * block_bytes]");
+    if (scales.element_count() != 0 || qbias.element_count() != 0)
+      return fail(what + ": scales live inside the blocks (pass empty scales / biases)");
+    w.group = B;
     return ffi::Error::Success();
   }
   if (kind != kInt8 && kind != kInt4) return fail("unknown weight kind " + std::to_string(kind));

@@ -43,18 +43,14 @@ from jaxmoe.experts import ExpertWeights, SharedWeights, shared_expert, shared_g
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.impls.cpu.backward import cpu_vjp
 from jaxmoe.impls.cpu.build import TARGET, cpu_kernel_status
+from jaxmoe.impls.cpu.kinds import FLOAT, GGUF_KINDS, INT4, INT8
 from jaxmoe.invariance import row_blocks, wants_invariance
 from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
 from jaxmoe.routing import Routing
 
-#: Weight formats of the C++ kernel (the ``kind_*`` attributes of the custom call).
-FLOAT, INT8, INT4 = 0, 1, 2
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 _QKINDS = {"int8": (INT8, jnp.dtype(jnp.int8)), "int4": (INT4, jnp.dtype(jnp.uint8))}
-#: GGUF block kinds (raw block bytes, `jaxmoe.quant.GGUF_BLOCKS`) -> the kernel's kind number.
-GGUF_KINDS = {"q4_1": 3, "q5_0": 4, "q5_1": 5, "q4_k": 6, "q5_k": 7, "q6_k": 8}
-assert set(GGUF_KINDS) == set(GGUF_BLOCKS)
 
 
 def _block_problem(name: str, w: QuantizedTensor, n_in: int | None) -> str | None:

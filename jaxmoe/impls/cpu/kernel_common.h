@@ -1,0 +1,253 @@
+// Shared by grouped_swiglu.cc (forward) and grouped_swiglu_bwd.cc (backward) of impl="cpu":
+// float vectors of the build's width, bfloat16 / float16 conversions, explicit fused
+// multiply-adds, the weight kinds of the custom calls and the GGUF block decoders.
+// Included inside each library's anonymous namespace, after the system headers
+// (<cstdint>, <cstring>, <immintrin.h> where the target has AVX2 / AVX-512 / F16C).
+// Both libraries are built with -ffp-contract=off (jaxmoe/impls/cpu/build.py): every
+// product and sum here rounds as written.
+#pragma once
+
+#if defined(__AVX512F__)
+#define JM_LANES 16
+#else
+#define JM_LANES 8
+#endif
+constexpr int kLanes = JM_LANES;
+typedef float vf __attribute__((vector_size(JM_LANES * 4)));
+typedef uint16_t vh __attribute__((vector_size(JM_LANES * 2)));
+typedef uint32_t vu __attribute__((vector_size(JM_LANES * 4)));
+typedef int8_t vs8 __attribute__((vector_size(JM_LANES)));
+typedef uint8_t vu8 __attribute__((vector_size(JM_LANES)));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vf load(const uint16_t* p) {  // bfloat16 -> float32 is a 16-bit shift
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  vu w = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+inline float bf16_to_float(uint16_t h) {
+  uint32_t w = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+inline float scalar(const float* p) { return *p; }
+inline float scalar(const uint16_t* p) { return bf16_to_float(*p); }
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+// a * b + c, fused where the target has FMA. Built with -ffp-contract=off, so the
+// compiler fuses nothing on its own: every output element gets one chain of these,
+// the same whatever a task's row count (GCC contracted some tile shapes and not others,
+// which made a row's result depend on the batch: docs/design.md, batch invariance).
+inline vf fmadd(vf a, vf b, vf c) {
+#if JM_LANES == 16 && defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif JM_LANES == 8 && defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+inline float fmadd(float a, float b, float c) {
+#if defined(__FMA__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int l = 0; l < kLanes; ++l) s += v[l];
+  return s;
+}
+
+inline float half_to_float(uint16_t h) {  // IEEE binary16 -> binary32, exact (subnormals, inf, NaN)
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#endif
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t em = h & 0x7fffu;
+  uint32_t w;
+  if (em >= 0x7c00u) {
+    w = sign | 0x7f800000u | ((em & 0x3ffu) << 13);
+  } else if (em >= 0x400u) {
+    w = sign | ((em + ((127u - 15u) << 10)) << 13);
+  } else {
+    float f = float(em) * 5.9604644775390625e-08f;  // em * 2^-24
+    std::memcpy(&w, &f, 4);
+    w |= sign;
+  }
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+
+inline float round_bf16(float f) {  // round to nearest even, NaN kept NaN
+  uint32_t w;
+  std::memcpy(&w, &f, 4);
+  if ((w & 0x7fffffffu) > 0x7f800000u) return f;
+  w = (w + 0x7fffu + ((w >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+
+// ---------------------------------------------------------------------------------
+// One expert weight operand in its stored format.
+enum Kind : int { kFloat = 0, kInt8 = 1, kInt4 = 2, kQ4_1 = 3, kQ5_0 = 4, kQ5_1 = 5, kQ4_K = 6, kQ5_K = 7, kQ6_K = 8 };
+constexpr bool is_gguf(int q) { return q >= kQ4_1 && q <= kQ6_K; }
+// GGUF block kinds: elements and bytes per block (ggml's GGML_QUANT_SIZES).
+constexpr int block_elems(int q) { return q <= kQ5_1 ? 32 : 256; }
+constexpr int block_bytes(int q) {
+  return q == kQ4_1 ? 20 : q == kQ5_0 ? 22 : q == kQ5_1 ? 24 : q == kQ4_K ? 144 : q == kQ5_K ? 176 : 210;
+}
+enum SType : int { kSF32 = 0, kSF16 = 1, kSBF16 = 2 };
+
+struct Weight {
+  int kind;
+  bool bf16;            // kind 0: bfloat16 data
+  const void* data;
+  const void* scales;
+  const void* qbias;    // null when absent
+  int stype;
+  int64_t in, out, group;
+};
+
+inline float load_scale(const void* p, int stype, int64_t i) {
+  switch (stype) {
+    case kSF32: return static_cast<const float*>(p)[i];
+    case kSF16: return half_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept NaN (quiet)
+  uint32_t w;
+  std::memcpy(&w, &f, 4);
+  if ((w & 0x7fffffffu) > 0x7f800000u) return uint16_t((w >> 16) | 0x40u);
+  return uint16_t((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
+}
+
+// ---------------------------------------------------------------------------------
+// GGUF block kinds, decoded one block (32 or 256 elements of one column) at a time into
+// float32, bit-exact with gguf.quants.dequantize (the same float32 products and sums in
+// the same order; -ffp-contract=off keeps `d * q + m` two roundings). The loops are
+// written for the compiler's vectorizer (-O3 -march=native: AVX2 / AVX-512 or scalar).
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return half_to_float(h);
+}
+
+// Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes.
+inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Codes (bytes) to float32 in vectors, N of them (a multiple of the vector width), in the
+// operations of gguf.quants.dequantize: s q + m, s q - m, or s (q - z) (z a small exact
+// constant: float(q - z) == float(q) - z for these codes).
+inline vf u8_to_vf(const uint8_t* p) {
+#if JM_LANES == 16 && defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vu8 q;
+  std::memcpy(&q, p, kLanes);
+  return __builtin_convertvector(q, vf);
+#endif
+}
+
+enum Affine : int { kScaleAdd, kScaleSub, kScaleShift };  // s q + m | s q - m | s (q - z)
+
+template <int Mode, int N>
+inline void codes_to_float(const uint8_t* q, float s, float m, float z, float* out) {
+  static_assert(N % kLanes == 0, "a group fills whole vectors");
+  const vf sv = vf{} + s, mv = vf{} + m, zv = vf{} + z;
+  for (int l = 0; l < N; l += kLanes) {
+    const vf f = u8_to_vf(q + l);
+    vf w;
+    if constexpr (Mode == kScaleAdd) {
+      w = sv * f;
+      w = w + mv;
+    } else if constexpr (Mode == kScaleSub) {
+      w = sv * f;
+      w = w - mv;
+    } else {
+      w = sv * (f - zv);
+    }
+    store(out + l, w);
+  }
+}
+
+template <int Q>
+inline void decode_block(const uint8_t* b, float* __restrict out) {
+  alignas(64) uint8_t q[256];  // the block's codes, one byte each (byte loops vectorize)
+  if constexpr (Q == kQ4_1) {  // d f16, m f16, 16 bytes of nibbles: w = d q + m
+    const uint8_t* qs = b + 4;
+    for (int l = 0; l < 16; ++l) {
+      q[l] = qs[l] & 15;
+      q[l + 16] = qs[l] >> 4;
+    }
+    codes_to_float<kScaleAdd, 32>(q, f16_at(b), f16_at(b + 2), 0.f, out);
+  } else if constexpr (Q == kQ5_0 || Q == kQ5_1) {  // d f16, [m f16], qh u32, 16 bytes of nibbles
+    const int o = Q == kQ5_1 ? 4 : 2;
+    uint32_t qh;
+    std::memcpy(&qh, b + o, 4);
+    const uint8_t* qs = b + o + 4;
+    for (int l = 0; l < 16; ++l) {
+      q[l] = uint8_t((qs[l] & 15) | (((qh >> l) & 1u) << 4));
+      q[l + 16] = uint8_t((qs[l] >> 4) | (((qh >> (l + 16)) & 1u) << 4));
+    }
+    if constexpr (Q == kQ5_0)
+      codes_to_float<kScaleShift, 32>(q, f16_at(b), 0.f, 16.f, out);  // d (q - 16)
+    else
+      codes_to_float<kScaleAdd, 32>(q, f16_at(b), f16_at(b + 2), 0.f, out);
+  } else if constexpr (Q == kQ4_K || Q == kQ5_K) {
+    // d f16, dmin f16, 12 scale bytes, [qh 32 bytes (Q5_K)], qs 128 bytes; 8 sub-blocks of
+    // 32: sub-block 2p = low nibbles of qs[32p..], 2p+1 = their high nibbles;
+    // w = (d sc) q - (dmin mn), Q5_K's fifth bit j of sub-block j from qh[l].
+    const float d = f16_at(b), dmin = f16_at(b + 2);
+    const uint8_t* sc6 = b + 4;
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + (Q == kQ5_K ? 48 : 16);
+    for (int p = 0; p < 4; ++p)
+      for (int l = 0; l < 32; ++l) {
+        q[64 * p + l] = qs[32 * p + l] & 15;
+        q[64 * p + 32 + l] = qs[32 * p + l] >> 4;
+      }
+    if constexpr (Q == kQ5_K)
+      for (int j = 0; j < 8; ++j)
+        for (int l = 0; l < 32; ++l) q[32 * j + l] |= uint8_t(((qh[l] >> j) & 1) << 4);
+    for (int j = 0; j < 8; ++j) {
+      int sc, mn;
+      k_scale_min(sc6, j, sc, mn);
+      codes_to_float<kScaleSub, 32>(q + 32 * j, d * float(sc), dmin * float(mn), 0.f, out + 32 * j);
+    }
+  } else {  // Q6_K: ql 128 bytes, qh 64 bytes, 16 int8 scales, d f16; w = (d sc) (q - 32)
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = f16_at(b + 208);
+    for (int h = 0; h < 2; ++h)
+      for (int s = 0; s < 4; ++s) {  // elements 128 h + 32 s + l
+        const uint8_t* lo = ql + 64 * h + 32 * (s & 1);
+        const uint8_t* hi = qh + 32 * h;
+        const int nib = 4 * (s >> 1), hs = 2 * s;
+        for (int l = 0; l < 32; ++l) q[128 * h + 32 * s + l] = uint8_t(((lo[l] >> nib) & 15) | (((hi[l] >> hs) & 3) << 4));
+      }
+    for (int g = 0; g < 16; ++g) codes_to_float<kScaleShift, 16>(q + 16 * g, d * float(sc[g]), 0.f, 32.f, out + 16 * g);
+  }
+}
