@@ -16,7 +16,7 @@ import jax
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import check_expert_ids
 from jaxmoe.experts import SharedWeights, shared_expert
-from jaxmoe.impls.cpu import shared_expert_cpu, shared_quantized, shared_supported
+from jaxmoe.impls.cpu import shared_expert_cpu, shared_stored_narrow, shared_supported
 from jaxmoe.impls.policy import call_impl, lowering_impls
 from jaxmoe.invariance import wants_invariance
 from jaxmoe.params import MoEParams, compute_routing, init_params, params_from_sampler
@@ -65,9 +65,9 @@ def moe_apply(
         y, _ = call_impl(impl, x2, routing, params.experts, cfg)
     if params.shared is not None:
         # the C++ kernel takes the shared expert on the CPU where invariance asks for it, and
-        # quantized shared experts whenever the routed experts run in it there (XLA would
-        # dequantize each whole matrix on every call)
-        quant = table["cpu"] == "cpu" and shared_quantized(params.shared)
+        # a quantized or bfloat16-stored one whenever the routed experts run in it there (XLA
+        # would dequantize or widen each whole matrix on every call)
+        quant = table["cpu"] == "cpu" and shared_stored_narrow(params.shared, x2.dtype)
         kernel = (any(inv.values()) or quant) and shared_supported(params.shared, x2.dtype)
         y = y + _per_platform(_shared, _modes(inv, kernel, quant), (x2, params.shared), cfg)
     y = y.astype(x.dtype).reshape(*lead, cfg.d_model)

@@ -134,8 +134,7 @@ def _gate_up_bwd_kernel(*refs, spec: BackwardSpec):
 
     bm, bn, bk = spec.block_m, spec.block_n, spec.block_k
     cdt = jnp.dtype(spec.compute_dtype)
-    v = pl.program_id(0)
-    j = pl.program_id(1)
+    v, j = common.grouped_order(tg_ref.shape[0], pl.cdiv(spec.f, bn))
 
     @pl.when(v < nt_ref[0])
     def _():
@@ -315,7 +314,7 @@ def gate_up_backward(
     outs = pl.pallas_call(
         functools.partial(_gate_up_bwd_kernel, spec=spec),
         out_shape=tuple(shapes),
-        grid=(tile_group.shape[0], nb),
+        grid=(tile_group.shape[0] * nb,),  # common.grouped_order
         compiler_params=common.compiler_params(num_warps, num_stages),
         interpret=interpret,
         debug=debug,
@@ -413,8 +412,7 @@ def _gmm_t_kernel(*refs, spec: TransposedSpec):
 
     bm, bn, bk = spec.block_m, spec.block_n, spec.block_k
     cdt = jnp.dtype(spec.compute_dtype)
-    v = pl.program_id(0)
-    j = pl.program_id(1)
+    v, j = common.grouped_order(tg_ref.shape[0], pl.cdiv(spec.n, bn))
 
     @pl.when(v < nt_ref[0])
     def _():
@@ -519,7 +517,7 @@ def gmm_transposed(
     return pl.pallas_call(
         functools.partial(_gmm_t_kernel, spec=spec),
         out_shape=jax.ShapeDtypeStruct((p, spec.n), jnp.float32),
-        grid=(tile_group.shape[0], pl.cdiv(spec.n, bn)),
+        grid=(tile_group.shape[0] * pl.cdiv(spec.n, bn),),  # common.grouped_order
         compiler_params=common.compiler_params(num_warps, num_stages),
         interpret=interpret,
         debug=debug,

@@ -77,8 +77,9 @@ def down_project(
       out: optional ``[P, d]`` buffer of ``out_dtype`` aliased to the output.
       word_loads: quantized codes loaded as int32 words (`quant.as_words`); None: only
         for a code array of >= 2^31 elements, which 32-bit offsets cannot address.
-      tf32: float32 inputs multiplied as TensorFloat-32 on the tensor cores (faster, 10-bit
-        mantissas); default False: full float32 precision. 16-bit inputs are unaffected.
+      tf32: float32 inputs multiplied as one TensorFloat-32 dot on the tensor cores (faster,
+        10-bit mantissas); default False: 3xTF32, float32-accurate (`quant.tile_matmul`).
+        16-bit inputs are unaffected.
     Returns:
       ``[P, d]`` in ``out_dtype`` (sorted rows).
     """

@@ -47,7 +47,7 @@ class GroupedSpec:
       has_bias: per-expert biases ``[E, N]`` (one per weight).
       act: the epilogue activation of two weights.
       compute_dtype, out_dtype: dtype the tiles are multiplied in, dtype written.
-      tf32: float32 tiles multiplied as TensorFloat-32 (else full float32 precision).
+      tf32: float32 tiles multiplied as one TensorFloat-32 dot (else 3xTF32, float32-accurate).
     """
 
     rows: int
@@ -86,8 +86,7 @@ def _grouped_kernel(*refs, spec: GroupedSpec, aliased: bool):
 
     bm, bn, bk = spec.block_m, spec.block_n, spec.block_k
     cdt = jnp.dtype(spec.compute_dtype)
-    v = pl.program_id(0)
-    j = pl.program_id(1)
+    v, j = common.grouped_order(tg_ref.shape[0], pl.cdiv(spec.n, bn))
 
     @pl.when(v < nt_ref[0])
     def _():
@@ -166,7 +165,7 @@ def grouped_call(
     if out is not None:
         aliases = {len(args): 0}
         args.append(out)
-    grid = (tile_group.shape[0], pl.cdiv(spec.n, spec.block_n))
+    grid = (tile_group.shape[0] * pl.cdiv(spec.n, spec.block_n),)  # common.grouped_order
     kernel = functools.partial(_grouped_kernel, spec=spec, aliased=out is not None)
     return pl.pallas_call(
         kernel,
@@ -242,8 +241,9 @@ def gmm(
         quantization group).
       word_loads: quantized codes loaded as int32 words (`quant.as_words`); None: only
         for a code array of >= 2^31 elements, which 32-bit offsets cannot address.
-      tf32: float32 inputs multiplied as TensorFloat-32 on the tensor cores (faster, 10-bit
-        mantissas); default False: full float32 precision. 16-bit inputs are unaffected.
+      tf32: float32 inputs multiplied as one TensorFloat-32 dot on the tensor cores (faster,
+        10-bit mantissas); default False: 3xTF32, float32-accurate (`quant.tile_matmul`).
+        16-bit inputs are unaffected.
     Returns:
       ``[P, N]`` in ``out_dtype`` (default ``lhs.dtype``), float32 accumulation.
     """

@@ -642,12 +642,12 @@ def np_shared(x, ref, gate):
     return ((g / (1 + np.exp(-g)) * u) @ ref["w_down"]) / (1 + np.exp(-(x @ gate)))[:, None]
 
 
-@pytest.mark.parametrize("fmts", [("q8_0", "q4_0", "mlx4_g64"), Q4_K_M, ("q5_0", "q5_k", "q4_1")])
+@pytest.mark.parametrize("fmts", [("q8_0", "q4_0", "mlx4_g64"), Q4_K_M, ("q5_0", "q5_k", "q4_1"), ("bf16",) * 3])
 @pytest.mark.parametrize("t", [1, 11])
 def test_quantized_shared_expert_in_the_kernel(fmts, t, rng):
-    """A quantized shared expert (a GGUF file's ``ffn_*_shexp``) runs in the C++ kernel,
-    read in its stored format, within float rounding of the float64 forward of its
-    dequantized matrices; ``moe_apply(auto)`` takes it there (two kernel calls, no
+    """A quantized (a GGUF file's ``ffn_*_shexp``) or bfloat16-stored shared expert runs in
+    the C++ kernel, read in its stored format, within float rounding of the float64 forward
+    of its dequantized matrices; ``moe_apply(auto)`` takes it there (two kernel calls, no
     float copy of the shared matrices) and adds exactly that to the routed output."""
     from jaxmoe.impls.cpu import shared_expert_cpu, shared_supported
 

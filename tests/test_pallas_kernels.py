@@ -685,3 +685,28 @@ def test_float32_gmm_matches_float64(rng):
     ex = np.repeat(np.arange(e), sizes)
     want = np.stack([lhs[r].astype(np.float64) @ w[ex[r]].astype(np.float64) for r in range(sizes.sum())])
     np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=1e-5, atol=1e-5 * np.sqrt(k_in))
+
+
+@pytest.mark.parametrize("rows, cols, group", [(20, 3, 8), (5, 7, 8), (16, 1, 8), (9, 4, 2), (1, 5, 8)])
+def test_grouped_order_is_a_bijection_in_groups(rows, cols, group):
+    """`common.grouped_order` maps the 1-D grid onto every (row tile, column block) once,
+    and consecutive programs sweep ``group`` row tiles across all column blocks first."""
+    from jax.experimental import pallas as pl
+
+    from pallas_kernels import common
+
+    def kernel(o_ref):
+        v, j = common.grouped_order(rows, cols, group)
+        o_ref[pl.program_id(0), 0] = v
+        o_ref[pl.program_id(0), 1] = j
+
+    out = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((rows * cols, 2), jnp.int32), grid=(rows * cols,), interpret=True
+    )()
+    vj = [tuple(int(a) for a in r) for r in np.asarray(out)]
+    assert sorted(vj) == [(v, j) for v in range(rows) for j in range(cols)]
+    for start in range(0, rows, group):  # each group of row tiles is one contiguous run of programs
+        size = min(group, rows - start)
+        run = vj[start * cols : (start + size) * cols]
+        assert {v for v, _ in run} == set(range(start, start + size)), run
+        assert [j for _, j in run] == sorted(j for _, j in run)  # column by column within the group

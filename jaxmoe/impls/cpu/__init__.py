@@ -11,7 +11,7 @@ from jaxmoe.impls.cpu.kernel import (
     experts_cpu,
     grouped_swiglu,
     shared_expert_cpu,
-    shared_quantized,
+    shared_stored_narrow,
     shared_supported,
     supports,
 )
@@ -24,7 +24,7 @@ __all__ = [
     "experts_cpu",
     "grouped_swiglu",
     "shared_expert_cpu",
-    "shared_quantized",
+    "shared_stored_narrow",
     "shared_supported",
     "supports",
 ]

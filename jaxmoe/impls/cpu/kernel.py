@@ -248,9 +248,16 @@ def shared_supported(sw: SharedWeights, dtype) -> bool:
     )
 
 
-def shared_quantized(sw: SharedWeights | None) -> bool:
-    """Whether any shared-expert matrix is a `QuantizedTensor`."""
-    return sw is not None and any(isinstance(w, QuantizedTensor) for w in (sw.w_gate, sw.w_up, sw.w_down))
+def shared_stored_narrow(sw: SharedWeights | None, dtype) -> bool:
+    """Whether any shared-expert matrix is stored in a format XLA would convert whole on
+    every call for activations of ``dtype``: a `QuantizedTensor` (dequantized), or an array
+    of another dtype (bfloat16 weights with float32 activations)."""
+    if sw is None:
+        return False
+    return any(
+        isinstance(w, QuantizedTensor) or jnp.dtype(w.dtype) != jnp.dtype(dtype)
+        for w in (sw.w_gate, sw.w_up, sw.w_down)
+    )
 
 
 def _one_expert(sw: SharedWeights) -> ExpertWeights:
@@ -267,7 +274,8 @@ def shared_expert_cpu(x: jax.Array, sw: SharedWeights, cfg: MoEConfig) -> jax.Ar
     this is the batch-invariant shared expert on the CPU at the kernel's speed; it also
     reads quantized weights (a GGUF file's ``ffn_*_shexp`` tensors) in their stored format,
     where XLA would dequantize each whole matrix on every call (`jaxmoe.moe_apply` takes it
-    for a quantized shared expert whenever the routed experts run in this kernel). Requires
+    for a quantized or bfloat16-stored shared expert, `shared_stored_narrow`, whenever the
+    routed experts run in this kernel). Requires
     `shared_supported`. Gradients: the VJP of the XLA shared expert (quantized weights frozen).
     """
     return _shared_cpu(x, sw, cfg)
