@@ -120,13 +120,14 @@ def bucket_of(num_pairs: int) -> str:
 
 
 #: Caps on the grouped kernels' tiles for float32 activations: rows per tile, output
-#: elements per tile (``block_m * block_n``), K step, warps. Float32 tiles are multiplied
-#: as 3xTF32 (three tensor-core dots on split operands, `pallas_kernels.quant.tile_matmul`),
-#: which holds two more copies of each operand tile in registers than a 16-bit dot: the
-#: 16-bit tiles (up to 128 x 128 x 64 at 8 warps) spilled 60 B - 1 KB, 32 x 64 int4 gate/up
-#: 56 B (benchmarks/gpu_compile_check.py); tiles of at most 1024 outputs do not. Decode
-#: kernels (no dot) keep their blocks.
-F32_MAX_M, F32_MAX_TILE, F32_MAX_K, F32_MAX_WARPS = 32, 1024, 64, 4
+#: elements per tile (``block_m * block_n``), K step, warps, pipeline stages. Float32 tiles
+#: are multiplied as 3xTF32 (three tensor-core dots on split operands,
+#: `pallas_kernels.quant.tile_matmul`), which holds two more copies of each operand tile in
+#: registers than a 16-bit dot: the 16-bit tiles (up to 128 x 128 x 64 at 8 warps) spilled
+#: 60 B - 1 KB, 32 x 32 int4 gate/up 28 B and 16 x 64 int8 at 4 stages 4 B
+#: (benchmarks/gpu_compile_check.py, with the GROUP_M launch order); these caps spill
+#: nowhere in its cases. Decode kernels (no dot) keep their blocks.
+F32_MAX_M, F32_MAX_TILE, F32_MAX_K, F32_MAX_WARPS, F32_MAX_STAGES = 16, 1024, 64, 4, 3
 
 
 def for_dtype(kc: KernelConfig, dtype) -> KernelConfig:
@@ -143,6 +144,7 @@ def for_dtype(kc: KernelConfig, dtype) -> KernelConfig:
             block_n=max(MIN_BLOCK, min(b.block_n, F32_MAX_TILE // bm)),
             block_k=min(b.block_k, F32_MAX_K),
             num_warps=min(b.num_warps, F32_MAX_WARPS),
+            num_stages=min(b.num_stages, F32_MAX_STAGES),
         )
 
     return KernelConfig(kc.bucket, cap(kc.gate_up), cap(kc.down))

@@ -4,7 +4,8 @@ XLA:CPU copies every expert slice ``W[e]`` before its dot (benchmarks/README.md)
 the plain-XLA path pays a weight copy per touched expert. ``grouped_swiglu.cc`` (beside
 this module) reads the selected experts' weights in place instead: tasks over (expert, column
 block) with float32 register tiles, on XLA's intra-op thread pool. Everything around
-it (routing, sorting the pairs, the shared expert, the weighted combine) stays in XLA.
+it (routing, sorting the pairs, a float32 shared expert, the weighted combine) stays in
+XLA; a quantized or bfloat16-stored shared expert is a second call (`shared_expert_cpu`).
 
 Weight formats, each read where it lies: float32 / bfloat16 ``[E, in, out]``, and
 `QuantizedTensor` kinds ``int8`` (GGUF Q8_0: int8 codes ``[E, out, in]``, a scale per
