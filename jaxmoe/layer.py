@@ -67,9 +67,9 @@ def moe_apply(
         # the C++ kernel takes the shared expert on the CPU where invariance asks for it, and
         # a quantized or bfloat16-stored one whenever the routed experts run in it there (XLA
         # would dequantize or widen each whole matrix on every call)
-        quant = table["cpu"] == "cpu" and shared_stored_narrow(params.shared, x2.dtype)
-        kernel = (any(inv.values()) or quant) and shared_supported(params.shared, x2.dtype)
-        y = y + _per_platform(_shared, _modes(inv, kernel, quant), (x2, params.shared), cfg)
+        narrow = table["cpu"] == "cpu" and shared_stored_narrow(params.shared, x2.dtype)
+        kernel = (any(inv.values()) or narrow) and shared_supported(params.shared, x2.dtype)
+        y = y + _per_platform(_shared, _modes(inv, kernel, narrow), (x2, params.shared), cfg)
     y = y.astype(x.dtype).reshape(*lead, cfg.d_model)
     return (y, routing) if return_routing else y
 
@@ -87,13 +87,14 @@ def _shared(x2: jax.Array, sw: SharedWeights, cfg: MoEConfig, mode: str) -> jax.
     return shared_expert(x2, sw, cfg, invariant=mode == "blocks")
 
 
-def _modes(inv: dict[str, bool], kernel: bool = False, quantized: bool = False) -> dict[str, str]:
+def _modes(inv: dict[str, bool], kernel: bool = False, narrow: bool = False) -> dict[str, str]:
     """Each lowering platform's mode: ``kernel`` on the CPU when ``kernel`` (the C++ kernel
-    takes the shared expert) and invariance is on there or ``quantized``; else ``blocks``
-    where invariance is on, ``fast`` where it is off."""
+    takes the shared expert) and invariance is on there or ``narrow`` (quantized or
+    bfloat16-stored shared weights); else ``blocks`` where invariance is on, ``fast`` where
+    it is off."""
 
     def mode(plat: str, on: bool) -> str:
-        if kernel and plat == "cpu" and (on or quantized):
+        if kernel and plat == "cpu" and (on or narrow):
             return "kernel"
         return "blocks" if on else "fast"
 

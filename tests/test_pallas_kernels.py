@@ -533,6 +533,45 @@ def test_pallas_impl_matches_float64_loop(rng, name, woi, t):
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fmts", [("q4_k", "q4_k", "q6_k"), ("q5_0", "q4_1", "q5_1")])
+@pytest.mark.parametrize("t", [3, 40])
+def test_pallas_gguf_block_kinds_match_float64_loop(rng, fmts, t):
+    """GGUF block kinds through the Pallas impl (interpret mode), decode (T k <= 64) and
+    grouped paths, against the float64 loop over gguf.quants' decoding of the same bytes.
+    Decode dequantizes only the selected experts: no float copy of the whole stack in the
+    compiled program (the grouped path still makes one; issue 11 item 3)."""
+    from gguf import GGMLQuantizationType as QT
+    from helpers import gguf_block_bytes
+
+    from jaxmoe.quant import gguf_block_tensor
+
+    e, k = 12, 2
+    d, f = (256, 256) if fmts[0][-1] == "k" else (64, 96)
+    cfg = dataclasses.replace(
+        shrink(jaxmoe.load_config("qwen3-30b-a3b")),
+        d_model=d,
+        expert_dim=f,
+        router=jaxmoe.RouterConfig(num_experts=e, top_k=k),
+    )
+    stored = {"w_gate": (e, f, d), "w_up": (e, f, d), "w_down": (e, d, f)}  # [E, out, in]
+    qw, a = {}, {}
+    for (name, shape), kind in zip(stored.items(), fmts):
+        raw = gguf_block_bytes(rng, QT[kind.upper()], shape)
+        qw[name] = gguf_block_tensor(jnp.asarray(raw), kind, n_in=shape[-1])
+        a[name] = np.swapaxes(gq.dequantize(raw, QT[kind.upper()]), -1, -2).astype(np.float64)
+    ew = jaxmoe.ExpertWeights(**qw)
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+    wts = rng.uniform(0.05, 1, ids.shape).astype(np.float32)
+    r = jaxmoe.Routing(jnp.asarray(ids), jnp.asarray(wts))
+    run = jax.jit(lambda x, r, ew: experts_pallas(x, r, ew, cfg, interpret=True))
+    want = _loop64(x, ids, wts, a["w_gate"], a["w_up"], a["w_down"], cfg)
+    np.testing.assert_allclose(np.asarray(run(x, r, ew)), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    hlo = run.lower(x, r, ew).as_text()
+    full_stack = f"tensor<{e}x{d}x{f}xf32>"  # a dequantized [E, d, F] gate/up stack
+    assert (full_stack in hlo) == (t * k > tuning.DECODE_MAX_PAIRS), t
+
+
 def test_block_bf16_pallas(rng):
     cfg = shrink(jaxmoe.load_config("mixtral-8x7b"), e=8)
     block = jaxmoe.MoEBlock(cfg, rngs=nnx.Rngs(3), impl="pallas", dtype=jnp.bfloat16)

@@ -68,13 +68,19 @@ def kernel_weight(w: jax.Array | QuantizedTensor, dtype=jnp.float32) -> jax.Arra
     """An expert weight ``[E, K, N]`` as the kernels take it: a float array unchanged, a
     `QuantizedTensor` (int8 / int4) as the `QuantWeight` of the same arrays. A GGUF block
     kind (``q4_k``, ...; `jaxmoe.quant.GGUF_BLOCKS`) is not yet decoded inside the kernels:
-    it is dequantized to ``dtype`` here (a float copy of the stack; issue 11 item 3 open)."""
+    it is dequantized to ``dtype`` here (a float copy of what it is given: the decode path
+    passes only the ``T * k`` selected experts, the grouped path the whole stack; issue 11
+    item 3 open)."""
     if not isinstance(w, QuantizedTensor):
         return w
     if w.kind in GGUF_BLOCKS or w.scales is None:
         return w.dequantize(dtype)
     biases = None if w.biases is None else jnp.asarray(w.biases)
     return QuantWeight(jnp.asarray(w.qdata), jnp.asarray(w.scales), biases, kind=w.kind, group_size=w.group_size)
+
+
+def _has_gguf(ew: ExpertWeights) -> bool:
+    return any(isinstance(a, QuantizedTensor) and a.kind in GGUF_BLOCKS for a in (ew.w_gate, ew.w_up, ew.w_down))
 
 
 def _launch(b: tuning.Blocks, grouped: bool) -> dict:
@@ -142,6 +148,11 @@ def _forward(x, routing, experts, cfg, kc, interpret, debug, save: bool):
     w = routing.weights.reshape(-1).astype(jnp.float32)  # [P] pair order
     woi = cfg.weight_on_input
     keep_z = save and not woi  # scale applied here, not in the down kernel
+    if kc.decode and _has_gguf(experts):
+        # GGUF block kinds are not decoded inside the kernels yet (kernel_weight dequantizes):
+        # decode reads one expert per pair, so dequantize only those P copies, not the stack
+        experts = experts.take(ids.reshape(-1))
+        ids = jnp.arange(t * k, dtype=jnp.int32).reshape(t, k)
     w_gate, w_up, w_down = (kernel_weight(a, x.dtype) for a in (experts.w_gate, experts.w_up, experts.w_down))
     if t == 0:
         return jnp.zeros((0, d), jnp.float32), (jnp.zeros((0, d), jnp.float32) if keep_z else None)

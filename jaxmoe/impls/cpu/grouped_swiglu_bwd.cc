@@ -451,17 +451,9 @@ ffi::Error bind_weight(const char* name, ffi::AnyBuffer data, ffi::AnyBuffer sca
     return ffi::Error::Success();
   }
   if (is_gguf(kind)) {
-    const int64_t B = block_elems(kind), BB = block_bytes(kind);
-    const std::string what = "GGUF kind " + std::to_string(kind) + " (block " + std::to_string(B) + " in " +
-                             std::to_string(BB) + " bytes), logical [" + std::to_string(E) + ", " +
-                             std::to_string(in) + ", " + std::to_string(out) + "]";
-    if (group != B || in % B != 0) return fail(what + ": the input width must be a multiple of the block");
-    if (data.element_type() != ffi::DataType::U8 || dd.size() != 3 || dd[0] != E || dd[1] != out ||
-        dd[2] != in / B * BB)
-      return fail(what + ": block bytes must be uint8 [E, out, in / block * block_bytes]");
-    if (scales.element_count() != 0 || qbias.element_count() != 0)
-      return fail(what + ": scales live inside the blocks (pass empty scales / biases)");
-    w.group = B;
+    const std::string why = gguf_operand_problem(kind, group, data, scales, qbias, E, in, out);
+    if (!why.empty()) return fail(why);
+    w.group = block_elems(kind);
     return ffi::Error::Success();
   }
   if (kind != kInt8 && kind != kInt4) return fail("unknown weight kind " + std::to_string(kind));

@@ -2,7 +2,8 @@
 // float vectors of the build's width, bfloat16 / float16 conversions, explicit fused
 // multiply-adds, the weight kinds of the custom calls and the GGUF block decoders.
 // Included inside each library's anonymous namespace, after the system headers
-// (<cstdint>, <cstring>, <immintrin.h> where the target has AVX2 / AVX-512 / F16C).
+// (<cstdint>, <cstring>, <string>, <immintrin.h> where the target has AVX2 / AVX-512 /
+// F16C) and xla/ffi/api/ffi.h with `namespace ffi = xla::ffi`.
 // Both libraries are built with -ffp-contract=off (jaxmoe/impls/cpu/build.py): every
 // product and sum here rounds as written.
 #pragma once
@@ -250,4 +251,21 @@ inline void decode_block(const uint8_t* b, float* __restrict out) {
       }
     for (int g = 0; g < 16; ++g) codes_to_float<kScaleShift, 16>(q + 16 * g, d * float(sc[g]), 0.f, 32.f, out + 16 * g);
   }
+}
+
+// Why a GGUF block operand of kind `kind` (logical [E, in, out], stored [E, out, in / B * BB]
+// uint8, scales inside the blocks) is malformed, or "" (both kernels' bind_weight).
+inline std::string gguf_operand_problem(int kind, int32_t group, ffi::AnyBuffer data, ffi::AnyBuffer scales,
+                                        ffi::AnyBuffer qbias, int64_t E, int64_t in, int64_t out) {
+  const int64_t B = block_elems(kind), BB = block_bytes(kind);
+  const auto dd = data.dimensions();
+  const std::string what = "GGUF kind " + std::to_string(kind) + " (block " + std::to_string(B) + " in " +
+                           std::to_string(BB) + " bytes), logical [" + std::to_string(E) + ", " + std::to_string(in) +
+                           ", " + std::to_string(out) + "]";
+  if (group != B || in % B != 0) return what + ": the input width must be a multiple of the block";
+  if (data.element_type() != ffi::DataType::U8 || dd.size() != 3 || dd[0] != E || dd[1] != out || dd[2] != in / B * BB)
+    return what + ": block bytes must be uint8 [E, out, in / block * block_bytes]";
+  if (scales.element_count() != 0 || qbias.element_count() != 0)
+    return what + ": scales live inside the blocks (pass empty scales / biases)";
+  return "";
 }
