@@ -92,6 +92,11 @@ def _operands(w) -> tuple[tuple, int, int]:
     return (w.qdata, scales, qb), BWD_KINDS[w.kind], w.group_size
 
 
+def _block_of(w) -> int:
+    """Elements per GGUF block of ``w`` along its input axis (1 for other formats)."""
+    return GGUF_BLOCKS[w.kind][0] if isinstance(w, QuantizedTensor) and w.kind in GGUF_BLOCKS else 1
+
+
 def grouped_swiglu_bwd(
     xs: jax.Array,
     gs: jax.Array,
@@ -129,6 +134,9 @@ def grouped_swiglu_bwd(
         db_out = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((e, f), (e, f), (e, d))]
     else:
         db_out = [empty] * 3
+    # a task's slice of a GGUF weight's `in` axis decodes whole blocks: align it to them
+    up_block = max(up_block, _block_of(ew.w_down))  # phase A reads W_down[c0 : c0 + up_block, :]
+    down_block = max(down_block, _block_of(ew.w_gate), _block_of(ew.w_up))  # phase B: W_g/W_u[i0 : ...]
     nb = -(-f // up_block)
     call = jax.ffi.ffi_call(
         BWD_TARGET,

@@ -122,26 +122,42 @@ void matmul(const float* a, int64_t sa, int64_t sk, const float* b, int64_t ldb,
 // One expert weight operand in its stored format (logical W [E, in, out]).
 // `pack` for a GGUF block kind: each stored column's blocks that overlap [in0, in0 + nin)
 // decoded whole (decode_block, bit-exact with the forward and gguf.quants.dequantize),
-// the overlap copied out.
+// the overlap copied out (the Python side aligns the tasks' slices to whole blocks). The
+// [nin, nout] layout goes through a column-major staging buffer and a tiled transpose
+// (scattering each decoded column with stride nout cost most of the backward).
 template <int Q>
 void pack_gguf(const Weight& w, int64_t e, int64_t in0, int64_t nin, int64_t out0, int64_t nout, bool transposed,
                float* dst) {
   constexpr int64_t B = block_elems(Q), BB = block_bytes(Q);
   const int64_t K = w.in, N = w.out, row_bytes = K / B * BB;
+  thread_local std::vector<float> stage;
+  float* cols = dst;  // [nout, nin]: dst itself when transposed
+  if (!transposed) {
+    stage.resize(size_t(nout) * nin);
+    cols = stage.data();
+  }
   alignas(64) float blk[B];
   for (int64_t oo = 0; oo < nout; ++oo) {
     const uint8_t* row = static_cast<const uint8_t*>(w.data) + (e * N + out0 + oo) * row_bytes;
+    float* col = cols + oo * nin;
     for (int64_t b0 = in0 / B * B; b0 < in0 + nin; b0 += B) {
-      decode_block<Q>(row + b0 / B * BB, blk);
       const int64_t lo = std::max(b0, in0), hi = std::min(b0 + B, in0 + nin);
-      for (int64_t i = lo; i < hi; ++i) {
-        if (transposed)
-          dst[oo * nin + (i - in0)] = blk[i - b0];
-        else
-          dst[(i - in0) * nout + oo] = blk[i - b0];
+      if (lo == b0 && hi == b0 + B) {
+        decode_block<Q>(row + b0 / B * BB, col + (b0 - in0));
+      } else {
+        decode_block<Q>(row + b0 / B * BB, blk);
+        std::memcpy(col + (lo - in0), blk + (lo - b0), sizeof(float) * size_t(hi - lo));
       }
     }
   }
+  if (transposed) return;
+  constexpr int64_t T = 16;  // tiles of T x T floats stay in L1 on both sides
+  for (int64_t i0 = 0; i0 < nin; i0 += T)
+    for (int64_t o0 = 0; o0 < nout; o0 += T) {
+      const int64_t ie = std::min(i0 + T, nin), oe = std::min(o0 + T, nout);
+      for (int64_t i = i0; i < ie; ++i)
+        for (int64_t oo = o0; oo < oe; ++oo) dst[i * nout + oo] = cols[oo * nin + i];
+    }
 }
 
 // dst = W_e[in0 : in0 + nin, out0 : out0 + nout] as float32, laid out [nin, nout]
