@@ -48,7 +48,20 @@ def x():
     return jnp.asarray(np.random.default_rng(11).normal(size=(40, 128)), jnp.float32)
 
 
+#: The GPU the Triton lowering compiles for when the host has none (jax >= 0.11 asks for
+#: one: "No supported GPU devices found, please specify an abstract GPU device").
+H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+
+
+def gpu_target():
+    """The context a CPU host lowers for CUDA in (a no-op need on jax 0.10)."""
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200))
+
+
 def lower(f, x, *platforms) -> str:
+    if "cuda" in platforms:
+        with gpu_target():
+            return f.trace(x).lower(lowering_platforms=platforms).as_text()
     return f.trace(x).lower(lowering_platforms=platforms).as_text()
 
 
@@ -83,9 +96,10 @@ def test_decode_block_for_intel_has_no_loop(block, x):
 
 def test_export_for_cuda_and_multiplatform_cpu_intel(block, x):
     f = jax.jit(lambda x: block(x))
-    exp = jax.export.export(
-        f, platforms=("cuda",), disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)]
-    )(x)
+    with gpu_target():
+        exp = jax.export.export(
+            f, platforms=("cuda",), disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)]
+        )(x)
     assert len(TRITON_CALL.findall(exp.mlir_module())) == 2
     # one artifact for the CPU and Intel GPUs: a switch on the platform, resolved at compile time
     exp2 = jax.export.export(
@@ -123,7 +137,8 @@ def test_pallas_interpret_switch_follows_the_lowering_platform(rng, monkeypatch)
     monkeypatch.delenv(INTERPRET_ENV, raising=False)
     cfg, ew, x, r = _pallas_inputs(rng)
     f = jax.jit(lambda x, r, ew: experts_pallas(x, r, ew, cfg))
-    cuda = f.trace(x, r, ew).lower(lowering_platforms=("cuda",)).as_text()
+    with gpu_target():
+        cuda = f.trace(x, r, ew).lower(lowering_platforms=("cuda",)).as_text()
     assert len(TRITON_CALL.findall(cuda)) == 2
     cpu = f.trace(x, r, ew).lower(lowering_platforms=("cpu",)).as_text()
     assert not TRITON_CALL.search(cpu)  # interpret mode: plain HLO
@@ -136,6 +151,8 @@ def test_interpret_env_forces_the_mode(rng, monkeypatch):
     cfg, ew, x, r = _pallas_inputs(rng, t=20)
     monkeypatch.setenv(INTERPRET_ENV, "1")
     f = jax.jit(lambda x, r, ew: experts_pallas(x, r, ew, cfg))
+    # interpret mode: no GPU target needed (and none wanted: an abstract mesh makes the
+    # interpreted kernel's updates explicitly sharded on jax 0.11)
     assert not TRITON_CALL.search(f.trace(x, r, ew).lower(lowering_platforms=("cuda",)).as_text())
     monkeypatch.setenv(INTERPRET_ENV, "0")
     g = jax.jit(lambda x, r, ew: experts_pallas(x, r, ew, cfg))
