@@ -26,6 +26,8 @@ says KNOWN and the exit status stays 0). Usage::
 
 ``--ci``: every kernel, weight kind and dtype path once (see `ci_subset`); the full set
 additionally repeats the families for the H100 and runs every table / check case.
+``JAXMOE_KEEP=1`` keeps the work directory (``/tmp/jaxmoe-gpucc-*``: each PTX, ``ptxas -v``
+log and XLA dump) for reading a kernel's code.
 """
 
 from __future__ import annotations

@@ -131,9 +131,9 @@ F32_MAX_M, F32_MAX_TILE, F32_MAX_K, F32_MAX_WARPS, F32_MAX_STAGES = 16, 1024, 64
 
 
 def for_dtype(kc: KernelConfig, dtype) -> KernelConfig:
-    """``kc`` for activations of ``dtype``: unchanged for 16-bit ones; the grouped blocks
-    capped (`F32_MAX_M` ...) for float32 (and wider)."""
-    if kc.decode or np.dtype(dtype).itemsize < 4:
+    """``kc`` for activations of ``dtype``: unchanged for 16-bit ones (and for None); the
+    grouped blocks capped (`F32_MAX_M` ...) for float32 (and wider)."""
+    if kc.decode or dtype is None or np.dtype(dtype).itemsize < 4:
         return kc
     bm = min(kc.gate_up.block_m, F32_MAX_M)  # one dispatch plan: gate/up and down share it
 
@@ -158,8 +158,7 @@ def choose(num_pairs: int, d: int, f: int, dtype=None) -> KernelConfig:
         raise ValueError(f"tuning.choose: need positive num_pairs, d, F; got {num_pairs}, {d}, {f}")
     b = bucket_of(num_pairs)
     kc = TABLE.get((b, d, f)) or TABLE[(b, 0, 0)]
-    kc = fit_config(kc, num_pairs, d, f)
-    return kc if dtype is None else for_dtype(kc, dtype)
+    return for_dtype(fit_config(kc, num_pairs, d, f), dtype)
 
 
 def fixed(d: int, f: int, dtype=None) -> KernelConfig:
@@ -174,8 +173,7 @@ def fixed(d: int, f: int, dtype=None) -> KernelConfig:
     bm = kc.gate_up.block_m
     gu = dataclasses.replace(kc.gate_up, block_n=fit(kc.gate_up.block_n, f), block_k=fit(kc.gate_up.block_k, d))
     dn = dataclasses.replace(kc.down, block_m=bm, block_n=fit(kc.down.block_n, d), block_k=fit(kc.down.block_k, f))
-    kc = KernelConfig("small", gu, dn)
-    return kc if dtype is None else for_dtype(kc, dtype)
+    return for_dtype(KernelConfig("small", gu, dn), dtype)
 
 
 def fit_config(kc: KernelConfig, num_pairs: int, d: int, f: int) -> KernelConfig:

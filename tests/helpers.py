@@ -249,3 +249,29 @@ def quantize_experts(p, quant: str):
     return dataclasses.replace(
         p, experts=dataclasses.replace(ew, w_gate=q(ew.w_gate), w_up=q(ew.w_up), w_down=q(ew.w_down))
     )
+
+
+#: The GPU the Triton lowering compiles for when the host has none (jax >= 0.11 asks:
+#: "No supported GPU devices found, please specify an abstract GPU device").
+H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+
+
+def gpu_target():
+    """The context a CPU host lowers for CUDA in: an abstract mesh on an H200 (needed on
+    jax 0.11, harmless on 0.10). Not for interpret-mode kernels (their updates would be
+    explicitly sharded over the mesh on 0.11)."""
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200))
+
+
+def gguf_block_weight(rng, kind: str, stored_shape):
+    """A random GGUF block-kind weight (`gguf_block_bytes`) of ``stored_shape`` ``[E, out, in]``
+    as a `QuantizedTensor`, and the float64 logical ``[E, in, out]`` that gguf.quants decodes
+    from the same bytes (an independent reference)."""
+    from gguf import GGMLQuantizationType as QT
+    from gguf import quants as gq
+
+    from jaxmoe.quant import gguf_block_tensor
+
+    raw = gguf_block_bytes(rng, QT[kind.upper()], stored_shape)
+    qw = gguf_block_tensor(jnp.asarray(raw), kind, n_in=stored_shape[-1])
+    return qw, np.swapaxes(gq.dequantize(raw, QT[kind.upper()]), -1, -2).astype(np.float64)

@@ -9,15 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as QT
-from gguf import quants as gq
-from helpers import gguf_block_bytes, np_act, quantize_experts, random_params
+from helpers import gguf_block_weight, np_act, quantize_experts, random_params
 
 from jaxmoe import MoEConfig, RouterConfig, Routing
 from jaxmoe.experts import ExpertWeights, experts_dense, gather_vjp
 from jaxmoe.impls.cpu import backward, cpu_kernel_status, experts_cpu
 from jaxmoe.impls.cpu.backward import backward_kernel_status, backward_supports, cpu_vjp
-from jaxmoe.quant import gguf_block_tensor, materialize
+from jaxmoe.quant import materialize
 
 
 def test_kernels_build():
@@ -195,9 +193,8 @@ def test_gguf_block_experts_are_frozen_in_the_kernel(fmts, t, rng):
     shapes = {"w_gate": (6, f, d), "w_up": (6, f, d), "w_down": (6, d, f)}  # stored [E, out, in]
     qw, fw = {}, {}
     for (name, shape), kind in zip(shapes.items(), fmts):
-        raw = gguf_block_bytes(rng, QT[kind.upper()], shape)
-        qw[name] = gguf_block_tensor(jnp.asarray(raw), kind, n_in=shape[-1])
-        fw[name] = jnp.asarray(np.swapaxes(gq.dequantize(raw, QT[kind.upper()]), -1, -2).astype(np.float32))
+        qw[name], ref = gguf_block_weight(rng, kind, shape)
+        fw[name] = jnp.asarray(ref.astype(np.float32))
     qew, few = ExpertWeights(**qw), ExpertWeights(**fw)
     assert backward_supports(qew) is None
     x, r, _, g = problem(rng, t, cfg)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import np_moe, params_to_numpy
+from helpers import gpu_target, np_moe, params_to_numpy
 
 import jaxmoe
 from jaxmoe.block import MoEBlock
@@ -46,16 +46,6 @@ def block():
 @pytest.fixture(scope="module")
 def x():
     return jnp.asarray(np.random.default_rng(11).normal(size=(40, 128)), jnp.float32)
-
-
-#: The GPU the Triton lowering compiles for when the host has none (jax >= 0.11 asks for
-#: one: "No supported GPU devices found, please specify an abstract GPU device").
-H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-
-
-def gpu_target():
-    """The context a CPU host lowers for CUDA in (a no-op need on jax 0.10)."""
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200))
 
 
 def lower(f, x, *platforms) -> str:

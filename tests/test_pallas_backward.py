@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import quantize_experts, skewed_routing
+from helpers import gpu_target, quantize_experts, skewed_routing
 
 import jaxmoe
 from jaxmoe.dispatch import plan_dispatch
@@ -25,7 +25,6 @@ from jaxmoe.quant import quantize_int4_affine, quantize_int8
 from pallas_kernels import backward as bw
 
 TRITON_CALL = re.compile(r"__gpu\$xla\.gpu\.triton|triton_kernel_call")
-H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
 
 
 def _cfg(d, f, e, k, **kw):
@@ -170,8 +169,7 @@ def test_frozen_quantized_experts(rng, quant):
 
 
 def _lower(f, *args) -> str:
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
-    with jax.sharding.use_abstract_mesh(mesh):
+    with gpu_target():
         return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 

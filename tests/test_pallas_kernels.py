@@ -540,10 +540,7 @@ def test_pallas_gguf_block_kinds_match_float64_loop(rng, fmts, t):
     grouped paths, against the float64 loop over gguf.quants' decoding of the same bytes.
     Decode dequantizes only the selected experts: no float copy of the whole stack in the
     compiled program (the grouped path still makes one; issue 11 item 3)."""
-    from gguf import GGMLQuantizationType as QT
-    from helpers import gguf_block_bytes
-
-    from jaxmoe.quant import gguf_block_tensor
+    from helpers import gguf_block_weight
 
     e, k = 12, 2
     d, f = (256, 256) if fmts[0][-1] == "k" else (64, 96)
@@ -556,9 +553,7 @@ def test_pallas_gguf_block_kinds_match_float64_loop(rng, fmts, t):
     stored = {"w_gate": (e, f, d), "w_up": (e, f, d), "w_down": (e, d, f)}  # [E, out, in]
     qw, a = {}, {}
     for (name, shape), kind in zip(stored.items(), fmts):
-        raw = gguf_block_bytes(rng, QT[kind.upper()], shape)
-        qw[name] = gguf_block_tensor(jnp.asarray(raw), kind, n_in=shape[-1])
-        a[name] = np.swapaxes(gq.dequantize(raw, QT[kind.upper()]), -1, -2).astype(np.float64)
+        qw[name], a[name] = gguf_block_weight(rng, kind, shape)
     ew = jaxmoe.ExpertWeights(**qw)
     x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
     ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import gpu_target
 
 import jaxmoe
 from jaxmoe.dispatch import plan_dispatch
@@ -33,13 +34,10 @@ from pallas_kernels.gmm import gmm
 from pallas_kernels.swiglu import gate_up_swiglu
 
 TRITON_CALL = re.compile(r"__gpu\$xla\.gpu\.triton|triton_kernel_call")
-#: The GPU the Triton lowering compiles for when the host has none (jax >= 0.11 asks).
-H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
 
 
 def lower_text(f, *args) -> str:
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
-    with jax.sharding.use_abstract_mesh(mesh):
+    with gpu_target():
         return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -176,8 +174,7 @@ def triton_ir(f, *args) -> list[str]:
     from jax._src.lib.mlir import ir
     from jax._src.pallas.triton.lowering import _new_ir_context
 
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
-    with jax.sharding.use_abstract_mesh(mesh):
+    with gpu_target():
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     out = []
 

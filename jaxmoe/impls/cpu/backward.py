@@ -39,14 +39,14 @@ from jaxmoe.dispatch import plan_dispatch
 from jaxmoe.experts import ExpertWeights, experts_frozen, frozen_cotangent, gather_vjp, zero_cotangent
 from jaxmoe.impls.common import sorted_inputs
 from jaxmoe.impls.cpu.build import load_handler
-from jaxmoe.impls.cpu.kinds import GGUF_KINDS, INT4, INT8
+from jaxmoe.impls.cpu.kinds import QUANT_KINDS, operands
 from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
 from jaxmoe.routing import Routing
 
 BWD_TARGET = "jaxmoe_grouped_swiglu_bwd"
 BWD_SOURCE = Path(__file__).parent / "grouped_swiglu_bwd.cc"
-#: Kind numbers of the backward kernel (as the forward's): int8, int4, GGUF block kinds.
-BWD_KINDS = {"int8": INT8, "int4": INT4, **GGUF_KINDS}
+#: Quantized kinds the backward kernel reads (all the forward's); `backward_supports` checks it.
+BWD_KINDS = dict(QUANT_KINDS)
 #: Columns of F per phase-A task and of d per phase-B task (measured on the Qwen3.6 layer).
 BWD_UP_BLOCK = 64
 BWD_DOWN_BLOCK = 64
@@ -80,18 +80,6 @@ def backward_supports(ew: ExpertWeights) -> str | None:
     return None
 
 
-def _operands(w) -> tuple[tuple, int, int]:
-    empty = jnp.zeros((0,), jnp.float32)
-    if not isinstance(w, QuantizedTensor):
-        return (w, empty, empty), 0, 0
-    if w.kind in GGUF_BLOCKS:  # raw block bytes; the scales are inside the blocks
-        return (w.qdata, empty, empty), BWD_KINDS[w.kind], GGUF_BLOCKS[w.kind][0]
-    scales = w.scales
-    assert scales is not None  # the forward's supports() refused kinds without scales
-    qb = w.biases if w.biases is not None else jnp.zeros((0,), scales.dtype)
-    return (w.qdata, scales, qb), BWD_KINDS[w.kind], w.group_size
-
-
 def _block_of(w) -> int:
     """Elements per GGUF block of ``w`` along its input axis (1 for other formats)."""
     return GGUF_BLOCKS[w.kind][0] if isinstance(w, QuantizedTensor) and w.kind in GGUF_BLOCKS else 1
@@ -121,7 +109,7 @@ def grouped_swiglu_bwd(
     """
     p, d = xs.shape
     f = ew.w_gate.shape[-1]
-    ops = [_operands(w) for w in (ew.w_gate, ew.w_up, ew.w_down)]
+    ops = [operands(w) for w in (ew.w_gate, ew.w_up, ew.w_down)]
     biases = ew.biases_f32()
     empty = jax.ShapeDtypeStruct((0,), jnp.float32)
     wshapes = [(ew.num_experts, d, f), (ew.num_experts, d, f), (ew.num_experts, f, d)]

@@ -56,6 +56,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -423,14 +424,7 @@ void matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t ld
     const int64_t row_bytes = K / block_elems(w.kind) * block_bytes(w.kind);
     QCols q{static_cast<const char*>(w.data) + (e * N + col0) * row_bytes, row_bytes, nullptr, nullptr, 0, 0,
             block_elems(w.kind)};
-    switch (w.kind) {
-      case kQ4_1: return gguf_matmul<kQ4_1>(a, lda, q, K, m, ncols, c, ldc, pack);
-      case kQ5_0: return gguf_matmul<kQ5_0>(a, lda, q, K, m, ncols, c, ldc, pack);
-      case kQ5_1: return gguf_matmul<kQ5_1>(a, lda, q, K, m, ncols, c, ldc, pack);
-      case kQ4_K: return gguf_matmul<kQ4_K>(a, lda, q, K, m, ncols, c, ldc, pack);
-      case kQ5_K: return gguf_matmul<kQ5_K>(a, lda, q, K, m, ncols, c, ldc, pack);
-      default: return gguf_matmul<kQ6_K>(a, lda, q, K, m, ncols, c, ldc, pack);
-    }
+    return with_gguf_kind(w.kind, [&](auto Q) { gguf_matmul<Q.value>(a, lda, q, K, m, ncols, c, ldc, pack); });
   }
   const int64_t ng = K / w.group, col = e * N + col0;
   const int64_t ssize = w.stype == kSF32 ? 4 : 2;

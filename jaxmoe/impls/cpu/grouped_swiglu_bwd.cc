@@ -49,6 +49,7 @@
 #include <sys/mman.h>
 #endif
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -188,14 +189,7 @@ void pack(const Weight& w, int64_t e, int64_t in0, int64_t nin, int64_t out0, in
     return;
   }
   if (is_gguf(w.kind)) {
-    switch (w.kind) {
-      case kQ4_1: return pack_gguf<kQ4_1>(w, e, in0, nin, out0, nout, transposed, dst);
-      case kQ5_0: return pack_gguf<kQ5_0>(w, e, in0, nin, out0, nout, transposed, dst);
-      case kQ5_1: return pack_gguf<kQ5_1>(w, e, in0, nin, out0, nout, transposed, dst);
-      case kQ4_K: return pack_gguf<kQ4_K>(w, e, in0, nin, out0, nout, transposed, dst);
-      case kQ5_K: return pack_gguf<kQ5_K>(w, e, in0, nin, out0, nout, transposed, dst);
-      default: return pack_gguf<kQ6_K>(w, e, in0, nin, out0, nout, transposed, dst);
-    }
+    return with_gguf_kind(w.kind, [&](auto Q) { pack_gguf<Q.value>(w, e, in0, nin, out0, nout, transposed, dst); });
   }
   const int64_t ng = K / w.group;
   const int64_t row_bytes = w.kind == kInt8 ? K : K / 2;

@@ -44,7 +44,7 @@ from jaxmoe.experts import ExpertWeights, SharedWeights, shared_expert, shared_g
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.impls.cpu.backward import cpu_vjp
 from jaxmoe.impls.cpu.build import TARGET, cpu_kernel_status
-from jaxmoe.impls.cpu.kinds import FLOAT, GGUF_KINDS, INT4, INT8
+from jaxmoe.impls.cpu.kinds import GGUF_KINDS, INT4, INT8, operands
 from jaxmoe.invariance import row_blocks, wants_invariance
 from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
 from jaxmoe.routing import Routing
@@ -175,19 +175,6 @@ UP_BLOCK = 64
 DOWN_BLOCK = 128
 
 
-def _operands(w) -> tuple[tuple, int, int]:
-    """``(data, scales, qbias)``, kind and group size of one weight for the custom call."""
-    empty = jnp.zeros((0,), jnp.float32)
-    if not isinstance(w, QuantizedTensor):
-        return (w, empty, empty), FLOAT, 0
-    if w.kind in GGUF_KINDS:  # raw block bytes; the scales are inside the blocks
-        return (w.qdata, empty, empty), GGUF_KINDS[w.kind], GGUF_BLOCKS[w.kind][0]
-    scales = w.scales
-    assert scales is not None  # supports() refused the kinds without scales
-    qb = w.biases if w.biases is not None else jnp.zeros((0,), scales.dtype)
-    return (w.qdata, scales, qb), _QKINDS[w.kind][0], w.group_size
-
-
 def grouped_swiglu(
     xs: jax.Array,
     offsets: jax.Array,
@@ -207,7 +194,7 @@ def grouped_swiglu(
     expert owns come back zero. ``round_h`` rounds the hidden activations to bfloat16.
     """
     p, f = xs.shape[0], ew.w_gate.shape[-1]  # F of these weights (a shared expert has its own)
-    (wg, kg, gg), (wu, ku, gu), (wd, kd, gd) = (_operands(w) for w in (ew.w_gate, ew.w_up, ew.w_down))
+    (wg, kg, gg), (wu, ku, gu), (wd, kd, gd) = (operands(w) for w in (ew.w_gate, ew.w_up, ew.w_down))
     biases = ew.biases_f32() or (jnp.zeros((0,), jnp.float32),) * 3
     call = jax.ffi.ffi_call(
         TARGET,
@@ -242,7 +229,7 @@ def shared_supported(sw: SharedWeights, dtype) -> bool:
     """Whether `shared_expert_cpu` takes these shared-expert weights for activations of
     ``dtype`` (the formats `supports` takes for routed experts: float32 / bfloat16 arrays,
     int8 / int4 / GGUF block `QuantizedTensor`s) and the kernel built."""
-    ew = _one_expert(sw)
+    ew = jax.eval_shape(_one_expert, sw)  # shapes only: no copy of the weights to check them
     return (
         _weights_problem({"w_gate": ew.w_gate, "w_up": ew.w_up, "w_down": ew.w_down}, dtype) is None
         and (cpu_kernel_status()[0])

@@ -2,8 +2,8 @@
 // float vectors of the build's width, bfloat16 / float16 conversions, explicit fused
 // multiply-adds, the weight kinds of the custom calls and the GGUF block decoders.
 // Included inside each library's anonymous namespace, after the system headers
-// (<cstdint>, <cstring>, <string>, <immintrin.h> where the target has AVX2 / AVX-512 /
-// F16C) and xla/ffi/api/ffi.h with `namespace ffi = xla::ffi`.
+// (<cstdint>, <cstring>, <string>, <type_traits>, <immintrin.h> where the target has
+// AVX2 / AVX-512 / F16C) and xla/ffi/api/ffi.h with `namespace ffi = xla::ffi`.
 // Both libraries are built with -ffp-contract=off (jaxmoe/impls/cpu/build.py): every
 // product and sum here rounds as written.
 #pragma once
@@ -118,6 +118,20 @@ struct Weight {
   int stype;
   int64_t in, out, group;
 };
+
+// fn(std::integral_constant<int, Q>{}) for GGUF block kind `kind` (Q a template argument:
+// one instantiation of the caller's templates per kind).
+template <typename Fn>
+inline void with_gguf_kind(int kind, Fn&& fn) {
+  switch (kind) {
+    case kQ4_1: return fn(std::integral_constant<int, kQ4_1>{});
+    case kQ5_0: return fn(std::integral_constant<int, kQ5_0>{});
+    case kQ5_1: return fn(std::integral_constant<int, kQ5_1>{});
+    case kQ4_K: return fn(std::integral_constant<int, kQ4_K>{});
+    case kQ5_K: return fn(std::integral_constant<int, kQ5_K>{});
+    default: return fn(std::integral_constant<int, kQ6_K>{});
+  }
+}
 
 inline float load_scale(const void* p, int stype, int64_t i) {
   switch (stype) {

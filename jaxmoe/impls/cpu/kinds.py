@@ -1,10 +1,30 @@
-"""Weight-format numbers of the C++ custom calls (the ``kind_*`` attributes), shared by the
-forward (`jaxmoe.impls.cpu.kernel`) and the backward (`jaxmoe.impls.cpu.backward`); the
-C++ side is ``enum Kind`` in ``kernel_common.h``."""
+"""How the C++ custom calls take a weight, shared by the forward (`jaxmoe.impls.cpu.kernel`)
+and the backward (`jaxmoe.impls.cpu.backward`): the format numbers (the ``kind_*``
+attributes; ``enum Kind`` in ``kernel_common.h``) and `operands`."""
 
-from jaxmoe.quant import GGUF_BLOCKS
+import jax.numpy as jnp
+
+from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
 
 FLOAT, INT8, INT4 = 0, 1, 2
 #: GGUF block kinds (raw block bytes, `jaxmoe.quant.GGUF_BLOCKS`) -> the kernels' kind number.
 GGUF_KINDS = {"q4_1": 3, "q5_0": 4, "q5_1": 5, "q4_k": 6, "q5_k": 7, "q6_k": 8}
 assert set(GGUF_KINDS) == set(GGUF_BLOCKS)
+#: Every `QuantizedTensor` kind the kernels read -> its kind number.
+QUANT_KINDS = {"int8": INT8, "int4": INT4, **GGUF_KINDS}
+
+
+def operands(w) -> tuple[tuple, int, int]:
+    """``((data, scales, qbias), kind, group)`` of one weight: a float array with empty
+    scales (kind `FLOAT`, group 0); GGUF blocks as their raw bytes (the scales are inside
+    the blocks; group = the block's elements); int8 / int4 codes with their scales and
+    biases (empty when absent). The kind must be one the kernels read (callers check)."""
+    empty = jnp.zeros((0,), jnp.float32)
+    if not isinstance(w, QuantizedTensor):
+        return (w, empty, empty), FLOAT, 0
+    if w.kind in GGUF_BLOCKS:
+        return (w.qdata, empty, empty), GGUF_KINDS[w.kind], GGUF_BLOCKS[w.kind][0]
+    scales = w.scales
+    assert scales is not None  # int8 / int4 always carry scales
+    qb = w.biases if w.biases is not None else jnp.zeros((0,), scales.dtype)
+    return (w.qdata, scales, qb), QUANT_KINDS[w.kind], w.group_size
