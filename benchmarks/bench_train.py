@@ -77,6 +77,36 @@ def make_hf_train(p: jaxmoe.MoEParams, cfg: jaxmoe.MoEConfig, threads: int):
     return step
 
 
+def trainable_grad(loss, p):
+    """``(p, x, ct) -> (dp, dx)``: the gradient of ``loss(p, x, ct)`` w.r.t. ``x`` and every
+    float leaf of ``p``; a `QuantizedTensor` (frozen) gets None in ``dp``."""
+    from jaxmoe.quant import QuantizedTensor
+
+    def is_q(leaf):
+        return isinstance(leaf, QuantizedTensor)
+
+    treedef = jax.tree.structure(p, is_leaf=is_q)
+    frozen = [is_q(leaf) for leaf in jax.tree.leaves(p, is_leaf=is_q)]
+
+    def merge(train, fixed):
+        it, fx = iter(train), iter(fixed)
+        return treedef.unflatten([next(fx) if f else next(it) for f in frozen])
+
+    def split_loss(train, fixed, x, ct):
+        return loss(merge(train, fixed), x, ct)
+
+    g = jax.grad(split_loss, argnums=(0, 2))
+
+    def step(p, x, ct):
+        leaves = jax.tree.leaves(p, is_leaf=is_q)
+        train = [leaf for leaf, f in zip(leaves, frozen) if not f]
+        fixed = [leaf for leaf, f in zip(leaves, frozen) if f]
+        dtrain, dx = g(train, fixed, x, ct)
+        return merge(dtrain, [None] * len(fixed)), dx
+
+    return step
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     cfg = jaxmoe.load_config("qwen3.6-35b-a3b")
@@ -102,8 +132,10 @@ def main(argv=None) -> int:
         return lambda p, x, ct: jnp.vdot(jaxmoe.moe_apply(p, x, cfg, impl=impl), ct)
 
     fwd = {i: jax.jit(lambda p, x, i=i: jaxmoe.moe_apply(p, x, cfg, impl=i)) for i in a.impls if i != "hf"}
-    # allow_int: quantized codes are integer leaves (frozen: float0 cotangents)
-    grad = {i: jax.jit(jax.grad(loss(i), argnums=(0, 1), allow_int=True)) for i in a.impls if i != "hf"}
+    # quantized weights are frozen: differentiate the float leaves only, as an adapter
+    # fine-tune does (jax.grad over the whole tree with allow_int would return float0
+    # zeros for the codes, which jit materializes as full-size bool arrays every step)
+    grad = {i: jax.jit(trainable_grad(loss(i), p)) for i in a.impls if i != "hf"}
     rows = []
     for t in a.tokens:
         n = 1 + a.repeats * len(a.impls)

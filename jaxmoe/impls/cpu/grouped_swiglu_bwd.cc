@@ -388,6 +388,10 @@ void run_a(const Problem& p, const Task& t) {
   for (auto [w, dst] : {std::pair{&p.wg, &g}, std::pair{&p.wu, &u}}) {  // X W[:, blk]
     if (is_f32(*w)) {  // read in place (row stride F)
       matmul(x, d, 1, static_cast<const float*>(w->data) + e * d * F + c0, F, d, n, B, dst->data(), B);
+    } else if (w->kind != kFloat && n <= kInPlaceRows) {  // quantized: decoded in its stored [out, in] order
+      pack(*w, e, 0, d, c0, B, true, pw.data());
+      matmul_nt(x, d, pw.data(), d, d, static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), 0, n,
+                B, dst->data(), B);
     } else {
       pack(*w, e, 0, d, c0, B, false, pw.data());
       matmul(x, d, 1, pw.data(), B, d, n, B, dst->data(), B);
