@@ -79,7 +79,7 @@ def make_hf_train(p: jaxmoe.MoEParams, cfg: jaxmoe.MoEConfig, threads: int):
 
 def trainable_grad(loss, p):
     """``(p, x, ct) -> (dp, dx)``: the gradient of ``loss(p, x, ct)`` w.r.t. ``x`` and every
-    float leaf of ``p``; a `QuantizedTensor` (frozen) gets None in ``dp``."""
+    float leaf of ``p`` (the loss computed too); a `QuantizedTensor` (frozen) gets None in ``dp``."""
     from jaxmoe.quant import QuantizedTensor
 
     def is_q(leaf):
@@ -95,13 +95,15 @@ def trainable_grad(loss, p):
     def split_loss(train, fixed, x, ct):
         return loss(merge(train, fixed), x, ct)
 
-    g = jax.grad(split_loss, argnums=(0, 2))
+    # value_and_grad, as a training step: with grad alone the loss is linear in the layer's
+    # output, which the backward then never reads, and XLA drops the forward pass
+    g = jax.value_and_grad(split_loss, argnums=(0, 2))
 
     def step(p, x, ct):
         leaves = jax.tree.leaves(p, is_leaf=is_q)
         train = [leaf for leaf, f in zip(leaves, frozen) if not f]
         fixed = [leaf for leaf, f in zip(leaves, frozen) if f]
-        dtrain, dx = g(train, fixed, x, ct)
+        _, (dtrain, dx) = g(train, fixed, x, ct)
         return merge(dtrain, [None] * len(fixed)), dx
 
     return step
