@@ -291,6 +291,50 @@ struct Grad {
   bool bf16 = false;
 };
 
+// Non-temporal stores for the weight-gradient results: written once and never read back
+// here, into pages the kernel has just zeroed, so plain stores would first read every line
+// back from memory (read for ownership). From the first vector-aligned element on; the
+// rest with memcpy / memset. A task that streamed ends with `stream_fence`.
+#if defined(__AVX512F__)
+constexpr uintptr_t kStreamAlign = 64;
+#elif defined(__AVX__)
+constexpr uintptr_t kStreamAlign = 32;
+#else
+constexpr uintptr_t kStreamAlign = 0;
+#endif
+inline void stream_copy(float* dst, const float* src, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__) || defined(__AVX__)
+  constexpr int64_t V = int64_t(kStreamAlign / 4);
+  for (; j < n && (reinterpret_cast<uintptr_t>(dst + j) & (kStreamAlign - 1)); ++j) dst[j] = src[j];
+  for (; j + V <= n; j += V)
+#if defined(__AVX512F__)
+    _mm512_stream_ps(dst + j, _mm512_loadu_ps(src + j));
+#else
+    _mm256_stream_ps(dst + j, _mm256_loadu_ps(src + j));
+#endif
+#endif
+  if (j < n) std::memcpy(dst + j, src + j, sizeof(float) * size_t(n - j));
+}
+inline void stream_zero(char* dst, size_t bytes) {
+  size_t j = 0;
+#if defined(__AVX512F__) || defined(__AVX__)
+  for (; j < bytes && (reinterpret_cast<uintptr_t>(dst + j) & (kStreamAlign - 1)); ++j) dst[j] = 0;
+  for (; j + kStreamAlign <= bytes; j += kStreamAlign)
+#if defined(__AVX512F__)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + j), _mm512_setzero_si512());
+#else
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + j), _mm256_setzero_si256());
+#endif
+#endif
+  if (j < bytes) std::memset(dst + j, 0, bytes - j);
+}
+inline void stream_fence() {
+#if defined(__AVX512F__) || defined(__AVX__)
+  _mm_sfence();
+#endif
+}
+
 // Writes src [m, n] (row stride lds) into g at element offset `at` with row stride ld.
 void write_grad(const Grad& g, int64_t at, int64_t ld, const float* src, int64_t lds, int64_t m, int64_t n) {
   for (int64_t i = 0; i < m; ++i) {
@@ -299,7 +343,7 @@ void write_grad(const Grad& g, int64_t at, int64_t ld, const float* src, int64_t
       uint16_t* d = static_cast<uint16_t*>(g.data) + at + i * ld;
       for (int64_t j = 0; j < n; ++j) d[j] = float_to_bf16(s[j]);
     } else {
-      std::memcpy(static_cast<float*>(g.data) + at + i * ld, s, sizeof(float) * size_t(n));
+      stream_copy(static_cast<float*>(g.data) + at + i * ld, s, n);
     }
   }
 }
@@ -324,7 +368,7 @@ void advise_huge_pages(const Grad& g, int64_t count) {
 }
 
 void zero_grad(const Grad& g, int64_t at, int64_t count) {
-  if (g.data) std::memset(static_cast<char*>(g.data) + at * (g.bf16 ? 2 : 4), 0, size_t(count) * (g.bf16 ? 2 : 4));
+  if (g.data) stream_zero(static_cast<char*>(g.data) + at * (g.bf16 ? 2 : 4), size_t(count) * (g.bf16 ? 2 : 4));
 }
 
 // ---------------------------------------------------------------------------------
@@ -378,6 +422,7 @@ void run_a(const Problem& p, const Task& t) {
     zero_grad(p.dwg, e * sz, sz);
     zero_grad(p.dwu, e * sz, sz);
     zero_grad(p.dwd, e * sz, sz);
+    stream_fence();
     if (p.dbg) {
       std::memset(p.dbg + e * F, 0, sizeof(float) * size_t(F));
       std::memset(p.dbu + e * F, 0, sizeof(float) * size_t(F));
@@ -464,11 +509,10 @@ void run_a(const Problem& p, const Task& t) {
       p.dbg[e * F + c0 + j] = sg;
       p.dbu[e * F + c0 + j] = su;
     }
-  // C = A^T B straight into a float32 gradient (row stride ld), or through `out` for bfloat16
+  // C = A^T B into `out`, then into the gradient (row stride ld) with non-temporal stores
   auto grad = [&](const Grad& gr, int64_t at, int64_t ld, const float* a, int64_t ka, const float* b, int64_t kb,
                   int64_t rows, int64_t cols) {
     if (!gr.data) return;
-    if (!gr.bf16) return matmul(a, 1, ka, b, kb, n, rows, cols, static_cast<float*>(gr.data) + at, ld);
     out.resize(size_t(rows) * cols);
     matmul(a, 1, ka, b, kb, n, rows, cols, out.data(), cols);
     write_grad(gr, at, ld, out.data(), cols, rows, cols);
@@ -476,6 +520,7 @@ void run_a(const Problem& p, const Task& t) {
   grad(p.dwg, e * d * F + c0, F, x, d, dg.data(), B, d, B);  // dW_g[:, blk] = X^T dgate
   grad(p.dwu, e * d * F + c0, F, x, d, du.data(), B, d, B);
   grad(p.dwd, e * F * d + c0 * d, d, hs.data(), B, gsr, d, B, d);  // dW_d[blk, :] = (s h)^T gs
+  stream_fence();
 }
 
 // Phase B: one (expert, row chunk, d block): dxs, db_down, and (block 0) dot.
