@@ -170,9 +170,11 @@ _experts_cpu.defvjp(_fwd, cpu_vjp)
 
 
 #: Columns of one task: gate/up tasks cover ``UP_BLOCK`` columns of F, down tasks
-#: ``DOWN_BLOCK`` columns of d (measured on the Qwen3.6 layer, benchmarks/README.md).
-UP_BLOCK = 64
-DOWN_BLOCK = 128
+#: ``DOWN_BLOCK`` columns of d (measured on the Qwen3.6 layer, docs/performance.md: a
+#: float task reads 256 / 512 contiguous bytes of each weight row at these widths, half
+#: that at 64 / 128, which cost bfloat16 decode ~20%).
+UP_BLOCK = 128
+DOWN_BLOCK = 256
 
 
 def grouped_swiglu(
