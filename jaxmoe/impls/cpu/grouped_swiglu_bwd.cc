@@ -33,11 +33,13 @@
 // Every output element is one sequential float32 accumulation in a fixed order
 // (deterministic whatever the thread count). Weights: float32 ones are read in place
 // (X W_g[:, blk] with row stride F); products with a transposed float weight (gs W_d^T,
-// dgu [W_g | W_u]^T) read its rows in place up to kInPlaceRows rows (matmul_nt), else the
-// block is packed once into a float32 buffer, as bfloat16 and quantized weights always
-// are (dequantized there); float32 weight gradients are written in place. Phase A reads
-// W_g, W_u, W_d once, phase B reads W_g, W_u once more. Nothing of size [P, F] is saved by
-// the forward: gate/up are recomputed here (dgu is this call's own scratch).
+// dgu [W_g | W_u]^T) read its rows in place up to kInPlaceRows rows of the expert
+// (matmul_nt), and quantized gate / up are decoded in their stored [out, in] order for
+// matmul_nt there too; otherwise the block is packed (dequantized) once into a float32
+// buffer for the tiled matmul. An expert with up to kWholeRows rows is one task (phase A
+// then phase B). Weight gradients go out with non-temporal stores. Phase A reads W_g, W_u,
+// W_d once, phase B reads W_g, W_u once more. Nothing of size [P, F] is saved by the
+// forward: gate/up are recomputed here (dgu is this call's own scratch).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
