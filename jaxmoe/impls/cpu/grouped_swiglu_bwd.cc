@@ -182,14 +182,19 @@ void matmul_nt(const float* a, int64_t lda, const T* w, int64_t ldw, int64_t K, 
   }
 }
 
-// W rows [e, r0 : r0 + n, :] of a float weight (row length w.out), as float32 or bfloat16.
+// Row r0 of expert e of a float weight [E, in, out] stored as T (float or uint16_t bfloat16).
+template <typename T>
+const T* float_rows(const Weight& w, int64_t e, int64_t r0) {
+  return static_cast<const T*>(w.data) + (e * w.in + r0) * w.out;
+}
+
+// fn(float_rows<T>(w, e, r0)) with T the weight's stored type.
 template <typename Fn>
 void with_float_rows(const Weight& w, int64_t e, int64_t r0, Fn fn) {
-  const int64_t at = (e * w.in + r0) * w.out;
   if (w.bf16)
-    fn(static_cast<const uint16_t*>(w.data) + at);
+    fn(float_rows<uint16_t>(w, e, r0));
   else
-    fn(static_cast<const float*>(w.data) + at);
+    fn(float_rows<float>(w, e, r0));
 }
 
 // ---------------------------------------------------------------------------------
@@ -415,6 +420,19 @@ constexpr int64_t kInPlaceRows = 16;
 // (Qwen3.6 layer fwd+bwd at T = 64: 812 -> 560 ms).
 constexpr int64_t kWholeRows = 16;
 
+// The tasks of expert e with rows [o, o + n): phase A (one per block of up_block columns of
+// F, all the rows) into `a`, phase B (row chunks x blocks of down_block columns of d) into `b`.
+void expert_tasks(int64_t e, int32_t o, int32_t n, int64_t F, int64_t d, int64_t up_block, int64_t down_block,
+                  std::vector<Task>& a, std::vector<Task>& b) {
+  for (int64_t c = 0; c < F; c += up_block)
+    a.push_back(Task{int32_t(e), o, n, int32_t(c), int32_t(std::min<int64_t>(up_block, F - c))});
+  constexpr int32_t kRowChunk = 128;
+  for (int32_t r = 0; r < n; r += kRowChunk)
+    for (int64_t c = 0; c < d; c += down_block)
+      b.push_back(Task{int32_t(e), o + r, std::min(kRowChunk, n - r), int32_t(c),
+                       int32_t(std::min<int64_t>(down_block, d - c))});
+}
+
 // Phase A: one (expert, F block) over all of the expert's rows.
 void run_a(const Problem& p, const Task& t) {
   thread_local std::vector<float> pw, g, u, dh, hs, dg, du, out;
@@ -439,7 +457,7 @@ void run_a(const Problem& p, const Task& t) {
   dh.resize(size_t(n) * B);
   for (auto [w, dst] : {std::pair{&p.wg, &g}, std::pair{&p.wu, &u}}) {  // X W[:, blk]
     if (is_f32(*w)) {  // read in place (row stride F)
-      matmul(x, d, 1, static_cast<const float*>(w->data) + e * d * F + c0, F, d, n, B, dst->data(), B);
+      matmul(x, d, 1, float_rows<float>(*w, e, 0) + c0, F, d, n, B, dst->data(), B);
     } else if (w->kind != kFloat && n <= kInPlaceRows) {  // quantized: decoded in its stored [out, in] order
       pack(*w, e, 0, d, c0, B, true, pw.data());
       matmul_nt(x, d, pw.data(), d, d, static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), 0, n,
@@ -533,8 +551,8 @@ void run_b(const Problem& p, const Task& t) {
   float* dx = p.dxs + int64_t(t.row0) * d + i0;
   if (p.wg.kind == kFloat && p.wu.kind == kFloat && p.wg.bf16 == p.wu.bf16 && n <= kInPlaceRows) {  // in place
     with_float_rows(p.wg, e, i0, [&](auto* wgr) {
-      const auto* wur = decltype(wgr)(p.wu.data) + (e * d + i0) * F;
-      matmul_nt(dgu, 2 * F, wgr, F, F, dgu + F, wur, F, n, B, dx, d);
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(wgr)>>;
+      matmul_nt(dgu, 2 * F, wgr, F, F, dgu + F, float_rows<T>(p.wu, e, i0), F, n, B, dx, d);
     });
   } else {
     pw.resize(size_t(2 * F) * B);
@@ -749,25 +767,20 @@ ffi::Error GroupedSwigluBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, 
       if (any_grad) a_tasks.push_back(Task{int32_t(e), o, 0, 0, 0});
       continue;
     }
-    if (n <= kWholeRows) {  // one task for the whole expert: phase B reads W_g, W_u from cache
-      a_tasks.push_back(Task{int32_t(e), o, n, 0, int32_t(F), true});
-      continue;
-    }
-    for (int64_t c = 0; c < F; c += up_block)
-      a_tasks.push_back(Task{int32_t(e), o, n, int32_t(c), int32_t(std::min<int64_t>(up_block, F - c))});
-    constexpr int32_t kRowChunk = 128;
-    for (int32_t r = 0; r < n; r += kRowChunk)
-      for (int64_t c = 0; c < d; c += down_block)
-        b_tasks.push_back(Task{int32_t(e), o + r, std::min(kRowChunk, n - r), int32_t(c),
-                               int32_t(std::min<int64_t>(down_block, d - c))});
+    if (n <= kWholeRows)  // one task for the whole expert: phase B reads W_g, W_u from cache
+      a_tasks.push_back(Task{int32_t(e), o, n, 0, 0, true});
+    else
+      expert_tasks(e, o, n, F, d, up_block, down_block, a_tasks, b_tasks);
   }
   parallel_tasks(pool, int64_t(a_tasks.size()), [&](int64_t i) {
     const Task& t = a_tasks[size_t(i)];
     if (!t.whole) return run_a(p, t);
-    for (int64_t c = 0; c < F; c += up_block)  // the phase A tasks, then the phase B ones, of expert t.expert
-      run_a(p, Task{t.expert, t.row0, t.rows, int32_t(c), int32_t(std::min<int64_t>(up_block, F - c))});
-    for (int64_t c = 0; c < d; c += down_block)
-      run_b(p, Task{t.expert, t.row0, t.rows, int32_t(c), int32_t(std::min<int64_t>(down_block, d - c))});
+    thread_local std::vector<Task> a, b;  // the expert's phase A tasks, then its phase B ones
+    a.clear();
+    b.clear();
+    expert_tasks(t.expert, t.row0, t.rows, F, d, up_block, down_block, a, b);
+    for (const Task& ta : a) run_a(p, ta);
+    for (const Task& tb : b) run_b(p, tb);
   });
   parallel_tasks(pool, int64_t(b_tasks.size()), [&](int64_t i) { run_b(p, b_tasks[size_t(i)]); });
   if (p.dbd) parallel_tasks(pool, E, [&](int64_t e) { run_bias_down(p, e); });
