@@ -158,7 +158,7 @@ def _cases() -> list[Case]:
     import jaxmoe
     from jaxmoe.dispatch import plan_dispatch
     from jaxmoe.impls.pallas import experts_pallas, kernel_weight
-    from jaxmoe.quant import QuantizedTensor
+    from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
     from pallas_kernels import tuning
     from pallas_kernels.decode import decode_down, decode_gate_up
     from pallas_kernels.down import down_project
@@ -177,15 +177,23 @@ def _cases() -> list[Case]:
         if kind == "int4":
             sc = S((e, n_out, n_in // gs), jnp.float32)
             return QuantizedTensor(S((e, n_out, n_in // 2), jnp.uint8), sc, sc, "int4", gs)
+        if kind in GGUF_BLOCKS:  # the file's block bytes, decoded in the kernels
+            block, block_bytes = GGUF_BLOCKS[kind]
+            return QuantizedTensor(S((e, n_out, n_in // block * block_bytes), jnp.uint8), None, None, kind, block)
         return S((e, n_in, n_out), dt)
+
+    def kinds3(kind):
+        """Gate, up, down weight kinds: ``q4_k_m`` is llama.cpp's mix (Q4_K gate / up, Q6_K down)."""
+        return ("q4_k", "q4_k", "q6_k") if kind == "q4_k_m" else (kind,) * 3
 
     def experts(cfg, kind, dt, gs):
         e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_dim
         bias = cfg.expert_bias
+        kg, ku, kd = kinds3(kind)
         return jaxmoe.ExpertWeights(
-            weight(e, d, f, kind, dt, gs),
-            weight(e, d, f, kind, dt, gs),
-            weight(e, f, d, kind, dt, gs),
+            weight(e, d, f, kg, dt, gs),
+            weight(e, d, f, ku, dt, gs),
+            weight(e, f, d, kd, dt, gs),
             S((e, f), jnp.float32) if bias else None,
             S((e, f), jnp.float32) if bias else None,
             S((e, d), jnp.float32) if bias else None,
@@ -217,6 +225,15 @@ def _cases() -> list[Case]:
                 "table",
                 functools.partial(layer, small_cfg("qwen3-30b-a3b", 256, 384, 8, 2), t, kind, dt, 64, kc),
             )
+        # GGUF Q4_K_M (widths multiples of the 256-element super-block), float32 activations
+        kc = tuning.for_dtype(tuning.TABLE[key], jnp.float32)
+        add(
+            f"table/{key[0]}-{key[1]}x{key[2]}/q4_k_m",
+            "table",
+            functools.partial(
+                layer, small_cfg("qwen3-30b-a3b", 256, 512, 8, 2), 2 if kc.decode else 300, "q4_k_m", jnp.float32, 0, kc
+            ),
+        )
     # tests/test_pallas_lowering.py: gpt-oss's activation with biases, weight on input
     for variant in ("oai_bias", "weight_on_input"):
         for t in (2, 40):
@@ -233,6 +250,8 @@ def _cases() -> list[Case]:
     # kernel-level blocks): each kernel on its own, every weight kind and activation dtype
     def each_kernel(which, kind):
         d, f, e, t, k = 128, 64, 4, 20, 2
+        if kind in ("q4_k", "q5_k", "q6_k"):  # widths of whole super-blocks
+            d, f = 256, 256
         dt = DT.get(kind, jnp.float32)
         w = [weight(e, d, f, kind, dt, 64), weight(e, d, f, kind, dt, 64), weight(e, f, d, kind, dt, 64)]
 
@@ -253,7 +272,7 @@ def _cases() -> list[Case]:
         args = (S((t, d), dt), S((t * k, f), dt), S((t * k, d), dt), S((t * k,), jnp.float32), S((t, k), jnp.int32))
         return fn, (*args, *w)
 
-    for kind in ("f32", "bf16", "f16", "int8", "int4"):
+    for kind in ("f32", "bf16", "f16", "int8", "int4", *GGUF_BLOCKS):
         for which in ("gmm", "gate_up_swiglu", "down_project", "decode_gate_up", "decode_down"):
             add(f"kernel/{which}/{kind}", "kernel", functools.partial(each_kernel, which, kind))
 
@@ -269,21 +288,22 @@ def _cases() -> list[Case]:
             shared_expert_gate=False,
             router=dc.replace(c.router, num_experts=16, top_k=min(c.top_k, 4)),
         )
-        for kind in ("bf16", "q8_0", "int4"):
+        for kind in ("bf16", "q8_0", "int4", "q4_k_m"):
             for t in (1, 5, 300):
                 add(f"check/{preset}/{kind}/T{t}", "check", functools.partial(layer, c, t, kind, jnp.bfloat16, 32))
 
     # benchmarks/gpu_bench.py bench(): the real layers, T in {1, 16, 128, 2048, 16384}, bf16 and Q8_0
     for short, preset in (("qwen3.6", "qwen3.6-35b-a3b"), ("mixtral", "mixtral-8x7b")):
         c = jaxmoe.load_config(preset)
-        for kind in ("bf16", "q8_0"):
+        for kind in ("bf16", "q8_0", "q4_k_m"):
             for t in (1, 16, 128, 2048, 16384):
                 add(f"bench/{short}/{kind}/T{t}", "bench", functools.partial(layer, c, t, kind, jnp.bfloat16, 32))
 
     # DeepSeek-V3 in Q8_0: 256 x 2048 x 7168 = 3.76e9 int8 codes per projection (>= 2^31)
     # (bf16 weights of that size are over 2^32 bytes: Pallas uses 64-bit offsets, the control)
+    # and in Q4_K_M (2.1e9 / 3.1e9 bytes of blocks: read as uint16 words, < 2^31 of them)
     c = jaxmoe.load_config("deepseek-v3")
-    for kind in ("q8_0", "bf16"):
+    for kind in ("q8_0", "bf16", "q4_k_m"):
         for t in (1, 2048):
             add(f"size/deepseek-v3/{kind}/T{t}", "size", functools.partial(layer, c, t, kind, jnp.bfloat16, 32))
     # Mixtral-8x7B with 4-bit experts (register pressure of the int4 dequant at the real widths)
@@ -314,8 +334,8 @@ def _cases() -> list[Case]:
         for t in (2, 40):
             c = small_cfg("qwen3-30b-a3b", 128, 64, 8, 2, **kw)
             add(f"backward/{variant}/bf16/T{t}", "kernel", functools.partial(backward, c, t, "bf16", jnp.bfloat16, 64))
-    for kind in ("f32", "q8_0", "int4"):
-        c = small_cfg("qwen3-30b-a3b", 128, 64, 8, 2)
+    for kind in ("f32", "q8_0", "int4", "q4_k_m"):
+        c = small_cfg("qwen3-30b-a3b", *((256, 256) if kind == "q4_k_m" else (128, 64)), 8, 2)
         add(
             f"backward/plain/{kind}/T40",
             "kernel",
@@ -341,7 +361,12 @@ def ci_subset(cases: list[Case]) -> list[Case]:
         if c.family in ("kernel", "variant", "size", "table"):
             keep.append(c)
         elif c.family == "check":
-            if (parts[1], parts[2]) in {("qwen3.6-35b-a3b", "bf16"), ("gpt-oss-20b", "q8_0"), ("mixtral-8x7b", "int4")}:
+            if (parts[1], parts[2]) in {
+                ("qwen3.6-35b-a3b", "bf16"),
+                ("gpt-oss-20b", "q8_0"),
+                ("mixtral-8x7b", "int4"),
+                ("qwen3.6-35b-a3b", "q4_k_m"),
+            }:
                 keep.append(c)
         elif c.family == "bench" and parts[3] in ("T1", "T2048"):
             keep.append(c)

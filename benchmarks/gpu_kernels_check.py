@@ -163,7 +163,7 @@ def case_experts(ew: jaxmoe.ExpertWeights, kind: str) -> jaxmoe.ExpertWeights:
 
 def kernel_diagnosis(x, r, ew, cfg, interpret: bool) -> float:
     """The gate/up kernel alone (decode or grouped) against its pure-jnp reference."""
-    wg, wu = kernel_weight(ew.w_gate, x.dtype), kernel_weight(ew.w_up, x.dtype)
+    wg, wu = kernel_weight(ew.w_gate), kernel_weight(ew.w_up)
     akw = dict(activation=cfg.activation, alpha=float(cfg.swiglu_alpha), limit=float(cfg.swiglu_limit))
     if x.shape[0] * cfg.top_k <= 64:
         h = decode.decode_gate_up(x, r.expert_ids, wg, wu, ew.b_gate, ew.b_up, interpret=interpret, **akw)

@@ -31,16 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-#: GGUF block kinds kept as their raw block bytes: ``kind -> (elements per block, bytes per block)``
-#: (ggml's ``GGML_QUANT_SIZES``).
-GGUF_BLOCKS: dict[str, tuple[int, int]] = {
-    "q4_1": (32, 20),
-    "q5_0": (32, 22),
-    "q5_1": (32, 24),
-    "q4_k": (256, 144),
-    "q5_k": (256, 176),
-    "q6_k": (256, 210),
-}
+# GGUF block layouts and their pure-jnp decoder live with the kernels that read them in place
+# (re-exported: ``GGUF_BLOCKS`` maps kind -> (elements per block, bytes per block))
+from pallas_kernels.gguf import GGUF_BLOCKS as GGUF_BLOCKS
+from pallas_kernels.gguf import dequantize_gguf_blocks as dequantize_gguf_blocks
+from pallas_kernels.gguf import dequantize_gguf_rows as dequantize_gguf_rows
+
 KINDS = ("int8", "int4", *GGUF_BLOCKS)
 
 #: What a `QuantizedTensor` holds: device arrays, or host numpy arrays right after loading.
@@ -199,85 +195,6 @@ def gguf_block_tensor(raw, kind: str, n_in: int | None = None, name: str = "weig
         object.__setattr__(w, f, v)
     check_gguf_blocks(w, name)
     return w
-
-
-def _f16(b) -> jax.Array:
-    """``[..., 2]`` uint8 (little-endian) -> ``[...]`` float32 via float16."""
-    return jax.lax.bitcast_convert_type(b, jnp.float16).astype(jnp.float32)
-
-
-def _k_scale_min(s) -> tuple[jax.Array, jax.Array]:
-    """Q4_K / Q5_K 12 packed scale bytes ``[..., 12]`` -> 6-bit scales and mins ``[..., 8]``."""
-    d, m, m_d = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = jnp.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mn = jnp.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return sc, mn
-
-
-def _nibbles(qs, chunk: int) -> jax.Array:
-    """``[..., n * chunk]`` bytes -> ``[..., n * 2 * chunk]``: per chunk of bytes, its low
-    nibbles then its high nibbles (ggml's order)."""
-    q = qs.reshape(*qs.shape[:-1], -1, 1, chunk) >> jnp.array([0, 4], jnp.uint8).reshape(2, 1)
-    return (q & 0x0F).reshape(*qs.shape[:-1], -1)
-
-
-def _bits(qh, n_bits: int, width: int, step: int = 1) -> jax.Array:
-    """Bit-planes ``[..., n_bits * width]``: plane ``i`` is ``(qh >> step*i) & mask`` over ``width`` bytes."""
-    sh = jnp.arange(0, n_bits * step, step, dtype=qh.dtype).reshape(n_bits, 1)
-    return (qh.reshape(*qh.shape[:-1], -1, 1, width) >> sh).reshape(*qh.shape[:-1], -1)
-
-
-def dequantize_gguf_blocks(b: jax.Array, kind: str) -> jax.Array:
-    """GGUF blocks ``[..., block_bytes]`` uint8 -> float32 ``[..., block]``, bit-exact with
-    ``gguf.quants.dequantize`` (same float32 operations in the same order)."""
-    f32 = jnp.float32
-    if kind in ("q4_1", "q5_0", "q5_1"):
-        d = _f16(b[..., 0:2])[..., None]
-        o = 4 if kind == "q5_1" else 2
-        m = _f16(b[..., 2:4])[..., None]  # Q5_0 has no min: these bytes are its qh, unused as m
-        if kind == "q4_1":
-            q = _nibbles(b[..., 4:20], 16).astype(f32)
-            return d * q + m
-        qh = jax.lax.bitcast_convert_type(b[..., o : o + 4], jnp.uint32)[..., None]
-        hi = ((qh >> jnp.arange(32, dtype=jnp.uint32)) & 1).astype(jnp.uint8)
-        ql = _nibbles(b[..., o + 4 : o + 20], 16)
-        q = ql | (hi << 4)
-        if kind == "q5_0":
-            return d * (q.astype(jnp.int8) - jnp.int8(16)).astype(f32)
-        return d * q.astype(f32) + m
-    if kind in ("q4_k", "q5_k"):
-        d = _f16(b[..., 0:2])[..., None]
-        dmin = _f16(b[..., 2:4])[..., None]
-        sc, mn = _k_scale_min(b[..., 4:16])
-        ds = (d * sc.astype(f32))[..., None]  # [..., 8, 1]
-        dm = (dmin * mn.astype(f32))[..., None]
-        if kind == "q4_k":
-            q = _nibbles(b[..., 16:144], 32)
-        else:
-            ql = _nibbles(b[..., 48:176], 32)
-            qh = _bits(b[..., 16:48], 8, 32) & 0x01
-            q = ql | (qh << 4)
-        q = q.reshape(*b.shape[:-1], 8, 32).astype(f32)
-        return (ds * q - dm).reshape(*b.shape[:-1], 256)
-    if kind == "q6_k":
-        ql = _nibbles(b[..., 0:128], 64)  # [..., 256]: per 64-byte half, low then high nibbles
-        qh = _bits(b[..., 128:192], 4, 32, step=2) & 0x03  # [..., 256]
-        sc = jax.lax.bitcast_convert_type(b[..., 192:208], jnp.int8).astype(f32)
-        d = _f16(b[..., 208:210])[..., None]
-        ds = (d * sc)[..., None]  # [..., 16, 1]
-        q = (ql | (qh << 4)).astype(jnp.int8) - jnp.int8(32)
-        q = q.reshape(*b.shape[:-1], 16, 16).astype(f32)
-        return (ds * q).reshape(*b.shape[:-1], 256)
-    raise ValueError(f"dequantize_gguf_blocks: unknown GGUF block kind {kind!r}; expected one of {sorted(GGUF_BLOCKS)}")
-
-
-def dequantize_gguf_rows(raw: jax.Array, kind: str) -> jax.Array:
-    """Rows of GGUF blocks ``[..., out, n_blocks * block_bytes]`` uint8 -> float32 ``[..., out, in]``."""
-    block, block_bytes = GGUF_BLOCKS[kind]
-    *lead, out, row = raw.shape
-    nb = row // block_bytes
-    w = dequantize_gguf_blocks(raw.reshape(*lead, out, nb, block_bytes), kind)
-    return w.reshape(*lead, out, nb * block)
 
 
 def unpack_int4(packed: jax.Array) -> jax.Array:

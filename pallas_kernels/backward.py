@@ -43,8 +43,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import common
+from pallas_kernels import common, gguf
 from pallas_kernels.common import Activation
+from pallas_kernels.gguf import GGUF_BLOCKS
 from pallas_kernels.gmm import check_plan, row_experts
 from pallas_kernels.quant import WeightLayout, dequantize_reference, load_tile, tile_matmul, weight_operands
 
@@ -82,6 +83,15 @@ def _opt(it, present: bool) -> Any:
 
 def _raise_block(block: int, lay: WeightLayout) -> int:
     return max(block, lay.min_block_k())
+
+
+def _gguf_cap(block: int, layouts) -> int:
+    """``block`` capped at `gguf.MIN_BLOCK_K` when a layout is a GGUF block kind: their tiles
+    are decoded from per-element gathers (a pointer per element), and the gate/up backward's
+    three tiles of 64 x 64 spilled registers on sm_90 (benchmarks/gpu_compile_check.py)."""
+    if any(lay.kind in GGUF_BLOCKS for lay in layouts):
+        return min(block, gguf.MIN_BLOCK_K)
+    return block
 
 
 def _t_tile(lay: WeightLayout, refs, e, n0, k0, bn: int, bk: int, cdt):
@@ -281,8 +291,8 @@ def gate_up_backward(
         d=x.shape[1],
         f=f,
         block_m=block_m,
-        block_n=_raise_block(block_n, ld),  # F is the down weight's K
-        block_k=max(_raise_block(block_k, lg), lu.min_block_k()),
+        block_n=_raise_block(_gguf_cap(block_n, (lg, lu, ld)), ld),  # F is the down weight's K
+        block_k=max(_raise_block(_gguf_cap(block_k, (lg, lu, ld)), lg), lu.min_block_k()),
         layouts=(lg, lu, ld),
         scale=scale,
         has_bias=b_gate is not None,

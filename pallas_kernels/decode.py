@@ -28,10 +28,12 @@ from jax.core import Tracer
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import common
+from pallas_kernels import common, gguf
 from pallas_kernels.common import Activation
+from pallas_kernels.gguf import GGUF_BLOCKS
 from pallas_kernels.gmm import fit_block_k
 from pallas_kernels.quant import (
+    PLANE_KINDS,
     WeightLayout,
     dequantize_reference,
     load_tile,
@@ -98,8 +100,20 @@ def _pair_kernel(*refs, spec: PairSpec, aliased: bool):
         return x.astype(cdt).astype(jnp.float32)
 
     def matvec(lay, wr, k0):
-        if lay.kind != "dense" and planes_of(lay) <= lay.group_size:
+        if lay.kind in PLANE_KINDS and planes_of(lay) <= lay.group_size:
             return quant_matvec(lay, wr, e, k0, n0, bk, bn, load_x)
+        if lay.kind in GGUF_BLOCKS and bk > gguf.MIN_BLOCK_K:
+            # GGUF tiles are decoded from per-element gathers (a pointer per element): in
+            # pieces of 32 columns, one after another, so that a [bn, bk] tile's pointers are
+            # never live at once (a whole tile spilled registers on sm_90)
+            piece = gguf.MIN_BLOCK_K
+
+            def part(c, acc):
+                kc = k0 + c * piece
+                t = load_tile(lay, wr, e, kc, n0, piece, bn, cdt)
+                return acc + tile_matvec(load_x(kc, piece, 1), *t)
+
+            return jax.lax.fori_loop(0, bk // piece, part, jnp.zeros((bn,), jnp.float32))
         return tile_matvec(load_x(k0, bk, 1), *load_tile(lay, wr, e, k0, n0, bk, bn, cdt))
 
     def step(i, accs):

@@ -9,6 +9,10 @@ kernel as one of three layouts (`WeightLayout.kind`):
   ``q[e, n0:, k0:] * s`` per group of g along K, transposed (``[bn, bk]``).
 - ``int4`` (MLX affine, Q4_0 as scale d / bias -8d): ``p [E, N, K/2]`` uint8 (low nibble
   = even element), ``s, b [E, N, K/g]``; a tile is ``s * q + b``.
+- a GGUF block kind (``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q5_k``, ``q6_k``;
+  `gguf.GGUF_BLOCKS`): the file's block bytes ``[E, N, n_blocks * block_bytes]`` uint8,
+  scales and mins inside the blocks, read as uint16 words and decoded per tile by
+  `gguf.load_tile`.
 
 The weights stay in this form in device memory; `load_tile` dequantizes one tile in
 registers (float32 math, then the compute dtype). `weight_operands` checks a weight and
@@ -33,11 +37,15 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import gguf
+from pallas_kernels.gguf import GGUF_BLOCKS
 from pallas_kernels.tuning import is_pow2
 
-KINDS = ("dense", "int8", "int4")
+#: Quantized kinds with separate scale (and bias) arrays, decoded by code planes.
+PLANE_KINDS = ("int8", "int4")
 #: Kinds of a `QuantWeight`.
-QUANT_KINDS = ("int8", "int4")
+QUANT_KINDS = (*PLANE_KINDS, *GGUF_BLOCKS)
+KINDS = ("dense", *QUANT_KINDS)
 #: Code arrays with at least this many elements are loaded as int32 words (see the module doc).
 WORD_MIN_ELEMENTS = 2**31
 #: Code bytes per int32 word.
@@ -53,16 +61,18 @@ class QuantWeight:
 
     Attributes:
       qdata: ``int8``: ``[E, N, K]`` int8 codes; ``int4``: ``[E, N, K/2]`` uint8, element
-        ``2j`` in the low nibble of byte ``j``.
-      scales: ``[E, N, K/g]`` floating point.
+        ``2j`` in the low nibble of byte ``j``; a GGUF block kind: ``[E, N, K / block *
+        block_bytes]`` uint8, the file's blocks.
+      scales: ``[E, N, K/g]`` floating point; None for a GGUF block kind.
       biases: ``int4``: ``[E, N, K/g]`` floating point (``W = scales * q + biases``);
-        ``int8``: None (``W = scales * q``).
-      kind: ``"int8"`` or ``"int4"``.
-      group_size: ``g``, the quantization group along K (a power of two >= 2).
+        ``int8`` and GGUF block kinds: None (``W = scales * q``).
+      kind: ``"int8"``, ``"int4"`` or a `gguf.GGUF_BLOCKS` key.
+      group_size: ``g``, the quantization group along K (a power of two >= 2); for a GGUF
+        block kind the block size (32 or 256).
     """
 
     qdata: jax.Array
-    scales: jax.Array
+    scales: jax.Array | None
     biases: jax.Array | None = None
     kind: str = dataclasses.field(metadata=dict(static=True), default="int8")
     group_size: int = dataclasses.field(metadata=dict(static=True), default=32)
@@ -74,8 +84,11 @@ class QuantWeight:
     @property
     def shape(self) -> tuple[int, ...]:
         """The logical ``[E, K, N]`` shape."""
-        per_byte = 2 if self.kind == "int4" else 1
         *lead, n, k = self.qdata.shape
+        if self.kind in GGUF_BLOCKS:
+            block, block_bytes = GGUF_BLOCKS[self.kind]
+            return (*lead, k // block_bytes * block, n)
+        per_byte = 2 if self.kind == "int4" else 1
         return (*lead, k * per_byte, n)
 
 
@@ -88,15 +101,19 @@ class WeightLayout:
     k: int
     n: int
     group_size: int = 0
-    #: Code bytes per loaded element of the code array: 1 (as stored) or 4 (int32 words).
+    #: Code bytes per loaded element of the code array: 1 (as stored), 4 (int32 words) or
+    #: 2 (GGUF block kinds: always uint16 words).
     word: int = 1
 
     @property
     def num_arrays(self) -> int:
-        return {"dense": 1, "int8": 2, "int4": 3}[self.kind]
+        return {"dense": 1, "int8": 2, "int4": 3}.get(self.kind, 1)
 
     def min_block_k(self) -> int:
-        """Smallest K step the layout allows (a whole quantization group)."""
+        """Smallest K step the layout allows (a whole quantization group; GGUF block
+        kinds: `gguf.MIN_BLOCK_K` elements, part of a block's scale groups)."""
+        if self.kind in GGUF_BLOCKS:
+            return gguf.MIN_BLOCK_K
         return self.group_size if self.kind != "dense" else 1
 
 
@@ -125,7 +142,12 @@ def weight_operands(
             f"got {type(w).__name__}"
         )
     if isinstance(w, QuantWeight) and w.qdata.ndim != 3:
-        raise ValueError(f"{name}: QuantWeight.qdata must be [E, N, K] (int4: [E, N, K/2]), got shape {w.qdata.shape}")
+        raise ValueError(
+            f"{name}: QuantWeight.qdata must be [E, N, K] (int4: [E, N, K/2]; GGUF blocks: [E, N, row bytes]), "
+            f"got shape {w.qdata.shape}"
+        )
+    if isinstance(w, QuantWeight) and w.kind in GGUF_BLOCKS:
+        return _gguf_operands(w, name, num_experts, k, n)
     shape = tuple(w.shape)
     if len(shape) != 3:
         raise ValueError(f"{name}: expert weight must be [E, K, N], got shape {shape}")
@@ -141,6 +163,29 @@ def weight_operands(
     if not jnp.issubdtype(w.dtype, jnp.floating):
         raise ValueError(f"{name}: expert weight must be floating point or a QuantWeight, got {w.dtype}")
     return WeightLayout("dense", e, kk, nn), (w,)
+
+
+def _gguf_operands(w: QuantWeight, name: str, num_experts, k, n) -> tuple[WeightLayout, tuple[jax.Array, ...]]:
+    block, block_bytes = GGUF_BLOCKS[w.kind]
+    where = f"{name} ({w.kind.upper()}, block {block} in {block_bytes} bytes)"
+    if w.scales is not None or w.biases is not None:
+        raise ValueError(f"{where}: a GGUF block weight keeps its scales inside the blocks; scales/biases must be None")
+    if w.group_size != block:
+        raise ValueError(f"{where}: group_size must be the block size {block}, got {w.group_size}")
+    if w.qdata.dtype != jnp.uint8:
+        raise ValueError(f"{where}: block bytes must be uint8, got {w.qdata.dtype} of shape {tuple(w.qdata.shape)}")
+    e, rows, row_bytes = w.qdata.shape
+    if row_bytes % block_bytes:
+        raise ValueError(
+            f"{where}: rows of {row_bytes} bytes (shape {tuple(w.qdata.shape)}) are not a whole number of "
+            f"{block_bytes}-byte blocks (truncated or wrong-sized block buffer)"
+        )
+    shape = (e, row_bytes // block_bytes * block, rows)
+    for got, want, what in zip(shape, (num_experts, k, n), ("E", "K", "N")):
+        if want is not None and got != want:
+            raise ValueError(f"{where}: logical shape {shape} has {what}={got}, expected {want}")
+    layout = WeightLayout(w.kind, e, shape[1], rows, block, word=2)
+    return layout, (gguf.as_words(jnp.asarray(w.qdata)),)
 
 
 def _quant_operands(w: QuantWeight, name: str, e: int, k: int, n: int) -> tuple[WeightLayout, tuple[jax.Array, ...]]:
@@ -197,6 +242,9 @@ def dequantize_reference(layout: WeightLayout, arrays, dtype=jnp.float32) -> jax
     """Pure-jnp reference: the logical ``[E, K, N]`` weight in ``dtype`` (math in float32)."""
     if layout.kind == "dense":
         return arrays[0].astype(dtype)
+    if layout.kind in GGUF_BLOCKS:
+        w = gguf.dequantize_gguf_rows(gguf.words_to_bytes(arrays[0]), layout.kind)  # [E, N, K]
+        return jnp.swapaxes(w, 1, 2).astype(dtype)
     e, k, n, g = layout.num_experts, layout.k, layout.n, layout.group_size
     codes = word_bytes(arrays[0]) if layout.word != 1 else arrays[0]
     if layout.kind == "int8":
@@ -257,6 +305,8 @@ def load_tile(layout: WeightLayout, refs, e, k0, n0, bk: int, bn: int, dtype):
         m = (ks < layout.k)[:, None] & (ns < layout.n)[None, :]
         t = plgpu.load(w_ref.at[e, pl.ds(k0, bk), pl.ds(n0, bn)], mask=m, other=0)
         return t.astype(dtype), True
+    if layout.kind in GGUF_BLOCKS:
+        return gguf.load_tile(layout.kind, layout.k, layout.n, refs[0], e, k0, n0, bk, bn, dtype), False
     g = layout.group_size
     ng = bk // g
     gs = k0 // g + jnp.arange(ng, dtype=jnp.int32)

@@ -2,7 +2,7 @@
 
 ``experts_pallas(x [T, d], routing, experts, cfg) -> [T, d] float32`` supports all that
 `jaxmoe.experts.experts_dense` does (biases, ``swiglu_oai``, ``weight_on_input``,
-int8 / int4 quantized weights). It is the adapter between jaxmoe's types and the
+int8 / int4 quantized weights and the GGUF block kinds). It is the adapter between jaxmoe's types and the
 standalone `pallas_kernels` package, which takes plain arrays: each expert weight
 becomes a kernel operand (`kernel_weight`: a float array as is, a
 `jaxmoe.quant.QuantizedTensor` as a `pallas_kernels.quant.QuantWeight`). Few pairs
@@ -31,9 +31,8 @@ deterministic). The routing weights' gradient is ``<dy_t, z_pair>`` from the sav
 unweighted expert outputs ``z [T * k, d]`` float32 (the only residual besides the inputs;
 with ``weight_on_input`` it comes from the gate/up kernel and nothing is saved).
 Quantized experts (`jaxmoe.experts.experts_frozen`) are frozen: the input and routing
-gradients read the quantized weights tile by tile in the kernels (int8 / int4; GGUF
-block kinds through `kernel_weight`'s float copy, as in the forward) and the experts get
-`jaxmoe.experts.frozen_cotangent`.
+gradients read the quantized weights tile by tile in the kernels (int8 / int4 and the GGUF
+block kinds, as in the forward) and the experts get `jaxmoe.experts.frozen_cotangent`.
 """
 
 from __future__ import annotations
@@ -64,23 +63,19 @@ from pallas_kernels.swiglu import gate_up_swiglu
 _TRITON_LOWERING = ("cuda", "rocm")
 
 
-def kernel_weight(w: jax.Array | QuantizedTensor, dtype=jnp.float32) -> jax.Array | QuantWeight:
+def kernel_weight(w: jax.Array | QuantizedTensor) -> jax.Array | QuantWeight:
     """An expert weight ``[E, K, N]`` as the kernels take it: a float array unchanged, a
-    `QuantizedTensor` (int8 / int4) as the `QuantWeight` of the same arrays. A GGUF block
-    kind (``q4_k``, ...; `jaxmoe.quant.GGUF_BLOCKS`) is not yet decoded inside the kernels:
-    it is dequantized to ``dtype`` here (a float copy of what it is given: the decode path
-    passes only the ``T * k`` selected experts, the grouped path the whole stack; issue 11
-    item 3 open)."""
+    `QuantizedTensor` as the `QuantWeight` of the same arrays (int8 / int4 codes with their
+    scales; a GGUF block kind, ``q4_k`` ... (`jaxmoe.quant.GGUF_BLOCKS`), as the file's block
+    bytes, which the kernels decode tile by tile: no float copy of any expert)."""
     if not isinstance(w, QuantizedTensor):
         return w
-    if w.kind in GGUF_BLOCKS or w.scales is None:
-        return w.dequantize(dtype)
+    if w.kind in GGUF_BLOCKS:
+        return QuantWeight(jnp.asarray(w.qdata), None, None, kind=w.kind, group_size=w.group_size)
+    if w.scales is None:
+        raise ValueError(f"kernel_weight: a {w.kind} QuantizedTensor needs its scales, got None")
     biases = None if w.biases is None else jnp.asarray(w.biases)
     return QuantWeight(jnp.asarray(w.qdata), jnp.asarray(w.scales), biases, kind=w.kind, group_size=w.group_size)
-
-
-def _has_gguf(ew: ExpertWeights) -> bool:
-    return any(isinstance(a, QuantizedTensor) and a.kind in GGUF_BLOCKS for a in (ew.w_gate, ew.w_up, ew.w_down))
 
 
 def _launch(b: tuning.Blocks, grouped: bool) -> dict:
@@ -148,12 +143,7 @@ def _forward(x, routing, experts, cfg, kc, interpret, debug, save: bool):
     w = routing.weights.reshape(-1).astype(jnp.float32)  # [P] pair order
     woi = cfg.weight_on_input
     keep_z = save and not woi  # scale applied here, not in the down kernel
-    if kc.decode and _has_gguf(experts):
-        # GGUF block kinds are not decoded inside the kernels yet (kernel_weight dequantizes):
-        # decode reads one expert per pair, so dequantize only those P copies, not the stack
-        experts = experts.take(ids.reshape(-1))
-        ids = jnp.arange(t * k, dtype=jnp.int32).reshape(t, k)
-    w_gate, w_up, w_down = (kernel_weight(a, x.dtype) for a in (experts.w_gate, experts.w_up, experts.w_down))
+    w_gate, w_up, w_down = (kernel_weight(a) for a in (experts.w_gate, experts.w_up, experts.w_down))
     if t == 0:
         return jnp.zeros((0, d), jnp.float32), (jnp.zeros((0, d), jnp.float32) if keep_z else None)
     if kc.decode:
@@ -251,7 +241,7 @@ def _vjp_bwd(cfg, kc, interpret, debug, res, dy):
         plan = plan_dispatch(routing.expert_ids, cfg.num_experts, bm)
         meta = (plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
         ws = routing.weights.reshape(-1).astype(jnp.float32)[plan.sort_idx]
-        w_gate, w_up, w_down = (kernel_weight(a, x.dtype) for a in (ew.w_gate, ew.w_up, ew.w_down))
+        w_gate, w_up, w_down = (kernel_weight(a) for a in (ew.w_gate, ew.w_up, ew.w_down))
         dg, du, h, dscale = gate_up_backward(
             x,
             dy,

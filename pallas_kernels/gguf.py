@@ -1,0 +1,221 @@
+"""GGUF block formats as kernel operands: their layout, a pure-jnp decoder, and the
+in-kernel tile decode.
+
+A GGUF block tensor keeps the file's bytes: ``[E, N, n_blocks * block_bytes]`` uint8, each
+output row a run of blocks along K (`GGUF_BLOCKS`: elements and bytes per block). The
+kernels read them in place as uint16 *words* (``[E, N, row_bytes / 2]``, a free bitcast:
+every block size and every field offset inside a block is even), so an array of up to
+2^32 bytes has element offsets that fit in int32 (Pallas's Triton lowering switches to
+64-bit offsets only above 2^32 bytes; DeepSeek-V3's Q6_K down projection is 1.5e9 bytes).
+
+`load_tile` decodes one ``[bn, bk]`` tile (``bk`` a multiple of 32) of an expert in
+registers: each element's code is gathered from the word that holds its byte (element
+``k`` of a row sits at a byte offset computed from ``k`` alone, so the tile comes out in
+natural K order, with no shuffles), each 32 (Q6_K: 16) elements' scale and min from the
+block header. `dequantize_gguf_blocks` is the pure-jnp reference, bit-exact with
+``gguf.quants.dequantize`` (the same float32 operations in the same order); ggml's
+``dequantize_row_*`` (ggml-quants.c) define both.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+#: GGUF block kinds kept as their raw block bytes: ``kind -> (elements per block, bytes per block)``
+#: (ggml's ``GGML_QUANT_SIZES``).
+GGUF_BLOCKS: dict[str, tuple[int, int]] = {
+    "q4_1": (32, 20),
+    "q5_0": (32, 22),
+    "q5_1": (32, 24),
+    "q4_k": (256, 144),
+    "q5_k": (256, 176),
+    "q6_k": (256, 210),
+}
+#: Elements sharing one scale (and min) inside a block: the granularity of `load_tile`.
+SCALE_GROUP: dict[str, int] = {"q4_1": 32, "q5_0": 32, "q5_1": 32, "q4_k": 32, "q5_k": 32, "q6_k": 16}
+#: Smallest K step of a tile (a multiple of every `SCALE_GROUP`).
+MIN_BLOCK_K = 32
+
+
+def as_words(raw: jax.Array) -> jax.Array:
+    """Block bytes ``[..., R]`` uint8 (``R`` even) -> ``[..., R / 2]`` uint16, little-endian."""
+    *lead, r = raw.shape
+    return jax.lax.bitcast_convert_type(raw.reshape(*lead, r // 2, 2), jnp.uint16)
+
+
+def words_to_bytes(words: jax.Array) -> jax.Array:
+    """The inverse of `as_words`: ``[..., W]`` uint16 -> ``[..., 2 W]`` uint8."""
+    b = jax.lax.bitcast_convert_type(words, jnp.uint8)
+    return b.reshape(*words.shape[:-1], words.shape[-1] * 2)
+
+
+# ----------------------------------------------------------------------------- pure-jnp reference
+
+
+def _f16(b) -> jax.Array:
+    """``[..., 2]`` uint8 (little-endian) -> ``[...]`` float32 via float16."""
+    return jax.lax.bitcast_convert_type(b, jnp.float16).astype(jnp.float32)
+
+
+def _k_scale_min(s) -> tuple[jax.Array, jax.Array]:
+    """Q4_K / Q5_K 12 packed scale bytes ``[..., 12]`` -> 6-bit scales and mins ``[..., 8]``."""
+    d, m, m_d = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = jnp.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = jnp.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _nibbles(qs, chunk: int) -> jax.Array:
+    """``[..., n * chunk]`` bytes -> ``[..., n * 2 * chunk]``: per chunk of bytes, its low
+    nibbles then its high nibbles (ggml's order)."""
+    q = qs.reshape(*qs.shape[:-1], -1, 1, chunk) >> jnp.array([0, 4], jnp.uint8).reshape(2, 1)
+    return (q & 0x0F).reshape(*qs.shape[:-1], -1)
+
+
+def _bits(qh, n_bits: int, width: int, step: int = 1) -> jax.Array:
+    """Bit-planes ``[..., n_bits * width]``: plane ``i`` is ``(qh >> step*i) & mask`` over ``width`` bytes."""
+    sh = jnp.arange(0, n_bits * step, step, dtype=qh.dtype).reshape(n_bits, 1)
+    return (qh.reshape(*qh.shape[:-1], -1, 1, width) >> sh).reshape(*qh.shape[:-1], -1)
+
+
+def dequantize_gguf_blocks(b: jax.Array, kind: str) -> jax.Array:
+    """GGUF blocks ``[..., block_bytes]`` uint8 -> float32 ``[..., block]``, bit-exact with
+    ``gguf.quants.dequantize`` (same float32 operations in the same order)."""
+    f32 = jnp.float32
+    if kind in ("q4_1", "q5_0", "q5_1"):
+        d = _f16(b[..., 0:2])[..., None]
+        o = 4 if kind == "q5_1" else 2
+        m = _f16(b[..., 2:4])[..., None]  # Q5_0 has no min: these bytes are its qh, unused as m
+        if kind == "q4_1":
+            q = _nibbles(b[..., 4:20], 16).astype(f32)
+            return d * q + m
+        qh = jax.lax.bitcast_convert_type(b[..., o : o + 4], jnp.uint32)[..., None]
+        hi = ((qh >> jnp.arange(32, dtype=jnp.uint32)) & 1).astype(jnp.uint8)
+        ql = _nibbles(b[..., o + 4 : o + 20], 16)
+        q = ql | (hi << 4)
+        if kind == "q5_0":
+            return d * (q.astype(jnp.int8) - jnp.int8(16)).astype(f32)
+        return d * q.astype(f32) + m
+    if kind in ("q4_k", "q5_k"):
+        d = _f16(b[..., 0:2])[..., None]
+        dmin = _f16(b[..., 2:4])[..., None]
+        sc, mn = _k_scale_min(b[..., 4:16])
+        ds = (d * sc.astype(f32))[..., None]  # [..., 8, 1]
+        dm = (dmin * mn.astype(f32))[..., None]
+        if kind == "q4_k":
+            q = _nibbles(b[..., 16:144], 32)
+        else:
+            ql = _nibbles(b[..., 48:176], 32)
+            qh = _bits(b[..., 16:48], 8, 32) & 0x01
+            q = ql | (qh << 4)
+        q = q.reshape(*b.shape[:-1], 8, 32).astype(f32)
+        return (ds * q - dm).reshape(*b.shape[:-1], 256)
+    if kind == "q6_k":
+        ql = _nibbles(b[..., 0:128], 64)  # [..., 256]: per 64-byte half, low then high nibbles
+        qh = _bits(b[..., 128:192], 4, 32, step=2) & 0x03  # [..., 256]
+        sc = jax.lax.bitcast_convert_type(b[..., 192:208], jnp.int8).astype(f32)
+        d = _f16(b[..., 208:210])[..., None]
+        ds = (d * sc)[..., None]  # [..., 16, 1]
+        q = (ql | (qh << 4)).astype(jnp.int8) - jnp.int8(32)
+        q = q.reshape(*b.shape[:-1], 16, 16).astype(f32)
+        return (ds * q).reshape(*b.shape[:-1], 256)
+    raise ValueError(f"dequantize_gguf_blocks: unknown GGUF block kind {kind!r}; expected one of {sorted(GGUF_BLOCKS)}")
+
+
+def dequantize_gguf_rows(raw: jax.Array, kind: str) -> jax.Array:
+    """Rows of GGUF blocks ``[..., out, n_blocks * block_bytes]`` uint8 -> float32 ``[..., out, in]``."""
+    block, block_bytes = GGUF_BLOCKS[kind]
+    *lead, out, row = raw.shape
+    nb = row // block_bytes
+    w = dequantize_gguf_blocks(raw.reshape(*lead, out, nb, block_bytes), kind)
+    return w.reshape(*lead, out, nb * block)
+
+
+# ----------------------------------------------------------------------------- in-kernel decode
+
+
+def _half(words: jax.Array) -> jax.Array:
+    """uint16 words holding float16 bits -> float32."""
+    return jax.lax.bitcast_convert_type(words, jnp.float16).astype(jnp.float32)
+
+
+def load_tile(kind: str, k_total: int, n_total: int, ref, e, k0, n0, bk: int, bn: int, dtype) -> jax.Array:
+    """Rows ``n0 .. n0 + bn`` (outputs), elements ``k0 .. k0 + bk`` (inputs) of expert ``e``
+    of a GGUF block weight, decoded (in-kernel): ``[bn, bk]`` in ``dtype`` (float32 math).
+
+    ``ref`` is the ``[E, N, row_bytes / 2]`` uint16 word view (`as_words`); ``k0`` a
+    multiple of ``bk``, ``bk`` a multiple of `MIN_BLOCK_K` (a tile may cover part of a
+    super-block or several blocks). Rows past ``n_total`` and elements past ``k_total``
+    read as zero.
+    """
+    block, block_bytes = GGUF_BLOCKS[kind]
+    g = SCALE_GROUP[kind]
+    n_words = k_total // block * block_bytes // 2
+    ns = n0 + jnp.arange(bn, dtype=jnp.int32)
+    n_ok = ns < n_total
+    rows = jnp.minimum(ns, n_total - 1)[:, None]  # in bounds even where masked (interpret mode)
+
+    def words(byte_off, ok):
+        """The words holding bytes ``byte_off [c]`` of each row: ``[bn, c]`` uint16."""
+        w = jnp.minimum(byte_off // 2, n_words - 1)
+        return plgpu.load(ref.at[e, rows, w[None, :]], mask=n_ok[:, None] & ok[None, :], other=0)
+
+    def bits(byte_off, shift, width, ok):
+        """``width`` bits of each byte at ``byte_off [c]``, from bit ``shift [c]``: ``[bn, c]`` int32."""
+        w = words(byte_off, ok).astype(jnp.int32)
+        return (w >> (8 * (byte_off % 2) + shift)[None, :]) & ((1 << width) - 1)
+
+    # per element of the tile
+    k = k0 + jnp.arange(bk, dtype=jnp.int32)
+    k_ok = k < k_total
+    base = k // block * block_bytes  # byte offset of the element's block
+    p = k % block  # position inside the block
+    # per scale group of the tile
+    ng = bk // g
+    gk = k0 + g * jnp.arange(ng, dtype=jnp.int32)
+    g_ok = gk < k_total
+    gbase = gk // block * block_bytes
+    gp = gk % block
+
+    if kind in ("q4_k", "q5_k"):
+        s = p // 32  # sub-block: codes in chunk s // 2, low nibbles for even s
+        qs = base + (16 if kind == "q4_k" else 48) + 32 * (s // 2) + p % 32
+        q = bits(qs, 4 * (s % 2), 4, k_ok)
+        if kind == "q5_k":
+            q = q | (bits(base + 16 + p % 32, s, 1, k_ok) << 4)
+        gs = gp // 32
+        u = bits(gbase + 4 + gs, 0, 8, g_ok)  # scales[gs]
+        v = bits(gbase + 8 + gs, 0, 8, g_ok)  # scales[gs + 4]
+        w = bits(gbase + 4 + jnp.maximum(gs - 4, 0), 0, 8, g_ok)  # scales[gs - 4]
+        low = (gs < 4)[None, :]
+        sc = jnp.where(low, u & 63, (v & 0xF) | ((w >> 6) << 4))
+        mn = jnp.where(low, v & 63, (v >> 4) | ((u >> 6) << 4))
+        d = _half(words(gbase, g_ok))
+        dmin = _half(words(gbase + 2, g_ok))
+        scale, sub = d * sc.astype(jnp.float32), dmin * mn.astype(jnp.float32)
+        out = scale[:, :, None] * q.astype(jnp.float32).reshape(bn, ng, g) - sub[:, :, None]
+    elif kind == "q6_k":
+        h, r, l = p // 128, p % 128 // 32, p % 32
+        ql = bits(base + 64 * h + 32 * (r % 2) + l, 4 * (r // 2), 4, k_ok)
+        qh = bits(base + 128 + 32 * h + l, 2 * r, 2, k_ok)
+        q = (ql | (qh << 4)) - 32
+        sc = bits(gbase + 192 + gp // 16, 0, 8, g_ok)
+        sc = jnp.where(sc >= 128, sc - 256, sc)  # int8
+        scale = _half(words(gbase + 208, g_ok)) * sc.astype(jnp.float32)
+        out = scale[:, :, None] * q.astype(jnp.float32).reshape(bn, ng, g)
+    else:  # q4_1, q5_0, q5_1: blocks of 32, element l in the low nibble of byte l % 16 for l < 16
+        qs = base + {"q4_1": 4, "q5_0": 6, "q5_1": 8}[kind] + p % 16
+        q = bits(qs, 4 * (p // 16), 4, k_ok)
+        if kind != "q4_1":
+            qh = base + (2 if kind == "q5_0" else 4) + p // 8  # bit p of the little-endian uint32
+            q = q | (bits(qh, p % 8, 1, k_ok) << 4)
+        d = _half(words(gbase, g_ok))[:, :, None]
+        qf = q.reshape(bn, ng, g)
+        if kind == "q5_0":
+            out = d * (qf - 16).astype(jnp.float32)
+        else:
+            out = d * qf.astype(jnp.float32) + _half(words(gbase + 2, g_ok))[:, :, None]
+    out = out.reshape(bn, bk)
+    return jnp.where(n_ok[:, None] & k_ok[None, :], out, 0.0).astype(dtype)
