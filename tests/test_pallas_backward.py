@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import gpu_target, quantize_experts, skewed_routing
+from helpers import gguf_block_weight, gpu_target, quantize_experts, skewed_routing
 
 import jaxmoe
 from jaxmoe.dispatch import plan_dispatch
@@ -144,14 +144,19 @@ def test_vjp_matches_dense(rng, variant, t):
     assert empty.size and not np.any(np.asarray(got[2].w_down)[empty])
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("quant", ["int8", "int4", "q4_k_m"])
 def test_frozen_quantized_experts(rng, quant):
     """Quantized experts: the input and routing-weight gradients equal those of the
-    dequantized float weights; the experts get zero (float0 for the codes)."""
-    d, f, e, k, t = 64, 64, 4, 2, 7
+    dequantized float weights; the experts get zero (float0 for the codes). GGUF Q4_K_M
+    (Q4_K gate / up, Q6_K down) is read from its block bytes in the backward kernels too."""
+    d, f, e, k, t = (256, 256, 4, 2, 7) if quant == "q4_k_m" else (64, 64, 4, 2, 7)
     cfg = _cfg(d, f, e, k)
-    p = quantize_experts(jaxmoe.init_params(cfg, jax.random.key(int(rng.integers(1 << 30)))), quant)
-    ew = p.experts
+    if quant == "q4_k_m":
+        stored = (("q4_k", (e, f, d)), ("q4_k", (e, f, d)), ("q6_k", (e, d, f)))  # [E, out, in]
+        ew = jaxmoe.ExpertWeights(*(gguf_block_weight(rng, kk, s)[0] for kk, s in stored))
+    else:
+        p = quantize_experts(jaxmoe.init_params(cfg, jax.random.key(int(rng.integers(1 << 30)))), quant)
+        ew = p.experts
     deq = dataclasses.replace(ew, **{n: getattr(ew, n).dequantize(jnp.float32) for n in ("w_gate", "w_up", "w_down")})
     ids, ws = skewed_routing(rng, t, k, e)
     r = jaxmoe.Routing(jnp.asarray(ids), jnp.asarray(ws))

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import gpu_target
+from helpers import gguf_block_weight, gpu_target
 
 import jaxmoe
 from jaxmoe.dispatch import plan_dispatch
@@ -48,6 +48,9 @@ def assert_triton(txt: str, n: int):
 
 
 def weights(rng, e, d, f, kind, dtype=jnp.float32):
+    if kind == "q4_k_m" or kind.startswith("q5"):  # GGUF block bytes (Q4_K_M: Q4_K gate / up, Q6_K down)
+        kinds = ("q4_k", "q4_k", "q6_k") if kind == "q4_k_m" else (kind,) * 3
+        return [gguf_block_weight(rng, kk, s)[0] for kk, s in zip(kinds, ((e, f, d), (e, f, d), (e, d, f)))]
     ws = [rng.standard_normal(s).astype(np.float32) / 8 for s in ((e, d, f), (e, d, f), (e, f, d))]
     if kind == "int8":
         return [quantize_int8(w) for w in ws]
@@ -92,10 +95,11 @@ def test_impl_variants_lower(rng, variant, t):
     assert_triton(lower_text(functools.partial(experts_pallas, cfg=cfg, interpret=False), x, r, ew), 2)
 
 
-@pytest.mark.parametrize("kind", ["f32", "bf16", "f16", "int8", "int4"])
+@pytest.mark.parametrize("kind", ["f32", "bf16", "f16", "int8", "int4", "q5_1", "q4_k_m"])
 def test_each_kernel_lowers(rng, kind):
-    """gmm, gate_up_swiglu, down_project, decode_gate_up, decode_down, one call each."""
-    d, f, e, t, k = 128, 64, 4, 20, 2
+    """gmm, gate_up_swiglu, down_project, decode_gate_up, decode_down, one call each (GGUF
+    block kinds: Q5_1, and Q4_K_M's Q4_K / Q6_K at widths of whole super-blocks)."""
+    d, f, e, t, k = (256, 256, 4, 20, 2) if kind == "q4_k_m" else (128, 64, 4, 20, 2)
     dt = {"bf16": jnp.bfloat16, "f16": jnp.float16}.get(kind, jnp.float32)
     wg, wu, wd = (kernel_weight(w) for w in weights(rng, e, d, f, kind, dt))
     ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
