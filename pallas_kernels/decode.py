@@ -1,11 +1,25 @@
 """Decode kernels for few tokens: one program per selected (token, expert) pair.
 
 When ``T * k`` is small, a grouped tile would be mostly empty rows; instead the grid
-is ``(pairs, column blocks)`` and program ``(p, j)`` streams column block ``j`` of its
-expert's weights once, as a matrix-vector product (broadcast-multiply and reduce in
-float32: Triton's ``dot`` needs 16 rows), the analogue of llama.cpp's selected-expert
-``MUL_MAT_ID`` matrix-vector path. No dispatch plan is needed: the pairs stay in
-token order ``p = t * k + slot``.
+is ``(pairs, column blocks, K splits)`` and program ``(p, j, s)`` streams its part of
+column block ``j`` of its expert's weights once, the analogue of llama.cpp's
+selected-expert ``MUL_MAT_ID`` matrix-vector path. No dispatch plan is needed: the pairs
+stay in token order ``p = t * k + slot``.
+
+Two ways to multiply (``mma``):
+
+- ``mma=True`` (default): the pair's activation row is padded to the 16 rows a
+  tensor-core ``dot`` needs (15 zero rows) and multiplied with each weight tile as the
+  grouped kernels do (`quant.tile_matmul`: MMA, 3xTF32 for float32), so Triton pipelines
+  the weight loads (``cp.async``) over ``num_stages``; the padding costs tensor-core
+  cycles, which a memory-bound decode has to spare.
+- ``mma=False``: a broadcast-multiply and reduction in float32 per tile (quantized
+  weights by code plane, `quant.quant_matvec`), no MMA, no pipelined loads.
+
+``split_k`` (default `tuning.decode_splits`: enough programs for the GPU's SMs when the
+pairs and column blocks alone are too few, e.g. 128 programs at T = 1 on the Qwen3.6
+gate/up) splits K: each split writes its float32 partial sums and the wrapper adds the
+splits in order and applies the epilogue (scale, bias, activation) in XLA.
 
 - `decode_gate_up`: ``h[p] = act(x[p // k] @ Wg[e_p] (+ bg), x[p // k] @ Wu[e_p] (+ bu))``
 - `decode_down`: ``y[p] = w_p * (h[p] @ Wd[e_p] (+ bd))`` in float32; the caller sums
@@ -28,7 +42,7 @@ from jax.core import Tracer
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import common, gguf
+from pallas_kernels import common, gguf, tuning
 from pallas_kernels.common import Activation
 from pallas_kernels.gguf import GGUF_BLOCKS
 from pallas_kernels.gmm import fit_block_k
@@ -39,6 +53,7 @@ from pallas_kernels.quant import (
     load_tile,
     planes_of,
     quant_matvec,
+    tile_matmul,
     tile_matvec,
     weight_operands,
 )
@@ -65,6 +80,22 @@ class PairSpec:
     out_dtype: str
     num_warps: int = 4
     num_stages: int = 3
+    mma: bool = True
+    split_k: int = 1
+    tf32: bool = False
+
+    @property
+    def steps(self) -> int:
+        """K steps of ``block_k``."""
+        return -(-self.k // self.block_k)
+
+    @property
+    def steps_per_split(self) -> int:
+        return -(-self.steps // self.split_k)
+
+
+#: Rows of the padded activation tile of ``mma`` decode (Triton's smallest ``dot``).
+MMA_ROWS = 16
 
 
 def _pair_kernel(*refs, spec: PairSpec, aliased: bool):
@@ -84,6 +115,7 @@ def _pair_kernel(*refs, spec: PairSpec, aliased: bool):
     cdt = jnp.dtype(spec.compute_dtype)
     p = pl.program_id(0)
     j = pl.program_id(1)
+    split = pl.program_id(2) if spec.split_k > 1 else 0
     e_raw = ids_ref[p]
     id_ok = (e_raw >= 0) & (e_raw < spec.layouts[0].num_experts)
     e = jnp.where(id_ok, e_raw, 0)  # an invalid id reads expert 0 and writes a zero row
@@ -116,12 +148,37 @@ def _pair_kernel(*refs, spec: PairSpec, aliased: bool):
             return jax.lax.fori_loop(0, bk // piece, part, jnp.zeros((bn,), jnp.float32))
         return tile_matvec(load_x(k0, bk, 1), *load_tile(lay, wr, e, k0, n0, bk, bn, cdt))
 
-    def step(i, accs):
-        k0 = i * bk
-        return tuple(acc + matvec(lay, wr, k0) for acc, lay, wr in zip(accs, spec.layouts, w_refs))
+    first = jnp.arange(MMA_ROWS, dtype=jnp.int32)[:, None] == 0
 
-    zero = jnp.zeros((bn,), jnp.float32)
-    accs = jax.lax.fori_loop(0, pl.cdiv(spec.k, bk), step, tuple(zero for _ in spec.layouts))
+    def row_tile(k0, size: int):
+        """``x[row, k0 : k0 + size]`` as row 0 of a ``[16, size]`` tile (the rest zero)."""
+        return jnp.where(first, load_x(k0, size, 1)[None, :], 0.0).astype(cdt)
+
+    def mma(lay, wr, k0):  # [16, bn] float32 (rows 1..15 zero)
+        if lay.kind in GGUF_BLOCKS and bk > gguf.MIN_BLOCK_K:  # in pieces, as in `matvec`
+            piece = gguf.MIN_BLOCK_K
+
+            def part(c, acc):
+                kc = k0 + c * piece
+                t = load_tile(lay, wr, e, kc, n0, piece, bn, cdt)
+                return acc + tile_matmul(row_tile(kc, piece), *t, tf32=spec.tf32)
+
+            return jax.lax.fori_loop(0, bk // piece, part, jnp.zeros((MMA_ROWS, bn), jnp.float32))
+        return tile_matmul(row_tile(k0, bk), *load_tile(lay, wr, e, k0, n0, bk, bn, cdt), tf32=spec.tf32)
+
+    def step(i, accs):
+        k0 = (split * spec.steps_per_split + i) * bk  # past K in the last split: masked, adds zero
+        prod = mma if spec.mma else matvec
+        return tuple(acc + prod(lay, wr, k0) for acc, lay, wr in zip(accs, spec.layouts, w_refs))
+
+    zero = jnp.zeros((MMA_ROWS, bn) if spec.mma else (bn,), jnp.float32)
+    accs = jax.lax.fori_loop(0, spec.steps_per_split, step, tuple(zero for _ in spec.layouts))
+    if spec.mma:
+        accs = tuple(jnp.sum(a, axis=0) for a in accs)  # row 0
+    if spec.split_k > 1:  # partial sums; `_finish` adds the splits and applies the epilogue
+        for li, a in enumerate(accs):
+            plgpu.store(out_ref.at[jnp.int32(li), split, p, pl.ds(n0, bn)], a, mask=ns < spec.n)
+        return
     if spec.scale != "none":
         rs = scale_ref[p].astype(jnp.float32)
     if spec.scale == "input":
@@ -139,6 +196,11 @@ def _pair_kernel(*refs, spec: PairSpec, aliased: bool):
 
 
 def _pair_call(spec: PairSpec, ids, row_scale, lhs, weight_arrays, biases, out, interpret, debug):
+    """The decode launch: ``[P, N]`` in ``spec.out_dtype`` (with ``split_k > 1`` the
+    kernel's ``[layouts, splits, P, N]`` partial sums finished by `_finish`; ``out`` is then
+    not aliased: every row is written either way)."""
+    if spec.split_k > 1:
+        out = None
     args = [ids.reshape(-1).astype(jnp.int32)]
     if spec.scale != "none":
         args.append(row_scale.astype(jnp.float32))
@@ -152,16 +214,48 @@ def _pair_call(spec: PairSpec, ids, row_scale, lhs, weight_arrays, biases, out, 
         aliases = {len(args): 0}
         args.append(out)
     kernel = functools.partial(_pair_kernel, spec=spec, aliased=out is not None)
-    return pl.pallas_call(
+    if spec.split_k > 1:
+        shape = (len(spec.layouts), spec.split_k, spec.pairs, spec.n)
+        out_shape = jax.ShapeDtypeStruct(shape, jnp.float32)
+    else:
+        out_shape = jax.ShapeDtypeStruct((spec.pairs, spec.n), jnp.dtype(spec.out_dtype))
+    grid = (spec.pairs, pl.cdiv(spec.n, spec.block_n)) + ((spec.split_k,) if spec.split_k > 1 else ())
+    res = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((spec.pairs, spec.n), jnp.dtype(spec.out_dtype)),
-        grid=(spec.pairs, pl.cdiv(spec.n, spec.block_n)),
+        out_shape=out_shape,
+        grid=grid,
         input_output_aliases=aliases,
         compiler_params=common.compiler_params(spec.num_warps, spec.num_stages),
         interpret=interpret,
         debug=debug,
         name="moe_decode",
     )(*args)
+    if spec.split_k == 1:
+        return res
+    return _finish(spec, res, ids, row_scale, biases)
+
+
+def _finish(spec: PairSpec, parts, ids, row_scale, biases):
+    """The split-K epilogue in XLA: ``parts [layouts, S, P, N]`` float32 summed over the
+    splits in order, then the kernel's epilogue (input scale, bias, activation, output
+    scale, zero rows for invalid ids) -> ``[P, N]`` in ``spec.out_dtype``."""
+    acc = parts[:, 0]
+    for s in range(1, spec.split_k):
+        acc = acc + parts[:, s]
+    accs = [acc[li] for li in range(len(spec.layouts))]
+    ids = ids.reshape(-1)
+    ok = (ids >= 0) & (ids < spec.layouts[0].num_experts)
+    e = jnp.where(ok, ids, 0)
+    if spec.scale != "none":
+        rs = row_scale.astype(jnp.float32)[:, None]
+    if spec.scale == "input":
+        accs = [a * rs for a in accs]
+    if spec.has_bias:
+        accs = [a + b.astype(jnp.float32)[e] for a, b in zip(accs, biases)]
+    y = spec.act(*accs) if len(accs) == 2 else accs[0]
+    if spec.scale == "output":
+        y = y * rs
+    return jnp.where(ok[:, None], y, 0.0).astype(spec.out_dtype)
 
 
 def check_ids(name: str, expert_ids, num_experts: int) -> None:
@@ -178,6 +272,18 @@ def check_ids(name: str, expert_ids, num_experts: int) -> None:
             f"{name}: expert ids must lie in [0, {num_experts}); {int(bad.sum())} do not "
             f"(e.g. {int(ids[bad].reshape(-1)[0])})"
         )
+
+
+def _splits(where: str, split_k: int | None, pairs: int, n: int, block_n: int, k: int, block_k: int) -> int:
+    """The K split count: ``split_k`` checked (1 .. K steps), or `tuning.decode_splits`."""
+    steps = -(-k // block_k)
+    if split_k is None:
+        return tuning.decode_splits(pairs * (-(-n // block_n)), steps)
+    if not isinstance(split_k, int) or not 1 <= split_k <= steps:
+        raise ValueError(
+            f"{where}: split_k must be an int in [1, {steps}] (K = {k} in steps of {block_k}), got {split_k!r}"
+        )
+    return tuning.whole_splits(split_k, steps)
 
 
 def decode_gate_up(x, expert_ids, w_gate, *args, **kwargs):
@@ -207,6 +313,9 @@ def decode_down(h, expert_ids, w_down, *args, **kwargs):
         "num_warps",
         "num_stages",
         "word_loads",
+        "mma",
+        "split_k",
+        "tf32",
         "interpret",
         "debug",
     ),
@@ -229,6 +338,9 @@ def decode_gate_up_jit(
     num_warps: int = 4,
     num_stages: int = 3,
     word_loads: bool | None = None,
+    mma: bool = True,
+    split_k: int | None = None,
+    tf32: bool = False,
     interpret: bool = False,
     debug: bool = False,
 ):
@@ -242,6 +354,12 @@ def decode_gate_up_jit(
       out: optional ``[T * k, F]`` buffer of ``x.dtype`` aliased to the output.
       word_loads: quantized codes loaded as int32 words (`quant.as_words`); None: only
         for a code array of >= 2^31 elements, which 32-bit offsets cannot address.
+      mma: the row padded to 16 and multiplied on the tensor cores (default), or a float32
+        broadcast-multiply and reduction (see the module doc).
+      split_k: K splits (None: `tuning.decode_splits`; lowered so that none is empty,
+        `tuning.whole_splits`); > 1 adds the splits' float32 partial sums in XLA and
+        applies the epilogue there (``out`` is then not aliased).
+      tf32: with ``mma``, float32 tiles as one TensorFloat-32 dot (else 3xTF32).
     Returns:
       ``h [T * k, F]`` in ``x.dtype``, pair order.
     """
@@ -259,13 +377,15 @@ def decode_gate_up_jit(
         common.check_array("decode_gate_up: row_scale", row_scale, (t * k,), kinds="float")
     common.check_blocks("decode_gate_up", block_n=block_n, block_k=block_k)
     common.check_out("decode_gate_up", out, (t * k, lg.n), x.dtype)
+    bk = fit_block_k(block_k, [lg, lu])
+    splits = _splits("decode_gate_up", split_k, t * k, lg.n, block_n, x.shape[1], bk)
     spec = PairSpec(
         pairs=t * k,
         top_k=k,
         k=x.shape[1],
         n=lg.n,
         block_n=block_n,
-        block_k=fit_block_k(block_k, [lg, lu]),
+        block_k=bk,
         layouts=(lg, lu),
         gather=True,
         scale="input" if row_scale is not None else "none",
@@ -275,6 +395,9 @@ def decode_gate_up_jit(
         out_dtype=x.dtype.name,
         num_warps=num_warps,
         num_stages=num_stages,
+        mma=mma,
+        split_k=splits,
+        tf32=tf32,
     )
     return _pair_call(
         spec, expert_ids, row_scale, x, [ag, au], None if b_gate is None else [b_gate, b_up], out, interpret, debug
@@ -283,7 +406,19 @@ def decode_gate_up_jit(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("block_n", "block_k", "num_warps", "num_stages", "out_dtype", "word_loads", "interpret", "debug"),
+    static_argnames=(
+        "block_n",
+        "block_k",
+        "num_warps",
+        "num_stages",
+        "out_dtype",
+        "word_loads",
+        "mma",
+        "split_k",
+        "tf32",
+        "interpret",
+        "debug",
+    ),
 )
 def decode_down_jit(
     h,
@@ -299,6 +434,9 @@ def decode_down_jit(
     num_stages: int = 3,
     out_dtype=jnp.float32,
     word_loads: bool | None = None,
+    mma: bool = True,
+    split_k: int | None = None,
+    tf32: bool = False,
     interpret: bool = False,
     debug: bool = False,
 ):
@@ -311,6 +449,12 @@ def decode_down_jit(
       out: optional ``[T * k, d]`` buffer of ``out_dtype`` aliased to the output.
       word_loads: quantized codes loaded as int32 words (`quant.as_words`); None: only
         for a code array of >= 2^31 elements, which 32-bit offsets cannot address.
+      mma: the row padded to 16 and multiplied on the tensor cores (default), or a float32
+        broadcast-multiply and reduction (see the module doc).
+      split_k: K splits (None: `tuning.decode_splits`; lowered so that none is empty,
+        `tuning.whole_splits`); > 1 adds the splits' float32 partial sums in XLA and
+        applies the epilogue there (``out`` is then not aliased).
+      tf32: with ``mma``, float32 tiles as one TensorFloat-32 dot (else 3xTF32).
     Returns:
       ``[T * k, d]`` in ``out_dtype``, pair order.
     """
@@ -329,13 +473,15 @@ def decode_down_jit(
     common.check_blocks("decode_down", block_n=block_n, block_k=block_k)
     odt = jnp.dtype(out_dtype)
     common.check_out("decode_down", out, (t * k, lay.n), odt)
+    bk = fit_block_k(block_k, [lay])
+    splits = _splits("decode_down", split_k, t * k, lay.n, block_n, h.shape[1], bk)
     spec = PairSpec(
         pairs=t * k,
         top_k=k,
         k=h.shape[1],
         n=lay.n,
         block_n=block_n,
-        block_k=fit_block_k(block_k, [lay]),
+        block_k=bk,
         layouts=(lay,),
         gather=False,
         scale="output" if row_scale is not None else "none",
@@ -345,6 +491,9 @@ def decode_down_jit(
         out_dtype=odt.name,
         num_warps=num_warps,
         num_stages=num_stages,
+        mma=mma,
+        split_k=splits,
+        tf32=tf32,
     )
     return _pair_call(
         spec, expert_ids, row_scale, h, [arrs], None if b_down is None else [b_down], out, interpret, debug

@@ -20,6 +20,9 @@ import numpy as np
 
 #: Pair counts (``T * k``) at or below which the decode kernels run.
 DECODE_MAX_PAIRS = 64
+#: Programs a decode launch should have: two per SM of an H100 / H200 (132 SMs). Fewer
+#: (pairs x column blocks) are made up by splitting K (`decode_splits`).
+DECODE_MIN_PROGRAMS = 264
 #: Pair counts at or below which the ``small`` grouped configuration runs.
 SMALL_MAX_PAIRS = 4096
 
@@ -126,14 +129,16 @@ def bucket_of(num_pairs: int) -> str:
 #: registers than a 16-bit dot: the 16-bit tiles (up to 128 x 128 x 64 at 8 warps) spilled
 #: 60 B - 1 KB, 32 x 32 int4 gate/up 28 B and 16 x 64 int8 at 4 stages 4 B
 #: (benchmarks/gpu_compile_check.py, with the GROUP_M launch order); these caps spill
-#: nowhere in its cases. Decode kernels (no dot) keep their blocks.
+#: nowhere in its cases. The decode kernels' tiles (a row padded to 16 for the dot) get the
+#: same caps: the Mixtral decode entry's 128 x 128 float32 int8 / int4 tiles spilled 200 B -
+#: 1 KB, the Qwen3.6 one's 32 x 256 int4 gate/up 2.4 KB.
 F32_MAX_M, F32_MAX_TILE, F32_MAX_K, F32_MAX_WARPS, F32_MAX_STAGES = 16, 1024, 64, 4, 3
 
 
 def for_dtype(kc: KernelConfig, dtype) -> KernelConfig:
     """``kc`` for activations of ``dtype``: unchanged for 16-bit ones (and for None); the
-    grouped blocks capped (`F32_MAX_M` ...) for float32 (and wider)."""
-    if kc.decode or dtype is None or np.dtype(dtype).itemsize < 4:
+    blocks capped (`F32_MAX_M` ...) for float32 (and wider)."""
+    if dtype is None or np.dtype(dtype).itemsize < 4:
         return kc
     bm = min(kc.gate_up.block_m, F32_MAX_M)  # one dispatch plan: gate/up and down share it
 
@@ -189,3 +194,20 @@ def fit_config(kc: KernelConfig, num_pairs: int, d: int, f: int) -> KernelConfig
         block_k=fit(kc.down.block_k, f),
     )
     return KernelConfig(kc.bucket, gu, dn)
+
+
+def decode_splits(programs: int, steps: int) -> int:
+    """K splits of a decode launch of ``programs`` (pairs x column blocks) over ``steps``
+    K steps: the fewest that give `DECODE_MIN_PROGRAMS` programs, at most one per step
+    (e.g. Qwen3.6 gate/up at T = 1: 8 pairs x 16 column blocks over 8 steps -> 3 splits),
+    none of them empty (`whole_splits`)."""
+    if programs <= 0 or steps <= 1:
+        return 1
+    return whole_splits(max(1, min(steps, -(-DECODE_MIN_PROGRAMS // programs))), steps)
+
+
+def whole_splits(splits: int, steps: int) -> int:
+    """``splits`` lowered so that none is empty: ``ceil(steps / s)`` steps per split leave
+    ``ceil(steps / ceil(steps / s))`` splits with work (3 over 4 steps: 2 of 2)."""
+    per = -(-steps // splits)
+    return -(-steps // per)

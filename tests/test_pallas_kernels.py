@@ -346,6 +346,56 @@ def test_decode_kernels(rng, t, k, kind):
     assert combine_pairs(y, k).shape == (t, d)
 
 
+@pytest.mark.parametrize("mma,split_k", [(True, 1), (True, 3), (False, 1), (False, 2)])
+@pytest.mark.parametrize("kind", ["bf16", "int4_mlx64", "q4_k"])
+def test_decode_mma_and_split_k(rng, mma, split_k, kind):
+    """Both ways to multiply (the row padded to 16 for a tensor-core dot, or a float32
+    matvec) with K unsplit and split (3 splits of 8 K steps: the last one short; int4's
+    group of 64 makes 4 steps, 2 splits of 2), with
+    biases, an input scale and gpt-oss's activation, against the references (Q4_K gate / up
+    with a Q5_0 down: the GGUF pieces path)."""
+    t, k, e, d, f = 2, 4, 8, 256, 256
+    dt = compute_dtype(kind)
+    ids = jnp.asarray(routing_ids(rng, "random", t, k, e))
+    x = jnp.asarray(rng.standard_normal((t, d)) * 2, dt)
+    if kind == "q4_k":
+        wg, wu = (kernel_weight(gguf_block_weight(rng, "q4_k", (e, f, d))[0]) for _ in range(2))
+        wd = kernel_weight(gguf_block_weight(rng, "q5_0", (e, d, f))[0])
+    else:
+        wg, wu = (make_weight(rng, (e, d, f), kind)[0] for _ in range(2))
+        wd, _ = make_weight(rng, (e, f, d), kind)
+    bg, bu = (jnp.asarray(rng.standard_normal((e, f)), jnp.float32) for _ in range(2))
+    bd = jnp.asarray(rng.standard_normal((e, d)), jnp.float32)
+    rs = jnp.asarray(rng.uniform(0.2, 2, t * k), jnp.float32)
+    kw = dict(mma=mma, split_k=split_k, interpret=True)
+    akw = dict(activation="swiglu_oai")
+    h = decode_gate_up(x, ids, wg, wu, bg, bu, rs, nan_buf((t * k, f), dt), **akw, block_n=32, block_k=32, **kw)
+    def close(got, want, what):  # float32: relative to the largest output (sums of 256 large terms)
+        if dt == jnp.bfloat16:
+            return assert_close(got, want, dt, what)
+        want = np.asarray(want)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-5 * np.abs(want).max(), err_msg=what)
+
+    close(h, decode_gate_up_reference(x, ids, wg, wu, bg, bu, rs, **akw), f"gate_up {kind}")
+    y = decode_down(h, ids, wd, bd, rs, block_n=64, block_k=32, mma=mma, split_k=split_k, interpret=True)
+    close(y, decode_down_reference(h, ids, wd, bd, rs), f"down {kind}")
+
+
+def test_decode_splits_and_errors(rng):
+    """`tuning.decode_splits` makes up the programs an H200 needs from K steps; a bad
+    ``split_k`` is a ValueError naming the kernel and the allowed range."""
+    assert tuning.decode_splits(8 * 16, 8) == 3  # Qwen3.6 gate/up at T = 1: 128 programs, 8 K steps
+    assert tuning.decode_splits(64 * 16, 8) == 1  # enough programs already
+    assert tuning.decode_splits(2, 4) == 4  # at most one split per K step
+    assert tuning.decode_splits(10, 1) == 1
+    assert tuning.decode_splits(100, 4) == 2  # 3 splits of 4 steps would leave one empty
+    x = jnp.asarray(rng.standard_normal((1, 128)), jnp.float32)
+    w, _ = make_weight(rng, (4, 128, 32), "f32")
+    ids = jnp.asarray([[1, 2]], jnp.int32)
+    with pytest.raises(ValueError, match=r"decode_gate_up: split_k must be an int in \[1, 2\].*got 3"):
+        decode_gate_up(x, ids, w, w, block_n=32, block_k=64, split_k=3, interpret=True)
+
+
 def test_decode_biases_oai(rng):
     t, k, e, d, f = 3, 4, 8, 96, 80
     ids = jnp.asarray(routing_ids(rng, "random", t, k, e))
@@ -454,14 +504,12 @@ def test_table_is_powers_of_two_and_fits():
 
 
 def test_float32_caps(rng):
-    """``for_dtype`` keeps 16-bit configs and the decode ones, and caps float32 grouped
-    tiles (what benchmarks/gpu_compile_check.py found spill-free); ``choose`` applies it."""
+    """``for_dtype`` keeps 16-bit configs and caps float32 tiles, grouped and decode (what
+    benchmarks/gpu_compile_check.py found spill-free); ``choose`` applies it."""
     for key, kc in tuning.TABLE.items():
         assert tuning.for_dtype(kc, jnp.bfloat16) == kc
         f32 = tuning.for_dtype(kc, jnp.float32)
-        if kc.decode:
-            assert f32 == kc, key
-            continue
+        assert f32.decode == kc.decode, key
         assert f32.gate_up.block_m == f32.down.block_m <= tuning.F32_MAX_M, key
         for b in (f32.gate_up, f32.down):
             assert b.block_m * b.block_n <= tuning.F32_MAX_TILE and b.block_k <= tuning.F32_MAX_K, (key, b)
