@@ -49,6 +49,7 @@ import gpu_common as common  # noqa: E402
 from gpu_common import log  # noqa: E402
 
 import jaxmoe  # noqa: E402
+from pallas_kernels import tuning  # noqa: E402
 
 # ------------------------------------------------------------------ device-side timing
 
@@ -159,7 +160,7 @@ class Layer:
 
     shape: str
     kind: str
-    cfg: object
+    cfg: jaxmoe.MoEConfig
     ew: jaxmoe.ExpertWeights
     w_gate_up: jax.Array | None  # [E, d, 2F] bf16 for tokamax, concatenated once
     ratio: dict = dataclasses.field(default_factory=dict)  # impl -> (T, time / larger floor)
@@ -187,9 +188,11 @@ class Run:
     n_err: int = 0
 
 
-def skip_reason(run: Run, layer: Layer, impl: str, est: float, n: int) -> str | None:
+def skip_reason(run: Run, layer: Layer, impl: str, est: float, n: int, t: int) -> str | None:
     if run.dl.left() < run.reserve:
         return "phase deadline"
+    if impl == "pallas_fma" and t * layer.cfg.top_k > tuning.DECODE_MAX_PAIRS:
+        return "decode path only (T k <= 64): the grouped kernels are the same as pallas's"
     if impl in layer.dead:
         return layer.dead[impl]
     if impl == "tokamax" and layer.kind != "bf16":
@@ -224,7 +227,7 @@ def time_group(run: Run, layer: Layer, t: int) -> None:
         row = rows[impl] = dict(base, impl=impl)
         est = floor * (layer.ratio[impl][1] if impl in layer.ratio else 4.0)
         row["n_iter"] = n = iterations(est, r, run.dry_run)
-        if why := skip_reason(run, layer, impl, est, n):
+        if why := skip_reason(run, layer, impl, est, n, t):
             row["skipped"] = why
         elif impl == "tokamax":
             jobs[impl] = functools.partial(compile_tokamax, run, layer, args, n, r)

@@ -1,8 +1,8 @@
 """What the GPU check's phases share (benchmarks/gpu_check.sh; benchmarks/README.md, "GPU").
 
 The layer shapes and token counts, random expert weights and rotating routings, the
-implementations that are timed (``xla``, ``pallas``, ``ragged_dot`` and tokamax's
-``ragged_dot``), the row files (JSON lines, each row flushed as soon as it exists) and a
+implementations that are timed (``xla``, ``pallas``, ``pallas_fma``, ``ragged_dot`` and
+tokamax's ``ragged_dot``), the row files (JSON lines, each row flushed as soon as it exists) and a
 phase deadline. Phases import this module; it holds no state of its own.
 """
 
@@ -31,6 +31,7 @@ from jaxmoe.impls.common import combine, sorted_inputs  # noqa: E402
 from jaxmoe.impls.pallas import experts_pallas  # noqa: E402
 from jaxmoe.impls.registry import get_impl  # noqa: E402
 from jaxmoe.quant import QuantizedTensor  # noqa: E402
+from pallas_kernels import tuning  # noqa: E402
 
 #: Timed layers: name -> preset (routed experts only; the shared expert is left out).
 SHAPES = {"qwen3.6": "qwen3.6-35b-a3b", "mixtral": "mixtral-8x7b"}
@@ -41,8 +42,10 @@ KINDS = ("bf16", "q8_0")
 #: and the Q8_0 weights once (every code path of the timing phase, fewer compiles).
 DRY_GROUPS = (("qwen3.6", "bf16", 1), ("qwen3.6", "bf16", 40), ("qwen3.6", "q8_0", 40))
 #: Timed in this order for each (shape, weights, T); ``xla`` first: it is the reference
-#: every later row's output is compared with.
-IMPLS = ("xla", "pallas", "ragged_dot", "tokamax")
+#: every later row's output is compared with. ``pallas_fma``: the pallas impl with the decode
+#: kernels' float32 matvecs instead of their tensor-core dots (``decode_mma=False``), timed
+#: on the decode path only (T k <= 64): the A/B of that choice.
+IMPLS = ("xla", "pallas", "pallas_fma", "ragged_dot", "tokamax")
 #: Relative error (max |a - b| / max |b|) allowed between two bf16 implementations.
 BF16_TOL = 4e-2
 #: The targets of issue 12 item 5: decode within this factor of the HBM floor, large T at
@@ -237,11 +240,20 @@ def tokamax_rd(tokamax, implementation: str | None):
 
 
 def impl_fn(name: str, interpret: bool):
-    """``fn(x [T, d], routing, experts, cfg) -> [T, d]`` f32 for ``xla``, ``pallas`` and
-    ``ragged_dot`` (tokamax takes extra arguments: `tokamax_experts`)."""
+    """``fn(x [T, d], routing, experts, cfg) -> [T, d]`` f32 for ``xla``, ``pallas``,
+    ``pallas_fma`` and ``ragged_dot`` (tokamax takes extra arguments: `tokamax_experts`)."""
     if name == "pallas":
         return functools.partial(experts_pallas, interpret=interpret)
+    if name == "pallas_fma":
+        return functools.partial(pallas_fma, interpret=interpret)
     return get_impl(name)
+
+
+def pallas_fma(x, routing, ew, cfg, interpret: bool):
+    """The ``pallas`` impl with its decode kernels as float32 matvecs (``decode_mma=False``)."""
+    kc = tuning.choose(x.shape[0] * cfg.top_k, cfg.d_model, cfg.expert_dim, x.dtype)
+    kc = dataclasses.replace(kc, decode_mma=False)
+    return experts_pallas(x, routing, ew, cfg, interpret=interpret, config=kc)
 
 
 def rel_err(a, b) -> float:

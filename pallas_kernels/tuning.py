@@ -77,11 +77,14 @@ class KernelConfig:
 
     ``decode`` selects the one-program-per-pair kernels; otherwise the grouped kernels
     run over a dispatch plan built with ``gate_up.block_m`` (shared by both).
+    ``decode_mma``: the decode kernels multiply on the tensor cores (the pair's row padded
+    to 16, `pallas_kernels.decode`), else as float32 matvecs (kept for comparison on a GPU).
     """
 
     bucket: str
     gate_up: Blocks
     down: Blocks
+    decode_mma: bool = True
 
     @property
     def decode(self) -> bool:
@@ -152,7 +155,7 @@ def for_dtype(kc: KernelConfig, dtype) -> KernelConfig:
             num_stages=min(b.num_stages, F32_MAX_STAGES),
         )
 
-    return KernelConfig(kc.bucket, cap(kc.gate_up), cap(kc.down))
+    return dataclasses.replace(kc, gate_up=cap(kc.gate_up), down=cap(kc.down))
 
 
 def choose(num_pairs: int, d: int, f: int, dtype=None) -> KernelConfig:
@@ -193,7 +196,7 @@ def fit_config(kc: KernelConfig, num_pairs: int, d: int, f: int) -> KernelConfig
         block_n=fit(kc.down.block_n, d),
         block_k=fit(kc.down.block_k, f),
     )
-    return KernelConfig(kc.bucket, gu, dn)
+    return dataclasses.replace(kc, gate_up=gu, down=dn)
 
 
 def decode_splits(programs: int, steps: int) -> int:

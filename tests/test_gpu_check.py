@@ -78,7 +78,7 @@ def test_dry_run_timing_rows(dry_run):
     assert [[r["shape"], r["kind"], r["T"], r["impl"]] for r in body] == meta["planned"]
     d, f, k = 64, 32, 4  # the dry-run Qwen3.6 layer (gpu_common.layer_config)
     timed = [r for r in body if "ms" in r]
-    assert {r["impl"] for r in timed} == {"xla", "pallas", "ragged_dot", "tokamax"}
+    assert {r["impl"] for r in timed} == {"xla", "pallas", "pallas_fma", "ragged_dot", "tokamax"}
     for r in timed:
         assert r["ms"] > 0 and r["n_iter"] % r["R"] == 0 and r["loop_us"] > 0, r
         assert r["flops"] == 2 * 3 * r["T"] * k * d * f, r
@@ -86,7 +86,9 @@ def test_dry_run_timing_rows(dry_run):
         if r["impl"] != "xla":  # every other output compared with xla's, same inputs
             assert r["ok"] and r["rel_err_vs_xla"] < 1e-3, r
     skipped = [r for r in body if "ms" not in r]
-    assert [(r["kind"], r["impl"]) for r in skipped] == [("q8_0", "tokamax")], skipped
+    want = [("bf16", 40, "pallas_fma"), ("q8_0", 40, "pallas_fma"), ("q8_0", 40, "tokamax")]  # fma: decode only
+    assert [(r["kind"], r["T"], r["impl"]) for r in skipped] == want, skipped
+    assert [r["T"] for r in timed if r["impl"] == "pallas_fma"] == [1]
     pallas = {r["T"]: r for r in timed if r["impl"] == "pallas" and r["kind"] == "bf16"}
     assert pallas[1]["R"] == 2 and 0 <= pallas[1]["reuse_prev"] <= 1
 

@@ -158,6 +158,7 @@ def _forward(x, routing, experts, cfg, kc, interpret, debug, save: bool):
                 w if woi else None,
                 **akw,
                 **_launch(kc.gate_up, False),
+                mma=kc.decode_mma,
                 interpret=interpret,
                 debug=debug,
             )
@@ -168,6 +169,7 @@ def _forward(x, routing, experts, cfg, kc, interpret, debug, save: bool):
                 experts.b_down,
                 None if woi or keep_z else w,
                 **_launch(kc.down, False),
+                mma=kc.decode_mma,
                 interpret=interpret,
                 debug=debug,
             )
