@@ -100,7 +100,8 @@ MMA_ROWS = 16
 
 def _pair_kernel(*refs, spec: PairSpec, aliased: bool):
     # refs: ids [P] i32 expert of each pair, (row_scale [P] f32), lhs [T or P, K],
-    #       weight arrays, (biases [E, N] per weight), (aliased out, unused), out [P, N].
+    #       weight arrays, (biases [E, N] per weight), (aliased out, unused),
+    #       out [P, N] (split_k > 1: partial sums [layouts, splits, P, N] float32).
     it = iter(refs)
     ids_ref = next(it)
     scale_ref = next(it) if spec.scale != "none" else None
@@ -131,22 +132,26 @@ def _pair_kernel(*refs, spec: PairSpec, aliased: bool):
         x = plgpu.load(at, mask=ks < spec.k, other=0)
         return x.astype(cdt).astype(jnp.float32)
 
-    def matvec(lay, wr, k0):
-        if lay.kind in PLANE_KINDS and planes_of(lay) <= lay.group_size:
-            return quant_matvec(lay, wr, e, k0, n0, bk, bn, load_x)
+    def tiled(lay, wr, k0, zero, prod):
+        """``zero + prod(k0, bk, tile)`` over the step's weight tile; GGUF tiles are decoded
+        from per-element gathers (a pointer per element), so they go in pieces of 32
+        columns, one after another: a whole ``[bn, bk]`` tile's pointers spilled registers
+        on sm_90."""
         if lay.kind in GGUF_BLOCKS and bk > gguf.MIN_BLOCK_K:
-            # GGUF tiles are decoded from per-element gathers (a pointer per element): in
-            # pieces of 32 columns, one after another, so that a [bn, bk] tile's pointers are
-            # never live at once (a whole tile spilled registers on sm_90)
             piece = gguf.MIN_BLOCK_K
 
             def part(c, acc):
                 kc = k0 + c * piece
-                t = load_tile(lay, wr, e, kc, n0, piece, bn, cdt)
-                return acc + tile_matvec(load_x(kc, piece, 1), *t)
+                return acc + prod(kc, piece, load_tile(lay, wr, e, kc, n0, piece, bn, cdt))
 
-            return jax.lax.fori_loop(0, bk // piece, part, jnp.zeros((bn,), jnp.float32))
-        return tile_matvec(load_x(k0, bk, 1), *load_tile(lay, wr, e, k0, n0, bk, bn, cdt))
+            return jax.lax.fori_loop(0, bk // piece, part, zero)
+        return zero + prod(k0, bk, load_tile(lay, wr, e, k0, n0, bk, bn, cdt))
+
+    def matvec(lay, wr, k0):  # [bn] float32
+        if lay.kind in PLANE_KINDS and planes_of(lay) <= lay.group_size:
+            return quant_matvec(lay, wr, e, k0, n0, bk, bn, load_x)
+        zero = jnp.zeros((bn,), jnp.float32)
+        return tiled(lay, wr, k0, zero, lambda k, size, t: tile_matvec(load_x(k, size, 1), *t))
 
     first = jnp.arange(MMA_ROWS, dtype=jnp.int32)[:, None] == 0
 
@@ -155,16 +160,8 @@ def _pair_kernel(*refs, spec: PairSpec, aliased: bool):
         return jnp.where(first, load_x(k0, size, 1)[None, :], 0.0).astype(cdt)
 
     def mma(lay, wr, k0):  # [16, bn] float32 (rows 1..15 zero)
-        if lay.kind in GGUF_BLOCKS and bk > gguf.MIN_BLOCK_K:  # in pieces, as in `matvec`
-            piece = gguf.MIN_BLOCK_K
-
-            def part(c, acc):
-                kc = k0 + c * piece
-                t = load_tile(lay, wr, e, kc, n0, piece, bn, cdt)
-                return acc + tile_matmul(row_tile(kc, piece), *t, tf32=spec.tf32)
-
-            return jax.lax.fori_loop(0, bk // piece, part, jnp.zeros((MMA_ROWS, bn), jnp.float32))
-        return tile_matmul(row_tile(k0, bk), *load_tile(lay, wr, e, k0, n0, bk, bn, cdt), tf32=spec.tf32)
+        zero = jnp.zeros((MMA_ROWS, bn), jnp.float32)
+        return tiled(lay, wr, k0, zero, lambda k, size, t: tile_matmul(row_tile(k, size), *t, tf32=spec.tf32))
 
     def step(i, accs):
         k0 = (split * spec.steps_per_split + i) * bk  # past K in the last split: masked, adds zero

@@ -6,7 +6,8 @@ output row a run of blocks along K (`GGUF_BLOCKS`: elements and bytes per block)
 kernels read them in place as uint16 *words* (``[E, N, row_bytes / 2]``, a free bitcast:
 every block size and every field offset inside a block is even), so an array of up to
 2^32 bytes has element offsets that fit in int32 (Pallas's Triton lowering switches to
-64-bit offsets only above 2^32 bytes; DeepSeek-V3's Q6_K down projection is 1.5e9 bytes).
+64-bit offsets only above 2^32 bytes; DeepSeek-V3's Q6_K down projection, 3.1e9 bytes, is
+1.5e9 words).
 
 `load_tile` decodes one ``[bn, bk]`` tile (``bk`` a multiple of 32) of an expert in
 registers: each element's code is gathered from the word that holds its byte (element

@@ -2,7 +2,7 @@
 
 A routed-expert weight of logical shape ``[E, K, N]`` (``x @ W``: K in, N out) is given
 to a kernel wrapper as a floating-point array or as a `QuantWeight`, and reaches the
-kernel as one of three layouts (`WeightLayout.kind`):
+kernel as one of these layouts (`WeightLayout.kind`):
 
 - ``dense``: one array ``w [E, K, N]``; a tile is ``w[e, k0:k0+bk, n0:n0+bn]``.
 - ``int8`` (GGUF Q8_0): ``q [E, N, K]`` int8 and ``s [E, N, K/g]``; a tile is
