@@ -34,6 +34,7 @@ import numpy as np
 # GGUF block layouts and their pure-jnp decoder live with the kernels that read them in place
 # (re-exported: ``GGUF_BLOCKS`` maps kind -> (elements per block, bytes per block))
 from pallas_kernels.gguf import GGUF_BLOCKS as GGUF_BLOCKS
+from pallas_kernels.gguf import check_block_tensor
 from pallas_kernels.gguf import dequantize_gguf_blocks as dequantize_gguf_blocks
 from pallas_kernels.gguf import dequantize_gguf_rows as dequantize_gguf_rows
 
@@ -140,26 +141,9 @@ class QuantizedTensor:
 def check_gguf_blocks(w: QuantizedTensor, name: str = "QuantizedTensor") -> None:
     """ValueError naming ``name``, the kind and the shapes unless ``w`` is a well-formed GGUF
     block tensor (uint8 ``[..., out, n_blocks * block_bytes]``, no scales / biases,
-    ``group_size`` = the block size). Tracers are checked by shape only."""
-    block, block_bytes = GGUF_BLOCKS[w.kind]
-    where = f"{name} ({w.kind.upper()}, block {block} in {block_bytes} bytes)"
-    if w.scales is not None or w.biases is not None:
-        raise ValueError(f"{where}: a GGUF block tensor keeps its scales inside the blocks; scales/biases must be None")
-    if w.group_size != block:
-        raise ValueError(f"{where}: group_size must be the block size {block}, got {w.group_size}")
-    shape = getattr(w.qdata, "shape", None)
-    if shape is None:  # sentinels under transforms
-        return
-    if len(shape) < 2:
-        raise ValueError(f"{where}: block bytes must be [..., out, n_blocks * {block_bytes}], got shape {tuple(shape)}")
-    dt = getattr(w.qdata, "dtype", None)
-    if dt is not None and np.dtype(dt) not in (np.uint8, jax.dtypes.float0):  # float0: a (frozen) cotangent
-        raise ValueError(f"{where}: block bytes must be uint8, got {dt} of shape {tuple(shape)}")
-    if shape[-1] % block_bytes:
-        raise ValueError(
-            f"{where}: rows of {shape[-1]} bytes (shape {tuple(shape)}) are not a whole number of "
-            f"{block_bytes}-byte blocks (truncated or wrong-sized block buffer)"
-        )
+    ``group_size`` = the block size; `pallas_kernels.gguf.check_block_tensor`). Tracers are
+    checked by shape only; a ``float0`` cotangent of the codes passes."""
+    check_block_tensor(name, w.kind, w.qdata, w.scales, w.biases, w.group_size, extra_dtypes=(jax.dtypes.float0,))
 
 
 def gguf_block_tensor(raw, kind: str, n_in: int | None = None, name: str = "weight") -> QuantizedTensor:

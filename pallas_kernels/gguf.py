@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import triton as plgpu
 
 #: GGUF block kinds kept as their raw block bytes: ``kind -> (elements per block, bytes per block)``
@@ -38,6 +39,32 @@ GGUF_BLOCKS: dict[str, tuple[int, int]] = {
 SCALE_GROUP: dict[str, int] = {"q4_1": 32, "q5_0": 32, "q5_1": 32, "q4_k": 32, "q5_k": 32, "q6_k": 16}
 #: Smallest K step of a tile (a multiple of every `SCALE_GROUP`).
 MIN_BLOCK_K = 32
+
+
+def check_block_tensor(name: str, kind: str, qdata, scales, biases, group_size: int, extra_dtypes=()) -> None:
+    """ValueError naming ``name``, the type and the shapes unless ``qdata`` is well-formed
+    block bytes of ``kind`` (uint8, or one of ``extra_dtypes``, ``[..., out, n_blocks *
+    block_bytes]``), with no separate scales / biases and ``group_size`` the block size.
+    Without a shape (a sentinel under a transform) only the metadata is checked."""
+    block, block_bytes = GGUF_BLOCKS[kind]
+    where = f"{name} ({kind.upper()}, block {block} in {block_bytes} bytes)"
+    if scales is not None or biases is not None:
+        raise ValueError(f"{where}: GGUF blocks keep their scales inside the blocks; scales/biases must be None")
+    if group_size != block:
+        raise ValueError(f"{where}: group_size must be the block size {block}, got {group_size}")
+    shape = getattr(qdata, "shape", None)
+    if shape is None:
+        return
+    if len(shape) < 2:
+        raise ValueError(f"{where}: block bytes must be [..., out, n_blocks * {block_bytes}], got shape {tuple(shape)}")
+    dt = getattr(qdata, "dtype", None)
+    if dt is not None and np.dtype(dt) not in (np.uint8, *extra_dtypes):
+        raise ValueError(f"{where}: block bytes must be uint8, got {dt} of shape {tuple(shape)}")
+    if shape[-1] % block_bytes:
+        raise ValueError(
+            f"{where}: rows of {shape[-1]} bytes (shape {tuple(shape)}) are not a whole number of "
+            f"{block_bytes}-byte blocks (truncated or wrong-sized block buffer)"
+        )
 
 
 def as_words(raw: jax.Array) -> jax.Array:

@@ -166,20 +166,10 @@ def weight_operands(
 
 
 def _gguf_operands(w: QuantWeight, name: str, num_experts, k, n) -> tuple[WeightLayout, tuple[jax.Array, ...]]:
+    gguf.check_block_tensor(name, w.kind, w.qdata, w.scales, w.biases, w.group_size)
     block, block_bytes = GGUF_BLOCKS[w.kind]
     where = f"{name} ({w.kind.upper()}, block {block} in {block_bytes} bytes)"
-    if w.scales is not None or w.biases is not None:
-        raise ValueError(f"{where}: a GGUF block weight keeps its scales inside the blocks; scales/biases must be None")
-    if w.group_size != block:
-        raise ValueError(f"{where}: group_size must be the block size {block}, got {w.group_size}")
-    if w.qdata.dtype != jnp.uint8:
-        raise ValueError(f"{where}: block bytes must be uint8, got {w.qdata.dtype} of shape {tuple(w.qdata.shape)}")
     e, rows, row_bytes = w.qdata.shape
-    if row_bytes % block_bytes:
-        raise ValueError(
-            f"{where}: rows of {row_bytes} bytes (shape {tuple(w.qdata.shape)}) are not a whole number of "
-            f"{block_bytes}-byte blocks (truncated or wrong-sized block buffer)"
-        )
     shape = (e, row_bytes // block_bytes * block, rows)
     for got, want, what in zip(shape, (num_experts, k, n), ("E", "K", "N")):
         if want is not None and got != want:
