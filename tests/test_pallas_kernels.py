@@ -370,6 +370,7 @@ def test_decode_mma_and_split_k(rng, mma, split_k, kind):
     kw = dict(mma=mma, split_k=split_k, interpret=True)
     akw = dict(activation="swiglu_oai")
     h = decode_gate_up(x, ids, wg, wu, bg, bu, rs, nan_buf((t * k, f), dt), **akw, block_n=32, block_k=32, **kw)
+
     def close(got, want, what):  # float32: relative to the largest output (sums of 256 large terms)
         if dt == jnp.bfloat16:
             return assert_close(got, want, dt, what)
