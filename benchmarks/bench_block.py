@@ -60,6 +60,9 @@ import numpy as np
 import jaxmoe
 from jaxmoe.evaluation.hf_block import qwen35_moe_block
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import gguf_random_weight  # noqa: E402  (random valid GGUF blocks, shared with the GPU check)
+
 JAX_IMPLS = ("auto", "cpu", "xla", "gather", "ragged_dot", "dense")
 #: GGUF block kinds kept as the file's block bytes (``q4_k_m``: gate/up q4_k, down q6_k, as a
 #: Q4_K_M file stores the experts).
@@ -129,21 +132,6 @@ def parse_args(argv=None):
     return a
 
 
-def block_weight(kind: str, e: int, i: int, o: int, seed: int):
-    """Random valid GGUF blocks of ``kind`` for a logical ``[e, i, o]`` weight: random codes
-    and packed scales, small finite float16 block scales (speed does not depend on values)."""
-    from jaxmoe.quant import GGUF_BLOCKS, gguf_block_tensor
-
-    block, size = GGUF_BLOCKS[kind]
-    rng = np.random.default_rng(seed)
-    b = rng.integers(0, 256, (e, o, i // block, size), dtype=np.uint8)
-    scale = (rng.uniform(0.5, 1.5, (e, o, i // block, 1)) * 0.02 / math.sqrt(i) / 16).astype(np.float16)
-    at = {"q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (size - 2,)}[kind]
-    for off in at:
-        b[..., off : off + 2] = scale.view(np.uint8)
-    return gguf_block_tensor(jnp.asarray(b.reshape(e, o, -1)), kind, n_in=i)
-
-
 def expert_weights(p: jaxmoe.MoEParams, fmt: str, key, shared: bool = True) -> jaxmoe.MoEParams:
     """``p`` with its routed experts, and with ``shared`` its shared expert too (as in a
     GGUF file's ``ffn_*_shexp`` tensors and in ``ggml_moe_layer``), in ``fmt`` (quantized
@@ -159,7 +147,7 @@ def expert_weights(p: jaxmoe.MoEParams, fmt: str, key, shared: bool = True) -> j
             return w.astype(jnp.bfloat16)
         if fmt in BLOCK_DTYPES:
             kind = ("q6_k" if which == 2 else "q4_k") if fmt == "q4_k_m" else fmt
-            return block_weight(kind, e, i, o, seed=which)
+            return gguf_random_weight(kind, e, i, o, seed=which)
         g = 64 if fmt == "mlx4_g64" else 32
         s = (jax.random.uniform(k, (e, o, i // g), jnp.float32, 0.5, 1.5) * 0.02 / math.sqrt(i)).astype(jnp.float16)
         if fmt == "q8_0":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -30,7 +31,7 @@ from jaxmoe.dispatch import plan_dispatch  # noqa: E402
 from jaxmoe.impls.common import combine, sorted_inputs  # noqa: E402
 from jaxmoe.impls.pallas import experts_pallas  # noqa: E402
 from jaxmoe.impls.registry import get_impl  # noqa: E402
-from jaxmoe.quant import QuantizedTensor  # noqa: E402
+from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor, gguf_block_tensor  # noqa: E402
 from pallas_kernels import tuning  # noqa: E402
 
 #: Timed layers: name -> preset (routed experts only; the shared expert is left out).
@@ -254,6 +255,19 @@ def pallas_fma(x, routing, ew, cfg, interpret: bool):
     kc = tuning.choose(x.shape[0] * cfg.top_k, cfg.d_model, cfg.expert_dim, x.dtype)
     kc = dataclasses.replace(kc, decode_mma=False)
     return experts_pallas(x, routing, ew, cfg, interpret=interpret, config=kc)
+
+
+def gguf_random_weight(kind: str, e: int, i: int, o: int, seed: int) -> QuantizedTensor:
+    """Random valid GGUF blocks of ``kind`` for a logical ``[e, i, o]`` weight: random codes
+    and packed scales, small finite float16 block scales (speed does not depend on values)."""
+    block, size = GGUF_BLOCKS[kind]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (e, o, i // block, size), dtype=np.uint8)
+    scale = (rng.uniform(0.5, 1.5, (e, o, i // block, 1)) * 0.02 / math.sqrt(i) / 16).astype(np.float16)
+    at = {"q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (size - 2,)}[kind]
+    for off in at:
+        b[..., off : off + 2] = scale.view(np.uint8)
+    return gguf_block_tensor(jnp.asarray(b.reshape(e, o, -1)), kind, n_in=i)
 
 
 def rel_err(a, b) -> float:

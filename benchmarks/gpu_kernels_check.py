@@ -49,7 +49,7 @@ from jaxmoe.impls.pallas import experts_pallas, kernel_weight  # noqa: E402
 from jaxmoe.quant import quantize_int4_affine, quantize_int8  # noqa: E402
 from pallas_kernels import decode, swiglu  # noqa: E402
 
-TOL = {"bf16": 4e-2, "q8_0": 4e-2, "int4": 4e-2, "f32": 1e-4}
+TOL = {"bf16": 4e-2, "q8_0": 4e-2, "int4": 4e-2, "q4_k_m": 4e-2, "q5_0": 4e-2, "f32": 1e-4}
 TRITON_CALL = re.compile(r"__gpu\$xla\.gpu\.triton|triton_kernel_call")
 PRESETS = {"qwen3.6": "qwen3.6-35b-a3b", "gpt-oss": "gpt-oss-20b", "mixtral": "mixtral-8x7b"}
 
@@ -89,6 +89,8 @@ CASES = (
     Case("gpt-oss", "int4", 1),
     Case("mixtral", "bf16", 300),
     Case("mixtral", "q8_0", 1),
+    Case("qwen3.6", "q4_k_m", 1),  # GGUF blocks decoded in the kernels (never run on a GPU before)
+    Case("qwen3.6", "q4_k_m", 300),
     Case("qwen3.6", "bf16", 5, woi=True),
     Case("qwen3.6", "bf16", 300, woi=True),
     Case("qwen3.6", "bf16", 300, block=True),
@@ -99,6 +101,7 @@ DRY_CASES = (
     Case("qwen3.6", "f32", 40, woi=True),
     Case("gpt-oss", "q8_0", 40),
     Case("gpt-oss", "int4", 1),
+    Case("qwen3.6", "q5_0", 1),  # a GGUF block kind (Q4_K_M needs widths of 256)
     Case("qwen3.6", "bf16", 40, block=True),
 )
 
@@ -157,6 +160,15 @@ def case_experts(ew: jaxmoe.ExpertWeights, kind: str) -> jaxmoe.ExpertWeights:
         return dataclasses.replace(ew, **{n: quantize_int8(np.asarray(getattr(ew, n))) for n in names})
     if kind == "int4":
         return dataclasses.replace(ew, **{n: quantize_int4_affine(np.asarray(getattr(ew, n)), 32) for n in names})
+    if kind in ("q4_k_m", "q5_0"):  # random valid blocks (Q4_K_M: Q4_K gate / up, Q6_K down)
+        kinds = ("q4_k", "q4_k", "q6_k") if kind == "q4_k_m" else (kind,) * 3
+        return dataclasses.replace(
+            ew,
+            **{
+                n: common.gguf_random_weight(kk, *getattr(ew, n).shape, seed=i)
+                for i, (n, kk) in enumerate(zip(names, kinds))
+            },
+        )
     dt = jnp.float32 if kind == "f32" else jnp.bfloat16
     return dataclasses.replace(ew, **{n: getattr(ew, n).astype(dt) for n in names})
 

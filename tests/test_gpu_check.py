@@ -64,7 +64,7 @@ def test_dry_run_kernel_checks(dry_run):
     assert [r["case"] for r in rows] == [c.name for c in check.DRY_CASES]
     assert all(r["ok"] and r["rel_err"] <= r["tol"] for r in rows), rows
     assert {r["path"] for r in rows} == {"decode", "grouped"}
-    assert {r["kind"] for r in rows} == {"f32", "q8_0", "int4", "bf16"}
+    assert {r["kind"] for r in rows} == {"f32", "q8_0", "int4", "q5_0", "bf16"}
     env = json.loads((out / "env.json").read_text())
     assert env["dry_run"] and env["backend"] == "cpu"
 
