@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 #: GGUF block kinds kept as their raw block bytes: ``kind -> (elements per block, bytes per block)``
@@ -195,6 +196,27 @@ def load_tile(kind: str, k_total: int, n_total: int, ref, e, k0, n0, bk: int, bn
         w = words(byte_off, ok).astype(jnp.int32)
         return (w >> (8 * (byte_off % 2) + shift)[None, :]) & ((1 << width) - 1)
 
+    def runs(word0, n_words: int, rep: int):
+        """Words ``word0 .. word0 + n_words`` of each row (contiguous, one vector load; none
+        when the tile is past K), each word repeated for the two bytes it holds and the run
+        repeated ``rep`` times: ``[bn, rep * 2 * n_words]`` int32, element ``t`` from word
+        ``t // 2 % n_words`` (``n_words`` a multiple of 16, a 32-byte chunk of codes)."""
+        m = n_ok[:, None] & (k0 + jnp.zeros((1, n_words), jnp.int32) < k_total)
+        w = plgpu.load(ref.at[e, pl.ds(n0, bn), pl.ds(word0, n_words)], mask=m, other=0).astype(jnp.int32)
+        a = n_words // 16
+        w = jnp.broadcast_to(w.reshape(bn, 1, a, 16, 1), (bn, rep, a, 16, 2))
+        return w.reshape(bn, rep * a * 32)
+
+    # K-quant codes from contiguous 32-byte chunks when the tile lies in one chunk pair
+    # (bk 32 or 64, what the grouped, backward and decode kernels use): element t of a chunk
+    # sits in byte t % 32, so each word is loaded once and expanded in registers; the
+    # per-element gathers below serve the other tile widths
+    kq = kind in ("q4_k", "q5_k", "q6_k") and bk in (32, 64)
+    t = jnp.arange(bk, dtype=jnp.int32)
+    byte_sh = 8 * (t % 2)  # the byte of its word an element's code sits in
+    blk = k0 // block * (block_bytes // 2)  # word offset of the tile's block
+    pos = k0 - k0 // block * block  # the tile's position inside it (a scalar `%` fails Triton's lowering)
+
     # per element of the tile
     k = k0 + jnp.arange(bk, dtype=jnp.int32)
     k_ok = k < k_total
@@ -209,10 +231,17 @@ def load_tile(kind: str, k_total: int, n_total: int, ref, e, k0, n0, bk: int, bn
 
     if kind in ("q4_k", "q5_k"):
         s = p // 32  # sub-block: codes in chunk s // 2, low nibbles for even s
-        qs = base + (16 if kind == "q4_k" else 48) + 32 * (s // 2) + p % 32
-        q = bits(qs, 4 * (s % 2), 4, k_ok)
-        if kind == "q5_k":
-            q = q | (bits(base + 16 + p % 32, s, 1, k_ok) << 4)
+        qs_at = 16 if kind == "q4_k" else 48
+        if kq:  # chunk pos // 64; sub-block pos // 32 + t // 32
+            rep = bk // 32
+            sub = pos // 32 + t // 32
+            q = (runs(blk + (qs_at + 32 * (pos // 64)) // 2, 16, rep) >> (4 * (sub % 2) + byte_sh)) & 0xF
+            if kind == "q5_k":
+                q = q | (((runs(blk + 8, 16, rep) >> (sub + byte_sh)) & 1) << 4)
+        else:
+            q = bits(base + qs_at + 32 * (s // 2) + p % 32, 4 * (s % 2), 4, k_ok)
+            if kind == "q5_k":
+                q = q | (bits(base + 16 + p % 32, s, 1, k_ok) << 4)
         gs = gp // 32
         u = bits(gbase + 4 + gs, 0, 8, g_ok)  # scales[gs]
         v = bits(gbase + 8 + gs, 0, 8, g_ok)  # scales[gs + 4]
@@ -226,8 +255,19 @@ def load_tile(kind: str, k_total: int, n_total: int, ref, e, k0, n0, bk: int, bn
         out = scale[:, :, None] * q.astype(jnp.float32).reshape(bn, ng, g) - sub[:, :, None]
     elif kind == "q6_k":
         h, r, l = p // 128, p % 128 // 32, p % 32
-        ql = bits(base + 64 * h + 32 * (r % 2) + l, 4 * (r // 2), 4, k_ok)
-        qh = bits(base + 128 + 32 * h + l, 2 * r, 2, k_ok)
+        if kq:  # half pos // 128; ranges r0 = pos % 128 // 32 (.. r0 + 1): ql chunk r % 2, nibble r // 2
+            h0 = pos // 128
+            r0 = (pos - 128 * h0) // 32
+            rt = r0 + t // 32
+            if bk == 32:
+                ql = runs(blk + 32 * h0 + 16 * (r0 - r0 // 2 * 2), 16, 1)
+            else:  # r0 even: both ql chunks of the half, one nibble
+                ql = runs(blk + 32 * h0, 32, 1)
+            ql = (ql >> (4 * (rt // 2) + byte_sh)) & 0xF
+            qh = (runs(blk + 64 + 16 * h0, 16, bk // 32) >> (2 * rt + byte_sh)) & 3
+        else:
+            ql = bits(base + 64 * h + 32 * (r % 2) + l, 4 * (r // 2), 4, k_ok)
+            qh = bits(base + 128 + 32 * h + l, 2 * r, 2, k_ok)
         q = (ql | (qh << 4)) - 32
         sc = bits(gbase + 192 + gp // 16, 0, 8, g_ok)
         sc = jnp.where(sc >= 128, sc - 256, sc)  # int8
