@@ -197,9 +197,9 @@ def load_tile(kind: str, k_total: int, n_total: int, ref, e, k0, n0, bk: int, bn
         return (w >> (8 * (byte_off % 2) + shift)[None, :]) & ((1 << width) - 1)
 
     def runs(word0, n_words: int, rep: int):
-        """Words ``word0 .. word0 + n_words`` of each row (contiguous, one vector load; none
-        when the tile is past K), each word repeated for the two bytes it holds and the run
-        repeated ``rep`` times: ``[bn, rep * 2 * n_words]`` int32, element ``t`` from word
+        """Words ``word0 .. word0 + n_words`` of each row (one contiguous load, which Triton can
+        pipeline; none when the tile is past K), each word repeated for the two bytes it holds
+        and the run repeated ``rep`` times: ``[bn, rep * 2 * n_words]`` int32, element ``t`` from word
         ``t // 2 % n_words`` (``n_words`` a multiple of 16, a 32-byte chunk of codes)."""
         m = n_ok[:, None] & (k0 + jnp.zeros((1, n_words), jnp.int32) < k_total)
         w = plgpu.load(ref.at[e, pl.ds(n0, bn), pl.ds(word0, n_words)], mask=m, other=0).astype(jnp.int32)
