@@ -10,10 +10,11 @@ every block size and every field offset inside a block is even), so an array of 
 1.5e9 words).
 
 `load_tile` decodes one ``[bn, bk]`` tile (``bk`` a multiple of 32) of an expert in
-registers: each element's code is gathered from the word that holds its byte (element
-``k`` of a row sits at a byte offset computed from ``k`` alone, so the tile comes out in
-natural K order, with no shuffles), each 32 (Q6_K: 16) elements' scale and min from the
-block header. `dequantize_gguf_blocks` is the pure-jnp reference, bit-exact with
+registers, in natural K order: K-quant tiles of 32 or 64 elements (what the kernels use)
+load their 32-byte code chunks contiguously and expand each word to the elements whose
+codes it holds (broadcast + reshape); other tiles gather each element's code from the word
+that holds its byte (element ``k`` of a row sits at a byte offset computed from ``k``
+alone). Each 32 (Q6_K: 16) elements' scale and min come from the block header. `dequantize_gguf_blocks` is the pure-jnp reference, bit-exact with
 ``gguf.quants.dequantize`` (the same float32 operations in the same order); ggml's
 ``dequantize_row_*`` (ggml-quants.c) define both.
 """
