@@ -61,7 +61,7 @@ import jaxmoe
 from jaxmoe.evaluation.hf_block import qwen35_moe_block
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_common import gguf_random_weight  # noqa: E402  (random valid GGUF blocks, shared with the GPU check)
+from gpu_common import gguf_random_weight, projection_kinds  # noqa: E402  (shared with the GPU check)
 
 JAX_IMPLS = ("auto", "cpu", "xla", "gather", "ragged_dot", "dense")
 #: GGUF block kinds kept as the file's block bytes (``q4_k_m``: gate/up q4_k, down q6_k, as a
@@ -146,8 +146,7 @@ def expert_weights(p: jaxmoe.MoEParams, fmt: str, key, shared: bool = True) -> j
         if fmt == "bf16":
             return w.astype(jnp.bfloat16)
         if fmt in BLOCK_DTYPES:
-            kind = ("q6_k" if which == 2 else "q4_k") if fmt == "q4_k_m" else fmt
-            return gguf_random_weight(kind, e, i, o, seed=which)
+            return gguf_random_weight(projection_kinds(fmt)[which], e, i, o, seed=which)
         g = 64 if fmt == "mlx4_g64" else 32
         s = (jax.random.uniform(k, (e, o, i // g), jnp.float32, 0.5, 1.5) * 0.02 / math.sqrt(i)).astype(jnp.float16)
         if fmt == "q8_0":

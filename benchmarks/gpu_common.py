@@ -257,6 +257,12 @@ def pallas_fma(x, routing, ew, cfg, interpret: bool):
     return experts_pallas(x, routing, ew, cfg, interpret=interpret, config=kc)
 
 
+def projection_kinds(fmt: str) -> tuple[str, str, str]:
+    """Weight kinds of the gate, up and down projections for a format name: ``q4_k_m`` is
+    llama.cpp's Q4_K_M mix (Q4_K gate / up, Q6_K down), any other name is all three."""
+    return ("q4_k", "q4_k", "q6_k") if fmt == "q4_k_m" else (fmt, fmt, fmt)
+
+
 def gguf_random_weight(kind: str, e: int, i: int, o: int, seed: int) -> QuantizedTensor:
     """Random valid GGUF blocks of ``kind`` for a logical ``[e, i, o]`` weight: random codes
     and packed scales, small finite float16 block scales (speed does not depend on values)."""

@@ -154,6 +154,7 @@ def _cases() -> list[Case]:
 
     import jax
     import jax.numpy as jnp
+    from gpu_common import projection_kinds
 
     import jaxmoe
     from jaxmoe.dispatch import plan_dispatch
@@ -182,14 +183,10 @@ def _cases() -> list[Case]:
             return QuantizedTensor(S((e, n_out, n_in // block * block_bytes), jnp.uint8), None, None, kind, block)
         return S((e, n_in, n_out), dt)
 
-    def kinds3(kind):
-        """Gate, up, down weight kinds: ``q4_k_m`` is llama.cpp's mix (Q4_K gate / up, Q6_K down)."""
-        return ("q4_k", "q4_k", "q6_k") if kind == "q4_k_m" else (kind,) * 3
-
     def experts(cfg, kind, dt, gs):
         e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_dim
         bias = cfg.expert_bias
-        kg, ku, kd = kinds3(kind)
+        kg, ku, kd = projection_kinds(kind)
         return jaxmoe.ExpertWeights(
             weight(e, d, f, kg, dt, gs),
             weight(e, d, f, ku, dt, gs),

@@ -160,8 +160,8 @@ def case_experts(ew: jaxmoe.ExpertWeights, kind: str) -> jaxmoe.ExpertWeights:
         return dataclasses.replace(ew, **{n: quantize_int8(np.asarray(getattr(ew, n))) for n in names})
     if kind == "int4":
         return dataclasses.replace(ew, **{n: quantize_int4_affine(np.asarray(getattr(ew, n)), 32) for n in names})
-    if kind in ("q4_k_m", "q5_0"):  # random valid blocks (Q4_K_M: Q4_K gate / up, Q6_K down)
-        kinds = ("q4_k", "q4_k", "q6_k") if kind == "q4_k_m" else (kind,) * 3
+    if kind in ("q4_k_m", "q5_0"):  # random valid blocks
+        kinds = common.projection_kinds(kind)
         return dataclasses.replace(
             ew,
             **{

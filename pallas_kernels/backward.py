@@ -86,9 +86,10 @@ def _raise_block(block: int, lay: WeightLayout) -> int:
 
 
 def _gguf_cap(block: int, layouts) -> int:
-    """``block`` capped at `gguf.MIN_BLOCK_K` when a layout is a GGUF block kind: their tiles
-    are decoded from per-element gathers (a pointer per element), and the gate/up backward's
-    three tiles of 64 x 64 spilled registers on sm_90 (benchmarks/gpu_compile_check.py)."""
+    """``block`` capped at `gguf.MIN_BLOCK_K` when a layout is a GGUF block kind: with the
+    tiles decoded from per-element gathers, the gate/up backward's three 64 x 64 tiles spilled
+    registers on sm_90 (benchmarks/gpu_compile_check.py); 32-wide K-quant tiles also take
+    `gguf.load_tile`'s contiguous loads."""
     if any(lay.kind in GGUF_BLOCKS for lay in layouts):
         return min(block, gguf.MIN_BLOCK_K)
     return block

@@ -133,10 +133,10 @@ def _pair_kernel(*refs, spec: PairSpec, aliased: bool):
         return x.astype(cdt).astype(jnp.float32)
 
     def tiled(lay, wr, k0, zero, prod):
-        """``zero + prod(k0, bk, tile)`` over the step's weight tile; GGUF tiles are decoded
-        from per-element gathers (a pointer per element), so they go in pieces of 32
-        columns, one after another: a whole ``[bn, bk]`` tile's pointers spilled registers
-        on sm_90."""
+        """``zero + prod(k0, bk, tile)`` over the step's weight tile; GGUF tiles go in pieces
+        of 32 columns, one after another (`gguf.load_tile` reads K-quant tiles that narrow
+        from contiguous chunks; whole ``[bn, bk]`` tiles of per-element gathers spilled
+        registers on sm_90)."""
         if lay.kind in GGUF_BLOCKS and bk > gguf.MIN_BLOCK_K:
             piece = gguf.MIN_BLOCK_K
 
@@ -176,20 +176,24 @@ def _pair_kernel(*refs, spec: PairSpec, aliased: bool):
         for li, a in enumerate(accs):
             plgpu.store(out_ref.at[jnp.int32(li), split, p, pl.ds(n0, bn)], a, mask=ns < spec.n)
         return
-    if spec.scale != "none":
-        rs = scale_ref[p].astype(jnp.float32)
+    rs = scale_ref[p].astype(jnp.float32) if spec.scale != "none" else None
+    biases = [plgpu.load(b.at[e, pl.ds(n0, bn)], mask=ns < spec.n, other=0) for b in b_refs] if spec.has_bias else None
+    y = _epilogue(spec, accs, rs, biases, id_ok)
+    plgpu.store(out_ref.at[p, pl.ds(n0, bn)], y.astype(out_ref.dtype), mask=ns < spec.n)
+
+
+def _epilogue(spec: PairSpec, accs, rs, biases, ok):
+    """The decode epilogue on the float32 accumulators ``accs`` (one per weight): input
+    scale ``rs``, ``biases``, activation, output scale, zero where not ``ok``. Broadcasting
+    shapes: a pair's column block in the kernel, every pair's row in `_finish`."""
     if spec.scale == "input":
-        accs = tuple(a * rs for a in accs)
+        accs = [a * rs for a in accs]
     if spec.has_bias:
-        accs = tuple(
-            a + plgpu.load(b.at[e, pl.ds(n0, bn)], mask=ns < spec.n, other=0).astype(jnp.float32)
-            for a, b in zip(accs, b_refs)
-        )
+        accs = [a + b.astype(jnp.float32) for a, b in zip(accs, biases)]
     y = spec.act(*accs) if len(accs) == 2 else accs[0]
     if spec.scale == "output":
         y = y * rs
-    y = jnp.where(id_ok, y, 0.0)
-    plgpu.store(out_ref.at[p, pl.ds(n0, bn)], y.astype(out_ref.dtype), mask=ns < spec.n)
+    return jnp.where(ok, y, 0.0)
 
 
 def _pair_call(spec: PairSpec, ids, row_scale, lhs, weight_arrays, biases, out, interpret, debug):
@@ -239,20 +243,12 @@ def _finish(spec: PairSpec, parts, ids, row_scale, biases):
     acc = parts[:, 0]
     for s in range(1, spec.split_k):
         acc = acc + parts[:, s]
-    accs = [acc[li] for li in range(len(spec.layouts))]
     ids = ids.reshape(-1)
     ok = (ids >= 0) & (ids < spec.layouts[0].num_experts)
     e = jnp.where(ok, ids, 0)
-    if spec.scale != "none":
-        rs = row_scale.astype(jnp.float32)[:, None]
-    if spec.scale == "input":
-        accs = [a * rs for a in accs]
-    if spec.has_bias:
-        accs = [a + b.astype(jnp.float32)[e] for a, b in zip(accs, biases)]
-    y = spec.act(*accs) if len(accs) == 2 else accs[0]
-    if spec.scale == "output":
-        y = y * rs
-    return jnp.where(ok[:, None], y, 0.0).astype(spec.out_dtype)
+    rs = row_scale.astype(jnp.float32)[:, None] if spec.scale != "none" else None
+    y = _epilogue(spec, list(acc), rs, [b[e] for b in biases] if spec.has_bias else None, ok[:, None])
+    return y.astype(spec.out_dtype)
 
 
 def check_ids(name: str, expert_ids, num_experts: int) -> None:

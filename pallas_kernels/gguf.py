@@ -218,8 +218,8 @@ def load_tile(kind: str, k_total: int, n_total: int, ref, e, k0, n0, bk: int, bn
     blk = k0 // block * (block_bytes // 2)  # word offset of the tile's block
     pos = k0 - k0 // block * block  # the tile's position inside it (a scalar `%` fails Triton's lowering)
 
-    # per element of the tile
-    k = k0 + jnp.arange(bk, dtype=jnp.int32)
+    # per element of the tile (base, p: for the gathers)
+    k = k0 + t
     k_ok = k < k_total
     base = k // block * block_bytes  # byte offset of the element's block
     p = k % block  # position inside the block
@@ -231,15 +231,15 @@ def load_tile(kind: str, k_total: int, n_total: int, ref, e, k0, n0, bk: int, bn
     gp = gk % block
 
     if kind in ("q4_k", "q5_k"):
-        s = p // 32  # sub-block: codes in chunk s // 2, low nibbles for even s
         qs_at = 16 if kind == "q4_k" else 48
         if kq:  # chunk pos // 64; sub-block pos // 32 + t // 32
             rep = bk // 32
-            sub = pos // 32 + t // 32
-            q = (runs(blk + (qs_at + 32 * (pos // 64)) // 2, 16, rep) >> (4 * (sub % 2) + byte_sh)) & 0xF
+            s = pos // 32 + t // 32
+            q = (runs(blk + (qs_at + 32 * (pos // 64)) // 2, 16, rep) >> (4 * (s % 2) + byte_sh)) & 0xF
             if kind == "q5_k":
-                q = q | (((runs(blk + 8, 16, rep) >> (sub + byte_sh)) & 1) << 4)
+                q = q | (((runs(blk + 8, 16, rep) >> (s + byte_sh)) & 1) << 4)
         else:
+            s = p // 32  # sub-block: codes in chunk s // 2, low nibbles for even s
             q = bits(base + qs_at + 32 * (s // 2) + p % 32, 4 * (s % 2), 4, k_ok)
             if kind == "q5_k":
                 q = q | (bits(base + 16 + p % 32, s, 1, k_ok) << 4)
@@ -252,10 +252,9 @@ def load_tile(kind: str, k_total: int, n_total: int, ref, e, k0, n0, bk: int, bn
         mn = jnp.where(low, v & 63, (v >> 4) | ((u >> 6) << 4))
         d = _half(words(gbase, g_ok))
         dmin = _half(words(gbase + 2, g_ok))
-        scale, sub = d * sc.astype(jnp.float32), dmin * mn.astype(jnp.float32)
-        out = scale[:, :, None] * q.astype(jnp.float32).reshape(bn, ng, g) - sub[:, :, None]
+        scale, mins = d * sc.astype(jnp.float32), dmin * mn.astype(jnp.float32)
+        out = scale[:, :, None] * q.astype(jnp.float32).reshape(bn, ng, g) - mins[:, :, None]
     elif kind == "q6_k":
-        h, r, l = p // 128, p % 128 // 32, p % 32
         if kq:  # half pos // 128; ranges r0 = pos % 128 // 32 (.. r0 + 1): ql chunk r % 2, nibble r // 2
             h0 = pos // 128
             r0 = (pos - 128 * h0) // 32
@@ -267,6 +266,7 @@ def load_tile(kind: str, k_total: int, n_total: int, ref, e, k0, n0, bk: int, bn
             ql = (ql >> (4 * (rt // 2) + byte_sh)) & 0xF
             qh = (runs(blk + 64 + 16 * h0, 16, bk // 32) >> (2 * rt + byte_sh)) & 3
         else:
+            h, r, l = p // 128, p % 128 // 32, p % 32
             ql = bits(base + 64 * h + 32 * (r % 2) + l, 4 * (r // 2), 4, k_ok)
             qh = bits(base + 128 + 32 * h + l, 2 * r, 2, k_ok)
         q = (ql | (qh << 4)) - 32

@@ -206,7 +206,7 @@ def decode_splits(programs: int, steps: int) -> int:
     none of them empty (`whole_splits`)."""
     if programs <= 0 or steps <= 1:
         return 1
-    return whole_splits(max(1, min(steps, -(-DECODE_MIN_PROGRAMS // programs))), steps)
+    return whole_splits(min(steps, -(-DECODE_MIN_PROGRAMS // programs)), steps)
 
 
 def whole_splits(splits: int, steps: int) -> int:
