@@ -442,12 +442,7 @@ def decode_down_jit(
       out: optional ``[T * k, d]`` buffer of ``out_dtype`` aliased to the output.
       word_loads: quantized codes loaded as int32 words (`quant.as_words`); None: only
         for a code array of >= 2^31 elements, which 32-bit offsets cannot address.
-      mma: the row padded to 16 and multiplied on the tensor cores (default), or a float32
-        broadcast-multiply and reduction (see the module doc).
-      split_k: K splits (None: `tuning.decode_splits`; lowered so that none is empty,
-        `tuning.whole_splits`); > 1 adds the splits' float32 partial sums in XLA and
-        applies the epilogue there (``out`` is then not aliased).
-      tf32: with ``mma``, float32 tiles as one TensorFloat-32 dot (else 3xTF32).
+      mma, split_k, tf32: as in `decode_gate_up_jit`.
     Returns:
       ``[T * k, d]`` in ``out_dtype``, pair order.
     """
