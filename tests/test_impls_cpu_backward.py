@@ -227,3 +227,68 @@ def test_kinds_the_backward_does_not_read_fall_back_to_gather(rng, monkeypatch):
         if a.dtype == jax.dtypes.float0:
             continue
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32), rtol=1e-4, atol=1e-4)
+
+
+def test_forward_saves_gate_up_products(rng):
+    """`grouped_swiglu_saving`'s residual is each sorted row's ``x W_g | x W_u``
+    before the biases (float64 reference), for float, int4 and GGUF q4_k gate / up; the
+    outputs equal those of the call that saves nothing."""
+    from jaxmoe.dispatch import plan_dispatch
+    from jaxmoe.impls.common import sorted_inputs
+    from jaxmoe.impls.cpu.kernel import grouped_swiglu, grouped_swiglu_saving
+
+    assert cpu_kernel_status()[0]  # builds and registers the custom call
+    cfg = cfg_of(256, 72, 5, 2, expert_bias=True)
+    x, r, ew, _ = problem(rng, 11, cfg, bias=True)
+    qg, fg = gguf_block_weight(rng, "q4_k", (5, 72, 256))
+    for gate in (ew.w_gate, qg):
+        e = ExpertWeights(gate, ew.w_up, ew.w_down, ew.b_gate, ew.b_up, ew.b_down)
+        plan = plan_dispatch(r.expert_ids, 5, 1)
+        xs = sorted_inputs(x, r, plan, cfg).astype(jnp.float32)
+        off, sizes = plan.group_offsets[:5], plan.group_sizes
+        ys, gu = grouped_swiglu_saving(xs, off, sizes, e, cfg)
+        np.testing.assert_array_equal(np.asarray(ys), np.asarray(grouped_swiglu(xs, off, sizes, e, cfg)))
+        wg = fg if gate is qg else np.asarray(ew.w_gate, np.float64)
+        owner = np.repeat(np.arange(5), np.asarray(sizes))
+        xs64 = np.asarray(xs, np.float64)
+        want_g = np.einsum("pd,pdf->pf", xs64, wg[owner])
+        want_u = np.einsum("pd,pdf->pf", xs64, np.asarray(ew.w_up, np.float64)[owner])
+        np.testing.assert_allclose(np.asarray(gu), np.concatenate([want_g, want_u], 1), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["float", "gpt_oss_bias", "bf16", "q4_k_m"])
+def test_saved_and_recomputed_gate_up_agree(case, rng):
+    """The backward reading the forward's gate | up residual (what `jax.vjp` runs) and the
+    one recomputing them (`cpu_vjp` without it) give the same gradients, and those equal
+    `experts_dense`'s (for Q4_K_M: of the float weights gguf.quants decodes); a changed
+    residual changes the gradients (the backward reads it)."""
+    from jaxmoe.impls.cpu.kernel import _forward_saving
+
+    kw = dict(activation="swiglu_oai", expert_bias=True, swiglu_limit=1.5) if case == "gpt_oss_bias" else {}
+    d, f = (256, 256) if case == "q4_k_m" else (48, 40)
+    cfg = cfg_of(d, f, 6, 2, **kw)
+    dtype = jnp.bfloat16 if case == "bf16" else jnp.float32
+    x, r, ew, g = problem(rng, 21, cfg, bias=case == "gpt_oss_bias", dtype=dtype)
+    ref_ew = ew
+    if case == "q4_k_m":
+        stored = {"w_gate": ("q4_k", (6, f, d)), "w_up": ("q4_k", (6, f, d)), "w_down": ("q6_k", (6, d, f))}
+        made = {n: gguf_block_weight(rng, kind, shape) for n, (kind, shape) in stored.items()}
+        ew = ExpertWeights(**{n: q for n, (q, _) in made.items()})
+        ref_ew = ExpertWeights(**{n: jnp.asarray(w.astype(np.float32)) for n, (_, w) in made.items()})
+    saved = vjp_of(experts_cpu, cfg, x, r, ew, g)
+    recomputed = cpu_vjp(cfg, (x, r, ew), g)
+    ref = vjp_of(experts_dense, cfg, x, r, ref_ew, g)
+    if case == "q4_k_m":  # frozen experts: the input and routing-weight gradients
+        saved, recomputed, ref = ((v[0], v[1], None) for v in (saved, recomputed, ref))
+        pairs = [(saved, recomputed, 1e-5), (saved, ref, 1e-4)]
+        for a, b, tol in pairs:
+            for u, v in ((a[0], b[0]), (a[1].weights, b[1].weights)):
+                v = np.asarray(v, np.float32)
+                np.testing.assert_allclose(np.asarray(u), v, rtol=tol, atol=tol * np.abs(v).max())
+    else:
+        tol = dict(rtol=3e-2, atol=2e-2) if case == "bf16" else dict(rtol=1e-5, atol=1e-5)
+        assert_grads_close(recomputed, saved, **tol)
+        assert_grads_close(saved, ref, **(tol if case == "bf16" else {}))
+    _, gu = _forward_saving(x, r, ew, cfg)
+    moved = cpu_vjp(cfg, (x, r, ew, gu * 1.01), g)
+    assert not np.allclose(np.asarray(moved[0], np.float32), np.asarray(saved[0], np.float32))

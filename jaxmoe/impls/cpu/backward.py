@@ -1,10 +1,12 @@
 """The backward pass of ``impl="cpu"``: a second C++ XLA FFI call (``grouped_swiglu_bwd.cc``).
 
 `cpu_vjp` is the ``bwd`` of the forward's `jax.custom_vjp` (`jaxmoe.impls.cpu.kernel`).
-The forward saves only ``(x, routing, experts)``; the backward re-plans the dispatch,
-gathers the upstream gradient into sorted pair order and runs one custom call that, per
-expert, recomputes the gate/up activations of each block of ``F`` columns (nothing of
-size ``[T * k, F]`` is kept between forward and backward), and returns
+The forward saves ``(x, routing, experts, gate_up)``, ``gate_up [T * k, 2F]`` float32 the
+gate | up products of each pair in sorted order (the one residual that grows with ``T``;
+nothing of size ``[T, E, ...]``); the backward re-plans the dispatch, gathers the upstream
+gradient into sorted pair order and runs one custom call that, per expert and block of
+``F`` columns, takes gate/up from ``gate_up`` (recomputing them when it is absent: two
+of the eight matmul-sized products of a recomputing backward), and returns
 
 - ``dxs [P, d]``: the gradient w.r.t. each sorted row's expert input,
 - ``dot [P]``: ``<g_t, y_pair>``, the routing-weight gradient (computed as
@@ -98,6 +100,7 @@ def grouped_swiglu_bwd(
     weight_grads: bool = True,
     up_block: int = BWD_UP_BLOCK,
     down_block: int = BWD_DOWN_BLOCK,
+    gate_up: jax.Array | None = None,
 ):
     """The backward custom call. ``xs, gs [P, d]`` float32 in sorted pair order (the
     expert inputs and the unscaled upstream gradient of each row's token), ``scale [P]``
@@ -106,6 +109,9 @@ def grouped_swiglu_bwd(
     Returns ``(dxs [P, d], dot [P], (dW_gate, dW_up, dW_down) | None, (db_gate, db_up,
     db_down) | None)``: weight gradients in the weights' dtype when ``weight_grads`` (float
     experts only), bias gradients float32 when the experts have biases and ``weight_grads``.
+    ``gate_up [P, 2F]``: the forward's gate | up products before the biases
+    (`jaxmoe.impls.cpu.kernel.grouped_swiglu_saving`); None recomputes them from ``xs``
+    and the weights.
     """
     p, d = xs.shape
     f = ew.w_gate.shape[-1]
@@ -149,6 +155,7 @@ def grouped_swiglu_bwd(
         *ops[1][0],
         *ops[2][0],
         *(biases or (zero,) * 3),
+        zero if gate_up is None else gate_up.astype(jnp.float32),
         act=np.int32(0 if cfg.activation == "swiglu" else 1),
         alpha=np.float32(cfg.swiglu_alpha),
         limit=np.float32(cfg.swiglu_limit),
@@ -168,17 +175,22 @@ def grouped_swiglu_bwd(
 
 
 def cpu_vjp(cfg: MoEConfig, res, g):
-    """``bwd`` of the ``impl="cpu"`` custom_vjp: ``res = (x, routing, experts)``, ``g [T, d]``
-    -> cotangents of ``(x, routing, experts)``. Falls back to `gather_vjp` when
-    `backward_supports` refuses the experts or the backward library did not build."""
-    x, routing, ew = res
+    """``bwd`` of the ``impl="cpu"`` custom_vjp: ``res = (x, routing, experts[, gate_up])``,
+    ``g [T, d]`` -> cotangents of ``(x, routing, experts)``. ``gate_up [T k, 2F]`` is the
+    forward's residual (`jaxmoe.impls.cpu.kernel`; without it the kernel recomputes gate/up).
+    Falls back to `gather_vjp` when `backward_supports` refuses the experts or the backward
+    library did not build."""
+    x, routing, ew = res[:3]
+    gate_up = res[3] if len(res) > 3 else None
     if backward_supports(ew) is not None or not backward_kernel_status()[0]:
-        return gather_vjp(cfg, res, g)
-    return _backward(x, routing, ew, g, cfg)
+        return gather_vjp(cfg, (x, routing, ew), g)
+    return _backward(x, routing, ew, g, cfg, gate_up)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _backward(x: jax.Array, routing: Routing, ew: ExpertWeights, g: jax.Array, cfg: MoEConfig):
+def _backward(
+    x: jax.Array, routing: Routing, ew: ExpertWeights, g: jax.Array, cfg: MoEConfig, gate_up: jax.Array | None = None
+):
     e = ew.num_experts
     t, k = routing.expert_ids.shape
     p = t * k
@@ -198,6 +210,7 @@ def _backward(x: jax.Array, routing: Routing, ew: ExpertWeights, g: jax.Array, c
         cfg,
         round_h=bool(x.dtype == jnp.bfloat16),
         weight_grads=not frozen,
+        gate_up=gate_up,
     )
     valid = plan.pair_valid().reshape(t, k)  # a dropped pair gets exactly zero
     dxp = jnp.where(valid[..., None], dxs[plan.inv].reshape(t, k, -1), 0.0)  # [T, k, d]

@@ -22,6 +22,9 @@
 // Outputs:
 //   ys  [P, d] f32   ys[r] = down(act(gate(xs[r]), up(xs[r]))) of r's expert
 //   h   [P, F] f32   scratch (the hidden activations), allocated by XLA
+//   gu  [P, 2F] | [0] f32  when not empty: each row's gate | up products before the biases
+//                    (x W_g, x W_u), the residual the backward reads instead of recomputing them;
+//                    rows no expert owns are left unwritten
 // Attributes:
 //   act      0 = silu(g) * u, 1 = gpt-oss (clip(u,-L,L)+1) * g' * sigmoid(alpha g'), g' = min(g, L)
 //   alpha, limit  the gpt-oss constants
@@ -450,6 +453,7 @@ struct Problem {
   const float* bu;
   const float* bd;
   float* h;   // [P, F] scratch (an XLA-allocated result)
+  float* gu;  // [P, 2F] gate | up residual, or null
   float* ys;  // [P, d]
   int64_t d, F;
   int act;
@@ -473,6 +477,12 @@ void run_gate_up(const Problem& p, const Task& t) {
   ubuf.resize(size_t(t.rows) * t.cols);
   matmul(p.wg, e, t.col0, x, d, t.rows, t.cols, gbuf.data(), t.cols, pack);
   matmul(p.wu, e, t.col0, x, d, t.rows, t.cols, ubuf.data(), t.cols, pack);
+  if (p.gu)
+    for (int64_t i = 0; i < t.rows; ++i) {
+      float* grow = p.gu + (int64_t(t.row0) + i) * 2 * F + t.col0;
+      std::memcpy(grow, gbuf.data() + i * t.cols, sizeof(float) * size_t(t.cols));
+      std::memcpy(grow + F, ubuf.data() + i * t.cols, sizeof(float) * size_t(t.cols));
+    }
   for (int64_t i = 0; i < t.rows; ++i) {
     float* hrow = p.h + (int64_t(t.row0) + i) * F + t.col0;
     for (int64_t j = 0; j < t.cols; ++j) {
@@ -598,6 +608,7 @@ ffi::Error GroupedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi
                              ffi::AnyBuffer wu, ffi::AnyBuffer su, ffi::AnyBuffer qu, ffi::AnyBuffer wd,
                              ffi::AnyBuffer sd, ffi::AnyBuffer qd, ffi::Buffer<ffi::F32> bg, ffi::Buffer<ffi::F32> bu,
                              ffi::Buffer<ffi::F32> bd, ffi::ResultBuffer<ffi::F32> ys, ffi::ResultBuffer<ffi::F32> hbuf,
+                             ffi::ResultBuffer<ffi::F32> gubuf,
                              int32_t act, float alpha, float limit, int32_t round_h, int32_t kind_gate,
                              int32_t kind_up, int32_t kind_down, int32_t group_gate, int32_t group_up,
                              int32_t group_down, int32_t up_block, int32_t down_block) {
@@ -610,6 +621,8 @@ ffi::Error GroupedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi
   if (hd.size() != 2 || hd[0] != P)
     return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: the h result must be [P, F]");
   const int64_t F = hd[1];
+  if (gubuf->element_count() != 0 && gubuf->element_count() != size_t(P * 2 * F))
+    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: the gu result must be [P, 2F] or empty");
   if (sizes.element_count() != size_t(E))
     return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: offsets and sizes must both be [E]");
   if (up_block < 1 || down_block < 1)
@@ -645,6 +658,7 @@ ffi::Error GroupedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi
   p.bd = has_bias ? bd.typed_data() : nullptr;
   p.ys = ys->typed_data();
   p.h = hbuf->typed_data();
+  p.gu = gubuf->element_count() ? gubuf->typed_data() : nullptr;
   p.d = d;
   p.F = F;
   p.act = act;
@@ -682,6 +696,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeGroupedSwiglu, GroupedSwigluImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // b_down
                                   .Ret<ffi::Buffer<ffi::F32>>()  // ys
                                   .Ret<ffi::Buffer<ffi::F32>>()  // h (scratch)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // gu (residual, or empty)
                                   .Attr<int32_t>("act")
                                   .Attr<float>("alpha")
                                   .Attr<float>("limit")

@@ -11,6 +11,8 @@
 //     (kind 0 float32 / bfloat16 [E, in, out]; kind 1 int8 [E, out, in]; kind 2 int4 [E, out, in/2];
 //     kinds 3..8 the GGUF blocks Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K [E, out, in/B * BB], frozen)
 //   b_gate [E, F] | [0], b_up [E, F] | [0], b_down [E, d] | [0]   f32
+//   gu      [P, 2F] | [0] f32  the forward's gate | up products of each row before the biases
+//                  (its `gu` result); [0]: recompute them here
 // Results:
 //   dxs   [P, d] f32   gradient w.r.t. xs (rows no expert owns: zero)
 //   dot   [P]    f32   <gs_r, y_r>, y_r the row's expert output (the routing-weight gradient)
@@ -22,7 +24,8 @@
 //
 // Work, on XLA's intra-op thread pool, two phases:
 //   A. tasks (expert, block of up_block columns of F) over all the expert's rows:
-//      recompute gate/up of the block (X W_g[:, blk], X W_u[:, blk]), dh0 = gs W_d[blk, :]^T,
+//      gate/up of the block (X W_g[:, blk], X W_u[:, blk]: read from gu when the forward
+//      saved them, else recomputed), dh0 = gs W_d[blk, :]^T,
 //      the activation and its derivative (dgate, dup into dgu), the partial dot
 //      sum_j h_j dh0_j, and the weight gradients of the block: dW_g[:, blk] = X^T dgate,
 //      dW_u[:, blk] = X^T dup, dW_d[blk, :] = (s h)^T gs, db_gate / db_up of the block.
@@ -37,9 +40,10 @@
 // (matmul_nt), and quantized gate / up are decoded in their stored [out, in] order for
 // matmul_nt there too; otherwise the block is packed (dequantized) once into a float32
 // buffer for the tiled matmul. An expert with up to kWholeRows rows is one task (phase A
-// then phase B). Weight gradients go out with non-temporal stores. Phase A reads W_g, W_u,
-// W_d once, phase B reads W_g, W_u once more. Nothing of size [P, F] is saved by the
-// forward: gate/up are recomputed here (dgu is this call's own scratch).
+// then phase B). Weight gradients go out with non-temporal stores. Phase A reads W_d (and
+// W_g, W_u when it recomputes gate/up), phase B reads W_g, W_u. With the forward's gu the
+// backward does six matmul-sized products (dh0, the three weight gradients, dxs against
+// W_g and W_u), eight when it recomputes gate/up (dgu is this call's own scratch).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -389,6 +393,7 @@ struct Problem {
   const float* bg;
   const float* bu;
   const float* bd;
+  const float* gu;  // [P, 2F] the forward's gate | up products, or null (recompute)
   float* dxs;
   float* dot;
   Grad dwg, dwu, dwd;
@@ -455,7 +460,15 @@ void run_a(const Problem& p, const Task& t) {
   g.resize(size_t(n) * B);
   u.resize(size_t(n) * B);
   dh.resize(size_t(n) * B);
+  if (p.gu) {  // the forward's products
+    for (int64_t r = 0; r < n; ++r) {
+      const float* src = p.gu + (int64_t(t.row0) + r) * 2 * F + c0;
+      std::memcpy(g.data() + r * B, src, sizeof(float) * size_t(B));
+      std::memcpy(u.data() + r * B, src + F, sizeof(float) * size_t(B));
+    }
+  }
   for (auto [w, dst] : {std::pair{&p.wg, &g}, std::pair{&p.wu, &u}}) {  // X W[:, blk]
+    if (p.gu) break;
     if (is_f32(*w)) {  // read in place (row stride F)
       matmul(x, d, 1, float_rows<float>(*w, e, 0) + c0, F, d, n, B, dst->data(), B);
     } else if (w->kind != kFloat && n <= kInPlaceRows) {  // quantized: decoded in its stored [out, in] order
@@ -678,7 +691,8 @@ ffi::Error GroupedSwigluBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, 
                                 ffi::Buffer<ffi::S32> sizes, ffi::AnyBuffer wg, ffi::AnyBuffer sg, ffi::AnyBuffer qg,
                                 ffi::AnyBuffer wu, ffi::AnyBuffer su, ffi::AnyBuffer qu, ffi::AnyBuffer wd,
                                 ffi::AnyBuffer sd, ffi::AnyBuffer qd, ffi::Buffer<ffi::F32> bg,
-                                ffi::Buffer<ffi::F32> bu, ffi::Buffer<ffi::F32> bd, ffi::ResultBuffer<ffi::F32> dxs,
+                                ffi::Buffer<ffi::F32> bu, ffi::Buffer<ffi::F32> bd, ffi::Buffer<ffi::F32> gu,
+                                ffi::ResultBuffer<ffi::F32> dxs,
                                 ffi::ResultBuffer<ffi::F32> dot, ffi::Result<ffi::AnyBuffer> dwg,
                                 ffi::Result<ffi::AnyBuffer> dwu, ffi::Result<ffi::AnyBuffer> dwd,
                                 ffi::ResultBuffer<ffi::F32> dbg, ffi::ResultBuffer<ffi::F32> dbu,
@@ -700,6 +714,8 @@ ffi::Error GroupedSwigluBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, 
   if (scale.element_count() != 0 && scale.element_count() != size_t(P)) return bad("scale must be [P] or empty");
   if (sizes.element_count() != size_t(E)) return bad("offsets and sizes must both be [E]");
   if (parts->element_count() != size_t(nb * P)) return bad("the parts scratch must be [ceil(F / up_block), P]");
+  if (gu.element_count() != 0 && gu.element_count() != size_t(P * 2 * F))
+    return bad("gu (the forward's gate | up products) must be [P, 2F] or empty");
   Problem p{};
   if (auto err = bind_weight("w_gate", wg, sg, qg, kind_gate, group_gate, E, d, F, p.wg); err.failure()) return err;
   if (auto err = bind_weight("w_up", wu, su, qu, kind_up, group_up, E, d, F, p.wu); err.failure()) return err;
@@ -735,6 +751,7 @@ ffi::Error GroupedSwigluBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, 
   p.bg = has_bias ? bg.typed_data() : nullptr;
   p.bu = has_bias ? bu.typed_data() : nullptr;
   p.bd = has_bias ? bd.typed_data() : nullptr;
+  p.gu = gu.element_count() ? gu.typed_data() : nullptr;
   p.dxs = dxs->typed_data();
   p.dot = dot->typed_data();
   p.dbg = bias_grads ? dbg->typed_data() : nullptr;
@@ -809,6 +826,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeGroupedSwigluBwd, GroupedSwigluBwdImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // b_gate
                                   .Arg<ffi::Buffer<ffi::F32>>()  // b_up
                                   .Arg<ffi::Buffer<ffi::F32>>()  // b_down
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gu (the forward's residual, or empty)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dxs
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dot
                                   .Ret<ffi::AnyBuffer>()         // dw_gate

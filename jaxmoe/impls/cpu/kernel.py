@@ -163,7 +163,8 @@ def _experts_cpu(x, routing, ew, cfg):
 
 
 def _fwd(x, routing, ew, cfg):
-    return _forward(x, routing, ew, cfg), (x, routing, ew)
+    y, gu = _forward_saving(x, routing, ew, cfg)
+    return y, (x, routing, ew, gu)
 
 
 _experts_cpu.defvjp(_fwd, cpu_vjp)
@@ -195,15 +196,32 @@ def grouped_swiglu(
     call fails with an error naming the expert (checked in C++ when it runs). Rows no
     expert owns come back zero. ``round_h`` rounds the hidden activations to bfloat16.
     """
+    return _call(xs, offsets, sizes, ew, cfg, round_h, up_block, down_block, save=False)[0]
+
+
+def grouped_swiglu_saving(
+    xs: jax.Array, offsets: jax.Array, sizes: jax.Array, ew: ExpertWeights, cfg: MoEConfig, *, round_h: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """`grouped_swiglu` that also returns ``gu [P, 2F]`` float32: each row's gate | up
+    products before the biases (``xs W_g``, ``xs W_u``), the residual the backward reads
+    instead of recomputing them (rows no expert owns are unspecified)."""
+    return _call(xs, offsets, sizes, ew, cfg, round_h, UP_BLOCK, DOWN_BLOCK, save=True)
+
+
+def _call(xs, offsets, sizes, ew: ExpertWeights, cfg: MoEConfig, round_h, up_block, down_block, save: bool):
     p, f = xs.shape[0], ew.w_gate.shape[-1]  # F of these weights (a shared expert has its own)
     (wg, kg, gg), (wu, ku, gu), (wd, kd, gd) = (operands(w) for w in (ew.w_gate, ew.w_up, ew.w_down))
     biases = ew.biases_f32() or (jnp.zeros((0,), jnp.float32),) * 3
     call = jax.ffi.ffi_call(
         TARGET,
-        (jax.ShapeDtypeStruct((p, xs.shape[1]), jnp.float32), jax.ShapeDtypeStruct((p, f), jnp.float32)),
+        (
+            jax.ShapeDtypeStruct((p, xs.shape[1]), jnp.float32),
+            jax.ShapeDtypeStruct((p, f), jnp.float32),
+            jax.ShapeDtypeStruct((p, 2 * f) if save else (0,), jnp.float32),
+        ),
         vmap_method="sequential",
     )
-    ys, _ = call(
+    ys, _, gate_up = call(
         xs.astype(jnp.float32),
         offsets.astype(jnp.int32),
         sizes.astype(jnp.int32),
@@ -224,7 +242,7 @@ def grouped_swiglu(
         up_block=np.int32(up_block),
         down_block=np.int32(down_block),
     )
-    return ys
+    return ys, gate_up
 
 
 def shared_supported(sw: SharedWeights, dtype) -> bool:
@@ -296,10 +314,23 @@ def _shared_cpu_bwd(cfg, res, g):
 _shared_cpu.defvjp(_shared_cpu_fwd, _shared_cpu_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _forward(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("cfg", "save"))
+def _forward(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, save: bool = False):
     e = ew.num_experts
     plan = plan_dispatch(routing.expert_ids, e, 1)
     xs = sorted_inputs(x, routing, plan, cfg).astype(jnp.float32)  # [P, d]
-    ys = grouped_swiglu(xs, plan.group_offsets[:e], plan.group_sizes, ew, cfg, round_h=bool(x.dtype == jnp.bfloat16))
-    return combine(ys, routing, plan, cfg, invariant=wants_invariance(cfg, "cpu"))
+    off, sizes, round_h = plan.group_offsets[:e], plan.group_sizes, bool(x.dtype == jnp.bfloat16)
+    if save:
+        ys, gu = grouped_swiglu_saving(xs, off, sizes, ew, cfg, round_h=round_h)
+    else:
+        ys, gu = grouped_swiglu(xs, off, sizes, ew, cfg, round_h=round_h), None
+    y = combine(ys, routing, plan, cfg, invariant=wants_invariance(cfg, "cpu"))
+    return (y, gu) if save else y
+
+
+def _forward_saving(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig):
+    """The forward of a differentiated call: ``(y [T, d], gu [T k, 2F])``, ``gu`` the
+    gate | up products of each pair in sorted order (`grouped_swiglu_saving`),
+    which the backward reads instead of recomputing them (``2 T k F`` float32 residual).
+    The backward's dispatch plan (`plan_dispatch` of the same ids) orders the pairs the same way."""
+    return _forward(x, routing, ew, cfg, save=True)
