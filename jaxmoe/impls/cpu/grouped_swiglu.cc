@@ -61,6 +61,9 @@
 #include <thread>
 #include <type_traits>
 #include <vector>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -665,6 +668,9 @@ ffi::Error GroupedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi
   p.alpha = alpha;
   p.limit = limit;
   p.round_h = round_h != 0;
+  advise_huge_pages(p.ys, sizeof(float) * size_t(P) * d);
+  advise_huge_pages(p.h, sizeof(float) * size_t(P) * F);
+  advise_huge_pages(p.gu, sizeof(float) * size_t(P) * 2 * F);
   if (covered < P) std::memset(p.ys, 0, sizeof(float) * size_t(P) * d);  // rows no expert owns
 
   const auto up_tasks = make_tasks(p, E, F, up_block);

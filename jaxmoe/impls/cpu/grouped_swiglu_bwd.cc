@@ -54,13 +54,13 @@
 #endif
 #include <memory>
 #include <string>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 #include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -359,23 +359,9 @@ void write_grad(const Grad& g, int64_t at, int64_t ld, const float* src, int64_t
   }
 }
 
-// Asks Linux for transparent huge pages under a weight-gradient result before it is
-// written (best effort; THP in "madvise" mode, the common default). XLA allocates these
-// [E, in, out] results fresh for every call (GBs for a 256-expert layer); touched in 4 KiB
-// pages, their first writes cost one page fault per 4 KiB, which measured ~2.5 of the
-// ~3.1 s backward of the Qwen3.6 layer at T = 64; 2 MiB pages take 512x fewer faults.
+// Huge pages under a weight-gradient result (advise_huge_pages, kernel_common.h).
 void advise_huge_pages(const Grad& g, int64_t count) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  if (!g.data) return;
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(g.data);
-  const uintptr_t end = begin + uintptr_t(count) * (g.bf16 ? 2 : 4);
-  const uintptr_t a = (begin + kHuge - 1) & ~(kHuge - 1), b = end & ~(kHuge - 1);
-  if (b > a) madvise(reinterpret_cast<void*>(a), b - a, MADV_HUGEPAGE);
-#else
-  (void)g;
-  (void)count;
-#endif
+  if (g.data) advise_huge_pages(g.data, size_t(count) * (g.bf16 ? 2 : 4));
 }
 
 void zero_grad(const Grad& g, int64_t at, int64_t count) {
@@ -770,6 +756,8 @@ ffi::Error GroupedSwigluBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, 
   advise_huge_pages(p.dwg, E * d * F);
   advise_huge_pages(p.dwu, E * d * F);
   advise_huge_pages(p.dwd, E * F * d);
+  advise_huge_pages(p.dxs, sizeof(float) * size_t(P) * d);
+  advise_huge_pages(p.dgu, sizeof(float) * size_t(P) * 2 * F);
   if (covered < P) {  // rows no expert owns
     std::memset(p.dxs, 0, sizeof(float) * size_t(P) * d);
     std::memset(p.dot, 0, sizeof(float) * size_t(P));
