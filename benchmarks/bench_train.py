@@ -5,7 +5,9 @@ the Hugging Face ``Qwen3_5MoeSparseMoeBlock`` (torch CPU, ``loss.backward()``) i
 For each impl: ``fwd`` = the jitted forward ``moe_apply``; ``fwd+bwd`` = the jitted
 ``jax.grad`` of ``<moe_apply(p, x), ct>`` w.r.t. every parameter and ``x`` (router, routed
 experts, shared expert: the gradients a training step needs); ``bwd/fwd`` = (fwd+bwd -
-fwd) / fwd. HF: the same loss through the torch block with every parameter and ``x``
+fwd) / fwd; ``sys s`` = the process's kernel CPU seconds during that best step (mostly
+first-touch page zeroing of the fresh result memory XLA allocates every call: 3.2 GB of
+weight gradients at 256 experts; on this VM that costs ~0.5 s per GB of CPU time). HF: the same loss through the torch block with every parameter and ``x``
 requiring grad, ``loss.backward()`` (parameter grads cleared to None first). Every call
 gets new tokens (cold); each repeat runs every impl once in a rotating order; the table
 shows the best of ``--repeats``. Gradients are checked against HF's before timing (x and
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import resource
 import sys
 import time
 
@@ -167,31 +170,34 @@ def main(argv=None) -> int:
                     return 1
             fns[impl] = (lambda x, c, g=grad[impl]: g(p, x, c), lambda x, j=fwd[impl]: j(p, x))
         times = {i: ([], []) for i in fns}
+        sys_s = {i: [] for i in fns}  # kernel CPU seconds per step (first touch of fresh result memory)
         order = list(fns)
         for r in range(a.repeats):
             for j, impl in enumerate(order[r % len(order) :] + order[: r % len(order)]):
                 x, c = xs[1 + r * len(order) + j], cts[1 + r * len(order) + j]
                 step, fw = fns[impl]
-                t0 = time.perf_counter()
+                s0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime, time.perf_counter()
                 jax.block_until_ready(step(x, c))
                 times[impl][0].append((time.perf_counter() - t0) * 1e3)
+                sys_s[impl].append(resource.getrusage(resource.RUSAGE_SELF).ru_stime - s0)
                 if fw is not None:
                     t0 = time.perf_counter()
                     jax.block_until_ready(fw(x))
                     times[impl][1].append((time.perf_counter() - t0) * 1e3)
         hf_ms = min(times["hf"][0]) if "hf" in times else None
         for impl, (tb, tf) in times.items():
-            row = dict(T=t, impl=impl, step=min(tb), fwd=min(tf) if tf else None)
+            best = int(np.argmin(tb))
+            row = dict(T=t, impl=impl, step=tb[best], fwd=min(tf) if tf else None, sys=sys_s[impl][best])
             row["vs_hf"] = hf_ms / row["step"] if hf_ms else None
             rows.append(row)
             print(f"T={t:5d} {impl:8s} fwd+bwd {row['step']:9.1f} ms (median {np.median(tb):.1f})", flush=True)
-    print("\n|    T | impl     |  fwd ms | fwd+bwd ms | bwd/fwd | HF ms / impl ms |")
-    print("|-----:|:---------|--------:|-----------:|--------:|----------------:|")
+    print("\n|    T | impl     |  fwd ms | fwd+bwd ms | bwd/fwd | sys s | HF ms / impl ms |")
+    print("|-----:|:---------|--------:|-----------:|--------:|------:|----------------:|")
     for r in rows:
         fw = f"{r['fwd']:7.1f}" if r["fwd"] else "      -"
         ratio = f"{(r['step'] - r['fwd']) / r['fwd']:7.2f}" if r["fwd"] else "      -"
         vs = f"{r['vs_hf']:15.2f}" if r["vs_hf"] else "              -"
-        print(f"| {r['T']:4d} | {r['impl']:8s} | {fw} | {r['step']:10.1f} | {ratio} | {vs} |")
+        print(f"| {r['T']:4d} | {r['impl']:8s} | {fw} | {r['step']:10.1f} | {ratio} | {r['sys']:5.2f} | {vs} |")
     return 0
 
 
