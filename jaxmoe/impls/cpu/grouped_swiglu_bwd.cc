@@ -407,8 +407,10 @@ bool is_f32(const Weight& w) { return w.kind == kFloat && !w.bf16; }
 // block once and the register-tiled matmul are faster (measured on the Qwen3.6 layer).
 constexpr int64_t kInPlaceRows = 16;
 // Experts with at most this many rows get one task for all their phase A and phase B
-// work: phase B then reads W_g, W_u a few ms after phase A did, from the last-level cache
-// (Qwen3.6 layer fwd+bwd at T = 64: 812 -> 560 ms).
+// work. Measured when phase A always recomputed gate/up (phase B then read W_g, W_u from
+// the last-level cache; Qwen3.6 layer fwd+bwd at T = 64: 812 -> 560 ms); with the
+// forward's gu, phase A reads only W_d and what stays cached is the expert's rows (not
+// re-measured).
 constexpr int64_t kWholeRows = 16;
 
 // The tasks of expert e with rows [o, o + n): phase A (one per block of up_block columns of
@@ -772,7 +774,7 @@ ffi::Error GroupedSwigluBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, 
       if (any_grad) a_tasks.push_back(Task{int32_t(e), o, 0, 0, 0});
       continue;
     }
-    if (n <= kWholeRows)  // one task for the whole expert: phase B reads W_g, W_u from cache
+    if (n <= kWholeRows)  // one task for the whole expert (phase A, then phase B)
       a_tasks.push_back(Task{int32_t(e), o, n, 0, 0, true});
     else
       expert_tasks(e, o, n, F, d, up_block, down_block, a_tasks, b_tasks);
