@@ -408,9 +408,10 @@ bool is_f32(const Weight& w) { return w.kind == kFloat && !w.bf16; }
 constexpr int64_t kInPlaceRows = 16;
 // Experts with at most this many rows get one task for all their phase A and phase B
 // work. Measured when phase A always recomputed gate/up (phase B then read W_g, W_u from
-// the last-level cache; Qwen3.6 layer fwd+bwd at T = 64: 812 -> 560 ms); with the
-// forward's gu, phase A reads only W_d and what stays cached is the expert's rows (not
-// re-measured).
+// the last-level cache; Qwen3.6 layer fwd+bwd at T = 64: 812 -> 560 ms). With the
+// forward's gu phase A reads only W_d, and it still pays: 627 / 680 -> 578 / 574 ms
+// (kWholeRows 0 -> 16, A B A B, `benchmarks/bench_backward_residual.py --tokens 64`, best
+// of 8 of the saved-residual step).
 constexpr int64_t kWholeRows = 16;
 
 // The tasks of expert e with rows [o, o + n): phase A (one per block of up_block columns of
