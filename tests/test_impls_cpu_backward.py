@@ -262,7 +262,9 @@ def test_saved_and_recomputed_gate_up_agree(case, rng):
     one recomputing them (`cpu_vjp` without it) give the same gradients, and those equal
     `experts_dense`'s (for Q4_K_M: of the float weights gguf.quants decodes); a changed
     residual changes the gradients (the backward reads it)."""
-    from jaxmoe.impls.cpu.kernel import _forward_saving
+    from jaxmoe.dispatch import plan_dispatch
+    from jaxmoe.impls.common import sorted_inputs
+    from jaxmoe.impls.cpu.kernel import grouped_swiglu_saving
 
     kw = dict(activation="swiglu_oai", expert_bias=True, swiglu_limit=1.5) if case == "gpt_oss_bias" else {}
     d, f = (256, 256) if case == "q4_k_m" else (48, 40)
@@ -289,6 +291,8 @@ def test_saved_and_recomputed_gate_up_agree(case, rng):
         tol = dict(rtol=3e-2, atol=2e-2) if case == "bf16" else dict(rtol=1e-5, atol=1e-5)
         assert_grads_close(recomputed, saved, **tol)
         assert_grads_close(saved, ref, **(tol if case == "bf16" else {}))
-    _, gu = _forward_saving(x, r, ew, cfg)
+    plan = plan_dispatch(r.expert_ids, 6, 1)  # the residual as the forward makes it
+    xs = sorted_inputs(x, r, plan, cfg).astype(jnp.float32)
+    _, gu = grouped_swiglu_saving(xs, plan.group_offsets[:6], plan.group_sizes, ew, cfg, round_h=case == "bf16")
     moved = cpu_vjp(cfg, (x, r, ew, gu * 1.01), g)
     assert not np.allclose(np.asarray(moved[0], np.float32), np.asarray(saved[0], np.float32))
