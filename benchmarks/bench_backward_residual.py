@@ -17,6 +17,7 @@ Prints best and median ms per T and the ratio recompute / saved (> 1: saving is 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import time
 
@@ -38,8 +39,6 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     cfg = jaxmoe.load_config("qwen3.6-35b-a3b")
     if a.experts:
-        import dataclasses
-
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, num_experts=a.experts))
     ok, msg = kernel.cpu_kernel_status()
     if not ok:
@@ -47,10 +46,10 @@ def main(argv=None) -> int:
     p = jaxmoe.init_params(cfg, jax.random.key(0))
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-    def recompute(x, r, ew, cfg):
-        return kernel._forward(x, r, ew, cfg)
+    def recompute(x, r, ew, cfg):  # the same forward, no residual: cpu_vjp recomputes gate / up
+        return kernel.experts_cpu(x, r, ew, cfg)
 
-    recompute.defvjp(lambda x, r, ew, cfg: (kernel._forward(x, r, ew, cfg), (x, r, ew)), cpu_vjp)
+    recompute.defvjp(lambda x, r, ew, cfg: (kernel.experts_cpu(x, r, ew, cfg), (x, r, ew)), cpu_vjp)
     variants = {"saved": kernel.experts_cpu, "recompute": recompute}
 
     def step(fn):

@@ -14,7 +14,8 @@ registers, in natural K order: K-quant tiles of 32 or 64 elements (what the kern
 load their 32-byte code chunks contiguously and expand each word to the elements whose
 codes it holds (broadcast + reshape); other tiles gather each element's code from the word
 that holds its byte (element ``k`` of a row sits at a byte offset computed from ``k``
-alone). Each 32 (Q6_K: 16) elements' scale and min come from the block header. `dequantize_gguf_blocks` is the pure-jnp reference, bit-exact with
+alone). Each 32 (Q6_K: 16) elements' scale and min come from the block header.
+`dequantize_gguf_blocks` is the pure-jnp reference, bit-exact with
 ``gguf.quants.dequantize`` (the same float32 operations in the same order); ggml's
 ``dequantize_row_*`` (ggml-quants.c) define both.
 """

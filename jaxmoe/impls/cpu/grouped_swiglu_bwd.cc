@@ -455,18 +455,18 @@ void run_a(const Problem& p, const Task& t) {
       std::memcpy(g.data() + r * B, src, sizeof(float) * size_t(B));
       std::memcpy(u.data() + r * B, src + F, sizeof(float) * size_t(B));
     }
-  }
-  for (auto [w, dst] : {std::pair{&p.wg, &g}, std::pair{&p.wu, &u}}) {  // X W[:, blk]
-    if (p.gu) break;
-    if (is_f32(*w)) {  // read in place (row stride F)
-      matmul(x, d, 1, float_rows<float>(*w, e, 0) + c0, F, d, n, B, dst->data(), B);
-    } else if (w->kind != kFloat && n <= kInPlaceRows) {  // quantized: decoded in its stored [out, in] order
-      pack(*w, e, 0, d, c0, B, true, pw.data());
-      matmul_nt(x, d, pw.data(), d, d, static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), 0, n,
-                B, dst->data(), B);
-    } else {
-      pack(*w, e, 0, d, c0, B, false, pw.data());
-      matmul(x, d, 1, pw.data(), B, d, n, B, dst->data(), B);
+  } else {
+    for (auto [w, dst] : {std::pair{&p.wg, &g}, std::pair{&p.wu, &u}}) {  // X W[:, blk], recomputed
+      if (is_f32(*w)) {  // read in place (row stride F)
+        matmul(x, d, 1, float_rows<float>(*w, e, 0) + c0, F, d, n, B, dst->data(), B);
+      } else if (w->kind != kFloat && n <= kInPlaceRows) {  // quantized: decoded in its stored [out, in] order
+        pack(*w, e, 0, d, c0, B, true, pw.data());
+        matmul_nt(x, d, pw.data(), d, d, static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), 0, n,
+                  B, dst->data(), B);
+      } else {
+        pack(*w, e, 0, d, c0, B, false, pw.data());
+        matmul(x, d, 1, pw.data(), B, d, n, B, dst->data(), B);
+      }
     }
   }
   if (p.wd.kind == kFloat && n <= kInPlaceRows) {  // dh0 = gs W_d[blk, :]^T, W_d's rows read in place

@@ -25,9 +25,10 @@ The C++ source is compiled on first use (`jaxmoe.impls.cpu.build`);
 did, ``impl="cpu"`` raises with the compiler's message when it did not.
 
 Also ``swiglu`` and ``swiglu_oai``, optional biases, ``weight_on_input``. Gradients: a
-`jax.custom_vjp` whose backward is a second C++ call (`jaxmoe.impls.cpu.backward`: input,
+`jax.custom_vjp` whose forward keeps each pair's gate | up products (``[T k, 2F]``
+float32) and whose backward is a second C++ call (`jaxmoe.impls.cpu.backward`: input,
 routing-weight and weight gradients per expert on XLA's thread pool; quantized experts
-frozen); GGUF block kinds, or a backward library that did not build, take ``gather``'s VJP.
+frozen); a backward library that did not build takes ``gather``'s VJP.
 """
 
 from __future__ import annotations
@@ -163,8 +164,8 @@ def _experts_cpu(x, routing, ew, cfg):
 
 
 def _fwd(x, routing, ew, cfg):
-    y, gu = _forward_saving(x, routing, ew, cfg)
-    return y, (x, routing, ew, gu)
+    y, gate_up = _forward(x, routing, ew, cfg, save=True)
+    return y, (x, routing, ew, gate_up)
 
 
 _experts_cpu.defvjp(_fwd, cpu_vjp)
@@ -316,21 +317,14 @@ _shared_cpu.defvjp(_shared_cpu_fwd, _shared_cpu_bwd)
 
 @functools.partial(jax.jit, static_argnames=("cfg", "save"))
 def _forward(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, save: bool = False):
+    """``y [T, d]``; with ``save`` (the forward of a differentiated call) ``(y, gate_up)``,
+    ``gate_up [T k, 2F]`` float32 the gate | up products of each pair in sorted order
+    (`grouped_swiglu_saving`), which the backward reads instead of recomputing them; its
+    dispatch plan (`plan_dispatch` of the same ids) orders the pairs the same way."""
     e = ew.num_experts
     plan = plan_dispatch(routing.expert_ids, e, 1)
     xs = sorted_inputs(x, routing, plan, cfg).astype(jnp.float32)  # [P, d]
-    off, sizes, round_h = plan.group_offsets[:e], plan.group_sizes, bool(x.dtype == jnp.bfloat16)
-    if save:
-        ys, gu = grouped_swiglu_saving(xs, off, sizes, ew, cfg, round_h=round_h)
-    else:
-        ys, gu = grouped_swiglu(xs, off, sizes, ew, cfg, round_h=round_h), None
+    round_h = bool(x.dtype == jnp.bfloat16)
+    ys, gate_up = _call(xs, plan.group_offsets[:e], plan.group_sizes, ew, cfg, round_h, UP_BLOCK, DOWN_BLOCK, save)
     y = combine(ys, routing, plan, cfg, invariant=wants_invariance(cfg, "cpu"))
-    return (y, gu) if save else y
-
-
-def _forward_saving(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig):
-    """The forward of a differentiated call: ``(y [T, d], gu [T k, 2F])``, ``gu`` the
-    gate | up products of each pair in sorted order (`grouped_swiglu_saving`),
-    which the backward reads instead of recomputing them (``2 T k F`` float32 residual).
-    The backward's dispatch plan (`plan_dispatch` of the same ids) orders the pairs the same way."""
-    return _forward(x, routing, ew, cfg, save=True)
+    return (y, gate_up) if save else y
