@@ -34,8 +34,11 @@
 //
 // Work: phase 1 = tasks (expert, row chunk, block of F columns) computing h; phase 2 =
 // tasks (expert, row chunk, block of d columns) computing y. Float weights: register
-// tiles of MR rows x NV vectors along the output columns, streaming the in-major block
-// once (packed to float32 first when a task has >= 8 rows). Quantized weights (stored
+// tiles of MR rows x NV vectors along the output columns; a task with >= 8 rows packs
+// its in-major block to float32 first, one with fewer streams it in chunks of whole
+// rows (and an expert with so few rows gets wider tasks, whole rows when enough
+// experts keep the threads busy: contiguous reads); each output element is one chain
+// of fused multiply-adds in k order either way. Quantized weights (stored
 // out-major, blocks along `in`): dot-product tiles of MR rows x NC output columns; each
 // vector of codes is widened and scaled in registers (w = s q + b) and multiplied
 // into float32 accumulators, so the result is within float rounding of the
@@ -150,10 +153,69 @@ void block_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t 
 // cache by every row tile.
 constexpr int64_t kPackRows = 8;
 
+// Few rows (m < kPackRows): the weights stream from memory once, in chunks of KC whole
+// rows of the task's columns (contiguous when the task spans the whole row), each chunk
+// swept column segment by segment with the accumulators of a segment loaded from and
+// stored back to C around it. Every output element is still one chain of fused
+// multiply-adds in k order from zero, the order of `tile` (C round-trips through memory
+// exactly), so a row's result is the same bits whichever path its task takes.
+template <int MR, typename W>
+void stream_chunk(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t kc, int64_t ahead, int64_t vec_cols,
+                  float* c, int64_t ldc) {
+  constexpr int NV = kMaxNV<MR>;
+  int64_t j0 = 0;
+  auto seg = [&](auto nv_c) {
+    constexpr int V = decltype(nv_c)::value;
+    vf acc[MR][V];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < V; ++j) acc[i][j] = load(c + i * ldc + j0 + j * kLanes);
+    for (int64_t k = 0; k < kc; ++k) {
+      const W* bk = b + k * ldb + j0;
+      for (int j = 0; j < V * kLanes * int(sizeof(W)); j += 64) __builtin_prefetch((const char*)(bk + ahead * ldb) + j);
+      vf bv[V];
+      for (int j = 0; j < V; ++j) bv[j] = load(bk + j * kLanes);
+      for (int i = 0; i < MR; ++i) {
+        const vf av = vf{} + a[i * lda + k];
+        for (int j = 0; j < V; ++j) acc[i][j] = fmadd(av, bv[j], acc[i][j]);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < V; ++j) store(c + i * ldc + j0 + j * kLanes, acc[i][j]);
+  };
+  for (; j0 + NV * kLanes <= vec_cols; j0 += NV * kLanes) seg(std::integral_constant<int, NV>{});
+  for (; j0 < vec_cols; j0 += kLanes) seg(std::integral_constant<int, 1>{});
+}
+
+template <typename W>
+void stream_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t m, int64_t ncols, float* c,
+                   int64_t ldc) {
+  const int64_t vec_cols = (ncols / kLanes) * kLanes;
+  const int64_t kc = std::max<int64_t>(4, std::min<int64_t>(64, (16 << 10) / std::max<int64_t>(1, ncols * int64_t(sizeof(W)))));
+  for (int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, sizeof(float) * size_t(vec_cols));
+  for (int64_t k0 = 0; k0 < K; k0 += kc) {
+    const int64_t n = std::min<int64_t>(kc, K - k0);
+    const int64_t ahead = k0 + kc < K ? kc : 0;  // prefetch the next chunk's rows of the same columns
+    for (int64_t i0 = 0; i0 < m;) {
+      const int64_t mr = std::min<int64_t>(4, m - i0);
+      const float* ai = a + i0 * lda + k0;
+      const W* bk = b + k0 * ldb;
+      float* ci = c + i0 * ldc;
+      switch (mr) {
+        case 1: stream_chunk<1>(ai, lda, bk, ldb, n, ahead, vec_cols, ci, ldc); break;
+        case 2: stream_chunk<2>(ai, lda, bk, ldb, n, ahead, vec_cols, ci, ldc); break;
+        case 3: stream_chunk<3>(ai, lda, bk, ldb, n, ahead, vec_cols, ci, ldc); break;
+        default: stream_chunk<4>(ai, lda, bk, ldb, n, ahead, vec_cols, ci, ldc); break;
+      }
+      i0 += mr;
+    }
+  }
+  if (vec_cols < ncols) tile_scalar(a, lda, b + vec_cols, ldb, K, m, ncols - vec_cols, c + vec_cols, ldc);
+}
+
 template <typename W>
 void float_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t m, int64_t ncols, float* c,
                   int64_t ldc, std::vector<float>& pack) {
-  if (m < kPackRows) return block_matmul<true>(a, lda, b, ldb, K, m, ncols, c, ldc);
+  if (m < kPackRows) return stream_matmul(a, lda, b, ldb, K, m, ncols, c, ldc);
   pack.resize(size_t(K) * ncols);
   const int64_t vec_cols = (ncols / kLanes) * kLanes;
   for (int64_t k = 0; k < K; ++k) {
@@ -518,14 +580,27 @@ void run_down(const Problem& p, const Task& t) {
 }
 
 // Tasks over (expert, row chunk, column block) for experts with rows, in expert order.
-std::vector<Task> make_tasks(const Problem& p, int64_t E, int64_t ncols, int64_t block) {
+// An expert with fewer than kPackRows rows streams its weights (stream_matmul): its
+// tasks span wider blocks of columns, whole rows when there are enough such experts to
+// keep `threads` busy (at least two tasks per thread), so each task reads contiguous
+// rows; the block width never changes a result (each element is one chain over k).
+std::vector<Task> make_tasks(const Problem& p, int64_t E, int64_t ncols, int64_t block, int64_t threads) {
+  int64_t small = 0;
+  for (int64_t e = 0; e < E; ++e) small += p.sizes[e] > 0 && p.sizes[e] < kPackRows;
+  int64_t wide = block;
+  if (small > 0) {
+    const int64_t splits = std::max<int64_t>(1, (2 * threads + small - 1) / small);
+    const int64_t w = ((ncols + splits - 1) / splits + kLanes - 1) / kLanes * kLanes;
+    wide = std::max<int64_t>(block, w);
+  }
   std::vector<Task> tasks;
   for (int64_t e = 0; e < E; ++e) {
     const int32_t n = p.sizes[e];
+    const int64_t bw = n < kPackRows ? wide : block;
     for (int32_t r = 0; r < n; r += kRowChunk)
-      for (int64_t c = 0; c < ncols; c += block)
+      for (int64_t c = 0; c < ncols; c += bw)
         tasks.push_back(Task{int32_t(e), p.offsets[e] + r, int32_t(std::min<int64_t>(kRowChunk, n - r)), int32_t(c),
-                             int32_t(std::min<int64_t>(block, ncols - c))});
+                             int32_t(std::min<int64_t>(bw, ncols - c))});
   }
   return tasks;
 }
@@ -673,8 +748,9 @@ ffi::Error GroupedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi
   advise_huge_pages(p.gu, sizeof(float) * size_t(P) * 2 * F);
   if (covered < P) std::memset(p.ys, 0, sizeof(float) * size_t(P) * d);  // rows no expert owns
 
-  const auto up_tasks = make_tasks(p, E, F, up_block);
-  const auto down_tasks = make_tasks(p, E, d, down_block);
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const auto up_tasks = make_tasks(p, E, F, up_block, threads);
+  const auto down_tasks = make_tasks(p, E, d, down_block, threads);
   parallel_tasks(pool, up_tasks, [&p](const Task& t) { run_gate_up(p, t); });
   parallel_tasks(pool, down_tasks, [&p](const Task& t) { run_down(p, t); });
   return ffi::Error::Success();

@@ -174,7 +174,9 @@ _experts_cpu.defvjp(_fwd, cpu_vjp)
 #: Columns of one task: gate/up tasks cover ``UP_BLOCK`` columns of F, down tasks
 #: ``DOWN_BLOCK`` columns of d (measured on the Qwen3.6 layer, docs/performance.md: a
 #: float task reads 256 / 512 contiguous bytes of each weight row at these widths, half
-#: that at 64 / 128, which cost bfloat16 decode ~20%).
+#: that at 64 / 128, which cost bfloat16 decode ~20%). An expert with fewer than 8 rows
+#: gets wider tasks in the kernel (whole rows when there are at least two such tasks per
+#: thread), which stream their weight rows contiguously.
 UP_BLOCK = 128
 DOWN_BLOCK = 256
 
