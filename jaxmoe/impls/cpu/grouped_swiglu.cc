@@ -438,12 +438,25 @@ void dequant_block(const QCols& w, int64_t ncols, int64_t K, float* pack) {
 
 // The block's scales (and biases) as float32 [ncols, ng] in `buf`: one conversion per
 // group and column, outside the tiles (which then read plain floats).
+// n scales (or biases) of type stype to float32, 8 at a time where the CPU has F16C
+// (exact either way; scalar conversions of GGUF Q8_0's float16 scales, ncols x in / 32 per
+// task, took ~10-15% of a T = 1 / 8 layer call).
+inline void scales_to_float(const void* src, int stype, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+  if (stype == kSF16)
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                    static_cast<const uint16_t*>(src) + i))));
+#endif
+  for (; i < n; ++i) out[i] = load_scale(src, stype, i);
+}
+
 inline QCols float_scales(const QCols& w, int64_t ncols, std::vector<float>& buf) {
   const int64_t n = ncols * w.ng;
   buf.resize(size_t(w.qbias ? 2 * n : n));
-  for (int64_t i = 0; i < n; ++i) buf[i] = load_scale(w.scales, w.stype, i);
-  if (w.qbias)
-    for (int64_t i = 0; i < n; ++i) buf[n + i] = load_scale(w.qbias, w.stype, i);
+  scales_to_float(w.scales, w.stype, n, buf.data());
+  if (w.qbias) scales_to_float(w.qbias, w.stype, n, buf.data() + n);
   QCols f = w;
   f.scales = buf.data();
   f.qbias = w.qbias ? buf.data() + n : nullptr;
