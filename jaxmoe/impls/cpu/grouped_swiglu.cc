@@ -321,6 +321,10 @@ void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
     for (int j = 0; j < NC; ++j) acc[i][j] = vf{};
   const void* rows[NC];
   for (int j = 0; j < NC; ++j) rows[j] = w.base + (j0 + j) * w.stride;
+  // The next tile's columns (the next pages of an out-major matrix: the hardware
+  // prefetcher does not cross 4 KiB pages), fetched line by line as this tile advances.
+  const char* next = w.base + (j0 + NC) * w.stride;
+  constexpr int kBytesPerStep = Q == kInt8 ? 2 * kLanes : Q == kInt4 ? kLanes : 2 * kLanes * 4;
   const int64_t G = Q == kFloat ? K : w.group;
   for (int64_t g0 = 0; g0 < K; g0 += G) {
     float s[NC], b[NC];
@@ -335,6 +339,11 @@ void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
       }
     }
     for (int64_t k = g0; k < g0 + G; k += 2 * kLanes) {
+      if constexpr (Q != kFloat) {
+        const int64_t kb = k / (2 * kLanes) * kBytesPerStep;
+        if (kb % 64 == 0)
+          for (int j = 0; j < NC; ++j) __builtin_prefetch(next + j * w.stride + kb);
+      }
       vf w0[NC], w1[NC];
       for (int j = 0; j < NC; ++j) dequant2<Q>(rows[j], k, s[j], b[j], w0[j], w1[j]);
       for (int i = 0; i < MR; ++i) {
@@ -362,11 +371,12 @@ void gtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
     for (int j = 0; j < NC; ++j) acc[i][j] = vf{};
   const uint8_t* rows[NC];
   for (int j = 0; j < NC; ++j) rows[j] = reinterpret_cast<const uint8_t*>(w.base + (j0 + j) * w.stride);
+  const char* next = w.base + (j0 + NC) * w.stride;  // the next tile's columns (as in qtile)
   alignas(64) float wb[NC][B];
   for (int64_t g0 = 0, blk = 0; g0 < K; g0 += B, ++blk) {
     for (int j = 0; j < NC; ++j) {
       const uint8_t* bj = rows[j] + blk * BB;
-      for (int o = 0; o < BB; o += 64) __builtin_prefetch(bj + 4 * BB + o);
+      for (int o = 0; o < BB; o += 64) __builtin_prefetch(next + j * w.stride + blk * BB + o);
       decode_block<Q>(bj, wb[j]);
     }
     for (int k = 0; k < B; k += 2 * kLanes) {
@@ -420,8 +430,11 @@ void qblock(const float* a, int64_t lda, const QCols& w, int64_t m, int64_t ncol
 // Dequantizes columns [0, ncols) of the block into pack [ncols, K] float32 (out-major).
 template <int Q>
 void dequant_block(const QCols& w, int64_t ncols, int64_t K, float* pack) {
+  const int64_t row_bytes = Q == kInt8 ? K : Q == kInt4 ? K / 2 : K * int64_t(sizeof(float));
   for (int64_t j = 0; j < ncols; ++j) {
     const void* row = w.base + j * w.stride;
+    if (j + 2 < ncols)  // two columns ahead: the next page (the hardware prefetcher stops at pages)
+      for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(w.base + (j + 2) * w.stride + o);
     for (int64_t g0 = 0; g0 < K; g0 += w.group) {
       const int64_t si = j * w.ng + g0 / w.group;  // float32 here (float_scales)
       const float s = static_cast<const float*>(w.scales)[si];
@@ -486,6 +499,8 @@ void gguf_matmul(const float* a, int64_t lda, const QCols& w, int64_t K, int64_t
   pack.resize(size_t(K) * ncols);
   for (int64_t j = 0; j < ncols; ++j) {
     const uint8_t* row = reinterpret_cast<const uint8_t*>(w.base + j * w.stride);
+    if (j + 2 < ncols)  // two columns ahead, as in dequant_block
+      for (int64_t o = 0; o < w.stride; o += 64) __builtin_prefetch(w.base + (j + 2) * w.stride + o);
     for (int64_t blk = 0; blk < K / B; ++blk) decode_block<Q>(row + blk * BB, pack.data() + j * K + blk * B);
   }
   QCols f{reinterpret_cast<const char*>(pack.data()), K * int64_t(sizeof(float)), nullptr, nullptr, 0, 1, K};
