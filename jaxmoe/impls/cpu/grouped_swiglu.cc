@@ -101,6 +101,12 @@ inline void tile(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K
     for (int j = 0; j < NV; ++j) store(c + i * ldc + j * kLanes, acc[i][j]);
 }
 
+// How far ahead quantized few-row tiles prefetch the columns to come into L2 (prefetcht1),
+// besides the next tile into L1 (float streams: 3 chunks ahead, stream_matmul). Measured on
+// the Qwen3.6 layer: bf16 T = 1..4 ~1.4x, int8 T = 1 / 8 ~1.5x faster; int4 and GGUF
+// block kinds unchanged, so GGUF tiles only take the L1 prefetch.
+constexpr int64_t kFarBytes = 24 << 10;
+
 // Columns that do not fill a vector: plain loops (C[m, ncols]).
 template <typename W>
 void tile_scalar(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t m, int64_t ncols,
@@ -160,8 +166,8 @@ constexpr int64_t kPackRows = 8;
 // multiply-adds in k order from zero, the order of `tile` (C round-trips through memory
 // exactly), so a row's result is the same bits whichever path its task takes.
 template <int MR, typename W>
-void stream_chunk(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t kc, int64_t ahead, int64_t vec_cols,
-                  float* c, int64_t ldc) {
+void stream_chunk(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t kc, int64_t ahead, int64_t far,
+                  int64_t vec_cols, float* c, int64_t ldc) {
   constexpr int NV = kMaxNV<MR>;
   int64_t j0 = 0;
   auto seg = [&](auto nv_c) {
@@ -171,7 +177,10 @@ void stream_chunk(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t 
       for (int j = 0; j < V; ++j) acc[i][j] = load(c + i * ldc + j0 + j * kLanes);
     for (int64_t k = 0; k < kc; ++k) {
       const W* bk = b + k * ldb + j0;
-      for (int j = 0; j < V * kLanes * int(sizeof(W)); j += 64) __builtin_prefetch((const char*)(bk + ahead * ldb) + j);
+      for (int j = 0; j < V * kLanes * int(sizeof(W)); j += 64) {
+        __builtin_prefetch((const char*)(bk + ahead * ldb) + j);
+        __builtin_prefetch((const char*)(bk + far * ldb) + j, 0, 2);
+      }
       vf bv[V];
       for (int j = 0; j < V; ++j) bv[j] = load(bk + j * kLanes);
       for (int i = 0; i < MR; ++i) {
@@ -195,16 +204,17 @@ void stream_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t
   for (int64_t k0 = 0; k0 < K; k0 += kc) {
     const int64_t n = std::min<int64_t>(kc, K - k0);
     const int64_t ahead = k0 + kc < K ? kc : 0;  // prefetch the next chunk's rows of the same columns
+    const int64_t far = k0 + 3 * kc < K ? 3 * kc : 0;  // 3 chunks (~48 KiB of these columns) ahead, into L2
     for (int64_t i0 = 0; i0 < m;) {
       const int64_t mr = std::min<int64_t>(4, m - i0);
       const float* ai = a + i0 * lda + k0;
       const W* bk = b + k0 * ldb;
       float* ci = c + i0 * ldc;
       switch (mr) {
-        case 1: stream_chunk<1>(ai, lda, bk, ldb, n, ahead, vec_cols, ci, ldc); break;
-        case 2: stream_chunk<2>(ai, lda, bk, ldb, n, ahead, vec_cols, ci, ldc); break;
-        case 3: stream_chunk<3>(ai, lda, bk, ldb, n, ahead, vec_cols, ci, ldc); break;
-        default: stream_chunk<4>(ai, lda, bk, ldb, n, ahead, vec_cols, ci, ldc); break;
+        case 1: stream_chunk<1>(ai, lda, bk, ldb, n, ahead, far, vec_cols, ci, ldc); break;
+        case 2: stream_chunk<2>(ai, lda, bk, ldb, n, ahead, far, vec_cols, ci, ldc); break;
+        case 3: stream_chunk<3>(ai, lda, bk, ldb, n, ahead, far, vec_cols, ci, ldc); break;
+        default: stream_chunk<4>(ai, lda, bk, ldb, n, ahead, far, vec_cols, ci, ldc); break;
       }
       i0 += mr;
     }
@@ -322,8 +332,10 @@ void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
   const void* rows[NC];
   for (int j = 0; j < NC; ++j) rows[j] = w.base + (j0 + j) * w.stride;
   // The next tile's columns (the next pages of an out-major matrix: the hardware
-  // prefetcher does not cross 4 KiB pages), fetched line by line as this tile advances.
+  // prefetcher does not cross 4 KiB pages), fetched line by line into L1 as this tile
+  // advances, and the columns kFarBytes ahead into L2 (int8 T = 1 / 8 ~1.5x faster).
   const char* next = w.base + (j0 + NC) * w.stride;
+  const char* far = w.base + (j0 + std::max<int64_t>(2 * NC, kFarBytes / w.stride)) * w.stride;
   constexpr int kBytesPerStep = Q == kInt8 ? 2 * kLanes : Q == kInt4 ? kLanes : 2 * kLanes * 4;
   const int64_t G = Q == kFloat ? K : w.group;
   for (int64_t g0 = 0; g0 < K; g0 += G) {
@@ -342,7 +354,10 @@ void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
       if constexpr (Q != kFloat) {
         const int64_t kb = k / (2 * kLanes) * kBytesPerStep;
         if (kb % 64 == 0)
-          for (int j = 0; j < NC; ++j) __builtin_prefetch(next + j * w.stride + kb);
+          for (int j = 0; j < NC; ++j) {
+            __builtin_prefetch(next + j * w.stride + kb);
+            __builtin_prefetch(far + j * w.stride + kb, 0, 2);
+          }
       }
       vf w0[NC], w1[NC];
       for (int j = 0; j < NC; ++j) dequant2<Q>(rows[j], k, s[j], b[j], w0[j], w1[j]);
