@@ -231,8 +231,11 @@ void float_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t 
   for (int64_t k = 0; k < K; ++k) {
     const W* bk = b + k * ldb;
     if (k + kAhead < K)
-      for (int64_t j = 0; j < ncols * int64_t(sizeof(W)); j += 64)
+      for (int64_t j = 0; j < ncols * int64_t(sizeof(W)); j += 64) {
         __builtin_prefetch(reinterpret_cast<const char*>(bk + kAhead * ldb) + j);
+        if (k + 3 * kAhead < K)  // and into L2 further ahead (bf16 T = 256 ~1.14x, f32 unchanged)
+          __builtin_prefetch(reinterpret_cast<const char*>(bk + 3 * kAhead * ldb) + j, 0, 2);
+      }
     float* pk = pack.data() + k * ncols;
     for (int64_t j = 0; j < vec_cols; j += kLanes) store(pk + j, load(bk + j));
     for (int64_t j = vec_cols; j < ncols; ++j) pk[j] = scalar(bk + j);
