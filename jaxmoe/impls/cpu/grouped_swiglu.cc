@@ -101,10 +101,11 @@ inline void tile(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K
     for (int j = 0; j < NV; ++j) store(c + i * ldc + j * kLanes, acc[i][j]);
 }
 
-// How far ahead quantized few-row tiles prefetch the columns to come into L2 (prefetcht1),
-// besides the next tile into L1 (float streams: 3 chunks ahead, stream_matmul). Measured on
-// the Qwen3.6 layer: bf16 T = 1..4 ~1.4x, int8 T = 1 / 8 ~1.5x faster; int4 and GGUF
-// block kinds unchanged, so GGUF tiles only take the L1 prefetch.
+// How far ahead the quantized few-row tiles (qtile) prefetch the columns to come into L2
+// (prefetcht1), besides the next tile into L1; the float streams (stream_matmul) prefetch
+// 3 chunks ahead the same way. Measured on the Qwen3.6 layer: int8 T = 1 / 8 ~1.5x, bf16
+// T = 1..4 ~1.4x faster; int4 and GGUF block kinds unchanged, so GGUF tiles (gtile) only
+// take the L1 prefetch.
 constexpr int64_t kFarBytes = 24 << 10;
 
 // Columns that do not fill a vector: plain loops (C[m, ncols]).
@@ -467,8 +468,6 @@ void dequant_block(const QCols& w, int64_t ncols, int64_t K, float* pack) {
   }
 }
 
-// The block's scales (and biases) as float32 [ncols, ng] in `buf`: one conversion per
-// group and column, outside the tiles (which then read plain floats).
 // n scales (or biases) of type stype to float32, 8 at a time where the CPU has F16C
 // (exact either way; scalar conversions of GGUF Q8_0's float16 scales, ncols x in / 32 per
 // task, took ~10-15% of a T = 1 / 8 layer call).
@@ -483,6 +482,8 @@ inline void scales_to_float(const void* src, int stype, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = load_scale(src, stype, i);
 }
 
+// The block's scales (and biases) as float32 [ncols, ng] in `buf`: one conversion per
+// group and column, outside the tiles (which then read plain floats).
 inline QCols float_scales(const QCols& w, int64_t ncols, std::vector<float>& buf) {
   const int64_t n = ncols * w.ng;
   buf.resize(size_t(w.qbias ? 2 * n : n));
