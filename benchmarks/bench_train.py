@@ -7,10 +7,11 @@ For each impl: ``fwd`` = the jitted forward ``moe_apply``; ``fwd+bwd`` = the jit
 experts, shared expert: the gradients a training step needs); ``bwd/fwd`` = (fwd+bwd -
 fwd) / fwd; ``sys s`` = the process's kernel CPU seconds during that best step (mostly
 first-touch page zeroing of the fresh result memory XLA allocates every call: 3.2 GB of
-weight gradients at 256 experts; on this VM that costs ~0.5 s per GB of CPU time). HF: the same loss through the torch block with every parameter and ``x``
-requiring grad, ``loss.backward()`` (parameter grads cleared to None first). Every call
-gets new tokens (cold); each repeat runs every impl once in a rotating order; the table
-shows the best of ``--repeats``. Gradients are checked against HF's before timing (x and
+weight gradients at 256 experts; on this VM that costs ~0.5 s per GB of CPU time). HF:
+the same loss through the torch block with every parameter and ``x`` requiring grad,
+``loss.backward()`` (parameter grads cleared to None first). Every call gets new tokens
+(cold); each repeat runs every impl once in a rotating order; the table shows the best of
+``--repeats``. Gradients are checked against HF's before timing (x and
 the routed experts' weights, max error relative to the largest entry).
 
     python benchmarks/bench_train.py                        # 256 experts, T 64,256,1024 (~14 GB peak)

@@ -78,17 +78,26 @@ namespace {
 
 // ---------------------------------------------------------------------------------
 // Float, in-major weights: C[MR, NV*lanes] = A[MR, K] @ B[K, NV*lanes].
-constexpr int64_t kAhead = 16;  // rows of B prefetched ahead when B is streamed from memory
+constexpr int64_t kAhead = 16;  // rows of B prefetched ahead when a block is packed (float_matmul)
 
-template <int MR, int NV, bool Prefetch, typename W>
-inline void tile(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, float* c, int64_t ldc) {
+// Stream: B is read from memory (stream_matmul): the accumulators start from C (the sums
+// of the rows before, so C round-trips through memory exactly) and each row of B
+// prefetches the row `ahead` rows on into L1 and the one `far` rows on into L2.
+// Otherwise they start from zero. Every element is one chain of fused multiply-adds in
+// k order either way.
+template <int MR, int NV, bool Stream, typename W>
+inline void tile(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, float* c, int64_t ldc,
+                 int64_t ahead, int64_t far) {
   vf acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NV; ++j) acc[i][j] = vf{};
+    for (int j = 0; j < NV; ++j) acc[i][j] = Stream ? load(c + i * ldc + j * kLanes) : vf{};
   for (int64_t k = 0; k < K; ++k) {
     const W* bk = b + k * ldb;
-    if (Prefetch)
-      for (int j = 0; j < NV * kLanes * int(sizeof(W)); j += 64) __builtin_prefetch((const char*)(bk + kAhead * ldb) + j);
+    if (Stream)
+      for (int j = 0; j < NV * kLanes * int(sizeof(W)); j += 64) {
+        __builtin_prefetch((const char*)(bk + ahead * ldb) + j);
+        __builtin_prefetch((const char*)(bk + far * ldb) + j, 0, 2);
+      }
     vf bv[NV];
     for (int j = 0; j < NV; ++j) bv[j] = load(bk + j * kLanes);
     for (int i = 0; i < MR; ++i) {
@@ -103,7 +112,7 @@ inline void tile(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K
 
 // How far ahead the quantized few-row tiles (qtile) prefetch the columns to come into L2
 // (prefetcht1), besides the next tile into L1; the float streams (stream_matmul) prefetch
-// 3 chunks ahead the same way. Measured on the Qwen3.6 layer: int8 T = 1 / 8 ~1.5x, bf16
+// 3 chunks ahead the same way (tile<..., Stream>). Measured on the Qwen3.6 layer: int8 T = 1 / 8 ~1.5x, bf16
 // T = 1..4 ~1.4x faster; int4 and GGUF block kinds unchanged, so GGUF tiles (gtile) only
 // take the L1 prefetch.
 constexpr int64_t kFarBytes = 24 << 10;
@@ -124,17 +133,19 @@ void tile_scalar(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K
 template <int MR>
 constexpr int kMaxNV = kLanes == 16 ? (MR <= 2 ? 8 : 4) : (MR == 1 ? 8 : MR == 2 ? 6 : MR <= 4 ? 3 : 2);
 
-template <int MR, bool Prefetch, typename W>
+template <int MR, bool Stream, typename W>
 void row_tile(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t vec_cols, float* c,
-              int64_t ldc) {
+              int64_t ldc, int64_t ahead = 0, int64_t far = 0) {
   constexpr int NV = kMaxNV<MR>;
   int64_t j0 = 0;
-  for (; j0 + NV * kLanes <= vec_cols; j0 += NV * kLanes) tile<MR, NV, Prefetch>(a, lda, b + j0, ldb, K, c + j0, ldc);
-  for (; j0 < vec_cols; j0 += kLanes) tile<MR, 1, Prefetch>(a, lda, b + j0, ldb, K, c + j0, ldc);
+  for (; j0 + NV * kLanes <= vec_cols; j0 += NV * kLanes)
+    tile<MR, NV, Stream>(a, lda, b + j0, ldb, K, c + j0, ldc, ahead, far);
+  for (; j0 < vec_cols; j0 += kLanes) tile<MR, 1, Stream>(a, lda, b + j0, ldb, K, c + j0, ldc, ahead, far);
 }
 
-// C[m, ncols] = A[m, K] @ B[K, ncols] for any m, ncols; scalar tail columns.
-template <bool Prefetch, typename W>
+// C[m, ncols] = A[m, K] @ B[K, ncols] for any m, ncols (B in cache: the packed block);
+// scalar tail columns.
+template <typename W>
 void block_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t m, int64_t ncols,
                   float* c, int64_t ldc) {
   const int64_t vec_cols = (ncols / kLanes) * kLanes;
@@ -143,12 +154,12 @@ void block_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t 
     const float* ai = a + i0 * lda;
     float* ci = c + i0 * ldc;
     switch (mr) {
-      case 1: row_tile<1, Prefetch>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      case 2: row_tile<2, Prefetch>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      case 3: row_tile<3, Prefetch>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      case 4: row_tile<4, Prefetch>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      case 5: row_tile<5, Prefetch>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      default: row_tile<6, Prefetch>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      case 1: row_tile<1, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      case 2: row_tile<2, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      case 3: row_tile<3, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      case 4: row_tile<4, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      case 5: row_tile<5, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      default: row_tile<6, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
     }
     if (vec_cols < ncols) tile_scalar(ai, lda, b + vec_cols, ldb, K, mr, ncols - vec_cols, ci + vec_cols, ldc);
     i0 += mr;
@@ -160,42 +171,12 @@ void block_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t 
 // cache by every row tile.
 constexpr int64_t kPackRows = 8;
 
-// Few rows (m < kPackRows): the weights stream from memory once, in chunks of KC whole
+// Few rows (m < kPackRows): the weights stream from memory once, in chunks of kc whole
 // rows of the task's columns (contiguous when the task spans the whole row), each chunk
-// swept column segment by segment with the accumulators of a segment loaded from and
-// stored back to C around it. Every output element is still one chain of fused
-// multiply-adds in k order from zero, the order of `tile` (C round-trips through memory
-// exactly), so a row's result is the same bits whichever path its task takes.
-template <int MR, typename W>
-void stream_chunk(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t kc, int64_t ahead, int64_t far,
-                  int64_t vec_cols, float* c, int64_t ldc) {
-  constexpr int NV = kMaxNV<MR>;
-  int64_t j0 = 0;
-  auto seg = [&](auto nv_c) {
-    constexpr int V = decltype(nv_c)::value;
-    vf acc[MR][V];
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < V; ++j) acc[i][j] = load(c + i * ldc + j0 + j * kLanes);
-    for (int64_t k = 0; k < kc; ++k) {
-      const W* bk = b + k * ldb + j0;
-      for (int j = 0; j < V * kLanes * int(sizeof(W)); j += 64) {
-        __builtin_prefetch((const char*)(bk + ahead * ldb) + j);
-        __builtin_prefetch((const char*)(bk + far * ldb) + j, 0, 2);
-      }
-      vf bv[V];
-      for (int j = 0; j < V; ++j) bv[j] = load(bk + j * kLanes);
-      for (int i = 0; i < MR; ++i) {
-        const vf av = vf{} + a[i * lda + k];
-        for (int j = 0; j < V; ++j) acc[i][j] = fmadd(av, bv[j], acc[i][j]);
-      }
-    }
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < V; ++j) store(c + i * ldc + j0 + j * kLanes, acc[i][j]);
-  };
-  for (; j0 + NV * kLanes <= vec_cols; j0 += NV * kLanes) seg(std::integral_constant<int, NV>{});
-  for (; j0 < vec_cols; j0 += kLanes) seg(std::integral_constant<int, 1>{});
-}
-
+// swept column segment by segment by the streaming tiles (accumulators from and back to
+// C). Every output element is still one chain of fused multiply-adds in k order from
+// zero, as in the packed path, so a row's result is the same bits whichever path its
+// task takes.
 template <typename W>
 void stream_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t m, int64_t ncols, float* c,
                    int64_t ldc) {
@@ -212,10 +193,10 @@ void stream_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t
       const W* bk = b + k0 * ldb;
       float* ci = c + i0 * ldc;
       switch (mr) {
-        case 1: stream_chunk<1>(ai, lda, bk, ldb, n, ahead, far, vec_cols, ci, ldc); break;
-        case 2: stream_chunk<2>(ai, lda, bk, ldb, n, ahead, far, vec_cols, ci, ldc); break;
-        case 3: stream_chunk<3>(ai, lda, bk, ldb, n, ahead, far, vec_cols, ci, ldc); break;
-        default: stream_chunk<4>(ai, lda, bk, ldb, n, ahead, far, vec_cols, ci, ldc); break;
+        case 1: row_tile<1, true>(ai, lda, bk, ldb, n, vec_cols, ci, ldc, ahead, far); break;
+        case 2: row_tile<2, true>(ai, lda, bk, ldb, n, vec_cols, ci, ldc, ahead, far); break;
+        case 3: row_tile<3, true>(ai, lda, bk, ldb, n, vec_cols, ci, ldc, ahead, far); break;
+        default: row_tile<4, true>(ai, lda, bk, ldb, n, vec_cols, ci, ldc, ahead, far); break;
       }
       i0 += mr;
     }
@@ -241,7 +222,7 @@ void float_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t 
     for (int64_t j = 0; j < vec_cols; j += kLanes) store(pk + j, load(bk + j));
     for (int64_t j = vec_cols; j < ncols; ++j) pk[j] = scalar(bk + j);
   }
-  block_matmul<false>(a, lda, pack.data(), ncols, K, m, ncols, c, ldc);
+  block_matmul(a, lda, pack.data(), ncols, K, m, ncols, c, ldc);
 }
 
 // ---------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 // multiply-adds, the weight kinds of the custom calls and the GGUF block decoders.
 // Included inside each library's anonymous namespace, after the system headers
 // (<cstdint>, <cstring>, <string>, <type_traits>, <immintrin.h> where the target has
-// AVX2 / AVX-512 / F16C, <sys/mman.h> on Linux) and xla/ffi/api/ffi.h with `namespace ffi = xla::ffi`.
+// AVX2 / AVX-512 / F16C, <sys/mman.h> on Linux) and xla/ffi/api/ffi.h with
+// `namespace ffi = xla::ffi`.
 // Both libraries are built with -ffp-contract=off (jaxmoe/impls/cpu/build.py): every
 // product and sum here rounds as written.
 #pragma once
