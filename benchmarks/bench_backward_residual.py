@@ -19,13 +19,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxmoe
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from interleave import interleaved_ms  # noqa: E402
+
+import jaxmoe  # noqa: E402
 from jaxmoe.impls.cpu import kernel
 from jaxmoe.impls.cpu.backward import cpu_vjp
 from jaxmoe.routing import route, router_logits
@@ -68,14 +73,10 @@ def main(argv=None) -> int:
         xs = [jax.random.normal(next(keys), (t, cfg.d_model), jnp.float32) for _ in range(4 * a.repeats + 2)]
         for f in steps.values():  # compile, untimed
             jax.block_until_ready(f(p.experts, p.w_router, xs[0], xs[1]))
-        ms: dict[str, list[float]] = {n: [] for n in steps}
-        i = 2
-        for r in range(a.repeats):
-            for n in list(steps)[r % 2 :] + list(steps)[: r % 2]:
-                t0 = time.perf_counter()
-                jax.block_until_ready(steps[n](p.experts, p.w_router, xs[i], xs[i + 1]))
-                ms[n].append((time.perf_counter() - t0) * 1e3)
-                i += 2
+        pairs = iter(zip(xs[2::2], xs[3::2]))
+        ms = interleaved_ms(
+            {n: functools.partial(f, p.experts, p.w_router) for n, f in steps.items()}, pairs.__next__, a.repeats
+        )
         s, c = ms["saved"], ms["recompute"]
         print(
             f"| {t} | {min(s):.0f} / {np.median(s):.0f} | {min(c):.0f} / {np.median(c):.0f} | "

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -37,6 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_block  # noqa: E402
+from interleave import interleaved_ms  # noqa: E402
 
 import jaxmoe  # noqa: E402
 from jaxmoe.impls.cpu import build, kernel  # noqa: E402
@@ -126,13 +127,7 @@ def main(argv=None) -> int:
                 np.array_equal(np.asarray(u), np.asarray(v))
                 for u, v in zip(jax.tree.leaves(fns["new"](w, *first)), jax.tree.leaves(fns["base"](w, *first)))
             )
-            ms: dict[str, list[float]] = {"new": [], "base": []}
-            for r in range(a.repeats):
-                for n in ("new", "base") if r % 2 == 0 else ("base", "new"):
-                    x = jax.block_until_ready(inputs())
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(fns[n](w, *x))
-                    ms[n].append((time.perf_counter() - t0) * 1e3)
+            ms = interleaved_ms({n: functools.partial(f, w) for n, f in fns.items()}, inputs, a.repeats)
             b, n = ms["base"], ms["new"]
             print(
                 f"| {fmt} | {t} | {min(b):.2f} / {np.median(b):.2f} | {min(n):.2f} / {np.median(n):.2f} | "
