@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_block  # noqa: E402
-from interleave import interleaved_ms  # noqa: E402
+from interleave import ab_cells, interleaved_ms  # noqa: E402
 
 import jaxmoe  # noqa: E402
 from jaxmoe.impls.cpu import build, kernel  # noqa: E402
@@ -128,12 +128,7 @@ def main(argv=None) -> int:
                 for u, v in zip(jax.tree.leaves(fns["new"](w, *first)), jax.tree.leaves(fns["base"](w, *first)))
             )
             ms = interleaved_ms({n: functools.partial(f, w) for n, f in fns.items()}, inputs, a.repeats)
-            b, n = ms["base"], ms["new"]
-            print(
-                f"| {fmt} | {t} | {min(b):.2f} / {np.median(b):.2f} | {min(n):.2f} / {np.median(n):.2f} | "
-                f"{min(b) / min(n):.2f}, {np.median(b) / np.median(n):.2f} | {same} |",
-                flush=True,
-            )
+            print(f"| {fmt} | {t} | {ab_cells(ms['base'], ms['new'])} | {same} |", flush=True)
     return 0
 
 

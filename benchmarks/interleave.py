@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 
 def interleaved_ms(
@@ -26,3 +27,12 @@ def interleaved_ms(
             jax.block_until_ready(fns[n](*args))
             ms[n].append((time.perf_counter() - t0) * 1e3)
     return ms
+
+
+def ab_cells(a: list[float], b: list[float], digits: int = 2) -> str:
+    """Markdown cells ``a best / median | b best / median | a / b (best, median)`` (> 1: b faster)."""
+    med_a, med_b = float(np.median(a)), float(np.median(b))
+    return (
+        f"{min(a):.{digits}f} / {med_a:.{digits}f} | {min(b):.{digits}f} / {med_b:.{digits}f} | "
+        f"{min(a) / min(b):.2f}, {med_a / med_b:.2f}"
+    )
