@@ -281,17 +281,43 @@ inline void widen_u4(const uint8_t* p, vf& w0, vf& w1) {
 #endif
 }
 
+// One group of one column: its scale and bias, and for int4 with AVX-512 the table of its
+// 16 values (lut16: the same bits as `q * s + b` per element).
+struct GroupScale {
+  float s, b;
+#ifdef JM_LUT16
+  vf lut;
+#endif
+};
+
+template <int Q>
+inline GroupScale group_scale(float s, float b) {
+  GroupScale g{s, b};
+#ifdef JM_LUT16
+  if constexpr (Q == kInt4) g.lut = lut16<kScaleAdd>(s, b);
+#endif
+  return g;
+}
+
 // Two vectors (2 * lanes consecutive elements along `in`, starting at k) of column `row`.
 template <int Q>
-inline void dequant2(const void* row, int64_t k, float s, float b, vf& w0, vf& w1) {
+inline void dequant2(const void* row, int64_t k, const GroupScale& g, vf& w0, vf& w1) {
+  const float s = g.s, b = g.b;
   if constexpr (Q == kInt8) {
     widen_s8(static_cast<const int8_t*>(row) + k, w0, w1);
     w0 *= s;
     w1 *= s;
   } else if constexpr (Q == kInt4) {
+#ifdef JM_LUT16  // 16 bytes = 32 codes in element order (low nibble first)
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(row) + k / 2));
+    const __m128i hi = _mm_srli_epi16(v, 4);  // each byte's low 4 bits: its high nibble
+    w0 = lut_at(g.lut, _mm_unpacklo_epi8(v, hi));
+    w1 = lut_at(g.lut, _mm_unpackhi_epi8(v, hi));
+#else
     widen_u4(static_cast<const uint8_t*>(row) + k / 2, w0, w1);
     w0 = w0 * s + b;
     w1 = w1 * s + b;
+#endif
   } else {  // a float32 tile buffer, already dequantized
     w0 = load(static_cast<const float*>(row) + k);
     w1 = load(static_cast<const float*>(row) + k + kLanes);
@@ -324,15 +350,14 @@ void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
   constexpr int kBytesPerStep = Q == kInt8 ? 2 * kLanes : Q == kInt4 ? kLanes : 2 * kLanes * 4;
   const int64_t G = Q == kFloat ? K : w.group;
   for (int64_t g0 = 0; g0 < K; g0 += G) {
-    float s[NC], b[NC];
+    GroupScale gs[NC];
     for (int j = 0; j < NC; ++j) {
       if constexpr (Q == kFloat) {
-        s[j] = 1.f;
-        b[j] = 0.f;
+        gs[j] = GroupScale{1.f, 0.f};
       } else {
         const int64_t si = (j0 + j) * w.ng + g0 / G;  // float32 here (float_scales)
-        s[j] = static_cast<const float*>(w.scales)[si];
-        b[j] = w.qbias ? static_cast<const float*>(w.qbias)[si] : 0.f;
+        gs[j] = group_scale<Q>(static_cast<const float*>(w.scales)[si],
+                               w.qbias ? static_cast<const float*>(w.qbias)[si] : 0.f);
       }
     }
     for (int64_t k = g0; k < g0 + G; k += 2 * kLanes) {
@@ -345,7 +370,7 @@ void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
           }
       }
       vf w0[NC], w1[NC];
-      for (int j = 0; j < NC; ++j) dequant2<Q>(rows[j], k, s[j], b[j], w0[j], w1[j]);
+      for (int j = 0; j < NC; ++j) dequant2<Q>(rows[j], k, gs[j], w0[j], w1[j]);
       for (int i = 0; i < MR; ++i) {
         const vf x0 = load(a + i * lda + k), x1 = load(a + i * lda + k + kLanes);
         for (int j = 0; j < NC; ++j) {
@@ -437,11 +462,11 @@ void dequant_block(const QCols& w, int64_t ncols, int64_t K, float* pack) {
       for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(w.base + (j + 2) * w.stride + o);
     for (int64_t g0 = 0; g0 < K; g0 += w.group) {
       const int64_t si = j * w.ng + g0 / w.group;  // float32 here (float_scales)
-      const float s = static_cast<const float*>(w.scales)[si];
-      const float b = w.qbias ? static_cast<const float*>(w.qbias)[si] : 0.f;
+      const GroupScale gs = group_scale<Q>(static_cast<const float*>(w.scales)[si],
+                                           w.qbias ? static_cast<const float*>(w.qbias)[si] : 0.f);
       for (int64_t k = g0; k < g0 + w.group; k += 2 * kLanes) {
         vf w0, w1;
-        dequant2<Q>(row, k, s, b, w0, w1);
+        dequant2<Q>(row, k, gs, w0, w1);
         store(pack + j * K + k, w0);
         store(pack + j * K + k + kLanes, w1);
       }

@@ -227,8 +227,52 @@ inline void codes_to_float(const uint8_t* q, float s, float m, float z, float* o
   }
 }
 
+#if JM_LANES == 16 && defined(__AVX512F__)
+#define JM_LUT16 1
+// 4-bit codes by table: the 16 values of s q + m (or s q - m) for q = 0..15, computed with
+// the float32 operations codes_to_float applies to each code (so the same bits), and a
+// code's value is one permute (vpermps reads the low 4 bits of each index lane: no mask).
+// Against widen + convert + multiply + add per vector: Q4_K / int4 decode ~2x fewer ops.
+template <int Mode>
+inline vf lut16(float s, float m) {
+  static_assert(Mode == kScaleAdd || Mode == kScaleSub, "an affine table");
+  const vf iota = {0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f};
+  const vf sv = vf{} + s, mv = vf{} + m;
+  vf w = sv * iota;
+  if constexpr (Mode == kScaleAdd)
+    w = w + mv;
+  else
+    w = w - mv;
+  return w;
+}
+
+// Table entries for 16 codes in the low 4 bits of 16 bytes (higher bits ignored).
+inline vf lut_at(const vf& lut, __m128i codes) {
+  return (vf)_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), (__m512)lut);
+}
+#endif
+
 template <int Q>
 inline void decode_block(const uint8_t* b, float* __restrict out) {
+#ifdef JM_LUT16
+  if constexpr (Q == kQ4_K) {  // the layout below; per sub-block a table, per 16 codes a permute
+    const float d = f16_at(b), dmin = f16_at(b + 2);
+    const uint8_t* qs = b + 16;
+    for (int p = 0; p < 4; ++p) {
+      int sc0, mn0, sc1, mn1;
+      k_scale_min(b + 4, 2 * p, sc0, mn0);
+      k_scale_min(b + 4, 2 * p + 1, sc1, mn1);
+      const vf t0 = lut16<kScaleSub>(d * float(sc0), dmin * float(mn0));
+      const vf t1 = lut16<kScaleSub>(d * float(sc1), dmin * float(mn1));
+      for (int l = 0; l < 32; l += 16) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * p + l));
+        store(out + 64 * p + l, lut_at(t0, v));                            // low nibbles
+        store(out + 64 * p + 32 + l, lut_at(t1, _mm_srli_epi16(v, 4)));  // high nibbles
+      }
+    }
+    return;
+  }
+#endif
   alignas(64) uint8_t q[256];  // the block's codes, one byte each (byte loops vectorize)
   if constexpr (Q == kQ4_1) {  // d f16, m f16, 16 bytes of nibbles: w = d q + m
     const uint8_t* qs = b + 4;
