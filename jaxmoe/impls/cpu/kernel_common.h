@@ -179,15 +179,33 @@ inline float f16_at(const uint8_t* p) {
   return half_to_float(h);
 }
 
-// Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes.
-inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
-  if (j < 4) {
-    sc = s[j] & 63;
-    mn = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+// Q4_K / Q5_K: the 8 sub-blocks' scales d * sc_j and mins dmin * mn_j (float32, one
+// rounding each, as gguf.quants) from the 12 packed bytes s: sc_j = s[j] & 63 and
+// mn_j = s[j + 4] & 63 for j < 4; for j >= 4 the low 4 bits come from s[j + 4] (sc: its
+// low nibble, mn: its high one) and the top 2 bits from s[j - 4] (sc) / s[j] (mn) >> 6.
+// All 16 six-bit values at once, four bytes per 32-bit word (no per-sub-block branches).
+inline void k_scales_mins(const uint8_t* s, float d, float dmin, float* __restrict dsc, float* __restrict dmn) {
+  uint32_t u[3];
+  std::memcpy(u, s, 12);
+  const uint32_t six = 0x3f3f3f3fu, nib = 0x0f0f0f0fu, two = 0x03030303u;
+  const uint32_t w[4] = {
+      u[0] & six,                                                // sc 0..3
+      (u[2] & nib) | (((u[0] >> 6) & two) << 4),                 // sc 4..7
+      u[1] & six,                                                // mn 0..3
+      ((u[2] >> 4) & nib) | (((u[1] >> 6) & two) << 4),          // mn 4..7
+  };
+#if defined(__AVX2__)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  _mm256_storeu_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))));
+  _mm256_storeu_ps(dmn, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))));
+#else
+  uint8_t v[16];
+  std::memcpy(v, w, 16);
+  for (int j = 0; j < 8; ++j) {
+    dsc[j] = d * float(v[j]);
+    dmn[j] = dmin * float(v[8 + j]);
   }
+#endif
 }
 
 // Codes (bytes) to float32 in vectors, N of them (a multiple of the vector width), in the
@@ -256,14 +274,12 @@ template <int Q>
 inline void decode_block(const uint8_t* b, float* __restrict out) {
 #ifdef JM_LUT16
   if constexpr (Q == kQ4_K) {  // the layout below; per sub-block a table, per 16 codes a permute
-    const float d = f16_at(b), dmin = f16_at(b + 2);
+    alignas(32) float dsc[8], dmn[8];
+    k_scales_mins(b + 4, f16_at(b), f16_at(b + 2), dsc, dmn);
     const uint8_t* qs = b + 16;
     for (int p = 0; p < 4; ++p) {
-      int sc0, mn0, sc1, mn1;
-      k_scale_min(b + 4, 2 * p, sc0, mn0);
-      k_scale_min(b + 4, 2 * p + 1, sc1, mn1);
-      const vf t0 = lut16<kScaleSub>(d * float(sc0), dmin * float(mn0));
-      const vf t1 = lut16<kScaleSub>(d * float(sc1), dmin * float(mn1));
+      const vf t0 = lut16<kScaleSub>(dsc[2 * p], dmn[2 * p]);
+      const vf t1 = lut16<kScaleSub>(dsc[2 * p + 1], dmn[2 * p + 1]);
       for (int l = 0; l < 32; l += 16) {
         const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * p + l));
         store(out + 64 * p + l, lut_at(t0, v));                            // low nibbles
@@ -298,8 +314,8 @@ inline void decode_block(const uint8_t* b, float* __restrict out) {
     // d f16, dmin f16, 12 scale bytes, [qh 32 bytes (Q5_K)], qs 128 bytes; 8 sub-blocks of
     // 32: sub-block 2p = low nibbles of qs[32p..], 2p+1 = their high nibbles;
     // w = (d sc) q - (dmin mn), Q5_K's fifth bit j of sub-block j from qh[l].
-    const float d = f16_at(b), dmin = f16_at(b + 2);
-    const uint8_t* sc6 = b + 4;
+    alignas(32) float dsc[8], dmn[8];
+    k_scales_mins(b + 4, f16_at(b), f16_at(b + 2), dsc, dmn);
     const uint8_t* qh = b + 16;
     const uint8_t* qs = b + (Q == kQ5_K ? 48 : 16);
     for (int p = 0; p < 4; ++p)
@@ -310,11 +326,7 @@ inline void decode_block(const uint8_t* b, float* __restrict out) {
     if constexpr (Q == kQ5_K)
       for (int j = 0; j < 8; ++j)
         for (int l = 0; l < 32; ++l) q[32 * j + l] |= uint8_t(((qh[l] >> j) & 1) << 4);
-    for (int j = 0; j < 8; ++j) {
-      int sc, mn;
-      k_scale_min(sc6, j, sc, mn);
-      codes_to_float<kScaleSub, 32>(q + 32 * j, d * float(sc), dmin * float(mn), 0.f, out + 32 * j);
-    }
+    for (int j = 0; j < 8; ++j) codes_to_float<kScaleSub, 32>(q + 32 * j, dsc[j], dmn[j], 0.f, out + 32 * j);
   } else {  // Q6_K: ql 128 bytes, qh 64 bytes, 16 int8 scales, d f16; w = (d sc) (q - 32)
     const uint8_t* ql = b;
     const uint8_t* qh = b + 128;
