@@ -196,8 +196,10 @@ inline void k_scales_mins(const uint8_t* s, float d, float dmin, float* __restri
   };
 #if defined(__AVX2__)
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  _mm256_storeu_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))));
-  _mm256_storeu_ps(dmn, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))));
+  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+  const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+  _mm256_storeu_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(d), sc));
+  _mm256_storeu_ps(dmn, _mm256_mul_ps(_mm256_set1_ps(dmin), mn));
 #else
   uint8_t v[16];
   std::memcpy(v, w, 16);
@@ -302,7 +304,8 @@ inline void decode_block(const uint8_t* b, float* __restrict out) {
           __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 64 * h + 32 * (s & 1) + l));
           if (s >> 1) lo = _mm_srli_epi16(lo, 4);
           const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 32 * h + l));
-          const __m128i top = _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(hi, _mm_cvtsi32_si128(2 * s)), m2), 4);
+          const __m128i top2 = _mm_and_si128(_mm_srl_epi16(hi, _mm_cvtsi32_si128(2 * s)), m2);
+          const __m128i top = _mm_slli_epi16(top2, 4);
           const __m128i q = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(lo, m4), top), z);  // q - 32, int8
           const int e = 128 * h + 32 * s + l;
           store(out + e, (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)) * ds[e / 16]);
