@@ -101,8 +101,7 @@ inline void tile(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K
     vf bv[NV];
     for (int j = 0; j < NV; ++j) bv[j] = load(bk + j * kLanes);
     for (int i = 0; i < MR; ++i) {
-      const float ai = a[i * lda + k];
-      const vf av = vf{} + ai;
+      const vf av = splat(a[i * lda + k]);
       for (int j = 0; j < NV; ++j) acc[i][j] = fmadd(av, bv[j], acc[i][j]);
     }
   }
@@ -308,11 +307,11 @@ inline void dequant2(const void* row, int64_t k, const GroupScale& g, vf& w0, vf
     w0 *= s;
     w1 *= s;
   } else if constexpr (Q == kInt4) {
-#ifdef JM_LUT16  // 16 bytes = 32 codes in element order (low nibble first)
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(row) + k / 2));
-    const __m128i hi = _mm_srli_epi16(v, 4);  // each byte's low 4 bits: its high nibble
-    w0 = lut_at(g.lut, _mm_unpacklo_epi8(v, hi));
-    w1 = lut_at(g.lut, _mm_unpackhi_epi8(v, hi));
+#ifdef JM_LUT16  // 16 bytes = 32 codes (low nibble first), in the split order (kSplitInt4)
+    const __m512i z = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(row) + k / 2)));
+    w0 = (vf)_mm512_permutexvar_ps(z, (__m512)g.lut);                       // low nibbles: even elements
+    w1 = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(z, 4), (__m512)g.lut);  // high nibbles: odd elements
 #else
     widen_u4(static_cast<const uint8_t*>(row) + k / 2, w0, w1);
     w0 = w0 * s + b;
@@ -349,20 +348,20 @@ void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
   const char* far = w.base + (j0 + std::max<int64_t>(2 * NC, kFarBytes / w.stride)) * w.stride;
   constexpr int kBytesPerStep = Q == kInt8 ? 2 * kLanes : Q == kInt4 ? kLanes : 2 * kLanes * 4;
   const int64_t G = Q == kFloat ? K : w.group;
-  for (int64_t g0 = 0; g0 < K; g0 += G) {
+  for (int64_t g0 = 0, gi = 0; g0 < K; g0 += G, ++gi) {
     GroupScale gs[NC];
     for (int j = 0; j < NC; ++j) {
       if constexpr (Q == kFloat) {
         gs[j] = GroupScale{1.f, 0.f};
       } else {
-        const int64_t si = (j0 + j) * w.ng + g0 / G;  // float32 here (float_scales)
+        const int64_t si = (j0 + j) * w.ng + gi;  // float32 here (float_scales)
         gs[j] = group_scale<Q>(static_cast<const float*>(w.scales)[si],
                                w.qbias ? static_cast<const float*>(w.qbias)[si] : 0.f);
       }
     }
     for (int64_t k = g0; k < g0 + G; k += 2 * kLanes) {
       if constexpr (Q != kFloat) {
-        const int64_t kb = k / (2 * kLanes) * kBytesPerStep;
+        const int64_t kb = int64_t(uint64_t(k) / (2 * kLanes)) * kBytesPerStep;
         if (kb % 64 == 0)
           for (int j = 0; j < NC; ++j) {
             __builtin_prefetch(next + j * w.stride + kb);
@@ -460,8 +459,8 @@ void dequant_block(const QCols& w, int64_t ncols, int64_t K, float* pack) {
     const void* row = w.base + j * w.stride;
     if (j + 2 < ncols)  // two columns ahead: the next page (the hardware prefetcher stops at pages)
       for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(w.base + (j + 2) * w.stride + o);
-    for (int64_t g0 = 0; g0 < K; g0 += w.group) {
-      const int64_t si = j * w.ng + g0 / w.group;  // float32 here (float_scales)
+    for (int64_t g0 = 0, gi = 0; g0 < K; g0 += w.group, ++gi) {
+      const int64_t si = j * w.ng + gi;  // float32 here (float_scales)
       const GroupScale gs = group_scale<Q>(static_cast<const float*>(w.scales)[si],
                                            w.qbias ? static_cast<const float*>(w.qbias)[si] : 0.f);
       for (int64_t k = g0; k < g0 + w.group; k += 2 * kLanes) {
@@ -474,11 +473,19 @@ void dequant_block(const QCols& w, int64_t ncols, int64_t K, float* pack) {
   }
 }
 
-// n scales (or biases) of type stype to float32, 8 at a time where the CPU has F16C
-// (exact either way; scalar conversions of GGUF Q8_0's float16 scales, ncols x in / 32 per
-// task, took ~10-15% of a T = 1 / 8 layer call).
-inline void scales_to_float(const void* src, int stype, int64_t n, float* out) {
+// n scales (or biases) of type stype to float32, in vectors (exact either way; scalar
+// conversions of GGUF Q8_0's float16 scales, ncols x in / 32 per task, took ~10-15% of a
+// T = 1 / 8 layer call).
+inline void scales_to_float(const void* src, int stype, int64_t n, float* __restrict out) {
   int64_t i = 0;
+  if (stype == kSBF16) {  // a 16-bit shift, which the compiler vectorizes
+    const uint16_t* __restrict h = static_cast<const uint16_t*>(src);
+    for (; i < n; ++i) {
+      const uint32_t w = uint32_t(h[i]) << 16;
+      std::memcpy(out + i, &w, 4);
+    }
+    return;
+  }
 #if defined(__F16C__) && defined(__AVX2__)
   if (stype == kSF16)
     for (; i + 8 <= n; i += 8)
@@ -488,9 +495,11 @@ inline void scales_to_float(const void* src, int stype, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = load_scale(src, stype, i);
 }
 
-// The block's scales (and biases) as float32 [ncols, ng] in `buf`: one conversion per
-// group and column, outside the tiles (which then read plain floats).
+// The block's scales (and biases) as float32 [ncols, ng]: float32 ones as they are, others
+// converted into `buf` (one conversion per group and column, outside the tiles, which
+// then read plain floats; a scalar copy of float32 ones took ~20% of an MLX int4 T = 1 call).
 inline QCols float_scales(const QCols& w, int64_t ncols, std::vector<float>& buf) {
+  if (w.stype == kSF32) return w;
   const int64_t n = ncols * w.ng;
   buf.resize(size_t(w.qbias ? 2 * n : n));
   scales_to_float(w.scales, w.stype, n, buf.data());
@@ -502,11 +511,41 @@ inline QCols float_scales(const QCols& w, int64_t ncols, std::vector<float>& buf
   return f;
 }
 
+// Where the int4 tiles have the 4-bit table (AVX-512), the 32 codes of each 16 bytes are
+// widened once (one byte per 32-bit lane) and both nibbles looked up from there: the
+// first vector holds the chunk's even elements (low nibbles), the second its odd ones
+// (3 shuffles per 32 codes instead of 6). The activations are read in the same order
+// (split_rows) by both the few-row tiles and the packed path (dequant_block stores the
+// split order), so every output element is still one chain over k, the same whatever the
+// row count; only the order of that chain differs from the element order.
+#ifdef JM_LUT16
+constexpr bool kSplitInt4 = true;
+#else
+constexpr bool kSplitInt4 = false;
+#endif
+
+// out[i, 32 c + l] = a[i, 32 c + 2 l], out[i, 32 c + 16 + l] = a[i, 32 c + 2 l + 1]
+// (l < 16): rows [m, K] of a (stride lda) in the split order, stride K.
+inline void split_rows(const float* a, int64_t lda, int64_t m, int64_t K, float* out) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t c = 0; c < K; c += 32)
+      for (int l = 0; l < 16; ++l) {
+        out[i * K + c + l] = a[i * lda + c + 2 * l];
+        out[i * K + c + 16 + l] = a[i * lda + c + 2 * l + 1];
+      }
+}
+
 template <int Q>
 void quant_matmul(const float* a, int64_t lda, const QCols& wq, int64_t K, int64_t m, int64_t ncols, float* c,
                   int64_t ldc, std::vector<float>& pack) {
-  thread_local std::vector<float> sbuf;
+  thread_local std::vector<float> sbuf, abuf;
   const QCols w = float_scales(wq, ncols, sbuf);
+  if constexpr (Q == kInt4 && kSplitInt4) {
+    abuf.resize(size_t(m * K));
+    split_rows(a, lda, m, K, abuf.data());
+    a = abuf.data();
+    lda = K;
+  }
   if (m < kPackRows) return qblock<Q>(a, lda, w, m, ncols, K, c, ldc);
   pack.resize(size_t(K) * ncols);
   dequant_block<Q>(w, ncols, K, pack.data());

@@ -84,7 +84,7 @@ inline void tile(const float* a, int64_t sa, int64_t sk, const float* b, int64_t
     vf bv[NV];
     for (int j = 0; j < NV; ++j) bv[j] = load(bk + j * kLanes);
     for (int i = 0; i < MR; ++i) {
-      const vf av = vf{} + a[i * sa + k * sk];
+      const vf av = splat(a[i * sa + k * sk]);
       for (int j = 0; j < NV; ++j) acc[i][j] = fmadd(av, bv[j], acc[i][j]);
     }
   }

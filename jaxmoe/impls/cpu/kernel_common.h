@@ -62,6 +62,19 @@ inline float bf16_to_float(uint16_t h) {
 inline float scalar(const float* p) { return *p; }
 inline float scalar(const uint16_t* p) { return bf16_to_float(*p); }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+// Every lane = s (exactly: `vf{} + s` rounds -0 to +0, so it cannot be folded into a
+// broadcast and costs an add before each one).
+inline vf splat(float s) {
+#if JM_LANES == 16 && defined(__AVX512F__)
+  return (vf)_mm512_set1_ps(s);
+#elif defined(__AVX__)
+  return (vf)_mm256_set1_ps(s);
+#else
+  vf v;
+  for (int l = 0; l < kLanes; ++l) v[l] = s;
+  return v;
+#endif
+}
 // a * b + c, fused where the target has FMA. Built with -ffp-contract=off, so the
 // compiler fuses nothing on its own: every output element gets one chain of these,
 // the same whatever a task's row count (GCC contracted some tile shapes and not others,
@@ -230,7 +243,7 @@ enum Affine : int { kScaleAdd, kScaleSub, kScaleShift };  // s q + m | s q - m |
 template <int Mode, int N>
 inline void codes_to_float(const uint8_t* q, float s, float m, float z, float* out) {
   static_assert(N % kLanes == 0, "a group fills whole vectors");
-  const vf sv = vf{} + s, mv = vf{} + m, zv = vf{} + z;
+  const vf sv = splat(s), mv = splat(m), zv = splat(z);
   for (int l = 0; l < N; l += kLanes) {
     const vf f = u8_to_vf(q + l);
     vf w;
