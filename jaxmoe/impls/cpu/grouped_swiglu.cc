@@ -348,6 +348,11 @@ void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
   const char* far = w.base + (j0 + std::max<int64_t>(2 * NC, kFarBytes / w.stride)) * w.stride;
   constexpr int kBytesPerStep = Q == kInt8 ? 2 * kLanes : Q == kInt4 ? kLanes : 2 * kLanes * 4;
   const int64_t G = Q == kFloat ? K : w.group;
+  if constexpr (Q != kFloat)  // the next tile's scales (and biases): float32 [ncols, ng] rows
+    for (int64_t o = 0; o < NC * w.ng; o += 16) {
+      __builtin_prefetch(static_cast<const float*>(w.scales) + (j0 + NC) * w.ng + o);
+      if (w.qbias) __builtin_prefetch(static_cast<const float*>(w.qbias) + (j0 + NC) * w.ng + o);
+    }
   for (int64_t g0 = 0, gi = 0; g0 < K; g0 += G, ++gi) {
     GroupScale gs[NC];
     for (int j = 0; j < NC; ++j) {
@@ -422,10 +427,67 @@ void gtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
     for (int j = 0; j < NC; ++j) c[i * ldc + j0 + j] = hsum(acc[i][j]);
 }
 
+#ifdef JM_LUT16
+// gtile for Q4_K without the block buffer: per pair of sub-blocks of each column, 32 bytes
+// widened once, both nibbles looked up in the sub-blocks' tables and multiplied straight
+// away, in gtile's order (16 elements at a time, in element order: the same bits).
+template <int MR, int NC>
+void gtile_q4k(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
+  constexpr int BB = block_bytes(kQ4_K);
+  vf acc[MR][NC];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j) acc[i][j] = vf{};
+  const uint8_t* rows[NC];
+  for (int j = 0; j < NC; ++j) rows[j] = reinterpret_cast<const uint8_t*>(w.base + (j0 + j) * w.stride);
+  const char* next = w.base + (j0 + NC) * w.stride;
+  for (int64_t g0 = 0, blk = 0; g0 < K; g0 += 256, ++blk) {
+    alignas(32) float dsc[NC][8], dmn[NC][8];
+    for (int j = 0; j < NC; ++j) {
+      const uint8_t* bj = rows[j] + blk * BB;
+      for (int o = 0; o < BB; o += 64) __builtin_prefetch(next + j * w.stride + blk * BB + o);
+      k_scales_mins(bj + 4, f16_at(bj), f16_at(bj + 2), dsc[j], dmn[j]);
+    }
+    for (int p = 0; p < 4; ++p) {
+      __m512i z0[NC], z1[NC];
+      vf t0[NC], t1[NC];
+      for (int j = 0; j < NC; ++j) {
+        const uint8_t* qs = rows[j] + blk * BB + 16 + 32 * p;
+        z0[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+        z1[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+        t0[j] = lut16<kScaleSub>(dsc[j][2 * p], dmn[j][2 * p]);
+        t1[j] = lut16<kScaleSub>(dsc[j][2 * p + 1], dmn[j][2 * p + 1]);
+      }
+      const int64_t k = g0 + 64 * p;
+      for (int h = 0; h < 4; ++h) {  // elements k + 16 h ..: low nibbles of z0, z1, then high ones
+        vf wv[NC];
+        for (int j = 0; j < NC; ++j) {
+          const __m512i z = h & 1 ? z1[j] : z0[j];
+          wv[j] = h < 2 ? (vf)_mm512_permutexvar_ps(z, (__m512)t0[j])
+                        : (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(z, 4), (__m512)t1[j]);
+        }
+        for (int i = 0; i < MR; ++i) {
+          const vf x = load(a + i * lda + k + 16 * h);
+          for (int j = 0; j < NC; ++j) acc[i][j] = fmadd(x, wv[j], acc[i][j]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j) c[i * ldc + j0 + j] = hsum(acc[i][j]);
+}
+#endif
+
 template <int MR, int Q>
 void qrow_tile(const float* a, int64_t lda, const QCols& w, int64_t ncols, int64_t K, float* c, int64_t ldc) {
   constexpr int NC = MR == 1 ? 4 : 2;
   int64_t j0 = 0;
+#ifdef JM_LUT16
+  if constexpr (Q == kQ4_K) {
+    for (; j0 + NC <= ncols; j0 += NC) gtile_q4k<MR, NC>(a, lda, w, j0, K, c, ldc);
+    for (; j0 < ncols; ++j0) gtile_q4k<MR, 1>(a, lda, w, j0, K, c, ldc);
+    return;
+  }
+#endif
   if constexpr (is_gguf(Q)) {
     for (; j0 + NC <= ncols; j0 += NC) gtile<MR, NC, Q>(a, lda, w, j0, K, c, ldc);
     for (; j0 < ncols; ++j0) gtile<MR, 1, Q>(a, lda, w, j0, K, c, ldc);
