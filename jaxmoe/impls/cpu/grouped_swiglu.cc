@@ -475,6 +475,37 @@ void gtile_q4k(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t 
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NC; ++j) c[i * ldc + j0 + j] = hsum(acc[i][j]);
 }
+
+// gtile for Q6_K without the block buffer: 16 codes at a time decoded and multiplied
+// straight away, in gtile's order (the same bits).
+template <int MR, int NC>
+void gtile_q6k(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
+  constexpr int BB = block_bytes(kQ6_K);
+  vf acc[MR][NC];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j) acc[i][j] = vf{};
+  const uint8_t* rows[NC];
+  for (int j = 0; j < NC; ++j) rows[j] = reinterpret_cast<const uint8_t*>(w.base + (j0 + j) * w.stride);
+  const char* next = w.base + (j0 + NC) * w.stride;
+  for (int64_t g0 = 0, blk = 0; g0 < K; g0 += 256, ++blk) {
+    alignas(64) float ds[NC][16];
+    for (int j = 0; j < NC; ++j) {
+      for (int o = 0; o < BB; o += 64) __builtin_prefetch(next + j * w.stride + blk * BB + o);
+      q6k_scales(rows[j] + blk * BB, ds[j]);
+    }
+#pragma GCC unroll 16
+    for (int e = 0; e < 256; e += 16) {
+      vf wv[NC];
+      for (int j = 0; j < NC; ++j) wv[j] = q6k_codes16(rows[j] + blk * BB, e) * ds[j][e / 16];
+      for (int i = 0; i < MR; ++i) {
+        const vf x = load(a + i * lda + g0 + e);
+        for (int j = 0; j < NC; ++j) acc[i][j] = fmadd(x, wv[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j) c[i * ldc + j0 + j] = hsum(acc[i][j]);
+}
 #endif
 
 template <int MR, int Q>
@@ -485,6 +516,11 @@ void qrow_tile(const float* a, int64_t lda, const QCols& w, int64_t ncols, int64
   if constexpr (Q == kQ4_K) {
     for (; j0 + NC <= ncols; j0 += NC) gtile_q4k<MR, NC>(a, lda, w, j0, K, c, ldc);
     for (; j0 < ncols; ++j0) gtile_q4k<MR, 1>(a, lda, w, j0, K, c, ldc);
+    return;
+  }
+  if constexpr (Q == kQ6_K) {
+    for (; j0 + NC <= ncols; j0 += NC) gtile_q6k<MR, NC>(a, lda, w, j0, K, c, ldc);
+    for (; j0 < ncols; ++j0) gtile_q6k<MR, 1>(a, lda, w, j0, K, c, ldc);
     return;
   }
 #endif

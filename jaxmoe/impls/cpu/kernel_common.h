@@ -276,9 +276,23 @@ inline vf lut16(float s, float m) {
   return affine<Mode>(load(kCodes), splat(s), splat(m), vf{});
 }
 
-// Table entries for 16 codes in the low 4 bits of 16 bytes (higher bits ignored).
-inline vf lut_at(const vf& lut, __m128i codes) {
-  return (vf)_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), (__m512)lut);
+
+// Q6_K (the layout in decode_block): d * sc_g of the 16 groups (one rounding each), and
+// the codes q - 32 of elements e .. e + 15 (e a multiple of 16) as float32, built in bytes.
+inline void q6k_scales(const uint8_t* b, float* ds) {
+  store(ds, (vf)_mm512_mul_ps(_mm512_set1_ps(f16_at(b + 208)),
+                              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))))));
+}
+inline vf q6k_codes16(const uint8_t* b, int e) {
+  const int h = e / 128, s = e / 32 % 4, l = e % 32;
+  const __m128i m4 = _mm_set1_epi8(15), m2 = _mm_set1_epi8(3), z = _mm_set1_epi8(32);
+  __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 * h + 32 * (s & 1) + l));
+  if (s >> 1) lo = _mm_srli_epi16(lo, 4);
+  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 128 + 32 * h + l));
+  const __m128i top2 = _mm_and_si128(_mm_srl_epi16(hi, _mm_cvtsi32_si128(2 * s)), m2);
+  const __m128i q = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(lo, m4), _mm_slli_epi16(top2, 4)), z);  // q - 32
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
 }
 #endif
 
@@ -301,25 +315,10 @@ inline void decode_block(const uint8_t* b, float* __restrict out) {
     return;
   }
   if constexpr (Q == kQ6_K) {  // the layout below; q - 32 built 16 at a time in bytes
-    const uint8_t* ql = b;
-    const uint8_t* qh = b + 128;
-    alignas(64) float ds[16];  // d * sc_g, one rounding each
-    store(ds, (vf)_mm512_mul_ps(_mm512_set1_ps(f16_at(b + 208)),
-                                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))))));
-    const __m128i m4 = _mm_set1_epi8(15), m2 = _mm_set1_epi8(3), z = _mm_set1_epi8(32);
-    for (int h = 0; h < 2; ++h)
-      for (int s = 0; s < 4; ++s)
-        for (int l = 0; l < 32; l += 16) {  // elements 128 h + 32 s + l ..
-          __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 64 * h + 32 * (s & 1) + l));
-          if (s >> 1) lo = _mm_srli_epi16(lo, 4);
-          const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 32 * h + l));
-          const __m128i top2 = _mm_and_si128(_mm_srl_epi16(hi, _mm_cvtsi32_si128(2 * s)), m2);
-          const __m128i top = _mm_slli_epi16(top2, 4);
-          const __m128i q = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(lo, m4), top), z);  // q - 32, int8
-          const int e = 128 * h + 32 * s + l;
-          store(out + e, (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)) * ds[e / 16]);
-        }
+    alignas(64) float ds[16];
+    q6k_scales(b, ds);
+  #pragma GCC unroll 16
+    for (int e = 0; e < 256; e += 16) store(out + e, q6k_codes16(b, e) * ds[e / 16]);
     return;
   }
 #endif
