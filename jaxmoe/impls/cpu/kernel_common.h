@@ -276,7 +276,6 @@ inline vf lut16(float s, float m) {
   return affine<Mode>(load(kCodes), splat(s), splat(m), vf{});
 }
 
-
 // Q6_K (the layout in decode_block): d * sc_g of the 16 groups (one rounding each), and
 // the codes q - 32 of elements e .. e + 15 (e a multiple of 16) as float32, built in bytes.
 inline void q6k_scales(const uint8_t* b, float* ds) {
