@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import quantize_experts, random_params, shrink
+from helpers import gguf_block_weight, quantize_experts, random_params, shrink
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -107,8 +107,39 @@ def test_needle_families(preset, impl, sizes, seed):
 @settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
 @given(sizes=st.lists(st.integers(2, 300), min_size=2, max_size=2), seed=st.integers(0, 2**31 - 1))
 def test_needle_quantized(quant, impl, sizes, seed):
+    """Plus a batch of 257 tokens every time (about 128 rows per expert: the C++ kernel's
+    packed path, where the needle alone takes the few-row tiles)."""
     cfg, p, needle = _case("qwen3.6-35b-a3b", "float32", quant, True)
-    assert _needle_mismatches(cfg, p, needle, impl, sizes, np.random.default_rng(seed)) == []
+    assert _needle_mismatches(cfg, p, needle, impl, [*sizes, 257], np.random.default_rng(seed)) == []
+
+
+@functools.cache
+def _block_case(up_kind: str, down_kind: str, seed: int = 0):
+    """Qwen3.6 at d = 1024, F = 256 (both multiples of the 256-element super-blocks), gate
+    and up in GGUF block kind ``up_kind``, down in ``down_kind`` (random blocks)."""
+    cfg = dataclasses.replace(shrink(jaxmoe.load_config("qwen3.6-35b-a3b"), d=1024, f=256, e=16), batch_invariant=True)
+    rng = np.random.default_rng(seed)
+    p = random_params(cfg, rng)
+    e, d, f = cfg.router.num_experts, cfg.d_model, cfg.expert_dim
+    ew = dataclasses.replace(
+        p.experts,
+        w_gate=gguf_block_weight(rng, up_kind, (e, f, d))[0],
+        w_up=gguf_block_weight(rng, up_kind, (e, f, d))[0],
+        w_down=gguf_block_weight(rng, down_kind, (e, d, f))[0],
+    )
+    needle = jnp.asarray(rng.standard_normal((1, d)), jnp.float32)
+    return cfg, dataclasses.replace(p, experts=ew), needle
+
+
+@pytest.mark.parametrize("kinds", [("q4_k", "q6_k"), ("q5_k", "q5_0")])
+def test_needle_gguf_block_kinds(kinds):
+    """GGUF block kinds in the C++ kernel: an expert with few rows decodes its blocks inside
+    the tiles (Q4_K and Q6_K straight into registers), one with 8 or more into the float32
+    tile buffer first; the needle's row is the same bits either way. Fixed batch sizes on
+    both sides of that switch (16 experts, top 8: about T / 2 rows each), fresh positions."""
+    cfg, p, needle = _block_case(*kinds)
+    sizes = [3, 40, 257]
+    assert _needle_mismatches(cfg, p, needle, "cpu", sizes, np.random.default_rng()) == []
 
 
 @pytest.mark.parametrize("plats", [("cpu",), ("oneapi",)])
