@@ -392,6 +392,10 @@ void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
 // block is decoded into a small float32 buffer (NC x B floats, in L1: never more than
 // one block per column), then multiplied in the same order as qtile<kFloat>, so a
 // row's result does not depend on whether its task took this path or the packed one.
+// With AVX-512, Q4_K and Q6_K skip the buffer: each 16 elements are decoded straight into
+// registers and multiplied in the same order (the same bits). Q4_K: per pair of
+// sub-blocks of each column, 32 bytes widened once and both nibbles looked up in the
+// sub-blocks' tables; Q6_K: 16 codes at a time (q6k_codes16).
 template <int MR, int NC, int Q>
 void gtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
   constexpr int B = block_elems(Q), BB = block_bytes(Q);
@@ -401,129 +405,72 @@ void gtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
   const uint8_t* rows[NC];
   for (int j = 0; j < NC; ++j) rows[j] = reinterpret_cast<const uint8_t*>(w.base + (j0 + j) * w.stride);
   const char* next = w.base + (j0 + NC) * w.stride;  // the next tile's columns (as in qtile)
+  auto madd = [&](int64_t k, const vf* wv) {  // acc += x[:, k .. k + lanes - 1] * wv
+    for (int i = 0; i < MR; ++i) {
+      const vf x = load(a + i * lda + k);
+      for (int j = 0; j < NC; ++j) acc[i][j] = fmadd(x, wv[j], acc[i][j]);
+    }
+  };
   alignas(64) float wb[NC][B];
   for (int64_t g0 = 0, blk = 0; g0 < K; g0 += B, ++blk) {
-    for (int j = 0; j < NC; ++j) {
-      const uint8_t* bj = rows[j] + blk * BB;
+    for (int j = 0; j < NC; ++j)
       for (int o = 0; o < BB; o += 64) __builtin_prefetch(next + j * w.stride + blk * BB + o);
-      decode_block<Q>(bj, wb[j]);
-    }
-    for (int k = 0; k < B; k += 2 * kLanes) {
-      vf w0[NC], w1[NC];
-      for (int j = 0; j < NC; ++j) {
-        w0[j] = load(wb[j] + k);
-        w1[j] = load(wb[j] + k + kLanes);
-      }
-      for (int i = 0; i < MR; ++i) {
-        const vf x0 = load(a + i * lda + g0 + k), x1 = load(a + i * lda + g0 + k + kLanes);
-        for (int j = 0; j < NC; ++j) {
-          acc[i][j] = fmadd(x0, w0[j], acc[i][j]);
-          acc[i][j] = fmadd(x1, w1[j], acc[i][j]);
-        }
-      }
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NC; ++j) c[i * ldc + j0 + j] = hsum(acc[i][j]);
-}
-
 #ifdef JM_LUT16
-// gtile for Q4_K without the block buffer: per pair of sub-blocks of each column, 32 bytes
-// widened once, both nibbles looked up in the sub-blocks' tables and multiplied straight
-// away, in gtile's order (16 elements at a time, in element order: the same bits).
-template <int MR, int NC>
-void gtile_q4k(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
-  constexpr int BB = block_bytes(kQ4_K);
-  vf acc[MR][NC];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NC; ++j) acc[i][j] = vf{};
-  const uint8_t* rows[NC];
-  for (int j = 0; j < NC; ++j) rows[j] = reinterpret_cast<const uint8_t*>(w.base + (j0 + j) * w.stride);
-  const char* next = w.base + (j0 + NC) * w.stride;
-  for (int64_t g0 = 0, blk = 0; g0 < K; g0 += 256, ++blk) {
-    alignas(32) float dsc[NC][8], dmn[NC][8];
-    for (int j = 0; j < NC; ++j) {
-      const uint8_t* bj = rows[j] + blk * BB;
-      for (int o = 0; o < BB; o += 64) __builtin_prefetch(next + j * w.stride + blk * BB + o);
-      k_scales_mins(bj + 4, f16_at(bj), f16_at(bj + 2), dsc[j], dmn[j]);
-    }
-    for (int p = 0; p < 4; ++p) {
-      __m512i z0[NC], z1[NC];
-      vf t0[NC], t1[NC];
+    if constexpr (Q == kQ4_K) {
+      alignas(32) float dsc[NC][8], dmn[NC][8];
       for (int j = 0; j < NC; ++j) {
-        const uint8_t* qs = rows[j] + blk * BB + 16 + 32 * p;
-        z0[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-        z1[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
-        t0[j] = lut16<kScaleSub>(dsc[j][2 * p], dmn[j][2 * p]);
-        t1[j] = lut16<kScaleSub>(dsc[j][2 * p + 1], dmn[j][2 * p + 1]);
+        const uint8_t* bj = rows[j] + blk * BB;
+        k_scales_mins(bj + 4, f16_at(bj), f16_at(bj + 2), dsc[j], dmn[j]);
       }
-      const int64_t k = g0 + 64 * p;
-      for (int h = 0; h < 4; ++h) {  // elements k + 16 h ..: low nibbles of z0, z1, then high ones
-        vf wv[NC];
+      for (int p = 0; p < 4; ++p) {
+        __m512i z0[NC], z1[NC];
+        vf t0[NC], t1[NC];
         for (int j = 0; j < NC; ++j) {
-          const __m512i z = h & 1 ? z1[j] : z0[j];
-          wv[j] = h < 2 ? (vf)_mm512_permutexvar_ps(z, (__m512)t0[j])
-                        : (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(z, 4), (__m512)t1[j]);
+          const uint8_t* qs = rows[j] + blk * BB + 16 + 32 * p;
+          z0[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+          z1[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+          t0[j] = lut16<kScaleSub>(dsc[j][2 * p], dmn[j][2 * p]);
+          t1[j] = lut16<kScaleSub>(dsc[j][2 * p + 1], dmn[j][2 * p + 1]);
         }
-        for (int i = 0; i < MR; ++i) {
-          const vf x = load(a + i * lda + k + 16 * h);
-          for (int j = 0; j < NC; ++j) acc[i][j] = fmadd(x, wv[j], acc[i][j]);
+        for (int h = 0; h < 4; ++h) {  // elements 64 p + 16 h ..: low nibbles of z0, z1, then high ones
+          vf wv[NC];
+          for (int j = 0; j < NC; ++j) {
+            const __m512i z = h & 1 ? z1[j] : z0[j];
+            wv[j] = h < 2 ? (vf)_mm512_permutexvar_ps(z, (__m512)t0[j])
+                          : (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(z, 4), (__m512)t1[j]);
+          }
+          madd(g0 + 64 * p + 16 * h, wv);
         }
       }
+      continue;
     }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NC; ++j) c[i * ldc + j0 + j] = hsum(acc[i][j]);
-}
-
-// gtile for Q6_K without the block buffer: 16 codes at a time decoded and multiplied
-// straight away, in gtile's order (the same bits).
-template <int MR, int NC>
-void gtile_q6k(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
-  constexpr int BB = block_bytes(kQ6_K);
-  vf acc[MR][NC];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NC; ++j) acc[i][j] = vf{};
-  const uint8_t* rows[NC];
-  for (int j = 0; j < NC; ++j) rows[j] = reinterpret_cast<const uint8_t*>(w.base + (j0 + j) * w.stride);
-  const char* next = w.base + (j0 + NC) * w.stride;
-  for (int64_t g0 = 0, blk = 0; g0 < K; g0 += 256, ++blk) {
-    alignas(64) float ds[NC][16];
-    for (int j = 0; j < NC; ++j) {
-      for (int o = 0; o < BB; o += 64) __builtin_prefetch(next + j * w.stride + blk * BB + o);
-      q6k_scales(rows[j] + blk * BB, ds[j]);
-    }
+    if constexpr (Q == kQ6_K) {
+      alignas(64) float ds[NC][16];
+      for (int j = 0; j < NC; ++j) q6k_scales(rows[j] + blk * BB, ds[j]);
 #pragma GCC unroll 16
-    for (int e = 0; e < 256; e += 16) {
-      vf wv[NC];
-      for (int j = 0; j < NC; ++j) wv[j] = q6k_codes16(rows[j] + blk * BB, e) * ds[j][e / 16];
-      for (int i = 0; i < MR; ++i) {
-        const vf x = load(a + i * lda + g0 + e);
-        for (int j = 0; j < NC; ++j) acc[i][j] = fmadd(x, wv[j], acc[i][j]);
+      for (int e = 0; e < 256; e += 16) {
+        vf wv[NC];
+        for (int j = 0; j < NC; ++j) wv[j] = q6k_codes16(rows[j] + blk * BB, e) * ds[j][e / 16];
+        madd(g0 + e, wv);
       }
+      continue;
+    }
+#endif
+    for (int j = 0; j < NC; ++j) decode_block<Q>(rows[j] + blk * BB, wb[j]);
+    for (int k = 0; k < B; k += kLanes) {
+      vf wv[NC];
+      for (int j = 0; j < NC; ++j) wv[j] = load(wb[j] + k);
+      madd(g0 + k, wv);
     }
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NC; ++j) c[i * ldc + j0 + j] = hsum(acc[i][j]);
 }
-#endif
 
 template <int MR, int Q>
 void qrow_tile(const float* a, int64_t lda, const QCols& w, int64_t ncols, int64_t K, float* c, int64_t ldc) {
   constexpr int NC = MR == 1 ? 4 : 2;
   int64_t j0 = 0;
-#ifdef JM_LUT16
-  if constexpr (Q == kQ4_K) {
-    for (; j0 + NC <= ncols; j0 += NC) gtile_q4k<MR, NC>(a, lda, w, j0, K, c, ldc);
-    for (; j0 < ncols; ++j0) gtile_q4k<MR, 1>(a, lda, w, j0, K, c, ldc);
-    return;
-  }
-  if constexpr (Q == kQ6_K) {
-    for (; j0 + NC <= ncols; j0 += NC) gtile_q6k<MR, NC>(a, lda, w, j0, K, c, ldc);
-    for (; j0 < ncols; ++j0) gtile_q6k<MR, 1>(a, lda, w, j0, K, c, ldc);
-    return;
-  }
-#endif
   if constexpr (is_gguf(Q)) {
     for (; j0 + NC <= ncols; j0 += NC) gtile<MR, NC, Q>(a, lda, w, j0, K, c, ldc);
     for (; j0 < ncols; ++j0) gtile<MR, 1, Q>(a, lda, w, j0, K, c, ldc);
