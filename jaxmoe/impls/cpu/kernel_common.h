@@ -313,6 +313,23 @@ inline void decode_block(const uint8_t* b, float* __restrict out) {
     }
     return;
   }
+  if constexpr (Q == kQ4_1 || Q == kQ5_0 || Q == kQ5_1) {  // the layouts below, 16 codes per vector
+    const int o = Q == kQ4_1 ? 4 : Q == kQ5_1 ? 8 : 6;  // where the nibbles start
+    const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + o)));
+    __m512i lo = _mm512_and_si512(z, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(z, 4);  // elements 0.., 16..
+    if constexpr (Q != kQ4_1) {  // the fifth bit of element l is bit l of qh
+      uint32_t qh;
+      std::memcpy(&qh, b + o - 4, 4);
+      const __m512i v16 = _mm512_set1_epi32(16);
+      lo = _mm512_mask_or_epi32(lo, __mmask16(qh & 0xffffu), lo, v16);
+      hi = _mm512_mask_or_epi32(hi, __mmask16(qh >> 16), hi, v16);
+    }
+    const float d = f16_at(b), m = Q == kQ5_0 ? 0.f : f16_at(b + 2), zc = Q == kQ5_0 ? 16.f : 0.f;
+    constexpr int Mode = Q == kQ5_0 ? kScaleShift : kScaleAdd;
+    store(out, affine<Mode>((vf)_mm512_cvtepi32_ps(lo), splat(d), splat(m), splat(zc)));
+    store(out + 16, affine<Mode>((vf)_mm512_cvtepi32_ps(hi), splat(d), splat(m), splat(zc)));
+    return;
+  }
   if constexpr (Q == kQ6_K) {  // the layout below; q - 32 built 16 at a time in bytes
     alignas(64) float ds[16];
     q6k_scales(b, ds);
