@@ -250,20 +250,13 @@ inline void widen_s8(const int8_t* p, vf& w0, vf& w1) {
 }
 
 inline void widen_u4(const uint8_t* p, vf& w0, vf& w1) {
-#if defined(__AVX2__)
+#if defined(__AVX2__) && JM_LANES == 8  // AVX-512 builds take the 4-bit table (dequant2)
   const __m128i m = _mm_set1_epi8(15);
-#if JM_LANES == 16 && defined(__AVX512F__)
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-  w0 = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
-  w1 = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)));
-#else
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
   const __m128i q = _mm_unpacklo_epi8(lo, hi);  // 16 codes in element order
   w0 = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
   w1 = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
-#endif
 #else
   vu8 bytes;
   std::memcpy(&bytes, p, kLanes);
