@@ -44,8 +44,9 @@
 // into float32 accumulators, so the result is within float rounding of the
 // dequantized-weight reference (activations stay float). Tasks with >= 8 rows first
 // dequantize their block of columns into a float32 tile buffer (out-major, one block
-// of columns, never an expert) and run larger tiles of the same per-element order on it. GGUF block kinds decode one
-// block per column (32 or 256 elements) into an L1 buffer inside the tile, bit-exact
+// of columns, never an expert) and run larger tiles of the same per-element order on
+// it. GGUF block kinds decode one block per column (32 or 256 elements) into an L1 buffer
+// inside the tile (or, for Q4_K / Q6_K with AVX-512, into registers), bit-exact
 // with gguf.quants.dequantize, then take the float tile's order of operations.
 //
 // Vector width is picked at build time from what the compiler targets (-march=native):
@@ -487,7 +488,7 @@ void qblock(const float* a, int64_t lda, const QCols& w, int64_t m, int64_t ncol
 // sums k = l, l + lanes, ... in order, then hsum), so a row's result is the same bits
 // whichever path its task takes; one vector of k per step leaves registers for a 6 x 4
 // tile: 10 loads per 24 multiply-adds (the 4 x 2 dot-product tile this replaces, 12 per
-// 16, was bound by L2 loads: q4_k T = 256 1.3x faster).
+// 16, was bound by L2 loads: T = 256 kernel calls 1.1-1.3x faster).
 template <int MR, int NC>
 void ptile(const float* a, int64_t lda, const float* b, int64_t K, int64_t j0, float* c, int64_t ldc) {
   vf acc[MR][NC];
@@ -537,7 +538,7 @@ inline void pblock(const float* a, int64_t lda, const float* pack, int64_t m, in
 // Dequantizes columns [0, ncols) of the block into pack [ncols, K] float32 (out-major).
 template <int Q>
 void dequant_block(const QCols& w, int64_t ncols, int64_t K, float* pack) {
-  const int64_t row_bytes = Q == kInt8 ? K : Q == kInt4 ? K / 2 : K * int64_t(sizeof(float));
+  const int64_t row_bytes = Q == kInt8 ? K : K / 2;
   for (int64_t j = 0; j < ncols; ++j) {
     const void* row = w.base + j * w.stride;
     if (j + 2 < ncols)  // two columns ahead: the next page (the hardware prefetcher stops at pages)
