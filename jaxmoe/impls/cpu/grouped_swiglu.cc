@@ -377,7 +377,7 @@ void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
 
 // The same tile for GGUF block kinds: per block of B elements, each of the NC columns'
 // block is decoded into a small float32 buffer (NC x B floats, in L1: never more than
-// one block per column), then multiplied in the same order as the packed path's ptile, so a
+// one block per column), then multiplied in the same order as the packed path's tiles, so a
 // row's result does not depend on whether its task took this path or the packed one.
 // With AVX-512, Q4_K and Q6_K skip the buffer: each 16 elements are decoded straight into
 // registers and multiplied in the same order (the same bits). Q4_K: per pair of
@@ -483,36 +483,19 @@ void qblock(const float* a, int64_t lda, const QCols& w, int64_t m, int64_t ncol
   }
 }
 
-// The packed path's tile: C[MR, NC] = A[MR, K] . B[NC columns, K] (float32, out-major, the
-// tile buffer): per accumulator the same chain as the few-row tiles qtile / gtile (lane l
-// sums k = l, l + lanes, ... in order, then hsum), so a row's result is the same bits
-// whichever path its task takes; one vector of k per step leaves registers for a 6 x 4
-// tile: 10 loads per 24 multiply-adds (the 4 x 2 dot-product tile this replaces, 12 per
-// 16, was bound by L2 loads: T = 256 kernel calls 1.1-1.3x faster).
-template <int MR, int NC>
-void ptile(const float* a, int64_t lda, const float* b, int64_t K, int64_t j0, float* c, int64_t ldc) {
-  vf acc[MR][NC];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NC; ++j) acc[i][j] = vf{};
-  const float* cols = b + j0 * K;
-  for (int64_t k = 0; k < K; k += kLanes) {
-    vf wv[NC];
-    for (int j = 0; j < NC; ++j) wv[j] = load(cols + j * K + k);
-    for (int i = 0; i < MR; ++i) {
-      const vf x = load(a + i * lda + k);
-      for (int j = 0; j < NC; ++j) acc[i][j] = fmadd(x, wv[j], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NC; ++j) c[i * ldc + j0 + j] = hsum(acc[i][j]);
-}
-
+// The packed path's row tiles: nt_tile (kernel_common.h, the backward's tile) over the
+// float32 tile buffer, up to 6 rows x 4 columns. Its per-element chain (lane l sums
+// k = l, l + lanes, ... in order, then hsum; K is a multiple of the lanes, so no tail) is
+// that of the few-row tiles qtile / gtile, so a row's result is the same bits whichever
+// path its task takes. (A 4 x 2 tile of two vectors per step, 12 loads per 16
+// multiply-adds, was bound by L2 loads here: 6 x 4 made T = 256 kernel calls 1.1-1.3x
+// faster; the backward's matmul_nt, 4 rows and single-element edges, is ~0.92x of this.)
 template <int MR>
 void prow_tile(const float* a, int64_t lda, const float* b, int64_t K, int64_t ncols, float* c, int64_t ldc) {
   constexpr int NC = 4;
   int64_t j0 = 0;
-  for (; j0 + NC <= ncols; j0 += NC) ptile<MR, NC>(a, lda, b, K, j0, c, ldc);
-  for (; j0 < ncols; ++j0) ptile<MR, 1>(a, lda, b, K, j0, c, ldc);
+  for (; j0 + NC <= ncols; j0 += NC) nt_tile<float, MR, NC>(a, lda, b + j0 * K, K, K, nullptr, nullptr, 0, c + j0, ldc);
+  for (; j0 < ncols; ++j0) nt_tile<float, MR, 1>(a, lda, b + j0 * K, K, K, nullptr, nullptr, 0, c + j0, ldc);
 }
 
 // C[m, ncols] = A[m, K] . pack[ncols, K] (the dequantized tile buffer; K a multiple of the lanes).

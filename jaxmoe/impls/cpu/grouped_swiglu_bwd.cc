@@ -129,63 +129,6 @@ void matmul(const float* a, int64_t sa, int64_t sk, const float* b, int64_t ldb,
   }
 }
 
-// C[m, n] = A[m, K] @ W[n, K]^T with both operands in their row layout: A rows at
-// a + i * lda, W rows (float32 or bfloat16, widened in registers) at w + j * ldw, and
-// optionally a second pair (a2, w2) of K2 columns continuing the same sums (the backward's
-// [dgate | dup] [W_g | W_u]^T). Each element is kLanes partial sums over its k's (lane l
-// takes k = l mod kLanes, in order), summed by `hsum`, then the scalar tail k's in order:
-// one fixed sequence whatever m, n, the tile or the thread (deterministic; a row's result
-// does not depend on the other rows). Reads each W row once per MR rows of A, no packing.
-template <typename T, int MR, int NR>
-inline void nt_tile(const float* a, int64_t lda, const T* w, int64_t ldw, int64_t K, const float* a2, const T* w2,
-                    int64_t K2, float* c, int64_t ldc) {
-  vf acc[MR][NR];
-  float tail[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = vf{}, tail[i][j] = 0.f;
-  for (int seg = 0; seg < 2; ++seg) {
-    const float* as = seg ? a2 : a;
-    const T* ws = seg ? w2 : w;
-    const int64_t Ks = seg ? K2 : K, kv = Ks / kLanes * kLanes;
-    if (!ws) break;
-    for (int64_t k = 0; k < kv; k += kLanes) {
-      vf wv[NR];
-      for (int j = 0; j < NR; ++j) wv[j] = load(ws + j * ldw + k);
-      for (int i = 0; i < MR; ++i) {
-        const vf av = load(as + i * lda + k);
-        for (int j = 0; j < NR; ++j) acc[i][j] = fmadd(av, wv[j], acc[i][j]);
-      }
-    }
-    for (int64_t k = kv; k < Ks; ++k)
-      for (int i = 0; i < MR; ++i)
-        for (int j = 0; j < NR; ++j) tail[i][j] = fmadd(as[i * lda + k], scalar(ws + j * ldw + k), tail[i][j]);
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) c[i * ldc + j] = hsum(acc[i][j]) + tail[i][j];
-}
-
-template <typename T>
-void matmul_nt(const float* a, int64_t lda, const T* w, int64_t ldw, int64_t K, const float* a2, const T* w2,
-               int64_t K2, int64_t m, int64_t n, float* c, int64_t ldc) {
-  constexpr int MR = kLanes == 16 ? 4 : 2, NR = 4;
-  for (int64_t i0 = 0; i0 < m; i0 += MR) {
-    const bool full_m = i0 + MR <= m;
-    for (int64_t j0 = 0; j0 < n; j0 += NR) {
-      const T* wj = w + j0 * ldw;
-      const T* w2j = w2 ? w2 + j0 * ldw : nullptr;
-      float* cij = c + i0 * ldc + j0;
-      if (full_m && j0 + NR <= n) {
-        nt_tile<T, MR, NR>(a + i0 * lda, lda, wj, ldw, K, a2 ? a2 + i0 * lda : nullptr, w2j, K2, cij, ldc);
-        continue;
-      }
-      for (int64_t i = i0; i < std::min(m, i0 + MR); ++i)  // edges: one element at a time, same sums
-        for (int64_t j = j0; j < std::min(n, j0 + NR); ++j)
-          nt_tile<T, 1, 1>(a + i * lda, lda, w + j * ldw, ldw, K, a2 ? a2 + i * lda : nullptr,
-                           w2 ? w2 + j * ldw : nullptr, K2, c + i * ldc + j, ldc);
-    }
-  }
-}
-
 // Row r0 of expert e of a float weight [E, in, out] stored as T (float or uint16_t bfloat16).
 template <typename T>
 const T* float_rows(const Weight& w, int64_t e, int64_t r0) {
