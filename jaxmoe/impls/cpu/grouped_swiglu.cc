@@ -206,7 +206,7 @@ void stream_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t
 
 template <typename W>
 void float_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t m, int64_t ncols, float* c,
-                  int64_t ldc, std::vector<float>& pack) {
+                  int64_t ldc, fvec& pack) {
   if (m < kPackRows) return stream_matmul(a, lda, b, ldb, K, m, ncols, c, ldc);
   pack.resize(size_t(K) * ncols);
   const int64_t vec_cols = (ncols / kLanes) * kLanes;
@@ -565,7 +565,7 @@ inline void scales_to_float(const void* src, int stype, int64_t n, float* __rest
 // The block's scales (and biases) as float32 [ncols, ng]: float32 ones as they are, others
 // converted into `buf` (one conversion per group and column, outside the tiles, which
 // then read plain floats; a scalar copy of float32 ones took ~20% of an MLX int4 T = 1 call).
-inline QCols float_scales(const QCols& w, int64_t ncols, std::vector<float>& buf) {
+inline QCols float_scales(const QCols& w, int64_t ncols, fvec& buf) {
   if (w.stype == kSF32) return w;
   const int64_t n = ncols * w.ng;
   buf.resize(size_t(w.qbias ? 2 * n : n));
@@ -604,8 +604,8 @@ inline void split_rows(const float* a, int64_t lda, int64_t m, int64_t K, float*
 
 template <int Q>
 void quant_matmul(const float* a, int64_t lda, const QCols& wq, int64_t K, int64_t m, int64_t ncols, float* c,
-                  int64_t ldc, std::vector<float>& pack) {
-  thread_local std::vector<float> sbuf, abuf;
+                  int64_t ldc, fvec& pack) {
+  thread_local fvec sbuf, abuf;
   const QCols w = float_scales(wq, ncols, sbuf);
   if constexpr (Q == kInt4 && kSplitInt4) {
     abuf.resize(size_t(m * K));
@@ -623,7 +623,7 @@ void quant_matmul(const float* a, int64_t lda, const QCols& wq, int64_t K, int64
 // the task's block of columns into the float32 tile buffer (ncols x K) first.
 template <int Q>
 void gguf_matmul(const float* a, int64_t lda, const QCols& w, int64_t K, int64_t m, int64_t ncols, float* c,
-                 int64_t ldc, std::vector<float>& pack) {
+                 int64_t ldc, fvec& pack) {
   constexpr int B = block_elems(Q), BB = block_bytes(Q);
   if (m < kPackRows) return qblock<Q>(a, lda, w, m, ncols, K, c, ldc);
   pack.resize(size_t(K) * ncols);
@@ -638,7 +638,7 @@ void gguf_matmul(const float* a, int64_t lda, const QCols& w, int64_t K, int64_t
 
 // C[m, ncols] = A[m, in] @ W_e[:, col0 : col0 + ncols] for any weight format.
 void matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t lda, int64_t m, int64_t ncols, float* c,
-            int64_t ldc, std::vector<float>& pack) {
+            int64_t ldc, fvec& pack) {
   const int64_t K = w.in, N = w.out;
   if (w.kind == kFloat) {
     if (w.bf16)
@@ -692,7 +692,7 @@ struct Task {
 };
 
 void run_gate_up(const Problem& p, const Task& t) {
-  thread_local std::vector<float> gbuf, ubuf, pack;
+  thread_local fvec gbuf, ubuf, pack;
   const int64_t e = t.expert, d = p.d, F = p.F;
   const float* x = p.xs + int64_t(t.row0) * d;
   gbuf.resize(size_t(t.rows) * t.cols);
@@ -727,7 +727,7 @@ void run_gate_up(const Problem& p, const Task& t) {
 }
 
 void run_down(const Problem& p, const Task& t) {
-  thread_local std::vector<float> pack;
+  thread_local fvec pack;
   const int64_t e = t.expert, d = p.d, F = p.F;
   float* y = p.ys + int64_t(t.row0) * d + t.col0;
   matmul(p.wd, e, t.col0, p.h + int64_t(t.row0) * F, F, t.rows, t.cols, y, d, pack);

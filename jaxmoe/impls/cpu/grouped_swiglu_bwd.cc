@@ -156,7 +156,7 @@ void pack_gguf(const Weight& w, int64_t e, int64_t in0, int64_t nin, int64_t out
                float* dst) {
   constexpr int64_t B = block_elems(Q), BB = block_bytes(Q);
   const int64_t K = w.in, N = w.out, row_bytes = K / B * BB;
-  thread_local std::vector<float> stage;
+  thread_local fvec stage;
   float* cols = dst;  // [nout, nin]: dst itself when transposed
   if (!transposed) {
     stage.resize(size_t(nout) * nin);
@@ -372,7 +372,7 @@ void expert_tasks(int64_t e, int32_t o, int32_t n, int64_t F, int64_t d, int64_t
 
 // Phase A: one (expert, F block) over all of the expert's rows.
 void run_a(const Problem& p, const Task& t) {
-  thread_local std::vector<float> pw, g, u, dh, hs, dg, du, out;
+  thread_local fvec pw, g, u, dh, hs, dg, du, out;
   const int64_t e = t.expert, d = p.d, F = p.F, n = t.rows, B = t.cols, c0 = t.col0;
   if (n == 0) {  // an expert with no rows: zero weight gradients
     const int64_t sz = d * F;
@@ -490,7 +490,7 @@ void run_a(const Problem& p, const Task& t) {
 
 // Phase B: one (expert, row chunk, d block): dxs, db_down, and (block 0) dot.
 void run_b(const Problem& p, const Task& t) {
-  thread_local std::vector<float> pw;
+  thread_local fvec pw;
   const int64_t e = t.expert, d = p.d, F = p.F, n = t.rows, B = t.cols, i0 = t.col0;
   const float* dgu = p.dgu + int64_t(t.row0) * 2 * F;
   float* dx = p.dxs + int64_t(t.row0) * d + i0;

@@ -131,6 +131,25 @@ inline float round_bf16(float f) {  // round to nearest even, NaN kept NaN
   return f;
 }
 
+// Scratch buffers of the kernels (tile buffers, gathered or reordered rows, per-task
+// results): 64-byte aligned, so a vector load never straddles two cache lines. glibc's
+// malloc aligns to 16 bytes (large blocks are mmap'd at a page + 16), and every
+// 64-byte load of such a buffer then touches two lines.
+template <typename T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <typename U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const Aligned64<U>&) const { return false; }
+};
+using fvec = std::vector<float, Aligned64<float>>;
+
 // ---------------------------------------------------------------------------------
 // One expert weight operand in its stored format.
 enum Kind : int { kFloat = 0, kInt8 = 1, kInt4 = 2, kQ4_1 = 3, kQ5_0 = 4, kQ5_1 = 5, kQ4_K = 6, kQ5_K = 7, kQ6_K = 8 };
