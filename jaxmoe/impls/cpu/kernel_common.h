@@ -131,10 +131,13 @@ inline float round_bf16(float f) {  // round to nearest even, NaN kept NaN
   return f;
 }
 
-// Scratch buffers of the kernels (tile buffers, gathered or reordered rows, per-task
-// results): 64-byte aligned, so a vector load never straddles two cache lines. glibc's
-// malloc aligns to 16 bytes (large blocks are mmap'd at a page + 16), and every
-// 64-byte load of such a buffer then touches two lines.
+// Scratch buffers of the kernels (tile buffers, reordered activation rows, per-task
+// results, converted scales): 64-byte aligned, so a vector load at a multiple of 64 bytes
+// from a buffer's start (every load of the tile buffer and of the reordered rows: rows of
+// K floats, K a multiple of 32) never straddles two cache lines. glibc's malloc aligns to
+// 16 bytes (a large block is mmap'd at a page + 16), and then every 64-byte load of such a
+// buffer touches two lines (forward kernel call alone on Zen 5: MLX int4 T = 64 / 256
+// 1.13-1.28x, Q4_K T = 256 1.07-1.10x faster aligned).
 template <typename T>
 struct Aligned64 {
   using value_type = T;
