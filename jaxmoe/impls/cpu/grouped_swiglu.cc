@@ -61,6 +61,7 @@
 #include <immintrin.h>
 #endif
 #include <memory>
+#include <new>
 #include <string>
 #include <thread>
 #include <type_traits>

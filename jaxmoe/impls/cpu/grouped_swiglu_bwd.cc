@@ -53,6 +53,7 @@
 #include <immintrin.h>
 #endif
 #include <memory>
+#include <new>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -126,6 +127,30 @@ void matmul(const float* a, int64_t sa, int64_t sk, const float* b, int64_t ldb,
         ci[i * ldc + j] = s;
       }
     i0 += mr;
+  }
+}
+
+// C[m, n] = A[m, K] @ W[n, K]^T (and the second pair a2, w2) on nt_tile (kernel_common.h):
+// MR-row x 4-column tiles, edges one element at a time with the same sums.
+template <typename T>
+void matmul_nt(const float* a, int64_t lda, const T* w, int64_t ldw, int64_t K, const float* a2, const T* w2,
+               int64_t K2, int64_t m, int64_t n, float* c, int64_t ldc) {
+  constexpr int MR = kLanes == 16 ? 4 : 2, NR = 4;
+  for (int64_t i0 = 0; i0 < m; i0 += MR) {
+    const bool full_m = i0 + MR <= m;
+    for (int64_t j0 = 0; j0 < n; j0 += NR) {
+      const T* wj = w + j0 * ldw;
+      const T* w2j = w2 ? w2 + j0 * ldw : nullptr;
+      float* cij = c + i0 * ldc + j0;
+      if (full_m && j0 + NR <= n) {
+        nt_tile<T, MR, NR>(a + i0 * lda, lda, wj, ldw, K, a2 ? a2 + i0 * lda : nullptr, w2j, K2, cij, ldc);
+        continue;
+      }
+      for (int64_t i = i0; i < std::min(m, i0 + MR); ++i)  // edges: one element at a time, same sums
+        for (int64_t j = j0; j < std::min(n, j0 + NR); ++j)
+          nt_tile<T, 1, 1>(a + i * lda, lda, w + j * ldw, ldw, K, a2 ? a2 + i * lda : nullptr,
+                           w2 ? w2 + j * ldw : nullptr, K2, c + i * ldc + j, ldc);
+    }
   }
 }
 

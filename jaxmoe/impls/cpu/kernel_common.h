@@ -1,9 +1,10 @@
 // Shared by grouped_swiglu.cc (forward) and grouped_swiglu_bwd.cc (backward) of impl="cpu":
 // float vectors of the build's width, bfloat16 / float16 conversions, explicit fused
-// multiply-adds, the weight kinds of the custom calls and the GGUF block decoders.
+// multiply-adds, 64-byte aligned scratch vectors, the weight kinds of the custom calls, the
+// GGUF block decoders and the dot-product tile along both operands' rows (nt_tile).
 // Included inside each library's anonymous namespace, after the system headers
-// (<cstdint>, <cstring>, <string>, <type_traits>, <immintrin.h> where the target has
-// AVX2 / AVX-512 / F16C, <sys/mman.h> on Linux) and xla/ffi/api/ffi.h with
+// (<cstdint>, <cstring>, <new>, <string>, <type_traits>, <vector>, <immintrin.h> where the
+// target has AVX2 / AVX-512 / F16C, <sys/mman.h> on Linux) and xla/ffi/api/ffi.h with
 // `namespace ffi = xla::ffi`.
 // Both libraries are built with -ffp-contract=off (jaxmoe/impls/cpu/build.py): every
 // product and sum here rounds as written.
@@ -465,26 +466,4 @@ inline void nt_tile(const float* a, int64_t lda, const T* w, int64_t ldw, int64_
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) c[i * ldc + j] = hsum(acc[i][j]) + tail[i][j];
-}
-
-template <typename T>
-void matmul_nt(const float* a, int64_t lda, const T* w, int64_t ldw, int64_t K, const float* a2, const T* w2,
-               int64_t K2, int64_t m, int64_t n, float* c, int64_t ldc) {
-  constexpr int MR = kLanes == 16 ? 4 : 2, NR = 4;
-  for (int64_t i0 = 0; i0 < m; i0 += MR) {
-    const bool full_m = i0 + MR <= m;
-    for (int64_t j0 = 0; j0 < n; j0 += NR) {
-      const T* wj = w + j0 * ldw;
-      const T* w2j = w2 ? w2 + j0 * ldw : nullptr;
-      float* cij = c + i0 * ldc + j0;
-      if (full_m && j0 + NR <= n) {
-        nt_tile<T, MR, NR>(a + i0 * lda, lda, wj, ldw, K, a2 ? a2 + i0 * lda : nullptr, w2j, K2, cij, ldc);
-        continue;
-      }
-      for (int64_t i = i0; i < std::min(m, i0 + MR); ++i)  // edges: one element at a time, same sums
-        for (int64_t j = j0; j < std::min(n, j0 + NR); ++j)
-          nt_tile<T, 1, 1>(a + i * lda, lda, w + j * ldw, ldw, K, a2 ? a2 + i * lda : nullptr,
-                           w2 ? w2 + j * ldw : nullptr, K2, c + i * ldc + j, ldc);
-    }
-  }
 }
