@@ -383,7 +383,8 @@ void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
 // With AVX-512, Q4_K and Q6_K skip the buffer: each 16 elements are decoded straight into
 // registers and multiplied in the same order (the same bits). Q4_K: per pair of
 // sub-blocks of each column, 32 bytes widened once and both nibbles looked up in the
-// sub-blocks' tables; Q6_K: 16 codes at a time (q6k_codes16).
+// sub-blocks' tables; Q6_K: the block's codes built as bytes (q6k_codes), then 16 at a time
+// widened (q6k_codes16).
 template <int MR, int NC, int Q>
 void gtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
   constexpr int B = block_elems(Q), BB = block_bytes(Q);
@@ -434,11 +435,15 @@ void gtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
     }
     if constexpr (Q == kQ6_K) {
       alignas(64) float ds[NC][16];
-      for (int j = 0; j < NC; ++j) q6k_scales(rows[j] + blk * BB, ds[j]);
+      alignas(64) int8_t qb[NC][256];
+      for (int j = 0; j < NC; ++j) {
+        q6k_scales(rows[j] + blk * BB, ds[j]);
+        q6k_codes(rows[j] + blk * BB, qb[j]);
+      }
 #pragma GCC unroll 16
       for (int e = 0; e < 256; e += 16) {
         vf wv[NC];
-        for (int j = 0; j < NC; ++j) wv[j] = q6k_codes16(rows[j] + blk * BB, e) * ds[j][e / 16];
+        for (int j = 0; j < NC; ++j) wv[j] = q6k_codes16(qb[j] + e) * ds[j][e / 16];
         madd(g0 + e, wv);
       }
       continue;

@@ -314,15 +314,37 @@ inline void q6k_scales(const uint8_t* b, float* ds) {
                               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))))));
 }
-inline vf q6k_codes16(const uint8_t* b, int e) {
-  const int h = e / 128, s = e / 32 % 4, l = e % 32;
-  const __m128i m4 = _mm_set1_epi8(15), m2 = _mm_set1_epi8(3), z = _mm_set1_epi8(32);
-  __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 * h + 32 * (s & 1) + l));
-  if (s >> 1) lo = _mm_srli_epi16(lo, 4);
-  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 128 + 32 * h + l));
-  const __m128i top2 = _mm_and_si128(_mm_srl_epi16(hi, _mm_cvtsi32_si128(2 * s)), m2);
-  const __m128i q = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(lo, m4), _mm_slli_epi16(top2, 4)), z);  // q - 32
-  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+// The 256 codes q - 32 of a block as bytes (qb[e] for element e = 128 h + 32 s + l), each
+// 32 of them built in one 32-byte vector: per half h, its low-nibble bytes
+// ql[64 h + 32 (s & 1) + l] (the high nibble for s >= 2) and two-bit pairs
+// qh[32 h + l] >> 2 s. Integer operations only, so qb is exactly the codes; a vector of 16
+// of them is then widened by q6k_codes16. (Built 16 codes at a time from two 16-byte
+// loads each, the byte work took ~3x the operations per code.)
+inline void q6k_codes(const uint8_t* b, int8_t* __restrict qb) {
+  const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), z = _mm256_set1_epi8(32);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m256i t[4] = {
+        _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),  // bits 0-1 of qh, as bits 4-5
+        _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),  // bits 2-3
+        _mm256_and_si256(qh, m30),                        // bits 4-5
+        _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),  // bits 6-7
+    };
+    const __m256i lo[4] = {
+        _mm256_and_si256(l0, m4),
+        _mm256_and_si256(l1, m4),
+        _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+        _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+    };
+    for (int s = 0; s < 4; ++s)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(qb + 128 * h + 32 * s),
+                         _mm256_sub_epi8(_mm256_or_si256(lo[s], t[s]), z));
+  }
+}
+inline vf q6k_codes16(const int8_t* qb) {
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qb))));
 }
 #endif
 
@@ -364,8 +386,10 @@ inline void decode_block(const uint8_t* b, float* __restrict out) {
   if constexpr (Q == kQ6_K) {  // the layout below; q - 32 built 16 at a time in bytes
     alignas(64) float ds[16];
     q6k_scales(b, ds);
+    alignas(64) int8_t qb[256];
+    q6k_codes(b, qb);
   #pragma GCC unroll 16
-    for (int e = 0; e < 256; e += 16) store(out + e, q6k_codes16(b, e) * ds[e / 16]);
+    for (int e = 0; e < 256; e += 16) store(out + e, q6k_codes16(qb + e) * ds[e / 16]);
     return;
   }
 #endif
