@@ -380,7 +380,7 @@ void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
 // block is decoded into a small float32 buffer (NC x B floats, in L1: never more than
 // one block per column), then multiplied in the same order as the packed path's tiles, so a
 // row's result does not depend on whether its task took this path or the packed one.
-// With AVX-512, Q4_K and Q6_K skip the buffer: each 16 elements are decoded straight into
+// With AVX-512, Q4_K, Q5_K and Q6_K skip the buffer: each 16 elements are decoded straight into
 // registers and multiplied in the same order (the same bits). Q4_K: per pair of
 // sub-blocks of each column, 32 bytes widened once and both nibbles looked up in the
 // sub-blocks' tables; Q6_K: the block's codes built as bytes (q6k_codes), then 16 at a time
@@ -427,6 +427,45 @@ void gtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
             const __m512i z = h & 1 ? z1[j] : z0[j];
             wv[j] = h < 2 ? (vf)_mm512_permutexvar_ps(z, (__m512)t0[j])
                           : (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(z, 4), (__m512)t1[j]);
+          }
+          madd(g0 + 64 * p + 16 * h, wv);
+        }
+      }
+      continue;
+    }
+    if constexpr (Q == kQ5_K) {  // as Q4_K, the fifth bit (j of sub-block j) from qh[l] into bit 4
+      alignas(32) float dsc[NC][8], dmn[NC][8];
+      __m512i h0[NC], h1[NC];  // qh[0..15], qh[16..31], one byte per lane
+      for (int j = 0; j < NC; ++j) {
+        const uint8_t* bj = rows[j] + blk * BB;
+        k_scales_mins(bj + 4, f16_at(bj), f16_at(bj + 2), dsc[j], dmn[j]);
+        h0[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bj + 16)));
+        h1[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bj + 32)));
+      }
+      const __m512i m15 = _mm512_set1_epi32(15), b4 = _mm512_set1_epi32(16);
+      auto fifth = [&](__m512i qh, int sub) {  // bit `sub` of each lane's qh byte, as bit 4
+        return sub <= 4 ? _mm512_slli_epi32(qh, 4 - sub) : _mm512_srli_epi32(qh, sub - 4);
+      };
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        __m512i z0[NC], z1[NC];
+        vf t0l[NC], t0h[NC], t1l[NC], t1h[NC];
+        for (int j = 0; j < NC; ++j) {
+          const uint8_t* qs = rows[j] + blk * BB + 48 + 32 * p;
+          z0[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+          z1[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+          lut32_sub(dsc[j][2 * p], dmn[j][2 * p], t0l[j], t0h[j]);
+          lut32_sub(dsc[j][2 * p + 1], dmn[j][2 * p + 1], t1l[j], t1h[j]);
+        }
+        for (int h = 0; h < 4; ++h) {  // elements 64 p + 16 h ..: low nibbles of z0, z1, then high ones
+          vf wv[NC];
+          for (int j = 0; j < NC; ++j) {
+            const __m512i z = h & 1 ? z1[j] : z0[j], qh = h & 1 ? h1[j] : h0[j];
+            const int sub = 2 * p + (h >> 1);
+            const __m512i nib = h < 2 ? _mm512_and_si512(z, m15) : _mm512_srli_epi32(z, 4);
+            const __m512i idx = _mm512_ternarylogic_epi32(nib, fifth(qh, sub), b4, 0xF8);  // nib | (bit & 16)
+            wv[j] = h < 2 ? (vf)_mm512_permutex2var_ps((__m512)t0l[j], idx, (__m512)t0h[j])
+                          : (vf)_mm512_permutex2var_ps((__m512)t1l[j], idx, (__m512)t1h[j]);
           }
           madd(g0 + 64 * p + 16 * h, wv);
         }

@@ -307,6 +307,17 @@ inline vf lut16(float s, float m) {
   return affine<Mode>(load(kCodes), splat(s), splat(m), vf{});
 }
 
+// 5-bit codes by table (Q5_K): the 32 values s q - m for q = 0..31 in two vectors (q < 16,
+// q >= 16) by the same affine decode, looked up by one two-table permute (vpermt2ps reads
+// the low 5 bits of each index lane).
+inline void lut32_sub(float s, float m, vf& lo, vf& hi) {
+  alignas(64) static constexpr float kCodes[32] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10,
+                                                   11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+                                                   22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
+  lo = affine<kScaleSub>(load(kCodes), splat(s), splat(m), vf{});
+  hi = affine<kScaleSub>(load(kCodes + 16), splat(s), splat(m), vf{});
+}
+
 // Q6_K (the layout in decode_block): d * sc_g of the 16 groups (one rounding each), and
 // the codes q - 32 of elements e .. e + 15 (e a multiple of 16) as float32, built in bytes.
 inline void q6k_scales(const uint8_t* b, float* ds) {
