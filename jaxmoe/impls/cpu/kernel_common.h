@@ -318,8 +318,7 @@ inline void lut32_sub(float s, float m, vf& lo, vf& hi) {
   hi = affine<kScaleSub>(load(kCodes + 16), splat(s), splat(m), vf{});
 }
 
-// Q6_K (the layout in decode_block): d * sc_g of the 16 groups (one rounding each), and
-// the codes q - 32 of elements e .. e + 15 (e a multiple of 16) as float32, built in bytes.
+// Q6_K (the layout in decode_block): d * sc_g of the 16 groups (one rounding each).
 inline void q6k_scales(const uint8_t* b, float* ds) {
   store(ds, (vf)_mm512_mul_ps(_mm512_set1_ps(f16_at(b + 208)),
                               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -394,7 +393,7 @@ inline void decode_block(const uint8_t* b, float* __restrict out) {
     store(out + 16, affine<Mode>((vf)_mm512_cvtepi32_ps(hi), splat(d), splat(m), splat(zc)));
     return;
   }
-  if constexpr (Q == kQ6_K) {  // the layout below; q - 32 built 16 at a time in bytes
+  if constexpr (Q == kQ6_K) {  // the layout below; q - 32 built as bytes (q6k_codes), widened 16 at a time
     alignas(64) float ds[16];
     q6k_scales(b, ds);
     alignas(64) int8_t qb[256];
