@@ -17,6 +17,7 @@ the routed experts' weights, max error relative to the largest entry).
     python benchmarks/bench_train.py                        # 256 experts, T 64,256,1024 (~14 GB peak)
     python benchmarks/bench_train.py --experts 64 --tokens 64,256 --impls hf,cpu
     python benchmarks/bench_train.py --dtype q4_k_m --tokens 8,64 --impls auto,gather --gather-max-tokens 64
+    python benchmarks/bench_train.py --tokens 64,256 --impls auto --glibc-reuse   # freed memory kept (README)
 
 ``--dtype`` stores the experts (routed and shared) in one of bench_block.py's formats;
 quantized experts are frozen (adapter-style fine-tuning: gradients of ``x``, the router and
@@ -54,6 +55,13 @@ def parse_args(argv=None):
         help="experts' format (bench_block.py's --dtype: f32, bf16, q8_0, q4_0, mlx4_g64, q4_k_m, ...); "
         "quantized experts are frozen (gradients of x, router and what else is float) and hf is skipped",
     )
+    ap.add_argument(
+        "--glibc-reuse",
+        action="store_true",
+        help="run the benchmark twice in child processes, plain and with GLIBC_TUNABLES that keep "
+        "freed memory in the process (README, Training), and print both and their step ratio",
+    )
+    ap.add_argument("--json-out", default=None, help=argparse.SUPPRESS)  # a child's rows, for --glibc-reuse
     a = ap.parse_args(argv)
     a.tokens = [int(t) for t in a.tokens.split(",")]
     a.impls = [i.strip() for i in a.impls.split(",") if i.strip()]
@@ -113,8 +121,52 @@ def trainable_grad(loss, p):
     return step
 
 
+#: One glibc heap for every thread, no per-allocation maps, no trimming: XLA's freed result
+#: memory stays in the process and the next step reuses it (README, "Training").
+GLIBC_REUSE = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=100000000000"
+
+
+def glibc_reuse(argv: list[str]) -> int:
+    """The benchmark in two child processes, plain then with `GLIBC_REUSE`; prints each one's
+    output and, per T and impl, the step times and plain / reuse (> 1: reuse faster)."""
+    import json
+    import subprocess
+    import tempfile
+
+    argv = [x for x in argv if x != "--glibc-reuse"]
+    rows = {}
+    for name, tunables in (("plain", None), ("reuse", GLIBC_REUSE)):
+        env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+        if tunables:
+            env["GLIBC_TUNABLES"] = tunables
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            print(f"== {name}: GLIBC_TUNABLES={tunables or '(unset)'}", flush=True)
+            r = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--json-out", out.name], env=env)
+            if r.returncode:
+                return r.returncode
+            rows[name] = {(x["T"], x["impl"]): x for x in json.load(open(out.name))}
+    print("\n|    T | impl     | plain fwd+bwd ms | reuse fwd+bwd ms | plain / reuse | bwd/fwd plain | bwd/fwd reuse |")
+    print("|-----:|:---------|-----------------:|-----------------:|--------------:|--------------:|--------------:|")
+    for key, p0 in rows["plain"].items():
+        p1 = rows["reuse"].get(key)
+        if p1 is None:
+            continue
+
+        def ratio(r):
+            return f"{(r['step'] - r['fwd']) / r['fwd']:13.2f}" if r["fwd"] else "            -"
+
+        print(
+            f"| {key[0]:4d} | {key[1]:8s} | {p0['step']:16.1f} | {p1['step']:16.1f} | "
+            f"{p0['step'] / p1['step']:13.2f} | {ratio(p0)} | {ratio(p1)} |"
+        )
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)
+    if a.glibc_reuse:
+        return glibc_reuse(argv)
     cfg = jaxmoe.load_config("qwen3.6-35b-a3b")
     if a.experts:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, num_experts=a.experts))
@@ -199,6 +251,11 @@ def main(argv=None) -> int:
         ratio = f"{(r['step'] - r['fwd']) / r['fwd']:7.2f}" if r["fwd"] else "      -"
         vs = f"{r['vs_hf']:15.2f}" if r["vs_hf"] else "              -"
         print(f"| {r['T']:4d} | {r['impl']:8s} | {fw} | {r['step']:10.1f} | {ratio} | {r['sys']:5.2f} | {vs} |")
+    if a.json_out:
+        import json
+
+        with open(a.json_out, "w") as f:
+            json.dump(rows, f)
     return 0
 
 
