@@ -405,67 +405,51 @@ void gtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
     for (int j = 0; j < NC; ++j)
       for (int o = 0; o < BB; o += 64) __builtin_prefetch(next + j * w.stride + blk * BB + o);
 #ifdef JM_LUT16
-    if constexpr (Q == kQ4_K) {
+    if constexpr (Q == kQ4_K || Q == kQ5_K) {
+      // Q5_K: the fifth bit (bit s of qh[l] for sub-block s) into bit 4 of the index, and
+      // 32-entry tables (codes 0..15 | 16..31) looked up by one two-table permute.
+      constexpr int kQs = Q == kQ5_K ? 48 : 16;  // where the nibbles start
       alignas(32) float dsc[NC][8], dmn[NC][8];
+      __m512i h0[NC], h1[NC];  // Q5_K: qh[0..15], qh[16..31], one byte per lane
       for (int j = 0; j < NC; ++j) {
         const uint8_t* bj = rows[j] + blk * BB;
         k_scales_mins(bj + 4, f16_at(bj), f16_at(bj + 2), dsc[j], dmn[j]);
+        if constexpr (Q == kQ5_K) {
+          h0[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bj + 16)));
+          h1[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bj + 32)));
+        }
       }
       for (int p = 0; p < 4; ++p) {
-        __m512i z0[NC], z1[NC];
-        vf t0[NC], t1[NC];
+        __m512i z0[NC], z1[NC], q0[NC], q1[NC];  // Q5_K: q = qh >> 2p (sub-block 2p's bit at bit 0)
+        vf t[NC][2][2];  // [column][sub-block 2p, 2p + 1][codes 0..15, 16..31]
         for (int j = 0; j < NC; ++j) {
-          const uint8_t* qs = rows[j] + blk * BB + 16 + 32 * p;
+          if constexpr (Q == kQ5_K) {
+            const __m128i n = _mm_cvtsi32_si128(2 * p);
+            q0[j] = _mm512_srl_epi32(h0[j], n);
+            q1[j] = _mm512_srl_epi32(h1[j], n);
+          }
+          const uint8_t* qs = rows[j] + blk * BB + kQs + 32 * p;
           z0[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
           z1[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
-          t0[j] = lut16<kScaleSub>(dsc[j][2 * p], dmn[j][2 * p]);
-          t1[j] = lut16<kScaleSub>(dsc[j][2 * p + 1], dmn[j][2 * p + 1]);
+          for (int u = 0; u < 2; ++u) {
+            t[j][u][0] = lut16<kScaleSub>(dsc[j][2 * p + u], dmn[j][2 * p + u]);
+            if constexpr (Q == kQ5_K) t[j][u][1] = lut16<kScaleSub>(dsc[j][2 * p + u], dmn[j][2 * p + u], 16);
+          }
         }
         for (int h = 0; h < 4; ++h) {  // elements 64 p + 16 h ..: low nibbles of z0, z1, then high ones
           vf wv[NC];
           for (int j = 0; j < NC; ++j) {
             const __m512i z = h & 1 ? z1[j] : z0[j];
-            wv[j] = h < 2 ? (vf)_mm512_permutexvar_ps(z, (__m512)t0[j])
-                          : (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(z, 4), (__m512)t1[j]);
-          }
-          madd(g0 + 64 * p + 16 * h, wv);
-        }
-      }
-      continue;
-    }
-    if constexpr (Q == kQ5_K) {  // as Q4_K, the fifth bit (j of sub-block j) from qh[l] into bit 4
-      alignas(32) float dsc[NC][8], dmn[NC][8];
-      __m512i h0[NC], h1[NC];  // qh[0..15], qh[16..31], one byte per lane
-      for (int j = 0; j < NC; ++j) {
-        const uint8_t* bj = rows[j] + blk * BB;
-        k_scales_mins(bj + 4, f16_at(bj), f16_at(bj + 2), dsc[j], dmn[j]);
-        h0[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bj + 16)));
-        h1[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bj + 32)));
-      }
-      const __m512i m15 = _mm512_set1_epi32(15), b4 = _mm512_set1_epi32(16);
-      auto fifth = [&](__m512i qh, int sub) {  // bit `sub` of each lane's qh byte, as bit 4
-        return sub <= 4 ? _mm512_slli_epi32(qh, 4 - sub) : _mm512_srli_epi32(qh, sub - 4);
-      };
-#pragma GCC unroll 4
-      for (int p = 0; p < 4; ++p) {
-        __m512i z0[NC], z1[NC];
-        vf t0l[NC], t0h[NC], t1l[NC], t1h[NC];
-        for (int j = 0; j < NC; ++j) {
-          const uint8_t* qs = rows[j] + blk * BB + 48 + 32 * p;
-          z0[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-          z1[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
-          lut32_sub(dsc[j][2 * p], dmn[j][2 * p], t0l[j], t0h[j]);
-          lut32_sub(dsc[j][2 * p + 1], dmn[j][2 * p + 1], t1l[j], t1h[j]);
-        }
-        for (int h = 0; h < 4; ++h) {  // elements 64 p + 16 h ..: low nibbles of z0, z1, then high ones
-          vf wv[NC];
-          for (int j = 0; j < NC; ++j) {
-            const __m512i z = h & 1 ? z1[j] : z0[j], qh = h & 1 ? h1[j] : h0[j];
-            const int sub = 2 * p + (h >> 1);
-            const __m512i nib = h < 2 ? _mm512_and_si512(z, m15) : _mm512_srli_epi32(z, 4);
-            const __m512i idx = _mm512_ternarylogic_epi32(nib, fifth(qh, sub), b4, 0xF8);  // nib | (bit & 16)
-            wv[j] = h < 2 ? (vf)_mm512_permutex2var_ps((__m512)t0l[j], idx, (__m512)t0h[j])
-                          : (vf)_mm512_permutex2var_ps((__m512)t1l[j], idx, (__m512)t1h[j]);
+            const vf* tj = t[j][h >> 1];
+            if constexpr (Q == kQ4_K) {  // vpermps reads the low 4 bits of each index: no mask
+              wv[j] = (vf)_mm512_permutexvar_ps(h < 2 ? z : _mm512_srli_epi32(z, 4), (__m512)tj[0]);
+            } else {
+              const __m512i q = h & 1 ? q1[j] : q0[j];
+              const __m512i bit = h < 2 ? _mm512_slli_epi32(q, 4) : _mm512_slli_epi32(q, 3);  // to bit 4
+              const __m512i nib = h < 2 ? _mm512_and_si512(z, _mm512_set1_epi32(15)) : _mm512_srli_epi32(z, 4);
+              const __m512i idx = _mm512_ternarylogic_epi32(nib, bit, _mm512_set1_epi32(16), 0xF8);  // nib | (bit & 16)
+              wv[j] = (vf)_mm512_permutex2var_ps((__m512)tj[0], idx, (__m512)tj[1]);
+            }
           }
           madd(g0 + 64 * p + 16 * h, wv);
         }

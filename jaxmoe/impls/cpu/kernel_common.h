@@ -299,23 +299,15 @@ inline void codes_to_float(const uint8_t* q, float s, float m, float z, float* o
 // affine decode as codes_to_float (so each entry is the same bits as the code's own
 // conversion), and a code's value is one permute (vpermps reads the low 4 bits of each
 // index lane: no mask). Against widen + convert + multiply + add per vector: Q4_K / int4
-// decode ~2x fewer ops.
-template <int Mode>
-inline vf lut16(float s, float m) {
-  static_assert(Mode == kScaleAdd || Mode == kScaleSub, "an affine table");
-  alignas(64) static constexpr float kCodes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  return affine<Mode>(load(kCodes), splat(s), splat(m), vf{});
-}
-
-// 5-bit codes by table (Q5_K): the 32 values s q - m for q = 0..31 in two vectors (q < 16,
-// q >= 16) by the same affine decode, looked up by one two-table permute (vpermt2ps reads
-// the low 5 bits of each index lane).
-inline void lut32_sub(float s, float m, vf& lo, vf& hi) {
-  alignas(64) static constexpr float kCodes[32] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10,
+// decode ~2x fewer ops. Q5_K's 5-bit codes take two tables (first = 0 and 16) and one
+// two-table permute (vpermt2ps reads the low 5 bits).
+alignas(64) inline constexpr float kCodes32[32] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10,
                                                    11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
                                                    22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
-  lo = affine<kScaleSub>(load(kCodes), splat(s), splat(m), vf{});
-  hi = affine<kScaleSub>(load(kCodes + 16), splat(s), splat(m), vf{});
+template <int Mode>
+inline vf lut16(float s, float m, int first = 0) {  // the values of codes first .. first + 15
+  static_assert(Mode == kScaleAdd || Mode == kScaleSub, "an affine table");
+  return affine<Mode>(load(kCodes32 + first), splat(s), splat(m), vf{});
 }
 
 // Q6_K (the layout in decode_block): d * sc_g of the 16 groups (one rounding each).
