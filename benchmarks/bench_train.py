@@ -144,22 +144,24 @@ def glibc_reuse(argv: list[str]) -> int:
             r = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--json-out", out.name], env=env)
             if r.returncode:
                 return r.returncode
-            rows[name] = {(x["T"], x["impl"]): x for x in json.load(open(out.name))}
+            with open(out.name) as f:
+                rows[name] = {(x["T"], x["impl"]): x for x in json.load(f)}
     print("\n|    T | impl     | plain fwd+bwd ms | reuse fwd+bwd ms | plain / reuse | bwd/fwd plain | bwd/fwd reuse |")
     print("|-----:|:---------|-----------------:|-----------------:|--------------:|--------------:|--------------:|")
     for key, p0 in rows["plain"].items():
         p1 = rows["reuse"].get(key)
         if p1 is None:
             continue
-
-        def ratio(r):
-            return f"{(r['step'] - r['fwd']) / r['fwd']:13.2f}" if r["fwd"] else "            -"
-
         print(
             f"| {key[0]:4d} | {key[1]:8s} | {p0['step']:16.1f} | {p1['step']:16.1f} | "
-            f"{p0['step'] / p1['step']:13.2f} | {ratio(p0)} | {ratio(p1)} |"
+            f"{p0['step'] / p1['step']:13.2f} | {bwd_fwd(p0, 13)} | {bwd_fwd(p1, 13)} |"
         )
     return 0
+
+
+def bwd_fwd(row: dict, width: int) -> str:
+    """(fwd+bwd - fwd) / fwd of a result row, right-aligned in ``width``; '-' without a forward."""
+    return f"{(row['step'] - row['fwd']) / row['fwd']:{width}.2f}" if row["fwd"] else "-".rjust(width)
 
 
 def main(argv=None) -> int:
@@ -248,9 +250,8 @@ def main(argv=None) -> int:
     print("|-----:|:---------|--------:|-----------:|--------:|------:|----------------:|")
     for r in rows:
         fw = f"{r['fwd']:7.1f}" if r["fwd"] else "      -"
-        ratio = f"{(r['step'] - r['fwd']) / r['fwd']:7.2f}" if r["fwd"] else "      -"
         vs = f"{r['vs_hf']:15.2f}" if r["vs_hf"] else "              -"
-        print(f"| {r['T']:4d} | {r['impl']:8s} | {fw} | {r['step']:10.1f} | {ratio} | {r['sys']:5.2f} | {vs} |")
+        print(f"| {r['T']:4d} | {r['impl']:8s} | {fw} | {r['step']:10.1f} | {bwd_fwd(r, 7)} | {r['sys']:5.2f} | {vs} |")
     if a.json_out:
         import json
 
