@@ -46,7 +46,8 @@
 // dequantize their block of columns into a float32 tile buffer (out-major, one block
 // of columns, never an expert) and run larger tiles of the same per-element order on
 // it. GGUF block kinds decode one block per column (32 or 256 elements) into an L1 buffer
-// inside the tile (or, for Q4_K / Q6_K with AVX-512, into registers), bit-exact
+// inside the tile (or, for Q4_K / Q5_K / Q6_K with AVX-512 and Q6_K with AVX2, into
+// registers), bit-exact
 // with gguf.quants.dequantize, then take the float tile's order of operations.
 //
 // Vector width is picked at build time from what the compiler targets (-march=native):
@@ -307,6 +308,13 @@ inline void dequant2(const void* row, int64_t k, const GroupScale& g, vf& w0, vf
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(row) + k / 2)));
     w0 = (vf)_mm512_permutexvar_ps(z, (__m512)g.lut);                       // low nibbles: even elements
     w1 = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(z, 4), (__m512)g.lut);  // high nibbles: odd elements
+#elif defined(__AVX2__) && JM_LANES == 8  // 8 bytes = 16 codes widened once, in the split order
+    const __m256i z = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(row) + k / 2)));
+    w0 = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(z, _mm256_set1_epi32(15)));  // low nibbles: even elements
+    w1 = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(z, 4));                    // high nibbles: odd elements
+    w0 = w0 * s + b;
+    w1 = w1 * s + b;
 #else
     widen_u4(static_cast<const uint8_t*>(row) + k / 2, w0, w1);
     w0 = w0 * s + b;
@@ -383,8 +391,11 @@ void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
 // With AVX-512, Q4_K, Q5_K and Q6_K skip the buffer: each 16 elements are decoded straight into
 // registers and multiplied in the same order (the same bits). Q4_K: per pair of
 // sub-blocks of each column, 32 bytes widened once and both nibbles looked up in the
-// sub-blocks' tables; Q6_K: the block's codes built as bytes (q6k_codes), then 16 at a time
-// widened (q6k_codes16).
+// sub-blocks' tables; Q6_K: the block's codes built as bytes (q6k_codes), then a vector at
+// a time widened (q6k_codes_vec). With AVX2, Q6_K takes the same register path (8 lanes);
+// the other kinds fill the buffer with decode_block's vector decoders (8 codes per
+// vector: Q4_K / Q5_K kept in registers spilled ~half their vectors at NC = 4 and were no
+// faster, Q5_K 0.8x).
 template <int MR, int NC, int Q>
 void gtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
   constexpr int B = block_elems(Q), BB = block_bytes(Q);
@@ -456,6 +467,8 @@ void gtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
       }
       continue;
     }
+#endif
+#ifdef JM_KREG
     if constexpr (Q == kQ6_K) {
       alignas(64) float ds[NC][16];
       alignas(64) int8_t qb[NC][256];
@@ -463,10 +476,10 @@ void gtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
         q6k_scales(rows[j] + blk * BB, ds[j]);
         q6k_codes(rows[j] + blk * BB, qb[j]);
       }
-#pragma GCC unroll 16
-      for (int e = 0; e < 256; e += 16) {
+#pragma GCC unroll 32
+      for (int e = 0; e < 256; e += kLanes) {
         vf wv[NC];
-        for (int j = 0; j < NC; ++j) wv[j] = q6k_codes16(qb[j] + e) * ds[j][e / 16];
+        for (int j = 0; j < NC; ++j) wv[j] = q6k_codes_vec(qb[j] + e) * ds[j][e / 16];
         madd(g0 + e, wv);
       }
       continue;
@@ -607,27 +620,28 @@ inline QCols float_scales(const QCols& w, int64_t ncols, fvec& buf) {
   return f;
 }
 
-// Where the int4 tiles have the 4-bit table (AVX-512), the 32 codes of each 16 bytes are
-// widened once (one byte per 32-bit lane) and both nibbles looked up from there: the
-// first vector holds the chunk's even elements (low nibbles), the second its odd ones
-// (3 shuffles per 32 codes instead of 6). The activations are read in the same order
+// With AVX-512 (the 4-bit table) and AVX2, the codes of each 2 * lanes elements (lanes
+// bytes) are widened once (one byte per 32-bit lane) and both nibbles taken from there:
+// the first vector holds the chunk's even elements (low nibbles), the second its odd ones
+// (AVX-512: 3 shuffles per 32 codes instead of 6; AVX2: 1 per 16 instead of 4, MLX int4 /
+// Q4_0 T = 1 / 8 kernel 1.2-1.4x on Zen 3). The activations are read in the same order
 // (split_rows) by both the few-row tiles and the packed path (dequant_block stores the
 // split order), so every output element is still one chain over k, the same whatever the
 // row count; only the order of that chain differs from the element order.
-#ifdef JM_LUT16
+#if defined(JM_LUT16) || (defined(__AVX2__) && JM_LANES == 8)
 constexpr bool kSplitInt4 = true;
 #else
 constexpr bool kSplitInt4 = false;
 #endif
 
-// out[i, 32 c + l] = a[i, 32 c + 2 l], out[i, 32 c + 16 + l] = a[i, 32 c + 2 l + 1]
-// (l < 16): rows [m, K] of a (stride lda) in the split order, stride K.
+// out[i, c + l] = a[i, c + 2 l], out[i, c + L + l] = a[i, c + 2 l + 1] (L = lanes, c a multiple of 2 L,
+// l < L): rows [m, K] of a (stride lda) in the split order, stride K.
 inline void split_rows(const float* a, int64_t lda, int64_t m, int64_t K, float* out) {
   for (int64_t i = 0; i < m; ++i)
-    for (int64_t c = 0; c < K; c += 32)
-      for (int l = 0; l < 16; ++l) {
+    for (int64_t c = 0; c < K; c += 2 * kLanes)
+      for (int l = 0; l < kLanes; ++l) {
         out[i * K + c + l] = a[i * lda + c + 2 * l];
-        out[i * K + c + 16 + l] = a[i * lda + c + 2 * l + 1];
+        out[i * K + c + kLanes + l] = a[i * lda + c + 2 * l + 1];
       }
 }
 

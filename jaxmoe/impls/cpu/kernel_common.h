@@ -207,8 +207,10 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept NaN
 // ---------------------------------------------------------------------------------
 // GGUF block kinds, decoded one block (32 or 256 elements of one column) at a time into
 // float32, bit-exact with gguf.quants.dequantize (the same float32 products and sums in
-// the same order; -ffp-contract=off keeps `d * q + m` two roundings). The loops are
-// written for the compiler's vectorizer (-O3 -march=native: AVX2 / AVX-512 or scalar).
+// the same order; -ffp-contract=off keeps `d * q + m` two roundings). AVX-512 and AVX2
+// builds decode in vector registers (decode_block's branches); the byte loops after them
+// are the portable path (with AVX2 the compiler left them mostly scalar: Q4_1 / Q5_0 /
+// Q5_1 kernel calls took 4-10x the vector decoders' time on Zen 3).
 inline float f16_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -310,17 +312,31 @@ inline vf lut16(float s, float m, int first = 0) {  // the values of codes first
   return affine<Mode>(load(kCodes32 + first), splat(s), splat(m), vf{});
 }
 
+#endif
+
+#if defined(JM_LUT16) || (defined(__AVX2__) && JM_LANES == 8)
+#define JM_KREG 1
+// K-quant codes decoded in registers (AVX-512 or AVX2): no byte buffer between a block's
+// bytes and its float values.
+
 // Q6_K (the layout in decode_block): d * sc_g of the 16 groups (one rounding each).
 inline void q6k_scales(const uint8_t* b, float* ds) {
+#ifdef JM_LUT16
   store(ds, (vf)_mm512_mul_ps(_mm512_set1_ps(f16_at(b + 208)),
                               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))))));
+#else
+  const __m256 d = _mm256_set1_ps(f16_at(b + 208));
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+  store(ds, (vf)_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+  store(ds + 8, (vf)_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+#endif
 }
 // The 256 codes q - 32 of a block as bytes (qb[e] for element e = 128 h + 32 s + l), each
 // 32 of them built in one 32-byte vector: per half h, its low-nibble bytes
 // ql[64 h + 32 (s & 1) + l] (the high nibble for s >= 2) and two-bit pairs
 // qh[32 h + l] >> 2 s. Integer operations only, so qb is exactly the codes; a vector of 16
-// of them is then widened by q6k_codes16. (Built 16 codes at a time from two 16-byte
+// of them is then widened by q6k_codes_vec. (Built 16 codes at a time from two 16-byte
 // loads each, the byte work took ~3x the operations per code.)
 inline void q6k_codes(const uint8_t* b, int8_t* __restrict qb) {
   const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), z = _mm256_set1_epi8(32);
@@ -345,9 +361,33 @@ inline void q6k_codes(const uint8_t* b, int8_t* __restrict qb) {
                          _mm256_sub_epi8(_mm256_or_si256(lo[s], t[s]), z));
   }
 }
-inline vf q6k_codes16(const int8_t* qb) {
+inline vf q6k_codes_vec(const int8_t* qb) {  // kLanes codes q - 32 (bytes, 16-byte aligned) to float
+#ifdef JM_LUT16
   return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qb))));
+#else
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb))));
+#endif
 }
+
+#if !defined(JM_LUT16)
+// Q4_K / Q5_K codes of elements 32 s + 8 h .. 32 s + 8 h + 7 of a block (sub-block s, the
+// layout in decode_block) as float, in 8 lanes: the 8 bytes of their nibbles widened (one
+// byte per 32-bit lane), the low nibble for even s, the high one for odd s; Q5_K ORs in
+// bit s of qh[8 h + l] as bit 4. Integer operations, then one exact conversion: the same
+// floats as the byte loops' u8_to_vf.
+template <int Q>
+inline vf k_codes8(const uint8_t* b, int s, int h) {
+  constexpr int kQs = Q == kQ5_K ? 48 : 16;  // where the nibbles start
+  const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + kQs + 32 * (s >> 1) + 8 * h)));
+  __m256i q = s & 1 ? _mm256_srli_epi32(z, 4) : _mm256_and_si256(z, _mm256_set1_epi32(15));
+  if constexpr (Q == kQ5_K) {
+    const __m256i hb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 16 + 8 * h)));
+    const __m256i bit = _mm256_slli_epi32(_mm256_srl_epi32(hb, _mm_cvtsi32_si128(s)), 4);
+    q = _mm256_or_si256(q, _mm256_and_si256(bit, _mm256_set1_epi32(16)));
+  }
+  return (vf)_mm256_cvtepi32_ps(q);
+}
+#endif
 #endif
 
 template <int Q>
@@ -385,13 +425,50 @@ inline void decode_block(const uint8_t* b, float* __restrict out) {
     store(out + 16, affine<Mode>((vf)_mm512_cvtepi32_ps(hi), splat(d), splat(m), splat(zc)));
     return;
   }
-  if constexpr (Q == kQ6_K) {  // the layout below; q - 32 built as bytes (q6k_codes), widened 16 at a time
+#endif
+#ifdef JM_KREG
+  if constexpr (Q == kQ6_K) {  // the layout below; q - 32 built as bytes (q6k_codes), widened a vector at a time
     alignas(64) float ds[16];
     q6k_scales(b, ds);
     alignas(64) int8_t qb[256];
     q6k_codes(b, qb);
-  #pragma GCC unroll 16
-    for (int e = 0; e < 256; e += 16) store(out + e, q6k_codes16(qb + e) * ds[e / 16]);
+#pragma GCC unroll 32
+    for (int e = 0; e < 256; e += kLanes) store(out + e, q6k_codes_vec(qb + e) * ds[e / 16]);
+    return;
+  }
+#endif
+#if defined(JM_KREG) && !defined(JM_LUT16)
+  if constexpr (Q == kQ4_1 || Q == kQ5_0 || Q == kQ5_1) {  // AVX2: the layouts below, 8 codes per vector
+    const int o = Q == kQ4_1 ? 4 : Q == kQ5_1 ? 8 : 6;  // where the nibbles start
+    const float d = f16_at(b), m = Q == kQ5_0 ? 0.f : f16_at(b + 2), zc = Q == kQ5_0 ? 16.f : 0.f;
+    constexpr int Mode = Q == kQ5_0 ? kScaleShift : kScaleAdd;
+    const vf dv = splat(d), mv = splat(m), zv = splat(zc);
+    uint32_t qh = 0;
+    if constexpr (Q != kQ4_1) std::memcpy(&qh, b + o - 4, 4);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int h = 0; h < 2; ++h) {  // bytes 8 h ..: elements 8 h .. (low nibbles) and 16 + 8 h .. (high ones)
+      const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + o + 8 * h)));
+      __m256i lo = _mm256_and_si256(z, _mm256_set1_epi32(15)), hi = _mm256_srli_epi32(z, 4);
+      if constexpr (Q != kQ4_1) {  // the fifth bit of element l is bit l of qh
+        const __m256i v = _mm256_set1_epi32(int(qh)), v16 = _mm256_set1_epi32(16);
+        const __m256i bl = _mm256_srlv_epi32(v, _mm256_add_epi32(lane, _mm256_set1_epi32(8 * h)));
+        const __m256i bh = _mm256_srlv_epi32(v, _mm256_add_epi32(lane, _mm256_set1_epi32(16 + 8 * h)));
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi32(bl, 4), v16));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi32(bh, 4), v16));
+      }
+      store(out + 8 * h, affine<Mode>((vf)_mm256_cvtepi32_ps(lo), dv, mv, zv));
+      store(out + 16 + 8 * h, affine<Mode>((vf)_mm256_cvtepi32_ps(hi), dv, mv, zv));
+    }
+    return;
+  }
+  if constexpr (Q == kQ4_K || Q == kQ5_K) {  // AVX2: the layout below, 8 codes per vector (k_codes8)
+    alignas(32) float dsc[8], dmn[8];
+    k_scales_mins(b + 4, f16_at(b), f16_at(b + 2), dsc, dmn);
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; ++s) {
+      const vf sv = splat(dsc[s]), mv = splat(dmn[s]);
+      for (int h = 0; h < 4; ++h) store(out + 32 * s + 8 * h, affine<kScaleSub>(k_codes8<Q>(b, s, h), sv, mv, vf{}));
+    }
     return;
   }
 #endif
