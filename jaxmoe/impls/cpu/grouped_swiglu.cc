@@ -230,8 +230,8 @@ void float_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t 
 // ---------------------------------------------------------------------------------
 // Quantized (out-major) weights: dot-product tiles.
 
-// Widening of 2 * lanes int8 codes (p) or of lanes bytes = 2 * lanes nibbles in element
-// order (low nibble first) to two float vectors. GCC scalarizes a direct int8 -> float
+// Widening of 2 * lanes int8 codes (p), or of lanes bytes = 2 * lanes nibbles (widen_u4),
+// to two float vectors. GCC scalarizes a direct int8 -> float
 // __builtin_convertvector, so the x86 paths use the widening instructions.
 inline void widen_s8(const int8_t* p, vf& w0, vf& w1) {
 #if JM_LANES == 16 && defined(__AVX512F__)
@@ -252,14 +252,14 @@ inline void widen_s8(const int8_t* p, vf& w0, vf& w1) {
 #endif
 }
 
+// With AVX2 the nibbles come in the split order (kSplitInt4): 8 bytes widened once, w0 the
+// low nibbles (the chunk's even elements), w1 the high ones (its odd elements). AVX-512
+// builds take the 4-bit table (dequant2); the portable path keeps element order.
 inline void widen_u4(const uint8_t* p, vf& w0, vf& w1) {
-#if defined(__AVX2__) && JM_LANES == 8  // AVX-512 builds take the 4-bit table (dequant2)
-  const __m128i m = _mm_set1_epi8(15);
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-  const __m128i q = _mm_unpacklo_epi8(lo, hi);  // 16 codes in element order
-  w0 = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
-  w1 = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
+#if defined(__AVX2__) && JM_LANES == 8
+  const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  w0 = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(z, _mm256_set1_epi32(15)));
+  w1 = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(z, 4));
 #else
   vu8 bytes;
   std::memcpy(&bytes, p, kLanes);
@@ -308,13 +308,6 @@ inline void dequant2(const void* row, int64_t k, const GroupScale& g, vf& w0, vf
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(row) + k / 2)));
     w0 = (vf)_mm512_permutexvar_ps(z, (__m512)g.lut);                       // low nibbles: even elements
     w1 = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(z, 4), (__m512)g.lut);  // high nibbles: odd elements
-#elif defined(__AVX2__) && JM_LANES == 8  // 8 bytes = 16 codes widened once, in the split order
-    const __m256i z = _mm256_cvtepu8_epi32(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(row) + k / 2)));
-    w0 = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(z, _mm256_set1_epi32(15)));  // low nibbles: even elements
-    w1 = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(z, 4));                    // high nibbles: odd elements
-    w0 = w0 * s + b;
-    w1 = w1 * s + b;
 #else
     widen_u4(static_cast<const uint8_t*>(row) + k / 2, w0, w1);
     w0 = w0 * s + b;
@@ -468,7 +461,7 @@ void gtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
       continue;
     }
 #endif
-#ifdef JM_KREG
+#ifdef JM_VDECODE
     if constexpr (Q == kQ6_K) {
       alignas(64) float ds[NC][16];
       alignas(64) int8_t qb[NC][256];
@@ -628,7 +621,7 @@ inline QCols float_scales(const QCols& w, int64_t ncols, fvec& buf) {
 // (split_rows) by both the few-row tiles and the packed path (dequant_block stores the
 // split order), so every output element is still one chain over k, the same whatever the
 // row count; only the order of that chain differs from the element order.
-#if defined(JM_LUT16) || (defined(__AVX2__) && JM_LANES == 8)
+#ifdef JM_VDECODE
 constexpr bool kSplitInt4 = true;
 #else
 constexpr bool kSplitInt4 = false;

@@ -315,9 +315,9 @@ inline vf lut16(float s, float m, int first = 0) {  // the values of codes first
 #endif
 
 #if defined(JM_LUT16) || (defined(__AVX2__) && JM_LANES == 8)
-#define JM_KREG 1
-// K-quant codes decoded in registers (AVX-512 or AVX2): no byte buffer between a block's
-// bytes and its float values.
+#define JM_VDECODE 1
+// Codes decoded in vector registers (AVX-512 or AVX2 builds): no byte buffer between a
+// block's bytes and its float values; the int4 kinds take the split order (kSplitInt4).
 
 // Q6_K (the layout in decode_block): d * sc_g of the 16 groups (one rounding each).
 inline void q6k_scales(const uint8_t* b, float* ds) {
@@ -426,7 +426,7 @@ inline void decode_block(const uint8_t* b, float* __restrict out) {
     return;
   }
 #endif
-#ifdef JM_KREG
+#ifdef JM_VDECODE
   if constexpr (Q == kQ6_K) {  // the layout below; q - 32 built as bytes (q6k_codes), widened a vector at a time
     alignas(64) float ds[16];
     q6k_scales(b, ds);
@@ -437,7 +437,7 @@ inline void decode_block(const uint8_t* b, float* __restrict out) {
     return;
   }
 #endif
-#if defined(JM_KREG) && !defined(JM_LUT16)
+#if defined(JM_VDECODE) && !defined(JM_LUT16)
   if constexpr (Q == kQ4_1 || Q == kQ5_0 || Q == kQ5_1) {  // AVX2: the layouts below, 8 codes per vector
     const int o = Q == kQ4_1 ? 4 : Q == kQ5_1 ? 8 : 6;  // where the nibbles start
     const float d = f16_at(b), m = Q == kQ5_0 ? 0.f : f16_at(b + 2), zc = Q == kQ5_0 ? 16.f : 0.f;
