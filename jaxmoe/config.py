@@ -133,6 +133,13 @@ class MoEConfig:
       batch_invariant: a token's output independent of the batch it is in (bitwise;
         `jaxmoe.invariance`): ``True`` for every strategy, ``False`` for none beyond the
         routing, ``None`` (default) where it is free (measured: nowhere yet, so off).
+      int8_activations: ``impl="cpu"`` only, opt-in: experts stored as int8 / int4 codes
+        (GGUF Q8_0 / Q4_0, MLX affine) multiply activations quantized to int8 per block of
+        32 (``dx = max|x| / 127``, ggml's Q8_0 rule) with integer dot products, as llama.cpp
+        does. The result is that of the dequantized weights times the quantized activations
+        (`jaxmoe.quant.quantize_activations_q8`) within float32 rounding, not of the float
+        activations: docs/quantization.md, "int8 activations", has the error and the speed.
+        Other weight kinds and other impls keep float activations.
     """
 
     d_model: int
@@ -152,9 +159,12 @@ class MoEConfig:
     name: str = ""
     family: str = ""
     batch_invariant: bool | None = None
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         c = "MoEConfig"
+        if not isinstance(self.int8_activations, bool):
+            _fail(c, "int8_activations", f"must be true or false, got {self.int8_activations!r}")
         if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
             _fail(c, "batch_invariant", f"must be true, false or null, got {self.batch_invariant!r}")
         if not isinstance(self.router, RouterConfig):

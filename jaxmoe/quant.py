@@ -269,3 +269,25 @@ def mlx_affine_quantize_groups(g: np.ndarray):
     bias = np.where(nz, edge, 0).astype(np.float32)
     q = np.clip(np.rint((g - bias[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
     return scale, bias, q
+
+
+def quantize_activations_q8(x: jax.Array, block: int = 32) -> jax.Array:
+    """``Q8(x)``: ``x [..., n]`` rounded to int8 per block of ``block`` along the last axis,
+    as float32 (``dx * xq``), what ``MoEConfig.int8_activations`` feeds the int8 / int4
+    experts of ``impl="cpu"`` (ggml's Q8_0 rule on activations).
+
+    Per block: ``dx = max|x| / 127`` (float32), ``xq = rint(clip(x / dx, -127, 127))`` (round
+    half to even; 0 where ``dx = 0``); a block with a NaN or an infinity becomes NaN. So
+    ``|x - Q8(x)| <= dx / 2`` elementwise. ``n`` must be a multiple of ``block``.
+    """
+    x = jnp.asarray(x, jnp.float32)
+    n = x.shape[-1]
+    if n % block:
+        raise ValueError(f"quantize_activations_q8: last dimension {n} is not a multiple of the block {block}")
+    b = x.reshape(*x.shape[:-1], n // block, block)
+    finite = jnp.all(jnp.isfinite(b), axis=-1, keepdims=True)
+    dx = jnp.max(jnp.abs(b), axis=-1, keepdims=True) / jnp.float32(127)
+    safe = jnp.where(dx > 0, dx, jnp.float32(1))
+    xq = jnp.where(dx > 0, jnp.rint(jnp.clip(b / safe, -127, 127)), 0)
+    out = jnp.where(finite, xq * dx, jnp.nan)
+    return out.reshape(x.shape)

@@ -58,6 +58,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -638,6 +639,8 @@ inline void split_rows(const float* a, int64_t lda, int64_t m, int64_t K, float*
       }
 }
 
+#include "int_dot.h"  // the opt-in integer dot products over int8-quantized activations
+
 template <int Q>
 void quant_matmul(const float* a, int64_t lda, const QCols& wq, int64_t K, int64_t m, int64_t ncols, float* c,
                   int64_t ldc, fvec& pack) {
@@ -672,9 +675,10 @@ void gguf_matmul(const float* a, int64_t lda, const QCols& w, int64_t K, int64_t
   pblock(a, lda, pack.data(), m, ncols, K, c, ldc);
 }
 
-// C[m, ncols] = A[m, in] @ W_e[:, col0 : col0 + ncols] for any weight format.
+// C[m, ncols] = A[m, in] @ W_e[:, col0 : col0 + ncols] for any weight format; for a weight
+// with int_dot set, Q8(A) @ W_e[...] from qa (A's rows quantized, int_dot.h).
 void matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t lda, int64_t m, int64_t ncols, float* c,
-            int64_t ldc, fvec& pack) {
+            int64_t ldc, fvec& pack, const QRows* qa) {
   const int64_t K = w.in, N = w.out;
   if (w.kind == kFloat) {
     if (w.bf16)
@@ -697,6 +701,10 @@ void matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t ld
           w.stype,
           ng,
           w.group};
+  if (w.int_dot) {
+    if (w.kind == kInt8) return int_dot_matmul<kInt8>(*qa, q, K, m, ncols, c, ldc);
+    return int_dot_matmul<kInt4>(*qa, q, K, m, ncols, c, ldc);
+  }
   if (w.kind == kInt8) return quant_matmul<kInt8>(a, lda, q, K, m, ncols, c, ldc, pack);
   return quant_matmul<kInt4>(a, lda, q, K, m, ncols, c, ldc, pack);
 }
@@ -717,7 +725,15 @@ struct Problem {
   int act;
   float alpha, limit;
   bool round_h;
+  QRows qx_nat, qx_split, qh;  // int8 activations (int_dot.h): xs in both orders, h, where used
 };
+
+// The quantized rows a weight reads: the split order for int4 codes.
+inline const QRows* rows_for(const Weight& w, const QRows& nat, const QRows& split, int64_t row0, QRows& out) {
+  if (!w.int_dot) return nullptr;
+  out = (w.kind == kInt4 ? split : nat).at(row0);
+  return &out;
+}
 
 constexpr int64_t kRowChunk = 128;  // rows per task at most (keeps the tile buffers small)
 
@@ -733,8 +749,11 @@ void run_gate_up(const Problem& p, const Task& t) {
   const float* x = p.xs + int64_t(t.row0) * d;
   gbuf.resize(size_t(t.rows) * t.cols);
   ubuf.resize(size_t(t.rows) * t.cols);
-  matmul(p.wg, e, t.col0, x, d, t.rows, t.cols, gbuf.data(), t.cols, pack);
-  matmul(p.wu, e, t.col0, x, d, t.rows, t.cols, ubuf.data(), t.cols, pack);
+  QRows qg, qu;
+  matmul(p.wg, e, t.col0, x, d, t.rows, t.cols, gbuf.data(), t.cols, pack,
+         rows_for(p.wg, p.qx_nat, p.qx_split, t.row0, qg));
+  matmul(p.wu, e, t.col0, x, d, t.rows, t.cols, ubuf.data(), t.cols, pack,
+         rows_for(p.wu, p.qx_nat, p.qx_split, t.row0, qu));
   if (p.gu)
     for (int64_t i = 0; i < t.rows; ++i) {
       float* grow = p.gu + (int64_t(t.row0) + i) * 2 * F + t.col0;
@@ -766,7 +785,9 @@ void run_down(const Problem& p, const Task& t) {
   thread_local fvec pack;
   const int64_t e = t.expert, d = p.d, F = p.F;
   float* y = p.ys + int64_t(t.row0) * d + t.col0;
-  matmul(p.wd, e, t.col0, p.h + int64_t(t.row0) * F, F, t.rows, t.cols, y, d, pack);
+  QRows qd;
+  matmul(p.wd, e, t.col0, p.h + int64_t(t.row0) * F, F, t.rows, t.cols, y, d, pack,
+         rows_for(p.wd, p.qh, p.qh, t.row0, qd));
   if (p.bd)
     for (int64_t i = 0; i < t.rows; ++i)
       for (int64_t j = 0; j < t.cols; ++j) y[i * d + j] += p.bd[e * d + t.col0 + j];
@@ -822,6 +843,17 @@ void parallel_tasks(ffi::ThreadPool& pool, const std::vector<Task>& tasks, Fn fn
   for (int64_t w = 0; w < workers; ++w) pool.Schedule(decltype(work)(work));  // a copy per worker
   work();
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+// Quantizes the rows the experts own of a [P, K] matrix (stride K) into `out`, for
+// int8 activations: tasks of up to 64 rows on the pool.
+void quantize_owned_rows(ffi::ThreadPool& pool, const Problem& p, int64_t E, const float* a, int64_t K, bool split,
+                         const QRows& out) {
+  std::vector<Task> tasks;
+  for (int64_t e = 0; e < E; ++e)
+    for (int32_t r = 0; r < p.sizes[e]; r += 64)
+      tasks.push_back(Task{int32_t(e), p.offsets[e] + r, std::min<int32_t>(64, p.sizes[e] - r), 0, 0});
+  parallel_tasks(pool, tasks, [&](const Task& t) { quantize_rows(a, K, t.row0, t.row0 + t.rows, K, split, out); });
 }
 
 // Checks one weight operand against its logical [E, in, out] shape; fills `w`.
@@ -882,7 +914,7 @@ ffi::Error GroupedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi
                              ffi::ResultBuffer<ffi::F32> gubuf,
                              int32_t act, float alpha, float limit, int32_t round_h, int32_t kind_gate,
                              int32_t kind_up, int32_t kind_down, int32_t group_gate, int32_t group_up,
-                             int32_t group_down, int32_t up_block, int32_t down_block) {
+                             int32_t group_down, int32_t up_block, int32_t down_block, int32_t int_dot) {
   auto xd = xs.dimensions();
   auto ud = offsets.dimensions();
   if (xd.size() != 2 || ud.size() != 1)
@@ -944,7 +976,16 @@ ffi::Error GroupedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   const auto up_tasks = make_tasks(p, E, F, up_block, threads);
   const auto down_tasks = make_tasks(p, E, d, down_block, threads);
+  thread_local QRowsBuf qx_nat, qx_split, qh;
+  if (int_dot) {
+    for (Weight* w : {&p.wg, &p.wu, &p.wd}) w->int_dot = w->kind == kInt8 || w->kind == kInt4;
+    const bool nat = (p.wg.int_dot && p.wg.kind == kInt8) || (p.wu.int_dot && p.wu.kind == kInt8);
+    const bool split = (p.wg.int_dot && p.wg.kind == kInt4) || (p.wu.int_dot && p.wu.kind == kInt4);
+    if (nat) quantize_owned_rows(pool, p, E, p.xs, d, false, p.qx_nat = qx_nat.view(P, d));
+    if (split) quantize_owned_rows(pool, p, E, p.xs, d, true, p.qx_split = qx_split.view(P, d));
+  }
   parallel_tasks(pool, up_tasks, [&p](const Task& t) { run_gate_up(p, t); });
+  if (p.wd.int_dot) quantize_owned_rows(pool, p, E, p.h, F, p.wd.kind == kInt4, p.qh = qh.view(P, F));
   parallel_tasks(pool, down_tasks, [&p](const Task& t) { run_down(p, t); });
   return ffi::Error::Success();
 }
@@ -983,4 +1024,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeGroupedSwiglu, GroupedSwigluImpl,
                                   .Attr<int32_t>("group_up")
                                   .Attr<int32_t>("group_down")
                                   .Attr<int32_t>("up_block")
-                                  .Attr<int32_t>("down_block"));
+                                  .Attr<int32_t>("down_block")
+                                  .Attr<int32_t>("int_dot"));

@@ -244,6 +244,7 @@ def _call(xs, offsets, sizes, ew: ExpertWeights, cfg: MoEConfig, round_h, up_blo
         group_down=np.int32(gd),
         up_block=np.int32(up_block),
         down_block=np.int32(down_block),
+        int_dot=np.int32(cfg.int8_activations),
     )
     return ys, gate_up
 

@@ -173,6 +173,7 @@ struct Weight {
   const void* qbias;    // null when absent
   int stype;
   int64_t in, out, group;
+  bool int_dot = false;  // forward, int8 / int4 codes: integer dots over int8 activations (int_dot.h)
 };
 
 // fn(std::integral_constant<int, Q>{}) for GGUF block kind `kind` (Q a template argument:

@@ -1,0 +1,327 @@
+// Integer dot products over activations quantized to int8 per block of 32 (the opt-in
+// `MoEConfig.int8_activations`, docs/quantization.md "int8 activations"): what ggml does
+// for its quantized types, here for the int8 (GGUF Q8_0) and int4 (MLX affine, GGUF Q4_0)
+// kinds. Included by grouped_swiglu.cc inside its anonymous namespace, after
+// kernel_common.h.
+//
+// What it computes: each activation row x is cut into blocks of 32 along `in`; a block's
+// dx = max|x| / 127 (float32) and its codes xq = round-half-even(clip(x / dx, -127, 127))
+// (0 where dx = 0), so Q8(x) = dx * xq. The kernel returns
+// y = Q8(x) . W (W the dequantized weights, W = s q + b per group) within float32 rounding:
+//   sum_k W[k] Q8(x)[k] = sum_blocks s dx sum(q xq)  +  sum_groups b sum_{blocks in g} dx sum(xq)
+// with sum(q xq) an exact integer (maddubs / madd, or dpbusd with VNNI; no int16 sum can
+// saturate: int4 2 * 15 * 127 + 2 * 15 * 127, int8 2 * 128 * 127 per pair). The error
+// against float activations is that of Q8(x): |x - Q8(x)| <= dx / 2 per element.
+// A block with a NaN or an infinity gets dx = NaN: its rows' outputs are NaN, as with
+// float activations.
+//
+// Layout of the quantized rows (quantize_rows), per pair of blocks (64 elements):
+//   natural order (int8 weights): the 64 codes in element order;
+//   split order (int4 weights): [evens of block 0 | evens of block 1 | odds of block 0 |
+//     odds of block 1] (16 codes each), matching 32 bytes of int4 codes widened as
+//     [low nibbles | high nibbles] per 128-bit lane (byte t holds elements 2t, 2t + 1);
+//   dxv: 8 floats, dx of block 0 four times then dx of block 1 four times (the 32-bit
+//     lanes of madd's result: lanes 0..3 come from the low 128 bits, block 0 in split order);
+//   sb: dx * sum(xq) of each block (the quantization biases' term).
+// A row's K is padded to whole pairs with zero codes and zero dx.
+#pragma once
+
+constexpr int64_t kQBlock = 32;
+
+struct QRows {
+  const int8_t* q = nullptr;  // [rows, pairs * 64]
+  const float* dxv = nullptr; // [rows, pairs * 8]
+  const float* sb = nullptr;  // [rows, nblk]
+  int64_t pairs = 0, nblk = 0;
+  QRows at(int64_t r) const {
+    QRows o = *this;
+    o.q += r * pairs * 64;
+    o.dxv += r * pairs * 8;
+    o.sb += r * nblk;
+    return o;
+  }
+};
+
+// Storage for the quantized rows of a [rows, K] matrix.
+struct QRowsBuf {
+  std::vector<int8_t, Aligned64<int8_t>> q;
+  fvec dxv, sb;
+  QRows view(int64_t rows, int64_t K) {
+    const int64_t nblk = K / kQBlock, pairs = (nblk + 1) / 2;
+    q.resize(size_t(rows * pairs * 64));
+    dxv.resize(size_t(rows * pairs * 8));
+    sb.resize(size_t(rows * nblk));
+    return QRows{q.data(), dxv.data(), sb.data(), pairs, nblk};
+  }
+};
+
+// One block's scale: dx = max|x| / 127, NaN for a non-finite block (whose codes are 0).
+inline float block_scale(float amax, bool finite) {
+  return finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
+}
+
+// Rows [r0, r1) of a ([*, K] at stride lda, K a multiple of 32) into `out` (a view from
+// QRowsBuf::view of all rows): split = the int4 order.
+inline void quantize_rows(const float* a, int64_t lda, int64_t r0, int64_t r1, int64_t K, bool split, const QRows& out) {
+  const int64_t nblk = K / kQBlock;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* x = a + r * lda;
+    int8_t* q = const_cast<int8_t*>(out.q) + r * out.pairs * 64;
+    float* dxv = const_cast<float*>(out.dxv) + r * out.pairs * 8;
+    float* sb = const_cast<float*>(out.sb) + r * out.nblk;
+    if (nblk % 2) {  // the padding half of the last pair
+      std::memset(q + (out.pairs - 1) * 64, 0, 64);
+      for (int l = 4; l < 8; ++l) dxv[(out.pairs - 1) * 8 + l] = 0.f;
+    }
+    for (int64_t b = 0; b < nblk; ++b) {
+      const float* xb = x + b * kQBlock;
+      float amax, dx;
+      bool finite;
+      int32_t codes_sum = 0;
+      alignas(32) int8_t codes[32];
+#if defined(__AVX2__)
+      const __m256 sign = _mm256_set1_ps(-0.f), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+      __m256 v[4], m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+      for (int u = 0; u < 4; ++u) {
+        v[u] = _mm256_loadu_ps(xb + 8 * u);
+        const __m256 ax = _mm256_andnot_ps(sign, v[u]);
+        m = _mm256_max_ps(m, ax);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(ax, inf, _CMP_NLT_UQ));  // NaN or infinity
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      amax = _mm_cvtss_f32(h);
+      finite = _mm256_movemask_ps(bad) == 0;
+      dx = block_scale(amax, finite);
+      __m256i iv[4];
+      if (dx > 0.f) {  // a division, not a product by 1 / dx: no infinity for a subnormal dx
+        const __m256 vdx = _mm256_set1_ps(dx), lim = _mm256_set1_ps(127.f);
+        for (int u = 0; u < 4; ++u)  // round half even (the default rounding mode)
+          iv[u] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_div_ps(v[u], vdx), -lim), lim));
+      } else {
+        for (int u = 0; u < 4; ++u) iv[u] = _mm256_setzero_si256();
+      }
+      __m256i s = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      codes_sum = _mm_cvtsi128_si32(s4);
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(codes),
+                         _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+      amax = 0.f;
+      finite = true;
+      for (int k = 0; k < 32; ++k) {
+        const float ax = std::fabs(xb[k]);
+        if (!(ax < std::numeric_limits<float>::infinity())) finite = false;
+        amax = std::max(amax, ax);
+      }
+      dx = block_scale(amax, finite);
+      for (int k = 0; k < 32; ++k) {
+        const int32_t c = dx > 0.f ? int32_t(std::nearbyint(std::fmin(std::fmax(xb[k] / dx, -127.f), 127.f))) : 0;
+        codes[k] = int8_t(c);
+        codes_sum += c;
+      }
+#endif
+      const int64_t pr = b / 2, half = b % 2;
+      int8_t* qp = q + pr * 64;
+      if (split) {
+        for (int t = 0; t < 16; ++t) {
+          qp[16 * half + t] = codes[2 * t];
+          qp[32 + 16 * half + t] = codes[2 * t + 1];
+        }
+      } else {
+        std::memcpy(qp + 32 * half, codes, 32);
+      }
+      for (int l = 0; l < 4; ++l) dxv[pr * 8 + 4 * half + l] = dx;
+      sb[b] = dx * float(codes_sum);
+    }
+  }
+}
+
+// Per row of x and group of g elements: the sums of sb over the group's blocks, in block
+// order ([m, K / g], stride ng).
+inline void group_sums(const QRows& x, int64_t m, int64_t K, int64_t g, float* out) {
+  const int64_t ng = K / g, per = g / kQBlock;
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t gi = 0; gi < ng; ++gi) {
+      float s = 0.f;
+      for (int64_t b = 0; b < per; ++b) s += x.sb[i * x.nblk + gi * per + b];
+      out[i * ng + gi] = s;
+    }
+}
+
+#if defined(__AVX2__)
+inline float hsum8(__m256 v) {  // in one fixed order
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 32 unsigned bytes times 32 signed bytes, summed in fours into 8 int32 lanes (exact here).
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+// sum_g b[g] * s[g] (the quantization biases' term of one output): 8 lanes, then the tail.
+inline float bias_dot(const float* b, const float* s, int64_t n) {
+  int64_t g = 0;
+  float r = 0.f;
+#if defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; g + 8 <= n; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(b + g), _mm256_loadu_ps(s + g), acc);
+  r = hsum8(acc);
+#endif
+  for (; g < n; ++g) r = fmadd(b[g], s[g], r);
+  return r;
+}
+
+// C[MR, NC] (columns j0.. at stride ldc) = Q8(X)[MR, K] . W columns j0.., int8 / int4 codes
+// with float32 scales (float_scales), g a multiple of 32. sg: group_sums of these rows.
+template <int MR, int NC, int Q>
+void itile(const QRows& x, const QCols& w, const float* sg, int64_t j0, int64_t K, float* c, int64_t ldc) {
+  static_assert(Q == kInt8 || Q == kInt4, "itile: int8 or int4 codes");
+  const int64_t G = w.group, nblk = K / kQBlock;
+  const float* S = static_cast<const float*>(w.scales) + j0 * w.ng;
+  const int64_t xq_stride = x.pairs * 64, xd_stride = x.pairs * 8;
+  const char* next = w.base + (j0 + NC) * w.stride;  // the next tile's columns, as in qtile
+  const char* far = w.base + (j0 + std::max<int64_t>(2 * NC, kFarBytes / w.stride)) * w.stride;
+  float out[MR][NC];
+#if defined(__AVX2__)
+  constexpr int64_t kPairBytes = Q == kInt8 ? 64 : 32;
+  const int64_t full = nblk / 2;
+  __m256 acc[MR][NC];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j) acc[i][j] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(15);
+  for (int64_t p = 0; p <= full; ++p) {
+    const bool tail = p == full;
+    if (tail && nblk % 2 == 0) break;
+    const int64_t kb = p * kPairBytes;
+    if (kb % 64 == 0)
+      for (int j = 0; j < NC; ++j) {
+        __builtin_prefetch(next + j * w.stride + kb);
+        __builtin_prefetch(far + j * w.stride + kb, 0, 2);
+      }
+    const int64_t g0 = (64 * p) / G, g1 = (64 * p + 32) / G;
+    for (int j = 0; j < NC; ++j) {
+      const char* row = w.base + (j0 + j) * w.stride;
+      const float s0 = S[j * w.ng + g0], s1 = tail ? 0.f : S[j * w.ng + g1];
+      if constexpr (Q == kInt4) {
+        __m256i v;
+        if (tail)
+          v = _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + kb)));
+        else
+          v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + kb));
+        if (tail) v = _mm256_inserti128_si256(v, _mm_setzero_si128(), 1);
+        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        const __m256 sw = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
+        for (int i = 0; i < MR; ++i) {
+          const int8_t* xq = x.q + i * xq_stride + p * 64;
+          const __m256i x0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq));
+          const __m256i x1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq + 32));
+          const __m256 dxv = _mm256_load_ps(x.dxv + i * xd_stride + p * 8);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+          const __m256i q32 = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, x0), hi, x1);
+#elif defined(__AVXVNNI__)
+          const __m256i q32 = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, x0), hi, x1);
+#else
+          const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+          const __m256i q32 = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+#endif
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q32), _mm256_mul_ps(sw, dxv), acc[i][j]);
+        }
+      } else {
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + kb));
+        const __m256i w1 =
+            tail ? _mm256_setzero_si256() : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + kb + 32));
+        const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+        const __m256 sw0 = _mm256_set1_ps(s0), sw1 = _mm256_set1_ps(s1);
+        for (int i = 0; i < MR; ++i) {
+          const int8_t* xq = x.q + i * xq_stride + p * 64;
+          const float* dx = x.dxv + i * xd_stride + p * 8;
+          const __m256i x0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq));
+          const __m256i q0 = dot_u8s8(a0, _mm256_sign_epi8(x0, w0));
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), _mm256_mul_ps(sw0, _mm256_broadcast_ss(dx)), acc[i][j]);
+          if (!tail) {
+            const __m256i x1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq + 32));
+            const __m256i q1 = dot_u8s8(a1, _mm256_sign_epi8(x1, w1));
+            acc[i][j] =
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), _mm256_mul_ps(sw1, _mm256_broadcast_ss(dx + 4)), acc[i][j]);
+          }
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j) out[i][j] = hsum8(acc[i][j]);
+#else
+  (void)next;
+  (void)far;
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j) {
+      const char* row = w.base + (j0 + j) * w.stride;
+      float s = 0.f;
+      for (int64_t b = 0; b < nblk; ++b) {
+        const int8_t* xq = x.q + i * xq_stride + (b / 2) * 64;
+        int32_t isum = 0;
+        for (int t = 0; t < 32; ++t) {
+          if constexpr (Q == kInt8) {
+            isum += int32_t(reinterpret_cast<const int8_t*>(row)[b * 32 + t]) * xq[32 * (b % 2) + t];
+          } else {
+            const uint8_t byte = reinterpret_cast<const uint8_t*>(row)[b * 16 + t / 2];
+            const int32_t code = t % 2 ? byte >> 4 : byte & 15;
+            isum += code * xq[(t % 2 ? 32 : 0) + 16 * (b % 2) + t / 2];
+          }
+        }
+        const float dx = x.dxv[i * xd_stride + (b / 2) * 8 + 4 * (b % 2)];
+        s = fmadd(float(isum), S[j * w.ng + (b * 32) / G] * dx, s);
+      }
+      out[i][j] = s;
+    }
+#endif
+  const float* qb = static_cast<const float*>(w.qbias);
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j)
+      c[i * ldc + j0 + j] = qb ? out[i][j] + bias_dot(qb + (j0 + j) * w.ng, sg + i * w.ng, w.ng) : out[i][j];
+}
+
+// C[m, ncols] = Q8(X)[m, K] . W[:, 0 : ncols] (the block's columns): row tiles of 4 (then
+// fewer) x 2 columns (1 x 4 for a single row); each element the same order whatever m is.
+template <int Q>
+void int_dot_matmul(const QRows& x, const QCols& wq, int64_t K, int64_t m, int64_t ncols, float* c, int64_t ldc) {
+  thread_local fvec sbuf, gbuf;
+  const QCols w = float_scales(wq, ncols, sbuf);
+  gbuf.resize(size_t(m * w.ng));
+  group_sums(x, m, K, w.group, gbuf.data());
+  for (int64_t i0 = 0; i0 < m;) {
+    const int64_t mr = std::min<int64_t>(4, m - i0);
+    const QRows xi = x.at(i0);
+    const float* sg = gbuf.data() + i0 * w.ng;
+    float* ci = c + i0 * ldc;
+    auto row_tiles = [&](auto MRc) {
+      constexpr int MR = decltype(MRc)::value;
+      constexpr int NC = MR == 1 ? 4 : 2;
+      int64_t j0 = 0;
+      for (; j0 + NC <= ncols; j0 += NC) itile<MR, NC, Q>(xi, w, sg, j0, K, ci, ldc);
+      for (; j0 < ncols; ++j0) itile<MR, 1, Q>(xi, w, sg, j0, K, ci, ldc);
+    };
+    switch (mr) {
+      case 1: row_tiles(std::integral_constant<int, 1>{}); break;
+      case 2: row_tiles(std::integral_constant<int, 2>{}); break;
+      case 3: row_tiles(std::integral_constant<int, 3>{}); break;
+      default: row_tiles(std::integral_constant<int, 4>{}); break;
+    }
+    i0 += mr;
+  }
+}
