@@ -28,6 +28,7 @@ from jaxmoe.impls.cpu.kernel import grouped_swiglu_saving
 from jaxmoe.quant import quantize_activations_q8
 
 INT_FORMATS = ("q8_0", "q4_0", "mlx4_g32", "mlx4_g64", "mlx4_g128", "int8_f32")
+K_FORMATS = ("q4_k", "q6_k")  # GGUF super-blocks with integer dot products too (AVX2 builds)
 
 pytestmark = pytest.mark.skipif(not cpu_kernel_status()[0], reason="the C++ kernel did not build")
 
@@ -44,7 +45,7 @@ def np_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def quantized_input(fmt: str) -> bool:
-    return fmt in INT_FORMATS
+    return fmt in INT_FORMATS + K_FORMATS
 
 
 def np_experts_q8(x, ids, ws, ref, cfg, fmts, window=2e-3):
@@ -113,21 +114,37 @@ def test_int_formats_match_float64_of_q8_activations(fmt, d, f, rng):
     check_int8(cfg, fmts, *uniform_routing(rng, 9, 3, 10), rng)
 
 
+@pytest.mark.parametrize("fmts", [("q4_k",) * 3, ("q6_k",) * 3, ("q4_k", "q4_k", "q6_k")])
+@pytest.mark.parametrize("t", [1, 9])
+def test_k_quants_match_float64_of_q8_activations(fmts, t, rng):
+    """Q4_K (scales and mins per sub-block of 32), Q6_K (scales per 16), and the Q4_K_M mix."""
+    cfg = cfg_of(512, 256, 6, 2)
+    check_int8(cfg, fmts, *uniform_routing(rng, t, 2, 6), rng)
+
+
 @pytest.mark.parametrize("t", [1, 7, 8, 9, 130])
-@pytest.mark.parametrize("fmts", [("q4_0", "q4_0", "q8_0"), ("mlx4_g64",) * 3, ("q8_0",) * 3])
+@pytest.mark.parametrize("fmts", [("q4_0", "q4_0", "q8_0"), ("mlx4_g64",) * 3, ("q8_0",) * 3, ("q4_k", "q4_k", "q6_k")])
 def test_one_expert_takes_every_token(t, fmts, rng):
     """k = 1 onto one expert: row tiles of 1..4 and row chunks (> 128 rows)."""
-    cfg = cfg_of(128, 64, 6, 1)
+    cfg = cfg_of(256, 256, 6, 1)
     ids = np.full((t, 1), 4, np.int32)
     check_int8(cfg, fmts, ids, rng.uniform(0.1, 1.0, size=(t, 1)).astype(np.float32), rng)
 
 
 @pytest.mark.parametrize(
-    "fmts", [("bf16", "q4_0", "q8_0"), ("q8_0", "f32", "mlx4_g32"), ("q4_k", "mlx4_g32", "q6_k"), ("q4_0", "q8_0", "q4_0")]
+    "fmts",
+    [
+        ("bf16", "q4_0", "q8_0"),
+        ("q8_0", "f32", "mlx4_g32"),
+        ("q5_k", "mlx4_g32", "q4_1"),
+        ("q4_0", "q8_0", "q4_0"),
+        ("q4_k", "q8_0", "q6_k"),
+        ("q4_k", "q4_0", "q5_0"),
+    ],
 )
 def test_mixed_kinds_and_empty_experts(fmts, rng):
-    """Integer kinds take Q8 activations, the others (float, GGUF blocks) float ones, in one
-    layer; gate int4 with up int8 reads the rows quantized in both orders."""
+    """Integer kinds take Q8 activations, the others (float, the other GGUF blocks) float
+    ones, in one layer; gate and up of different kinds read the rows quantized in two orders."""
     cfg = cfg_of(256, 256, 12, 4)
     check_int8(cfg, fmts, *skewed_routing(rng, 40, 4, 12), rng, tol=1e-5)
 
@@ -169,11 +186,11 @@ def gate_up_products(cfg, ew, x, ids, ws):
     return np.asarray(gu), np.asarray(xs), np.asarray(plan.group_offsets), np.asarray(plan.group_sizes)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "mlx4_g64"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "mlx4_g64", "q4_k", "q6_k"])
 def test_gate_up_products_exact_and_within_the_documented_error(fmt, rng):
     """The products before the activation: within float rounding of Q8(x) . W, and off the
     float-activation product by at most sum_k |W[k]| dx_k / 2 (docs/quantization.md)."""
-    cfg8 = cfg_of(256, 128, 6, 2, int8_activations=True)
+    cfg8 = cfg_of(256, 256, 6, 2, int8_activations=True)
     ew, ref = quantized_case(cfg8, (fmt,) * 3, rng)
     ids, ws = uniform_routing(rng, 11, 2, 6)
     x = rng.normal(size=(11, 256)).astype(np.float32)
@@ -220,13 +237,13 @@ def test_a_mutated_nibble_is_caught(rng):
     assert (np.abs(y_bad - want) > 3e-6 * np.abs(want).max() + slack).any()
 
 
-@pytest.mark.parametrize("fmts", [("q4_0", "q4_0", "q8_0"), ("mlx4_g64",) * 3])
+@pytest.mark.parametrize("fmts", [("q4_0", "q4_0", "q8_0"), ("mlx4_g64",) * 3, ("q4_k", "q4_k", "q6_k")])
 def test_batch_invariant(fmts, rng):
     """A token's output is the same bits alone and inside batches of other sizes (every row
     takes the same integer path whatever its expert's row count)."""
-    cfg = cfg_of(128, 128, 8, 2, int8_activations=True)
+    cfg = cfg_of(256, 256, 8, 2, int8_activations=True)
     ew, _ = quantized_case(cfg, fmts, rng)
-    x = rng.normal(size=(40, 128)).astype(np.float32)
+    x = rng.normal(size=(40, 256)).astype(np.float32)
     ids, ws = skewed_routing(rng, 40, 2, 8, hot=int(rng.integers(8)), share=0.9)
     f = jax.jit(lambda x, i, w: experts_cpu(x, Routing(i, w), ew, cfg))
     full = np.asarray(f(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(ws)))

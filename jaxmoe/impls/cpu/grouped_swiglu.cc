@@ -689,6 +689,10 @@ void matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t ld
     const int64_t row_bytes = K / block_elems(w.kind) * block_bytes(w.kind);
     QCols q{static_cast<const char*>(w.data) + (e * N + col0) * row_bytes, row_bytes, nullptr, nullptr, 0, 0,
             block_elems(w.kind)};
+#if defined(__AVX2__)
+    if (w.int_dot && w.kind == kQ4_K) return int_dot_gguf<kQ4_K>(*qa, q, K, m, ncols, c, ldc);
+    if (w.int_dot && w.kind == kQ6_K) return int_dot_gguf<kQ6_K>(*qa, q, K, m, ncols, c, ldc);
+#endif
     return with_gguf_kind(w.kind, [&](auto Q) { gguf_matmul<Q.value>(a, lda, q, K, m, ncols, c, ldc, pack); });
   }
   const int64_t ng = K / w.group, col = e * N + col0;
@@ -725,13 +729,14 @@ struct Problem {
   int act;
   float alpha, limit;
   bool round_h;
-  QRows qx_nat, qx_split, qh;  // int8 activations (int_dot.h): xs in both orders, h, where used
+  QRows qx[kOrders], qh[kOrders];  // int8 activations (int_dot.h): xs and h in the orders used
 };
 
-// The quantized rows a weight reads: the split order for int4 codes.
-inline const QRows* rows_for(const Weight& w, const QRows& nat, const QRows& split, int64_t row0, QRows& out) {
+// The quantized rows weight w reads (in its kind's order), from row row0 on; null for float
+// activations.
+inline const QRows* rows_for(const Weight& w, const QRows* by_order, int64_t row0, QRows& out) {
   if (!w.int_dot) return nullptr;
-  out = (w.kind == kInt4 ? split : nat).at(row0);
+  out = by_order[act_order(w.kind)].at(row0);
   return &out;
 }
 
@@ -751,9 +756,9 @@ void run_gate_up(const Problem& p, const Task& t) {
   ubuf.resize(size_t(t.rows) * t.cols);
   QRows qg, qu;
   matmul(p.wg, e, t.col0, x, d, t.rows, t.cols, gbuf.data(), t.cols, pack,
-         rows_for(p.wg, p.qx_nat, p.qx_split, t.row0, qg));
+         rows_for(p.wg, p.qx, t.row0, qg));
   matmul(p.wu, e, t.col0, x, d, t.rows, t.cols, ubuf.data(), t.cols, pack,
-         rows_for(p.wu, p.qx_nat, p.qx_split, t.row0, qu));
+         rows_for(p.wu, p.qx, t.row0, qu));
   if (p.gu)
     for (int64_t i = 0; i < t.rows; ++i) {
       float* grow = p.gu + (int64_t(t.row0) + i) * 2 * F + t.col0;
@@ -787,7 +792,7 @@ void run_down(const Problem& p, const Task& t) {
   float* y = p.ys + int64_t(t.row0) * d + t.col0;
   QRows qd;
   matmul(p.wd, e, t.col0, p.h + int64_t(t.row0) * F, F, t.rows, t.cols, y, d, pack,
-         rows_for(p.wd, p.qh, p.qh, t.row0, qd));
+         rows_for(p.wd, p.qh, t.row0, qd));
   if (p.bd)
     for (int64_t i = 0; i < t.rows; ++i)
       for (int64_t j = 0; j < t.cols; ++j) y[i * d + j] += p.bd[e * d + t.col0 + j];
@@ -847,13 +852,13 @@ void parallel_tasks(ffi::ThreadPool& pool, const std::vector<Task>& tasks, Fn fn
 
 // Quantizes the rows the experts own of a [P, K] matrix (stride K) into `out`, for
 // int8 activations: tasks of up to 64 rows on the pool.
-void quantize_owned_rows(ffi::ThreadPool& pool, const Problem& p, int64_t E, const float* a, int64_t K, bool split,
+void quantize_owned_rows(ffi::ThreadPool& pool, const Problem& p, int64_t E, const float* a, int64_t K, int order,
                          const QRows& out) {
   std::vector<Task> tasks;
   for (int64_t e = 0; e < E; ++e)
     for (int32_t r = 0; r < p.sizes[e]; r += 64)
       tasks.push_back(Task{int32_t(e), p.offsets[e] + r, std::min<int32_t>(64, p.sizes[e] - r), 0, 0});
-  parallel_tasks(pool, tasks, [&](const Task& t) { quantize_rows(a, K, t.row0, t.row0 + t.rows, K, split, out); });
+  parallel_tasks(pool, tasks, [&](const Task& t) { quantize_rows(a, K, t.row0, t.row0 + t.rows, K, order, out); });
 }
 
 // Checks one weight operand against its logical [E, in, out] shape; fills `w`.
@@ -976,16 +981,19 @@ ffi::Error GroupedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   const auto up_tasks = make_tasks(p, E, F, up_block, threads);
   const auto down_tasks = make_tasks(p, E, d, down_block, threads);
-  thread_local QRowsBuf qx_nat, qx_split, qh;
-  if (int_dot) {
-    for (Weight* w : {&p.wg, &p.wu, &p.wd}) w->int_dot = w->kind == kInt8 || w->kind == kInt4;
-    const bool nat = (p.wg.int_dot && p.wg.kind == kInt8) || (p.wu.int_dot && p.wu.kind == kInt8);
-    const bool split = (p.wg.int_dot && p.wg.kind == kInt4) || (p.wu.int_dot && p.wu.kind == kInt4);
-    if (nat) quantize_owned_rows(pool, p, E, p.xs, d, false, p.qx_nat = qx_nat.view(P, d));
-    if (split) quantize_owned_rows(pool, p, E, p.xs, d, true, p.qx_split = qx_split.view(P, d));
+  thread_local QRowsBuf qx_buf[kOrders], qh_buf[kOrders];
+  if (int_dot) {  // each integer-capable weight reads its input quantized in its kind's order
+    for (Weight* w : {&p.wg, &p.wu, &p.wd}) w->int_dot = act_order(w->kind) >= 0;
+    for (const Weight* w : {&p.wg, &p.wu}) {
+      const int o = act_order(w->kind);
+      if (o >= 0 && !p.qx[o].q) quantize_owned_rows(pool, p, E, p.xs, d, o, p.qx[o] = qx_buf[o].view(P, d));
+    }
   }
   parallel_tasks(pool, up_tasks, [&p](const Task& t) { run_gate_up(p, t); });
-  if (p.wd.int_dot) quantize_owned_rows(pool, p, E, p.h, F, p.wd.kind == kInt4, p.qh = qh.view(P, F));
+  if (p.wd.int_dot) {
+    const int o = act_order(p.wd.kind);
+    quantize_owned_rows(pool, p, E, p.h, F, o, p.qh[o] = qh_buf[o].view(P, F));
+  }
   parallel_tasks(pool, down_tasks, [&p](const Task& t) { run_down(p, t); });
   return ffi::Error::Success();
 }

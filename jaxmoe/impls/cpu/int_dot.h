@@ -60,9 +60,27 @@ inline float block_scale(float amax, bool finite) {
   return finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
 }
 
+// The orders of the codes in a pair of blocks (see the top of this file; kOrderK4: [block 0
+// elements 0..15 | block 1 elements 0..15 | block 0 elements 16..31 | block 1 elements
+// 16..31], matching Q4_K's 32 bytes of one pair of sub-blocks widened as [low | high
+// nibbles] and regrouped by 128-bit lane).
+enum ActOrder : int { kOrderNatural = 0, kOrderSplit4 = 1, kOrderK4 = 2 };
+constexpr int kOrders = 3;
+
+// The order weight kind Q reads its quantized activations in, or -1 when it takes float ones.
+inline int act_order(int kind) {
+  if (kind == kInt8) return kOrderNatural;
+  if (kind == kInt4) return kOrderSplit4;
+#if defined(__AVX2__)
+  if (kind == kQ6_K) return kOrderNatural;
+  if (kind == kQ4_K) return kOrderK4;
+#endif
+  return -1;
+}
+
 // Rows [r0, r1) of a ([*, K] at stride lda, K a multiple of 32) into `out` (a view from
-// QRowsBuf::view of all rows): split = the int4 order.
-inline void quantize_rows(const float* a, int64_t lda, int64_t r0, int64_t r1, int64_t K, bool split, const QRows& out) {
+// QRowsBuf::view of all rows), codes in `order`.
+inline void quantize_rows(const float* a, int64_t lda, int64_t r0, int64_t r1, int64_t K, int order, const QRows& out) {
   const int64_t nblk = K / kQBlock;
   for (int64_t r = r0; r < r1; ++r) {
     const float* x = a + r * lda;
@@ -127,11 +145,14 @@ inline void quantize_rows(const float* a, int64_t lda, int64_t r0, int64_t r1, i
 #endif
       const int64_t pr = b / 2, half = b % 2;
       int8_t* qp = q + pr * 64;
-      if (split) {
+      if (order == kOrderSplit4) {
         for (int t = 0; t < 16; ++t) {
           qp[16 * half + t] = codes[2 * t];
           qp[32 + 16 * half + t] = codes[2 * t + 1];
         }
+      } else if (order == kOrderK4) {
+        std::memcpy(qp + 16 * half, codes, 16);
+        std::memcpy(qp + 32 + 16 * half, codes + 16, 16);
       } else {
         std::memcpy(qp + 32 * half, codes, 32);
       }
@@ -296,25 +317,103 @@ void itile(const QRows& x, const QCols& w, const float* sg, int64_t j0, int64_t 
       c[i * ldc + j0 + j] = qb ? out[i][j] + bias_dot(qb + (j0 + j) * w.ng, sg + i * w.ng, w.ng) : out[i][j];
 }
 
-// C[m, ncols] = Q8(X)[m, K] . W[:, 0 : ncols] (the block's columns): row tiles of 4 (then
-// fewer) x 2 columns (1 x 4 for a single row); each element the same order whatever m is.
-template <int Q>
-void int_dot_matmul(const QRows& x, const QCols& wq, int64_t K, int64_t m, int64_t ncols, float* c, int64_t ldc) {
-  thread_local fvec sbuf, gbuf;
-  const QCols w = float_scales(wq, ncols, sbuf);
-  gbuf.resize(size_t(m * w.ng));
-  group_sums(x, m, K, w.group, gbuf.data());
+#if defined(__AVX2__)
+// The same tile for GGUF Q4_K and Q6_K blocks (super-blocks of 256; w.stride the row's
+// bytes). Q4_K (W = d sc_s q - dmin m_s per sub-block s of 32): per pair of sub-blocks, 32
+// bytes of nibbles, [low | high] regrouped by 128-bit lane (kOrderK4), so one conversion and
+// one multiply-add per pair and row; the mins' term sum_s dmin m_s dx_s sum(xq) per
+// super-block from sb. Q6_K (W = d sc_g (q - 32) per group g of 16): the block's codes as
+// bytes (q6k_codes), then per block of 32 the sign trick as for int8, lanes 0..3 holding
+// group 2b's sums and lanes 4..7 group 2b + 1's.
+template <int MR, int NC, int Q>
+void ktile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
+  static_assert(Q == kQ4_K || Q == kQ6_K, "ktile: Q4_K or Q6_K blocks");
+  constexpr int BB = block_bytes(Q);
+  const int64_t xq_stride = x.pairs * 64, xd_stride = x.pairs * 8;
+  const uint8_t* rows[NC];
+  for (int j = 0; j < NC; ++j) rows[j] = reinterpret_cast<const uint8_t*>(w.base + (j0 + j) * w.stride);
+  const char* next = w.base + (j0 + NC) * w.stride;
+  __m256 acc[MR][NC], macc[MR][NC];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j) acc[i][j] = macc[i][j] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(15);
+  for (int64_t blk = 0; blk < K / 256; ++blk) {
+    for (int j = 0; j < NC; ++j)
+      for (int o = 0; o < BB; o += 64) __builtin_prefetch(next + j * w.stride + blk * BB + o);
+    if constexpr (Q == kQ4_K) {
+      alignas(32) float dsc[NC][8], dmn[NC][8];
+      for (int j = 0; j < NC; ++j) {
+        const uint8_t* bj = rows[j] + blk * BB;
+        k_scales_mins(bj + 4, f16_at(bj), f16_at(bj + 2), dsc[j], dmn[j]);
+        for (int i = 0; i < MR; ++i)
+          macc[i][j] = _mm256_fmadd_ps(_mm256_load_ps(dmn[j]), _mm256_loadu_ps(x.sb + i * x.nblk + 8 * blk), macc[i][j]);
+      }
+      for (int p = 0; p < 4; ++p) {
+        const int64_t pr = 4 * blk + p;
+        for (int j = 0; j < NC; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + blk * BB + 16 + 32 * p));
+          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          const __m256i a = _mm256_permute2x128_si256(lo, hi, 0x20), b = _mm256_permute2x128_si256(lo, hi, 0x31);
+          const __m256 sw = _mm256_set_m128(_mm_set1_ps(dsc[j][2 * p + 1]), _mm_set1_ps(dsc[j][2 * p]));
+          for (int i = 0; i < MR; ++i) {
+            const int8_t* xq = x.q + i * xq_stride + pr * 64;
+            const __m256i x0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq));
+            const __m256i x1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq + 32));
+            const __m256 dxv = _mm256_load_ps(x.dxv + i * xd_stride + pr * 8);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            const __m256i q32 = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), a, x0), b, x1);
+#elif defined(__AVXVNNI__)
+            const __m256i q32 = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, x0), b, x1);
+#else
+            const __m256i q32 = _mm256_madd_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(a, x0), _mm256_maddubs_epi16(b, x1)), _mm256_set1_epi16(1));
+#endif
+            acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q32), _mm256_mul_ps(sw, dxv), acc[i][j]);
+          }
+        }
+      }
+    } else {
+      alignas(64) float ds[NC][16];
+      alignas(64) int8_t qb[NC][256];
+      for (int j = 0; j < NC; ++j) {
+        q6k_scales(rows[j] + blk * BB, ds[j]);
+        q6k_codes(rows[j] + blk * BB, qb[j]);
+      }
+      for (int b = 0; b < 8; ++b) {
+        const int64_t xb = 8 * blk + b;  // the activation block
+        for (int j = 0; j < NC; ++j) {
+          const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(qb[j] + 32 * b));
+          const __m256i aw = _mm256_abs_epi8(wv);
+          const __m256 sw = _mm256_set_m128(_mm_set1_ps(ds[j][2 * b + 1]), _mm_set1_ps(ds[j][2 * b]));
+          for (int i = 0; i < MR; ++i) {
+            const int8_t* xq = x.q + i * xq_stride + (xb / 2) * 64 + 32 * (xb % 2);
+            const __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq));
+            const __m256i q32 = dot_u8s8(aw, _mm256_sign_epi8(xv, wv));
+            const __m256 dx = _mm256_broadcast_ss(x.dxv + i * xd_stride + (xb / 2) * 8 + 4 * (xb % 2));
+            acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q32), _mm256_mul_ps(sw, dx), acc[i][j]);
+          }
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j)
+      c[i * ldc + j0 + j] = Q == kQ4_K ? hsum8(acc[i][j]) - hsum8(macc[i][j]) : hsum8(acc[i][j]);
+}
+#endif
+
+// Runs tile(MR, NC, i0, j0) over row tiles of 4 (then fewer) x 2 columns (1 x 4 for a single
+// row), as int_dot_matmul and int_dot_gguf do.
+template <typename Tile>
+inline void int_dot_tiles(int64_t m, int64_t ncols, Tile&& tile) {
   for (int64_t i0 = 0; i0 < m;) {
     const int64_t mr = std::min<int64_t>(4, m - i0);
-    const QRows xi = x.at(i0);
-    const float* sg = gbuf.data() + i0 * w.ng;
-    float* ci = c + i0 * ldc;
     auto row_tiles = [&](auto MRc) {
       constexpr int MR = decltype(MRc)::value;
       constexpr int NC = MR == 1 ? 4 : 2;
       int64_t j0 = 0;
-      for (; j0 + NC <= ncols; j0 += NC) itile<MR, NC, Q>(xi, w, sg, j0, K, ci, ldc);
-      for (; j0 < ncols; ++j0) itile<MR, 1, Q>(xi, w, sg, j0, K, ci, ldc);
+      for (; j0 + NC <= ncols; j0 += NC) tile(std::integral_constant<int, MR>{}, std::integral_constant<int, NC>{}, i0, j0);
+      for (; j0 < ncols; ++j0) tile(std::integral_constant<int, MR>{}, std::integral_constant<int, 1>{}, i0, j0);
     };
     switch (mr) {
       case 1: row_tiles(std::integral_constant<int, 1>{}); break;
@@ -324,4 +423,28 @@ void int_dot_matmul(const QRows& x, const QCols& wq, int64_t K, int64_t m, int64
     }
     i0 += mr;
   }
+}
+
+#if defined(__AVX2__)
+// C[m, ncols] = Q8(X)[m, K] . W[:, 0 : ncols] for Q4_K / Q6_K blocks.
+template <int Q>
+void int_dot_gguf(const QRows& x, const QCols& w, int64_t K, int64_t m, int64_t ncols, float* c, int64_t ldc) {
+  int_dot_tiles(m, ncols, [&](auto MRc, auto NCc, int64_t i0, int64_t j0) {
+    ktile<decltype(MRc)::value, decltype(NCc)::value, Q>(x.at(i0), w, j0, K, c + i0 * ldc, ldc);
+  });
+}
+#endif
+
+// C[m, ncols] = Q8(X)[m, K] . W[:, 0 : ncols] (the block's columns): row tiles of 4 (then
+// fewer) x 2 columns (1 x 4 for a single row); each element the same order whatever m is.
+template <int Q>
+void int_dot_matmul(const QRows& x, const QCols& wq, int64_t K, int64_t m, int64_t ncols, float* c, int64_t ldc) {
+  thread_local fvec sbuf, gbuf;
+  const QCols w = float_scales(wq, ncols, sbuf);
+  gbuf.resize(size_t(m * w.ng));
+  group_sums(x, m, K, w.group, gbuf.data());
+  int_dot_tiles(m, ncols, [&](auto MRc, auto NCc, int64_t i0, int64_t j0) {
+    itile<decltype(MRc)::value, decltype(NCc)::value, Q>(x.at(i0), w, gbuf.data() + i0 * w.ng, j0, K, c + i0 * ldc,
+                                                          ldc);
+  });
 }
