@@ -134,11 +134,12 @@ class MoEConfig:
         `jaxmoe.invariance`): ``True`` for every strategy, ``False`` for none beyond the
         routing, ``None`` (default) where it is free (measured: nowhere yet, so off).
       int8_activations: ``impl="cpu"`` only, opt-in: experts stored as int8 / int4 codes
-        (GGUF Q8_0 / Q4_0, MLX affine) multiply activations quantized to int8 per block of
+        (GGUF Q8_0 / Q4_0, MLX affine) or GGUF Q4_K / Q6_K blocks (the Q4_K_M mix; AVX2
+        builds) multiply activations quantized to int8 per block of
         32 (``dx = max|x| / 127``, ggml's Q8_0 rule) with integer dot products, as llama.cpp
         does. The result is that of the dequantized weights times the quantized activations
         (`jaxmoe.quant.quantize_activations_q8`) within float32 rounding, not of the float
-        activations: docs/quantization.md, "int8 activations", has the error and the speed.
+        activations: docs/design.md, "int8 activations", has the error and the speed.
         Other weight kinds and other impls keep float activations.
     """
 

@@ -189,7 +189,7 @@ def gate_up_products(cfg, ew, x, ids, ws):
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "mlx4_g64", "q4_k", "q6_k"])
 def test_gate_up_products_exact_and_within_the_documented_error(fmt, rng):
     """The products before the activation: within float rounding of Q8(x) . W, and off the
-    float-activation product by at most sum_k |W[k]| dx_k / 2 (docs/quantization.md)."""
+    float-activation product by at most sum_k |W[k]| dx_k / 2 (docs/design.md, "int8 activations")."""
     cfg8 = cfg_of(256, 256, 6, 2, int8_activations=True)
     ew, ref = quantized_case(cfg8, (fmt,) * 3, rng)
     ids, ws = uniform_routing(rng, 11, 2, 6)
@@ -281,3 +281,21 @@ def test_quantize_activations_q8_matches_the_rule(rng):
 def test_the_option_is_checked():
     with pytest.raises(ValueError, match="int8_activations"):
         cfg_of(64, 64, 4, 2, int8_activations="yes")
+
+
+def test_gradients_pass_straight_through(rng):
+    """jax.grad of an int8-activation layer: the backward treats Q8 as the identity, so the
+    input and routing-weight gradients are those of float activations up to Q8's error."""
+    cfg = cfg_of(128, 64, 6, 2)
+    ew, _ = quantized_case(cfg, ("q4_0", "q4_0", "q8_0"), rng)
+    ids, ws = uniform_routing(rng, 5, 2, 6)
+    x = jnp.asarray(rng.normal(size=(5, 128)).astype(np.float32))
+
+    def loss(x, w, c):
+        return jnp.sum(experts_cpu(x, Routing(jnp.asarray(ids), w), ew, c) ** 2)
+
+    g8 = jax.grad(loss, argnums=(0, 1))(x, jnp.asarray(ws), dataclasses.replace(cfg, int8_activations=True))
+    gf = jax.grad(loss, argnums=(0, 1))(x, jnp.asarray(ws), cfg)
+    for a, b in zip(g8, gf):
+        rel = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+        assert 0 < rel < 3e-2, rel

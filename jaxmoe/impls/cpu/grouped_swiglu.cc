@@ -31,6 +31,7 @@
 //   round_h  1: round the hidden activations to bfloat16 before the down projection
 //   kind_{gate,up,down}, group_{gate,up,down}  the weight formats above (group: 0 for float)
 //   up_block, down_block  output columns per task
+//   int_dot  1: integer dot products over int8-quantized activations (int_dot.h)
 //
 // Work: phase 1 = tasks (expert, row chunk, block of F columns) computing h; phase 2 =
 // tasks (expert, row chunk, block of d columns) computing y. Float weights: register
@@ -49,6 +50,9 @@
 // inside the tile (or, for Q4_K / Q5_K / Q6_K with AVX-512 and Q6_K with AVX2, into
 // registers), bit-exact
 // with gguf.quants.dequantize, then take the float tile's order of operations.
+// With the int_dot attribute (MoEConfig.int8_activations, opt-in), int8 / int4 / Q4_K /
+// Q6_K weights instead multiply their input rows quantized to int8 per block of 32 (done
+// once per call before each phase) with integer dot products: int_dot.h.
 //
 // Vector width is picked at build time from what the compiler targets (-march=native):
 // 16 float lanes with AVX-512, else 8 (AVX2). Tasks run on XLA's intra-op thread pool;

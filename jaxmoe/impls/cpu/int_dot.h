@@ -1,8 +1,9 @@
 // Integer dot products over activations quantized to int8 per block of 32 (the opt-in
-// `MoEConfig.int8_activations`, docs/quantization.md "int8 activations"): what ggml does
+// `MoEConfig.int8_activations`, docs/design.md "int8 activations"): what ggml does
 // for its quantized types, here for the int8 (GGUF Q8_0) and int4 (MLX affine, GGUF Q4_0)
-// kinds. Included by grouped_swiglu.cc inside its anonymous namespace, after
-// kernel_common.h.
+// kinds and, in AVX2 / AVX-512 builds, the GGUF Q4_K and Q6_K blocks (ktile). Included by
+// grouped_swiglu.cc inside its anonymous namespace, after the quantized tiles and
+// float_scales.
 //
 // What it computes: each activation row x is cut into blocks of 32 along `in`; a block's
 // dx = max|x| / 127 (float32) and its codes xq = round-half-even(clip(x / dx, -127, 127))
