@@ -193,6 +193,19 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
 }
+
+// dot_u8s8(a, x) + dot_u8s8(b, y) for 4-bit codes a, b (0..15): without VNNI the two int16
+// pair sums are added before one madd (2 * 15 * 127 twice cannot saturate).
+inline __m256i dot2_u4s8(__m256i a, __m256i x, __m256i b, __m256i y) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), a, x), b, y);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, x), b, y);
+#else
+  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(a, x), _mm256_maddubs_epi16(b, y)),
+                           _mm256_set1_epi16(1));
+#endif
+}
 #endif
 
 // sum_g b[g] * s[g] (the quantization biases' term of one output): 8 lanes, then the tail.
@@ -253,14 +266,7 @@ void itile(const QRows& x, const QCols& w, const float* sg, int64_t j0, int64_t 
           const __m256i x0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq));
           const __m256i x1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq + 32));
           const __m256 dxv = _mm256_load_ps(x.dxv + i * xd_stride + p * 8);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-          const __m256i q32 = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, x0), hi, x1);
-#elif defined(__AVXVNNI__)
-          const __m256i q32 = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, x0), hi, x1);
-#else
-          const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-          const __m256i q32 = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-#endif
+          const __m256i q32 = dot2_u4s8(lo, x0, hi, x1);
           acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q32), _mm256_mul_ps(sw, dxv), acc[i][j]);
         }
       } else {
@@ -361,14 +367,7 @@ void ktile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, int6
             const __m256i x0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq));
             const __m256i x1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq + 32));
             const __m256 dxv = _mm256_load_ps(x.dxv + i * xd_stride + pr * 8);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-            const __m256i q32 = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), a, x0), b, x1);
-#elif defined(__AVXVNNI__)
-            const __m256i q32 = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, x0), b, x1);
-#else
-            const __m256i q32 = _mm256_madd_epi16(
-                _mm256_add_epi16(_mm256_maddubs_epi16(a, x0), _mm256_maddubs_epi16(b, x1)), _mm256_set1_epi16(1));
-#endif
+            const __m256i q32 = dot2_u4s8(a, x0, b, x1);
             acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q32), _mm256_mul_ps(sw, dxv), acc[i][j]);
           }
         }
