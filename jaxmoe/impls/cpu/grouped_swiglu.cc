@@ -693,10 +693,8 @@ void matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t ld
     const int64_t row_bytes = K / block_elems(w.kind) * block_bytes(w.kind);
     QCols q{static_cast<const char*>(w.data) + (e * N + col0) * row_bytes, row_bytes, nullptr, nullptr, 0, 0,
             block_elems(w.kind)};
-#if defined(__AVX2__)
     if (w.int_dot && w.kind == kQ4_K) return int_dot_gguf<kQ4_K>(*qa, q, K, m, ncols, c, ldc);
     if (w.int_dot && w.kind == kQ6_K) return int_dot_gguf<kQ6_K>(*qa, q, K, m, ncols, c, ldc);
-#endif
     return with_gguf_kind(w.kind, [&](auto Q) { gguf_matmul<Q.value>(a, lda, q, K, m, ncols, c, ldc, pack); });
   }
   const int64_t ng = K / w.group, col = e * N + col0;

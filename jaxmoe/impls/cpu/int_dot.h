@@ -1,7 +1,7 @@
 // Integer dot products over activations quantized to int8 per block of 32 (the opt-in
 // `MoEConfig.int8_activations`, docs/design.md "int8 activations"): what ggml does
 // for its quantized types, here for the int8 (GGUF Q8_0) and int4 (MLX affine, GGUF Q4_0)
-// kinds and, in AVX2 / AVX-512 builds, the GGUF Q4_K and Q6_K blocks (ktile). Included by
+// kinds and the GGUF Q4_K and Q6_K blocks (ktile; a portable loop without AVX2). Included by
 // grouped_swiglu.cc inside its anonymous namespace, after the quantized tiles and
 // float_scales.
 //
@@ -72,9 +72,11 @@ constexpr int kOrders = 3;
 inline int act_order(int kind) {
   if (kind == kInt8) return kOrderNatural;
   if (kind == kInt4) return kOrderSplit4;
-#if defined(__AVX2__)
   if (kind == kQ6_K) return kOrderNatural;
+#if defined(__AVX2__)
   if (kind == kQ4_K) return kOrderK4;
+#else
+  if (kind == kQ4_K) return kOrderNatural;  // the portable int_dot_gguf below
 #endif
   return -1;
 }
@@ -206,6 +208,14 @@ inline __m256i dot2_u4s8(__m256i a, __m256i x, __m256i b, __m256i y) {
                            _mm256_set1_epi16(1));
 #endif
 }
+
+// acc + float(dot2_u4s8 of one row's 64 int8 activations at xq) * sw * dx (8 lanes of dx at dxv):
+// one pair of 4-bit code vectors a (first 32 activations) and b (next 32) against one row.
+inline __m256 pair_step(__m256 acc, __m256i a, __m256i b, __m256 sw, const int8_t* xq, const float* dxv) {
+  const __m256i x0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq));
+  const __m256i x1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq + 32));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2_u4s8(a, x0, b, x1)), _mm256_mul_ps(sw, _mm256_load_ps(dxv)), acc);
+}
 #endif
 
 // sum_g b[g] * s[g] (the quantization biases' term of one output): 8 lanes, then the tail.
@@ -261,14 +271,8 @@ void itile(const QRows& x, const QCols& w, const float* sg, int64_t j0, int64_t 
         if (tail) v = _mm256_inserti128_si256(v, _mm_setzero_si128(), 1);
         const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
         const __m256 sw = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
-        for (int i = 0; i < MR; ++i) {
-          const int8_t* xq = x.q + i * xq_stride + p * 64;
-          const __m256i x0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq));
-          const __m256i x1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq + 32));
-          const __m256 dxv = _mm256_load_ps(x.dxv + i * xd_stride + p * 8);
-          const __m256i q32 = dot2_u4s8(lo, x0, hi, x1);
-          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q32), _mm256_mul_ps(sw, dxv), acc[i][j]);
-        }
+        for (int i = 0; i < MR; ++i)
+          acc[i][j] = pair_step(acc[i][j], lo, hi, sw, x.q + i * xq_stride + p * 64, x.dxv + i * xd_stride + p * 8);
       } else {
         const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + kb));
         const __m256i w1 =
@@ -362,14 +366,8 @@ void ktile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, int6
           const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
           const __m256i a = _mm256_permute2x128_si256(lo, hi, 0x20), b = _mm256_permute2x128_si256(lo, hi, 0x31);
           const __m256 sw = _mm256_set_m128(_mm_set1_ps(dsc[j][2 * p + 1]), _mm_set1_ps(dsc[j][2 * p]));
-          for (int i = 0; i < MR; ++i) {
-            const int8_t* xq = x.q + i * xq_stride + pr * 64;
-            const __m256i x0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq));
-            const __m256i x1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq + 32));
-            const __m256 dxv = _mm256_load_ps(x.dxv + i * xd_stride + pr * 8);
-            const __m256i q32 = dot2_u4s8(a, x0, b, x1);
-            acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q32), _mm256_mul_ps(sw, dxv), acc[i][j]);
-          }
+          for (int i = 0; i < MR; ++i)
+            acc[i][j] = pair_step(acc[i][j], a, b, sw, x.q + i * xq_stride + pr * 64, x.dxv + i * xd_stride + pr * 8);
         }
       }
     } else {
@@ -425,15 +423,38 @@ inline void int_dot_tiles(int64_t m, int64_t ncols, Tile&& tile) {
   }
 }
 
-#if defined(__AVX2__)
 // C[m, ncols] = Q8(X)[m, K] . W[:, 0 : ncols] for Q4_K / Q6_K blocks.
 template <int Q>
 void int_dot_gguf(const QRows& x, const QCols& w, int64_t K, int64_t m, int64_t ncols, float* c, int64_t ldc) {
+#if defined(__AVX2__)
   int_dot_tiles(m, ncols, [&](auto MRc, auto NCc, int64_t i0, int64_t j0) {
     ktile<decltype(MRc)::value, decltype(NCc)::value, Q>(x.at(i0), w, j0, K, c + i0 * ldc, ldc);
   });
-}
+#else
+  // Portable builds: the same product (Q8(x) . W, activations in the natural order) from each
+  // super-block decoded to float, per activation block one float sum times its dx.
+  alignas(64) float wb[256];
+  for (int64_t j = 0; j < ncols; ++j) {
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(w.base + j * w.stride);
+    for (int64_t i = 0; i < m; ++i) c[i * ldc + j] = 0.f;
+    for (int64_t blk = 0; blk < K / 256; ++blk) {
+      decode_block<Q>(row + blk * block_bytes(Q), wb);
+      for (int64_t i = 0; i < m; ++i) {
+        const QRows xi = x.at(i);
+        float s = c[i * ldc + j];
+        for (int b = 0; b < 8; ++b) {
+          const int64_t xb = 8 * blk + b;
+          const int8_t* xq = xi.q + (xb / 2) * 64 + 32 * (xb % 2);
+          float d = 0.f;
+          for (int e = 0; e < 32; ++e) d = fmadd(wb[32 * b + e], float(xq[e]), d);
+          s = fmadd(d, xi.dxv[(xb / 2) * 8 + 4 * (xb % 2)], s);
+        }
+        c[i * ldc + j] = s;
+      }
+    }
+  }
 #endif
+}
 
 // C[m, ncols] = Q8(X)[m, K] . W[:, 0 : ncols] (the block's columns): row tiles of 4 (then
 // fewer) x 2 columns (1 x 4 for a single row); each element the same order whatever m is.
