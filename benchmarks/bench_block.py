@@ -33,7 +33,8 @@ random codes (speed does not depend on the values; the outputs are still checked
 ``xla``). ``--ggml BIN`` also runs llama.cpp's MoE layer graph (``ggml_moe_layer`` from
 ``/work/shared/anchors``, built by its ``build_ggml_moe_layer.sh``) on the same layer
 shape, type (``mlx4_g64`` against ``q4_0``), T, thread count and cold/hot mode in the
-same run, and prints ggml ms / jaxmoe ms per type (> 1: jaxmoe faster).
+same run, and prints ggml ms / jaxmoe ms per type (> 1: jaxmoe faster), best against best
+and median against median.
 
     python benchmarks/bench_block.py                      # full layer, ~3.2 GB of f32 weights (+3.2 GB for HF)
     python benchmarks/bench_block.py --tokens 1,8 --impls xla,gather,hf
@@ -175,8 +176,10 @@ def nbytes(w) -> int:
     return int(w.nbytes) if hasattr(w, "qdata") else int(w.size * w.dtype.itemsize)
 
 
-def run_ggml(binary: str, cfg, ggml_type: str, t: int, threads: int, reps: int, hot: bool) -> float | None:
-    """Median ms of ``ggml_moe_layer`` on this layer shape, or None (printed why)."""
+def run_ggml(
+    binary: str, cfg, ggml_type: str, t: int, threads: int, reps: int, hot: bool
+) -> tuple[float, float] | None:
+    """(best, median) ms of ``ggml_moe_layer`` on this layer shape, or None (printed why)."""
     import re
     import subprocess
 
@@ -187,12 +190,12 @@ def run_ggml(binary: str, cfg, ggml_type: str, t: int, threads: int, reps: int, 
     except (OSError, subprocess.TimeoutExpired) as e:
         print(f"ggml: {' '.join(cmd)} failed: {e}", flush=True)
         return None
-    m = re.search(r"median_ms=([0-9.]+)", r.stdout)
+    m = re.search(r"median_ms=([0-9.]+) min_ms=([0-9.]+)", r.stdout)
     if r.returncode or not m:
         print(f"ggml: {' '.join(cmd)} exited {r.returncode}: {(r.stdout + r.stderr)[-400:]}", flush=True)
         return None
     print(f"ggml: {r.stdout.strip().splitlines()[-1]}", flush=True)
-    return float(m.group(1))
+    return float(m.group(2)), float(m.group(1))
 
 
 def best_ms(fn, inputs, repeats):
@@ -375,6 +378,7 @@ def run_format(a, cfg, p, impls, bw, rbw, rate, fmt):
                 gbps[impl].append(read[i] / dt / 1e9)
         for impl, ts in times.items():
             row[impl] = min(ts)
+            row[impl + " median"] = float(np.median(ts))
             row[impl + " GB/s"] = float(np.median(gbps[impl]))
             print(
                 f"T={t:5d} {impl:10s} best {min(ts):10.2f} ms  median {np.median(ts):10.2f} ms  "
@@ -382,7 +386,9 @@ def run_format(a, cfg, p, impls, bw, rbw, rate, fmt):
                 flush=True,
             )
         if a.ggml:
-            row["ggml"] = run_ggml(a.ggml, cfg, GGML_TYPE[fmt], t, a.threads, max(a.repeats, 3), a.hot)
+            g = run_ggml(a.ggml, cfg, GGML_TYPE[fmt], t, a.threads, max(a.repeats, 3), a.hot)
+            if g is not None:  # best against best, median against median
+                row["ggml"], row["ggml median"] = g
         rows.append(row)
         del inputs
         gc.collect()
@@ -405,15 +411,16 @@ def print_table(rows, impls, fmt="f32"):
     for r in rows:
         print(f"{r['T']:5d} " + "".join(f"{r[c + ' GB/s']:11.1f}" if c + " GB/s" in r else f"{'-':>11}" for c in gb))
     if "ggml" in cols:
-        print(f"\n[{fmt}] ggml ms / jaxmoe ms (> 1: jaxmoe faster)")
-        print(f"{'T':>5} " + "".join(f"{c:>11}" for c in cols if c not in ("ggml", "hf")))
-        for r in rows:
-            cells = [
-                f"{r['ggml'] / r[c]:11.2f}" if r.get("ggml") and c in r else f"{'-':>11}"
-                for c in cols
-                if c not in ("ggml", "hf")
-            ]
-            print(f"{r['T']:5d} " + "".join(cells))
+        for stat, sfx in (("best", ""), ("median", " median")):
+            print(f"\n[{fmt}] ggml ms / jaxmoe ms, {stat} against {stat} (> 1: jaxmoe faster)")
+            print(f"{'T':>5} " + "".join(f"{c:>11}" for c in cols if c not in ("ggml", "hf")))
+            for r in rows:
+                cells = [
+                    f"{r['ggml' + sfx] / r[c + sfx]:11.2f}" if r.get("ggml") and c + sfx in r else f"{'-':>11}"
+                    for c in cols
+                    if c not in ("ggml", "hf")
+                ]
+                print(f"{r['T']:5d} " + "".join(cells))
     for base in ("hf", "xla"):
         if base not in cols:
             continue
