@@ -17,6 +17,7 @@ whether the two outputs of the first call are bitwise equal.
 
     python benchmarks/bench_kernel_ab.py --base 30a87dc --dtype bf16,q8_0 --tokens 1,8
     python benchmarks/bench_kernel_ab.py --base HEAD~1 --what layer --dtype q8_0 --tokens 1
+    python benchmarks/bench_kernel_ab.py --base HEAD --int8 --dtype q4_k,q4_0 --tokens 1,8
 """
 
 from __future__ import annotations
@@ -47,8 +48,15 @@ BASE_TARGET = "jaxmoe_grouped_swiglu_base"
 
 
 def load_base(rev: str, tmp: Path) -> None:
-    """Builds the kernel sources of ``rev`` and registers them as `BASE_TARGET`."""
-    for name in ("grouped_swiglu.cc", "kernel_common.h"):
+    """Builds the kernel sources of ``rev`` (its ``grouped_swiglu.cc`` and every header beside
+    it: ``kernel_common.h``, ``int_dot.h``, ...) and registers them as `BASE_TARGET`."""
+    ls = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{rev}:jaxmoe/impls/cpu/"], capture_output=True, text=True
+    )
+    if ls.returncode != 0:
+        raise SystemExit(f"git ls-tree {rev}:jaxmoe/impls/cpu/ failed: {ls.stderr.strip()}")
+    headers = [n for n in ls.stdout.split() if n.endswith(".h")]
+    for name in ("grouped_swiglu.cc", *headers):
         src = subprocess.run(
             ["git", "-C", str(ROOT), "show", f"{rev}:jaxmoe/impls/cpu/{name}"], capture_output=True, text=True
         )
@@ -105,17 +113,25 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--experts", type=int, default=None, help="routed experts (default the preset's 256)")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument(
+        "--int8",
+        action="store_true",
+        help="MoEConfig.int8_activations=True (integer dot products; the base must take the int_dot attribute)",
+    )
     a = ap.parse_args(argv)
     ok, msg = build.cpu_kernel_status()
     if not ok:
         raise SystemExit(f"the C++ kernel did not build: {msg}")
-    cfg = jaxmoe.load_config("qwen3.6-35b-a3b")
+    cfg = dataclasses.replace(jaxmoe.load_config("qwen3.6-35b-a3b"), int8_activations=a.int8)
     if a.experts:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, num_experts=a.experts))
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
         load_base(a.base, Path(tmp))
-    print(f"{a.what}: working tree against {a.base}; E={cfg.num_experts}, new tokens every call, A B alternating")
+    acts = "int8 activations" if a.int8 else "float activations"
+    print(
+        f"{a.what}: working tree against {a.base}; E={cfg.num_experts}, {acts}, new tokens every call, A B alternating"
+    )
     print("| format | T | base best / median ms | new best / median ms | base / new (best, median) | same bits |")
     print("|---|---|---|---|---|---|")
     for fmt in a.dtype.split(","):
