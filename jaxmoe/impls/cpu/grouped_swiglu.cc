@@ -402,7 +402,9 @@ void gtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
     for (int j = 0; j < NC; ++j) acc[i][j] = vf{};
   const uint8_t* rows[NC];
   for (int j = 0; j < NC; ++j) rows[j] = reinterpret_cast<const uint8_t*>(w.base + (j0 + j) * w.stride);
-  const char* next = w.base + (j0 + NC) * w.stride;  // the next tile's columns (as in qtile)
+  const char* next = w.base + (j0 + NC) * w.stride;  // the next tile's columns (as in qtile); for the
+  // K-quants also the columns kFarBytes ahead into L2 (Q4_K_M T = 1 ~1.2x; no gain for block-32 kinds)
+  const char* far = w.base + (j0 + std::max<int64_t>(2 * NC, kFarBytes / w.stride)) * w.stride;
   auto madd = [&](int64_t k, const vf* wv) {  // acc += x[:, k .. k + lanes - 1] * wv
     for (int i = 0; i < MR; ++i) {
       const vf x = load(a + i * lda + k);
@@ -412,7 +414,10 @@ void gtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
   alignas(64) float wb[NC][B];
   for (int64_t g0 = 0, blk = 0; g0 < K; g0 += B, ++blk) {
     for (int j = 0; j < NC; ++j)
-      for (int o = 0; o < BB; o += 64) __builtin_prefetch(next + j * w.stride + blk * BB + o);
+      for (int o = 0; o < BB; o += 64) {
+        __builtin_prefetch(next + j * w.stride + blk * BB + o);
+        if constexpr (B == 256) __builtin_prefetch(far + j * w.stride + blk * BB + o, 0, 2);  // K-quants
+      }
 #ifdef JM_LUT16
     if constexpr (Q == kQ4_K || Q == kQ5_K) {
       // Q5_K: the fifth bit (bit s of qh[l] for sub-block s) into bit 4 of the index, and

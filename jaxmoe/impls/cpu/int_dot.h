@@ -343,14 +343,18 @@ void ktile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, int6
   const int64_t xq_stride = x.pairs * 64, xd_stride = x.pairs * 8;
   const uint8_t* rows[NC];
   for (int j = 0; j < NC; ++j) rows[j] = reinterpret_cast<const uint8_t*>(w.base + (j0 + j) * w.stride);
-  const char* next = w.base + (j0 + NC) * w.stride;
+  const char* next = w.base + (j0 + NC) * w.stride;  // the next tile's columns, and kFarBytes ahead into L2
+  const char* far = w.base + (j0 + std::max<int64_t>(2 * NC, kFarBytes / w.stride)) * w.stride;
   __m256 acc[MR][NC], macc[MR][NC];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NC; ++j) acc[i][j] = macc[i][j] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(15);
   for (int64_t blk = 0; blk < K / 256; ++blk) {
     for (int j = 0; j < NC; ++j)
-      for (int o = 0; o < BB; o += 64) __builtin_prefetch(next + j * w.stride + blk * BB + o);
+      for (int o = 0; o < BB; o += 64) {
+        __builtin_prefetch(next + j * w.stride + blk * BB + o);
+        __builtin_prefetch(far + j * w.stride + blk * BB + o, 0, 2);
+      }
     if constexpr (Q == kQ4_K) {
       alignas(32) float dsc[NC][8], dmn[NC][8];
       for (int j = 0; j < NC; ++j) {
