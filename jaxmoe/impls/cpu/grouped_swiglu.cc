@@ -333,6 +333,12 @@ struct QCols {
   int64_t ng, group;
 };
 
+// The columns kFarBytes (at least two tiles of NC) past the tile at column j0: what the
+// quantized tiles prefetch into L2 while they work on j0 .. j0 + NC - 1.
+inline const char* far_cols(const QCols& w, int64_t j0, int64_t NC) {
+  return w.base + (j0 + std::max<int64_t>(2 * NC, kFarBytes / w.stride)) * w.stride;
+}
+
 // C[MR, NC] (columns col0.. of C at stride ldc) = A[MR, K] . column rows.
 template <int MR, int NC, int Q>
 void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
@@ -345,7 +351,7 @@ void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
   // prefetcher does not cross 4 KiB pages), fetched line by line into L1 as this tile
   // advances, and the columns kFarBytes ahead into L2 (int8 T = 1 / 8 ~1.5x faster).
   const char* next = w.base + (j0 + NC) * w.stride;
-  const char* far = w.base + (j0 + std::max<int64_t>(2 * NC, kFarBytes / w.stride)) * w.stride;
+  const char* far = far_cols(w, j0, NC);
   static_assert(Q == kInt8 || Q == kInt4, "qtile: int8 or int4 codes");
   constexpr int kBytesPerStep = Q == kInt8 ? 2 * kLanes : kLanes;
   const int64_t G = w.group;
@@ -403,8 +409,8 @@ void gtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
   const uint8_t* rows[NC];
   for (int j = 0; j < NC; ++j) rows[j] = reinterpret_cast<const uint8_t*>(w.base + (j0 + j) * w.stride);
   const char* next = w.base + (j0 + NC) * w.stride;  // the next tile's columns (as in qtile); for the
-  // K-quants also the columns kFarBytes ahead into L2 (Q4_K_M T = 1 ~1.2x; no gain for block-32 kinds)
-  const char* far = w.base + (j0 + std::max<int64_t>(2 * NC, kFarBytes / w.stride)) * w.stride;
+  // K-quants also far_cols into L2, as ktile does (block-32 kinds: no measurable gain)
+  const char* far = far_cols(w, j0, NC);
   auto madd = [&](int64_t k, const vf* wv) {  // acc += x[:, k .. k + lanes - 1] * wv
     for (int i = 0; i < MR; ++i) {
       const vf x = load(a + i * lda + k);
@@ -648,8 +654,6 @@ inline void split_rows(const float* a, int64_t lda, int64_t m, int64_t K, float*
       }
 }
 
-#include "int_dot.h"  // the opt-in integer dot products over int8-quantized activations
-
 template <int Q>
 void quant_matmul(const float* a, int64_t lda, const QCols& wq, int64_t K, int64_t m, int64_t ncols, float* c,
                   int64_t ldc, fvec& pack) {
@@ -683,6 +687,8 @@ void gguf_matmul(const float* a, int64_t lda, const QCols& w, int64_t K, int64_t
   }
   pblock(a, lda, pack.data(), m, ncols, K, c, ldc);
 }
+
+#include "int_dot.h"  // the opt-in integer dot products over int8-quantized activations
 
 // C[m, ncols] = A[m, in] @ W_e[:, col0 : col0 + ncols] for any weight format; for a weight
 // with int_dot set, Q8(A) @ W_e[...] from qa (A's rows quantized, int_dot.h).

@@ -1,9 +1,9 @@
 // Integer dot products over activations quantized to int8 per block of 32 (the opt-in
 // `MoEConfig.int8_activations`, docs/design.md "int8 activations"): what ggml does
 // for its quantized types, here for the int8 (GGUF Q8_0) and int4 (MLX affine, GGUF Q4_0)
-// kinds and the GGUF Q4_K and Q6_K blocks (ktile; a portable loop without AVX2). Included by
-// grouped_swiglu.cc inside its anonymous namespace, after the quantized tiles and
-// float_scales.
+// kinds and the GGUF Q4_K and Q6_K blocks (ktile; without AVX2 the float path on Q8(x)).
+// Included by grouped_swiglu.cc inside its anonymous namespace, after the quantized tiles,
+// float_scales and gguf_matmul.
 //
 // What it computes: each activation row x is cut into blocks of 32 along `in`; a block's
 // dx = max|x| / 127 (float32) and its codes xq = round-half-even(clip(x / dx, -127, 127))
@@ -76,7 +76,7 @@ inline int act_order(int kind) {
 #if defined(__AVX2__)
   if (kind == kQ4_K) return kOrderK4;
 #else
-  if (kind == kQ4_K) return kOrderNatural;  // the portable int_dot_gguf below
+  if (kind == kQ4_K) return kOrderNatural;  // int_dot_gguf's portable path
 #endif
   return -1;
 }
@@ -240,7 +240,7 @@ void itile(const QRows& x, const QCols& w, const float* sg, int64_t j0, int64_t 
   const float* S = static_cast<const float*>(w.scales) + j0 * w.ng;
   const int64_t xq_stride = x.pairs * 64, xd_stride = x.pairs * 8;
   const char* next = w.base + (j0 + NC) * w.stride;  // the next tile's columns, as in qtile
-  const char* far = w.base + (j0 + std::max<int64_t>(2 * NC, kFarBytes / w.stride)) * w.stride;
+  const char* far = far_cols(w, j0, NC);
   float out[MR][NC];
 #if defined(__AVX2__)
   constexpr int64_t kPairBytes = Q == kInt8 ? 64 : 32;
@@ -343,8 +343,8 @@ void ktile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, int6
   const int64_t xq_stride = x.pairs * 64, xd_stride = x.pairs * 8;
   const uint8_t* rows[NC];
   for (int j = 0; j < NC; ++j) rows[j] = reinterpret_cast<const uint8_t*>(w.base + (j0 + j) * w.stride);
-  const char* next = w.base + (j0 + NC) * w.stride;  // the next tile's columns, and kFarBytes ahead into L2
-  const char* far = w.base + (j0 + std::max<int64_t>(2 * NC, kFarBytes / w.stride)) * w.stride;
+  const char* next = w.base + (j0 + NC) * w.stride;  // the next tile's columns, and far_cols into L2
+  const char* far = far_cols(w, j0, NC);
   __m256 acc[MR][NC], macc[MR][NC];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NC; ++j) acc[i][j] = macc[i][j] = _mm256_setzero_ps();
@@ -435,28 +435,15 @@ void int_dot_gguf(const QRows& x, const QCols& w, int64_t K, int64_t m, int64_t 
     ktile<decltype(MRc)::value, decltype(NCc)::value, Q>(x.at(i0), w, j0, K, c + i0 * ldc, ldc);
   });
 #else
-  // Portable builds: the same product (Q8(x) . W, activations in the natural order) from each
-  // super-block decoded to float, per activation block one float sum times its dx.
-  alignas(64) float wb[256];
-  for (int64_t j = 0; j < ncols; ++j) {
-    const uint8_t* row = reinterpret_cast<const uint8_t*>(w.base + j * w.stride);
-    for (int64_t i = 0; i < m; ++i) c[i * ldc + j] = 0.f;
-    for (int64_t blk = 0; blk < K / 256; ++blk) {
-      decode_block<Q>(row + blk * block_bytes(Q), wb);
-      for (int64_t i = 0; i < m; ++i) {
-        const QRows xi = x.at(i);
-        float s = c[i * ldc + j];
-        for (int b = 0; b < 8; ++b) {
-          const int64_t xb = 8 * blk + b;
-          const int8_t* xq = xi.q + (xb / 2) * 64 + 32 * (xb % 2);
-          float d = 0.f;
-          for (int e = 0; e < 32; ++e) d = fmadd(wb[32 * b + e], float(xq[e]), d);
-          s = fmadd(d, xi.dxv[(xb / 2) * 8 + 4 * (xb % 2)], s);
-        }
-        c[i * ldc + j] = s;
-      }
-    }
+  // Portable builds: Q8(x) as float rows (dx * xq; the natural order keeps element k at
+  // q[k]) through the float path of the same blocks.
+  thread_local fvec abuf, pack;
+  abuf.resize(size_t(m * K));
+  for (int64_t i = 0; i < m; ++i) {
+    const QRows xi = x.at(i);
+    for (int64_t k = 0; k < K; ++k) abuf[i * K + k] = xi.dxv[(k / 64) * 8 + 4 * ((k / 32) % 2)] * float(xi.q[k]);
   }
+  gguf_matmul<Q>(abuf.data(), K, w, K, m, ncols, c, ldc, pack);
 #endif
 }
 
