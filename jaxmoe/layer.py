@@ -10,14 +10,16 @@ routed experts by the chosen implementation (`jaxmoe.impls`), plus the shared ex
 from __future__ import annotations
 
 import functools
+from collections.abc import Hashable, Mapping
 
 import jax
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import check_expert_ids
 from jaxmoe.experts import SharedWeights, shared_expert
-from jaxmoe.impls.cpu import shared_expert_cpu, shared_stored_narrow, shared_supported
+from jaxmoe.impls.cpu import experts_shared_cpu, shared_expert_cpu, shared_stored_narrow, shared_supported
 from jaxmoe.impls.policy import call_impl, lowering_impls
+from jaxmoe.impls.registry import get_impl
 from jaxmoe.invariance import wants_invariance
 from jaxmoe.params import MoEParams, compute_routing, init_params, params_from_sampler
 from jaxmoe.routing import Routing
@@ -61,15 +63,25 @@ def moe_apply(
     else:
         shape = (x2.shape[0], cfg.top_k)
         check_expert_ids(routing.expert_ids, cfg.num_experts, "moe_apply", shape=shape, weights=routing.weights)
-    with jax.named_scope(f"routed_experts_{impl}"):
-        y, _ = call_impl(impl, x2, routing, params.experts, cfg)
+    smodes = None
     if params.shared is not None:
         # the C++ kernel takes the shared expert on the CPU where invariance asks for it, and
         # a quantized or bfloat16-stored one whenever the routed experts run in it there (XLA
         # would dequantize or widen each whole matrix on every call)
         narrow = table["cpu"] == "cpu" and shared_stored_narrow(params.shared, x2.dtype)
         kernel = (any(inv.values()) or narrow) and shared_supported(params.shared, x2.dtype)
-        y = y + _per_platform(_shared, _modes(inv, kernel, narrow), (x2, params.shared), cfg)
+        smodes = _modes(inv, kernel, narrow)
+    if smodes is not None and table["cpu"] == "cpu" and smodes["cpu"] == "kernel" and x2.shape[0] > 0:
+        # both in the C++ kernel on the CPU: one custom call for the routed and the shared
+        # expert there (`experts_shared_cpu`); each other platform keeps its own pair
+        with jax.named_scope(f"routed_and_shared_experts_{impl}"):
+            modes = {plat: (table[plat], smodes[plat]) for plat in table}
+            y = _per_platform(_experts_and_shared, modes, (x2, routing, params.experts, params.shared), cfg)
+    else:
+        with jax.named_scope(f"routed_experts_{impl}"):
+            y, _ = call_impl(impl, x2, routing, params.experts, cfg)
+        if smodes is not None:
+            y = y + _per_platform(_shared, smodes, (x2, params.shared), cfg)
     y = y.astype(x.dtype).reshape(*lead, cfg.d_model)
     return (y, routing) if return_routing else y
 
@@ -87,6 +99,16 @@ def _shared(x2: jax.Array, sw: SharedWeights, cfg: MoEConfig, mode: str) -> jax.
     return shared_expert(x2, sw, cfg, invariant=mode == "blocks")
 
 
+def _experts_and_shared(x2, routing, experts, sw: SharedWeights, cfg: MoEConfig, mode: tuple[str, str]) -> jax.Array:
+    """Routed plus shared expert for one platform's ``(impl, shared mode)``: ``cpu`` with
+    ``kernel`` is one C++ call for both (`experts_shared_cpu`), anything else the routed
+    strategy and then `_shared`."""
+    name, smode = mode
+    if name == "cpu" and smode == "kernel":
+        return experts_shared_cpu(x2, routing, experts, sw, cfg)
+    return get_impl(name)(x2, routing, experts, cfg) + _shared(x2, sw, cfg, smode)
+
+
 def _modes(inv: dict[str, bool], kernel: bool = False, narrow: bool = False) -> dict[str, str]:
     """Each lowering platform's mode: ``kernel`` on the CPU when ``kernel`` (the C++ kernel
     takes the shared expert) and invariance is on there or ``narrow`` (quantized or
@@ -101,7 +123,7 @@ def _modes(inv: dict[str, bool], kernel: bool = False, narrow: bool = False) -> 
     return {plat: mode(plat, on) for plat, on in inv.items()}
 
 
-def _per_platform(fn, modes: dict[str, str], args: tuple, cfg: MoEConfig):
+def _per_platform(fn, modes: Mapping[str, Hashable], args: tuple, cfg: MoEConfig):
     """``fn(*args, cfg, mode)`` with each lowering platform's mode; one platform switch
     when they differ."""
     if len(set(modes.values())) == 1:
@@ -110,11 +132,11 @@ def _per_platform(fn, modes: dict[str, str], args: tuple, cfg: MoEConfig):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))  # staged: an eager platform switch misdispatches on jax 0.10
-def _switch(fn, modes: tuple[tuple[str, str], ...], cfg: MoEConfig, *args):
+def _switch(fn, modes: tuple[tuple[str, Hashable], ...], cfg: MoEConfig, *args):
     branches = {m: functools.partial(_call_mode, fn, cfg, m) for m in set(dict(modes).values())}
     per = {plat: branches[m] for plat, m in modes if plat != "default"}
     return jax.lax.platform_dependent(*args, default=branches[dict(modes)["default"]], **per)
 
 
-def _call_mode(fn, cfg: MoEConfig, mode: str, *args):
+def _call_mode(fn, cfg: MoEConfig, mode: Hashable, *args):
     return fn(*args, cfg, mode)

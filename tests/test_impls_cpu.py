@@ -5,6 +5,7 @@ gpt-oss activation; gradients (the gather path's VJP), vmap, errors and the buil
 Preset-level parity, NaN isolation and weight_on_input run in tests/test_impls.py."""
 
 import dataclasses
+import functools
 import hashlib
 import re
 
@@ -647,8 +648,9 @@ def np_shared(x, ref, gate):
 def test_quantized_shared_expert_in_the_kernel(fmts, t, rng):
     """A quantized (a GGUF file's ``ffn_*_shexp``) or bfloat16-stored shared expert runs in
     the C++ kernel, read in its stored format, within float rounding of the float64 forward
-    of its dequantized matrices; ``moe_apply(auto)`` takes it there (two kernel calls, no
-    float copy of the shared matrices) and adds exactly that to the routed output."""
+    of its dequantized matrices; ``moe_apply(auto)`` takes it there (one kernel call for the
+    routed and the shared expert, no float copy of the shared matrices) and adds exactly
+    that to the routed output."""
     from jaxmoe.impls.cpu import shared_expert_cpu, shared_supported
 
     w = block_width(fmts)
@@ -663,11 +665,44 @@ def test_quantized_shared_expert_in_the_kernel(fmts, t, rng):
     p = dataclasses.replace(random_params(cfg, rng), shared=sw)
     run = jax.jit(lambda p, x: jaxmoe.moe_apply(p, x, cfg, impl="auto"))
     hlo = run.lower(p, jnp.asarray(x)).compile().as_text()
-    assert hlo.count(f'custom_call_target="{build.TARGET}"') == 2, "routed + shared in the kernel"
+    assert hlo.count(f'custom_call_target="{build.TARGET_SHARED}"') == 1, "routed + shared in one kernel call"
+    assert hlo.count(f'custom_call_target="{build.TARGET}"') == 0
     routed = jaxmoe.moe_apply(dataclasses.replace(p, shared=None), jnp.asarray(x), cfg, impl="cpu")
     np.testing.assert_allclose(
         np.asarray(run(p, jnp.asarray(x))) - np.asarray(routed), want, rtol=0, atol=1e-5 * np.abs(want).max()
     )
+
+
+@pytest.mark.parametrize("fmts", [("q8_0", "q4_0", "mlx4_g64"), ("bf16",) * 3])
+def test_shared_expert_in_the_routed_call_gradients(fmts, rng):
+    """``jax.grad`` through ``moe_apply(impl="cpu")`` with the shared expert in the routed
+    experts' kernel call (`experts_shared_cpu`): the gradients of x, the router, the shared
+    gate and (bfloat16-stored) the shared matrices equal those through ``gather``, whose
+    shared expert is XLA's; quantized shared matrices stay frozen."""
+    w = block_width(fmts)
+    cfg = dataclasses.replace(cfg_of(w, w, 6, 2), shared_expert_dim=w, num_shared_experts=1, shared_expert_gate=True)
+    sw, _, _ = quantized_shared(w, w, fmts, rng)
+    p0 = dataclasses.replace(random_params(cfg, rng), shared=sw)
+    x = jnp.asarray(rng.normal(size=(9, w)).astype(np.float32))
+    ct = jnp.asarray(rng.normal(size=(9, w)).astype(np.float32))
+    trainable = fmts[0] == "bf16"
+
+    def loss(impl, x, w_router, gate, mats):
+        shared = dataclasses.replace(sw, gate=gate, **mats)
+        p = dataclasses.replace(p0, w_router=w_router, shared=shared)
+        return jnp.sum(jaxmoe.moe_apply(p, x, cfg, impl=impl) * ct)
+
+    mats = {k: getattr(sw, k) for k in ("w_gate", "w_up", "w_down")} if trainable else {}
+    args = (x, p0.w_router, sw.gate, mats)
+    grad = {i: jax.jit(jax.grad(functools.partial(loss, i), argnums=(0, 1, 2, 3))) for i in ("cpu", "gather")}
+    hlo = grad["cpu"].lower(*args).compile().as_text()
+    assert hlo.count(f'custom_call_target="{build.TARGET_SHARED}"') == 1, "the fused forward"
+    got, want = grad["cpu"](*args), grad["gather"](*args)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        tol = 1e-2 if g.dtype == jnp.bfloat16 else 2e-5  # bfloat16 gradients of bfloat16 matrices
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        np.testing.assert_allclose(g, r, rtol=0, atol=tol * np.abs(r).max())
+    assert len(jax.tree.leaves(got[3])) == (3 if trainable else 0)
 
 
 def test_quantized_shared_expert_outside_the_kernel_stays_xla(rng):

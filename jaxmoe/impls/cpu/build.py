@@ -32,6 +32,8 @@ from pathlib import Path
 import jax
 
 TARGET = "jaxmoe_grouped_swiglu"
+#: The same kernel with the shared expert in the call (`jaxmoe.impls.cpu.experts_shared_cpu`).
+TARGET_SHARED = "jaxmoe_grouped_swiglu_shared"
 SOURCE = Path(__file__).parent / "grouped_swiglu.cc"
 CXXFLAGS = (
     "-O3",
@@ -173,10 +175,15 @@ def cpu_kernel_status() -> tuple[bool, str]:
     if _status is not None:
         return _status
     ok, msg, capsule = load_handler()
+    shared = None
+    if ok:  # the same library's second handler
+        ok, why, shared = load_handler(symbol="JaxmoeGroupedSwigluShared")
+        msg = msg if ok else why
     with _lock:
         if _status is None:
             if ok:
                 jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
+                jax.ffi.register_ffi_target(TARGET_SHARED, shared, platform="cpu")
             _status = (ok, msg)
         return _status
 

@@ -738,7 +738,10 @@ struct Problem {
   float* h;   // [P, F] scratch (an XLA-allocated result)
   float* gu;  // [P, 2F] gate | up residual, or null
   float* ys;  // [P, d]
-  int64_t d, F;
+  const float* sgate;  // the shared expert's gate vector [d] (ys[r] *= sigmoid(xs[r] . sgate)), or null
+  float* glogit;       // [P] scratch for those logits when sgate is set
+  int64_t E, d, F;
+  int64_t rows;  // P
   int act;
   float alpha, limit;
   bool round_h;
@@ -759,7 +762,19 @@ struct Task {
   int32_t expert;
   int32_t row0, rows;
   int32_t col0, cols;
+  int32_t part = 0;  // which problem of a call (0: the routed experts, 1: the shared expert)
 };
+
+// x . g over d elements in one fixed order (lane l sums k = l mod lanes, then hsum, then
+// the tail in order): the same bits for a row whatever the call's row count.
+inline float row_dot(const float* x, const float* g, int64_t d) {
+  vf acc{};
+  int64_t k = 0;
+  for (; k + kLanes <= d; k += kLanes) acc = fmadd(load(x + k), load(g + k), acc);
+  float s = hsum(acc);
+  for (; k < d; ++k) s += x[k] * g[k];
+  return s;
+}
 
 void run_gate_up(const Problem& p, const Task& t) {
   thread_local fvec gbuf, ubuf, pack;
@@ -768,6 +783,8 @@ void run_gate_up(const Problem& p, const Task& t) {
   gbuf.resize(size_t(t.rows) * t.cols);
   ubuf.resize(size_t(t.rows) * t.cols);
   QRows qg, qu;
+  if (p.sgate && t.col0 == 0)  // one task per row chunk starts at column 0: each logit once
+    for (int64_t i = 0; i < t.rows; ++i) p.glogit[t.row0 + i] = row_dot(x + i * d, p.sgate, d);
   matmul(p.wg, e, t.col0, x, d, t.rows, t.cols, gbuf.data(), t.cols, pack,
          rows_for(p.wg, p.qx, t.row0, qg));
   matmul(p.wu, e, t.col0, x, d, t.rows, t.cols, ubuf.data(), t.cols, pack,
@@ -809,6 +826,11 @@ void run_down(const Problem& p, const Task& t) {
   if (p.bd)
     for (int64_t i = 0; i < t.rows; ++i)
       for (int64_t j = 0; j < t.cols; ++j) y[i * d + j] += p.bd[e * d + t.col0 + j];
+  if (p.sgate)  // the shared expert's gate, as jaxmoe.experts.shared_gate: y * sigmoid(x . gate)
+    for (int64_t i = 0; i < t.rows; ++i) {
+      const float s = 1.f / (1.f + std::exp(-p.glogit[t.row0 + i]));
+      for (int64_t j = 0; j < t.cols; ++j) y[i * d + j] = y[i * d + j] * s;
+    }
 }
 
 // Tasks over (expert, row chunk, column block) for experts with rows, in expert order.
@@ -924,6 +946,145 @@ ffi::Error bind_weight(const char* name, ffi::AnyBuffer data, ffi::AnyBuffer sca
   return ffi::Error::Success();
 }
 
+// The weight formats and constants of one call's experts (the FFI attributes).
+struct Attrs {
+  int32_t act;
+  float alpha, limit;
+  int32_t round_h;
+  int32_t kind[3], group[3];
+};
+
+// Binds one problem: rows xs [P, d] (expert e owns rows offsets[e] .. + sizes[e], E
+// experts), its weights and biases, and its results ys [P, d], h [P, F], gu [P, 2F] | [0];
+// `what` names the problem in errors ("" for the routed experts, "shared " for the
+// shared expert).
+ffi::Error bind_problem(const std::string& what, const float* xs, int64_t P, int64_t d, const int32_t* offsets,
+                        const int32_t* sizes, int64_t E, ffi::AnyBuffer* w3, ffi::Buffer<ffi::F32>* b3,
+                        ffi::ResultBuffer<ffi::F32>& ys, ffi::ResultBuffer<ffi::F32>& hbuf,
+                        float* gu, const Attrs& at, Problem& p) {
+  const std::string pre = "jaxmoe_grouped_swiglu: " + what;
+  auto hd = hbuf->dimensions();
+  if (hd.size() != 2 || hd[0] != P) return ffi::Error::InvalidArgument(pre + "the h result must be [P, F]");
+  auto yd = ys->dimensions();
+  if (yd.size() != 2 || yd[0] != P || yd[1] != d) return ffi::Error::InvalidArgument(pre + "the ys result must be [P, d]");
+  const int64_t F = hd[1];
+  p = Problem{};
+  const char* names[3] = {"w_gate", "w_up", "w_down"};
+  Weight* ws[3] = {&p.wg, &p.wu, &p.wd};
+  const int64_t ins[3] = {d, d, F}, outs[3] = {F, F, d};
+  for (int m = 0; m < 3; ++m)
+    if (auto err = bind_weight((what + names[m]).c_str(), w3[3 * m], w3[3 * m + 1], w3[3 * m + 2], at.kind[m],
+                               at.group[m], E, ins[m], outs[m], *ws[m]);
+        err.failure())
+      return err;
+  const bool has_bias = b3[0].element_count() != 0;
+  if (has_bias && (b3[0].element_count() != size_t(E * F) || b3[1].element_count() != size_t(E * F) ||
+                   b3[2].element_count() != size_t(E * d)))
+    return ffi::Error::InvalidArgument(pre + "biases must be [E, F], [E, F], [E, d] or empty");
+  int64_t covered = 0, end = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t o = offsets[e], n = sizes[e];
+    if (n < 0 || o < 0 || o + n > P)
+      return ffi::Error::InvalidArgument(pre + "expert " + std::to_string(e) + "'s rows [" + std::to_string(o) + ", " +
+                                         std::to_string(o + n) + ") run outside xs [0, " + std::to_string(P) + ")");
+    if (n > 0 && o < end)
+      return ffi::Error::InvalidArgument(pre + "group ranges must be sorted by expert and disjoint; expert " +
+                                         std::to_string(e) + " starts at row " + std::to_string(o) +
+                                         " before the previous range ends at " + std::to_string(end));
+    if (n > 0) end = o + n;
+    covered += n;
+  }
+  p.xs = xs;
+  p.offsets = offsets;
+  p.sizes = sizes;
+  p.bg = has_bias ? b3[0].typed_data() : nullptr;
+  p.bu = has_bias ? b3[1].typed_data() : nullptr;
+  p.bd = has_bias ? b3[2].typed_data() : nullptr;
+  p.ys = ys->typed_data();
+  p.h = hbuf->typed_data();
+  p.gu = gu;
+  p.E = E;
+  p.d = d;
+  p.F = F;
+  p.act = at.act;
+  p.alpha = at.alpha;
+  p.limit = at.limit;
+  p.round_h = at.round_h != 0;
+  advise_huge_pages(p.ys, sizeof(float) * size_t(P) * d);
+  advise_huge_pages(p.h, sizeof(float) * size_t(P) * F);
+  advise_huge_pages(p.gu, sizeof(float) * size_t(P) * 2 * F);
+  if (covered < P) std::memset(p.ys, 0, sizeof(float) * size_t(P) * d);  // rows no expert owns
+  return ffi::Error::Success();
+}
+
+// Runs the problems of one call (the routed experts, and the shared expert when the call
+// has it) together: phase 1 takes every problem's gate/up tasks on the pool, phase 2
+// every problem's down tasks, so a layer's experts share two rounds of the pool instead
+// of two per problem. Each problem's tasks are those a call of its own would make
+// (make_tasks per problem): the same bits as separate calls.
+void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t up_block, int64_t down_block,
+                  bool int_dot) {
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  std::vector<Task> up_tasks, down_tasks;
+  for (int i = 0; i < n; ++i) {
+    const Problem& p = *parts[i];
+    for (Task t : make_tasks(p, p.E, p.F, up_block, threads)) {
+      t.part = i;
+      up_tasks.push_back(t);
+    }
+    for (Task t : make_tasks(p, p.E, p.d, down_block, threads)) {
+      t.part = i;
+      down_tasks.push_back(t);
+    }
+  }
+  thread_local QRowsBuf qx_buf[2][kOrders], qh_buf[2][kOrders];
+  if (int_dot)  // each integer-capable weight reads its input quantized in its kind's order
+    for (int i = 0; i < n; ++i) {
+      Problem& p = *parts[i];
+      for (Weight* w : {&p.wg, &p.wu, &p.wd}) w->int_dot = act_order(w->kind) >= 0;
+      for (const Weight* w : {&p.wg, &p.wu}) {
+        const int o = act_order(w->kind);
+        if (o >= 0 && !p.qx[o].q) quantize_owned_rows(pool, p, p.E, p.xs, p.d, o, p.qx[o] = qx_buf[i][o].view(p.rows, p.d));
+      }
+    }
+  parallel_tasks(pool, up_tasks, [parts](const Task& t) { run_gate_up(*parts[t.part], t); });
+  for (int i = 0; i < n; ++i) {
+    Problem& p = *parts[i];
+    if (p.wd.int_dot) {
+      const int o = act_order(p.wd.kind);
+      quantize_owned_rows(pool, p, p.E, p.h, p.F, o, p.qh[o] = qh_buf[i][o].view(p.rows, p.F));
+    }
+  }
+  parallel_tasks(pool, down_tasks, [parts](const Task& t) { run_down(*parts[t.part], t); });
+}
+
+// The routed experts' arguments: checked, then bound into `p`.
+ffi::Error bind_routed(ffi::Buffer<ffi::F32>& xs, ffi::Buffer<ffi::S32>& offsets, ffi::Buffer<ffi::S32>& sizes,
+                       ffi::AnyBuffer* w3, ffi::Buffer<ffi::F32>* b3, ffi::ResultBuffer<ffi::F32>& ys,
+                       ffi::ResultBuffer<ffi::F32>& hbuf, ffi::ResultBuffer<ffi::F32>& gubuf,
+                       const Attrs& at, int32_t up_block, int32_t down_block, Problem& p) {
+  auto xd = xs.dimensions();
+  auto ud = offsets.dimensions();
+  if (xd.size() != 2 || ud.size() != 1)
+    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: xs must be [P, d] and offsets [E]");
+  const int64_t P = xd[0], d = xd[1], E = ud[0];
+  auto hd = hbuf->dimensions();
+  if (hd.size() != 2 || hd[0] != P)
+    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: the h result must be [P, F]");
+  if (gubuf->element_count() != 0 && gubuf->element_count() != size_t(P * 2 * hd[1]))
+    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: the gu result must be [P, 2F] or empty");
+  if (sizes.element_count() != size_t(E))
+    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: offsets and sizes must both be [E]");
+  if (up_block < 1 || down_block < 1)
+    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: up_block and down_block must be positive");
+  if (auto err = bind_problem("", xs.typed_data(), P, d, offsets.typed_data(), sizes.typed_data(), E, w3, b3, ys, hbuf,
+                              gubuf->element_count() ? gubuf->typed_data() : nullptr, at, p);
+      err.failure())
+    return err;
+  p.rows = P;
+  return ffi::Error::Success();
+}
+
 ffi::Error GroupedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi::Buffer<ffi::S32> offsets,
                              ffi::Buffer<ffi::S32> sizes, ffi::AnyBuffer wg, ffi::AnyBuffer sg, ffi::AnyBuffer qg,
                              ffi::AnyBuffer wu, ffi::AnyBuffer su, ffi::AnyBuffer qu, ffi::AnyBuffer wd,
@@ -933,81 +1094,68 @@ ffi::Error GroupedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi
                              int32_t act, float alpha, float limit, int32_t round_h, int32_t kind_gate,
                              int32_t kind_up, int32_t kind_down, int32_t group_gate, int32_t group_up,
                              int32_t group_down, int32_t up_block, int32_t down_block, int32_t int_dot) {
-  auto xd = xs.dimensions();
-  auto ud = offsets.dimensions();
-  if (xd.size() != 2 || ud.size() != 1)
-    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: xs must be [P, d] and offsets [E]");
-  const int64_t P = xd[0], d = xd[1], E = ud[0];
-  auto hd = hbuf->dimensions();
-  if (hd.size() != 2 || hd[0] != P)
-    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: the h result must be [P, F]");
-  const int64_t F = hd[1];
-  if (gubuf->element_count() != 0 && gubuf->element_count() != size_t(P * 2 * F))
-    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: the gu result must be [P, 2F] or empty");
-  if (sizes.element_count() != size_t(E))
-    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: offsets and sizes must both be [E]");
-  if (up_block < 1 || down_block < 1)
-    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: up_block and down_block must be positive");
-  Problem p{};
-  if (auto err = bind_weight("w_gate", wg, sg, qg, kind_gate, group_gate, E, d, F, p.wg); err.failure()) return err;
-  if (auto err = bind_weight("w_up", wu, su, qu, kind_up, group_up, E, d, F, p.wu); err.failure()) return err;
-  if (auto err = bind_weight("w_down", wd, sd, qd, kind_down, group_down, E, F, d, p.wd); err.failure()) return err;
-  const bool has_bias = bg.element_count() != 0;
-  if (has_bias && (bg.element_count() != size_t(E * F) || bu.element_count() != size_t(E * F) ||
-                   bd.element_count() != size_t(E * d)))
-    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: biases must be [E, F], [E, F], [E, d] or empty");
+  const Attrs at{act, alpha, limit, round_h, {kind_gate, kind_up, kind_down}, {group_gate, group_up, group_down}};
+  ffi::AnyBuffer w3[9] = {wg, sg, qg, wu, su, qu, wd, sd, qd};
+  ffi::Buffer<ffi::F32> b3[3] = {bg, bu, bd};
+  Problem p;
+  if (auto err = bind_routed(xs, offsets, sizes, w3, b3, ys, hbuf, gubuf, at, up_block, down_block, p); err.failure())
+    return err;
+  Problem* parts[1] = {&p};
+  run_problems(pool, parts, 1, up_block, down_block, int_dot != 0);
+  return ffi::Error::Success();
+}
 
-  p.xs = xs.typed_data();
-  p.offsets = offsets.typed_data();
-  p.sizes = sizes.typed_data();
-  int64_t covered = 0, end = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t o = p.offsets[e], n = p.sizes[e];
-    if (n < 0 || o < 0 || o + n > P)
-      return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: expert " + std::to_string(e) + "'s rows [" +
-                                         std::to_string(o) + ", " + std::to_string(o + n) + ") run outside xs [0, " +
-                                         std::to_string(P) + ")");
-    if (n > 0 && o < end)
-      return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: group ranges must be sorted by expert and disjoint; "
-                                         "expert " + std::to_string(e) + " starts at row " + std::to_string(o) +
-                                         " before the previous range ends at " + std::to_string(end));
-    if (n > 0) end = o + n;
-    covered += n;
+// The routed experts (the arguments of GroupedSwigluImpl) and the shared expert in one
+// call: x [T, d] (every token's row, which the shared expert owns), its weights (the
+// same kinds of operands, with a leading expert axis of 1), its biases ([0] or
+// [1, F_s], [1, F_s], [1, d]) and gate [d] | [0]; results ys_s [T, d] (gated:
+// ys_s[t] = sigmoid(x[t] . gate) * down(...)) and h_s [T, F_s] (scratch).
+ffi::Error GroupedSwigluSharedImpl(
+    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
+    ffi::AnyBuffer wg, ffi::AnyBuffer sg, ffi::AnyBuffer qg, ffi::AnyBuffer wu, ffi::AnyBuffer su, ffi::AnyBuffer qu,
+    ffi::AnyBuffer wd, ffi::AnyBuffer sd, ffi::AnyBuffer qd, ffi::Buffer<ffi::F32> bg, ffi::Buffer<ffi::F32> bu,
+    ffi::Buffer<ffi::F32> bd, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer swg, ffi::AnyBuffer ssg, ffi::AnyBuffer sqg,
+    ffi::AnyBuffer swu, ffi::AnyBuffer ssu, ffi::AnyBuffer squ, ffi::AnyBuffer swd, ffi::AnyBuffer ssd,
+    ffi::AnyBuffer sqd, ffi::Buffer<ffi::F32> sbg, ffi::Buffer<ffi::F32> sbu, ffi::Buffer<ffi::F32> sbd,
+    ffi::Buffer<ffi::F32> gate, ffi::ResultBuffer<ffi::F32> ys, ffi::ResultBuffer<ffi::F32> hbuf,
+    ffi::ResultBuffer<ffi::F32> gubuf, ffi::ResultBuffer<ffi::F32> sys, ffi::ResultBuffer<ffi::F32> shbuf,
+    int32_t act, float alpha, float limit, int32_t round_h, int32_t kind_gate, int32_t kind_up, int32_t kind_down,
+    int32_t group_gate, int32_t group_up, int32_t group_down, int32_t skind_gate, int32_t skind_up,
+    int32_t skind_down, int32_t sgroup_gate, int32_t sgroup_up, int32_t sgroup_down, int32_t up_block,
+    int32_t down_block, int32_t int_dot) {
+  const Attrs at{act, alpha, limit, round_h, {kind_gate, kind_up, kind_down}, {group_gate, group_up, group_down}};
+  const Attrs sat{act, alpha, limit, round_h, {skind_gate, skind_up, skind_down}, {sgroup_gate, sgroup_up, sgroup_down}};
+  ffi::AnyBuffer w3[9] = {wg, sg, qg, wu, su, qu, wd, sd, qd};
+  ffi::Buffer<ffi::F32> b3[3] = {bg, bu, bd};
+  ffi::AnyBuffer sw3[9] = {swg, ssg, sqg, swu, ssu, squ, swd, ssd, sqd};
+  ffi::Buffer<ffi::F32> sb3[3] = {sbg, sbu, sbd};
+  Problem p, s;
+  if (auto err = bind_routed(xs, offsets, sizes, w3, b3, ys, hbuf, gubuf, at, up_block, down_block, p); err.failure())
+    return err;
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || xd[1] != p.d)
+    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: the shared expert's x must be [T, d] with d = " +
+                                       std::to_string(p.d));
+  const int64_t T = xd[0];
+  if (T > std::numeric_limits<int32_t>::max())
+    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: the shared expert's x has too many rows");
+  const int32_t start = 0, count = int32_t(T);
+  if (auto err = bind_problem("shared ", x.typed_data(), T, p.d, &start, &count, 1, sw3, sb3, sys, shbuf, nullptr, sat,
+                              s);
+      err.failure())
+    return err;
+  s.rows = T;
+  std::vector<float> logits;
+  if (gate.element_count() != 0) {
+    if (gate.element_count() != size_t(p.d))
+      return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: the shared gate must be [d] or empty, d = " +
+                                         std::to_string(p.d));
+    logits.resize(size_t(T));
+    s.sgate = gate.typed_data();
+    s.glogit = logits.data();
   }
-  p.bg = has_bias ? bg.typed_data() : nullptr;
-  p.bu = has_bias ? bu.typed_data() : nullptr;
-  p.bd = has_bias ? bd.typed_data() : nullptr;
-  p.ys = ys->typed_data();
-  p.h = hbuf->typed_data();
-  p.gu = gubuf->element_count() ? gubuf->typed_data() : nullptr;
-  p.d = d;
-  p.F = F;
-  p.act = act;
-  p.alpha = alpha;
-  p.limit = limit;
-  p.round_h = round_h != 0;
-  advise_huge_pages(p.ys, sizeof(float) * size_t(P) * d);
-  advise_huge_pages(p.h, sizeof(float) * size_t(P) * F);
-  advise_huge_pages(p.gu, sizeof(float) * size_t(P) * 2 * F);
-  if (covered < P) std::memset(p.ys, 0, sizeof(float) * size_t(P) * d);  // rows no expert owns
-
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const auto up_tasks = make_tasks(p, E, F, up_block, threads);
-  const auto down_tasks = make_tasks(p, E, d, down_block, threads);
-  thread_local QRowsBuf qx_buf[kOrders], qh_buf[kOrders];
-  if (int_dot) {  // each integer-capable weight reads its input quantized in its kind's order
-    for (Weight* w : {&p.wg, &p.wu, &p.wd}) w->int_dot = act_order(w->kind) >= 0;
-    for (const Weight* w : {&p.wg, &p.wu}) {
-      const int o = act_order(w->kind);
-      if (o >= 0 && !p.qx[o].q) quantize_owned_rows(pool, p, E, p.xs, d, o, p.qx[o] = qx_buf[o].view(P, d));
-    }
-  }
-  parallel_tasks(pool, up_tasks, [&p](const Task& t) { run_gate_up(p, t); });
-  if (p.wd.int_dot) {
-    const int o = act_order(p.wd.kind);
-    quantize_owned_rows(pool, p, E, p.h, F, o, p.qh[o] = qh_buf[o].view(P, F));
-  }
-  parallel_tasks(pool, down_tasks, [&p](const Task& t) { run_down(p, t); });
+  Problem* parts[2] = {&p, &s};
+  run_problems(pool, parts, T > 0 ? 2 : 1, up_block, down_block, int_dot != 0);
   return ffi::Error::Success();
 }
 
@@ -1044,6 +1192,63 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeGroupedSwiglu, GroupedSwigluImpl,
                                   .Attr<int32_t>("group_gate")
                                   .Attr<int32_t>("group_up")
                                   .Attr<int32_t>("group_down")
+                                  .Attr<int32_t>("up_block")
+                                  .Attr<int32_t>("down_block")
+                                  .Attr<int32_t>("int_dot"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeGroupedSwigluShared, GroupedSwigluSharedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // xs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // offsets
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // sizes
+                                  .Arg<ffi::AnyBuffer>()         // w_gate data
+                                  .Arg<ffi::AnyBuffer>()         // w_gate scales
+                                  .Arg<ffi::AnyBuffer>()         // w_gate qbias
+                                  .Arg<ffi::AnyBuffer>()         // w_up data
+                                  .Arg<ffi::AnyBuffer>()         // w_up scales
+                                  .Arg<ffi::AnyBuffer>()         // w_up qbias
+                                  .Arg<ffi::AnyBuffer>()         // w_down data
+                                  .Arg<ffi::AnyBuffer>()         // w_down scales
+                                  .Arg<ffi::AnyBuffer>()         // w_down qbias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b_gate
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b_up
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b_down
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x (the shared expert's rows)
+                                  .Arg<ffi::AnyBuffer>()         // shared w_gate data
+                                  .Arg<ffi::AnyBuffer>()         // shared w_gate scales
+                                  .Arg<ffi::AnyBuffer>()         // shared w_gate qbias
+                                  .Arg<ffi::AnyBuffer>()         // shared w_up data
+                                  .Arg<ffi::AnyBuffer>()         // shared w_up scales
+                                  .Arg<ffi::AnyBuffer>()         // shared w_up qbias
+                                  .Arg<ffi::AnyBuffer>()         // shared w_down data
+                                  .Arg<ffi::AnyBuffer>()         // shared w_down scales
+                                  .Arg<ffi::AnyBuffer>()         // shared w_down qbias
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // shared b_gate
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // shared b_up
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // shared b_down
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // shared gate [d] | [0]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // ys
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // h (scratch)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // gu (residual, or empty)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // ys of the shared expert (gated)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // h of the shared expert (scratch)
+                                  .Attr<int32_t>("act")
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("limit")
+                                  .Attr<int32_t>("round_h")
+                                  .Attr<int32_t>("kind_gate")
+                                  .Attr<int32_t>("kind_up")
+                                  .Attr<int32_t>("kind_down")
+                                  .Attr<int32_t>("group_gate")
+                                  .Attr<int32_t>("group_up")
+                                  .Attr<int32_t>("group_down")
+                                  .Attr<int32_t>("skind_gate")
+                                  .Attr<int32_t>("skind_up")
+                                  .Attr<int32_t>("skind_down")
+                                  .Attr<int32_t>("sgroup_gate")
+                                  .Attr<int32_t>("sgroup_up")
+                                  .Attr<int32_t>("sgroup_down")
                                   .Attr<int32_t>("up_block")
                                   .Attr<int32_t>("down_block")
                                   .Attr<int32_t>("int_dot"));

@@ -5,7 +5,8 @@ the plain-XLA path pays a weight copy per touched expert. ``grouped_swiglu.cc`` 
 this module) reads the selected experts' weights in place instead: tasks over (expert, column
 block) with float32 register tiles, on XLA's intra-op thread pool. Everything around
 it (routing, sorting the pairs, a float32 shared expert, the weighted combine) stays in
-XLA; a quantized or bfloat16-stored shared expert is a second call (`shared_expert_cpu`).
+XLA; a quantized or bfloat16-stored shared expert runs in the same call
+(`experts_shared_cpu`, which `jaxmoe.moe_apply` takes), or on its own (`shared_expert_cpu`).
 
 Weight formats, each read where it lies: float32 / bfloat16 ``[E, in, out]``, and
 `QuantizedTensor` kinds ``int8`` (GGUF Q8_0: int8 codes ``[E, out, in]``, a scale per
@@ -44,7 +45,7 @@ from jaxmoe.dispatch import plan_dispatch
 from jaxmoe.experts import ExpertWeights, SharedWeights, shared_expert, shared_gate
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.impls.cpu.backward import cpu_vjp
-from jaxmoe.impls.cpu.build import TARGET, cpu_kernel_status
+from jaxmoe.impls.cpu.build import TARGET, TARGET_SHARED, cpu_kernel_status
 from jaxmoe.impls.cpu.kinds import GGUF_KINDS, INT4, INT8, operands
 from jaxmoe.invariance import row_blocks, wants_invariance
 from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
@@ -208,23 +209,52 @@ def grouped_swiglu_saving(
     """`grouped_swiglu` that also returns ``gu [P, 2F]`` float32: each row's gate | up
     products before the biases (``xs W_g``, ``xs W_u``), the residual the backward reads
     instead of recomputing them (rows no expert owns are unspecified)."""
-    return _call(xs, offsets, sizes, ew, cfg, round_h, UP_BLOCK, DOWN_BLOCK, save=True)
+    ys, gate_up, _ = _call(xs, offsets, sizes, ew, cfg, round_h, UP_BLOCK, DOWN_BLOCK, save=True)
+    return ys, gate_up
 
 
-def _call(xs, offsets, sizes, ew: ExpertWeights, cfg: MoEConfig, round_h, up_block, down_block, save: bool):
+def _call(
+    xs,
+    offsets,
+    sizes,
+    ew: ExpertWeights,
+    cfg: MoEConfig,
+    round_h,
+    up_block,
+    down_block,
+    save: bool,
+    shared: tuple[jax.Array, SharedWeights] | None = None,
+):
+    """The custom call: ``(ys, gate_up, None)``, and with ``shared = (x [T, d], sw)`` the
+    shared expert in the same call: ``(ys, gate_up, ys_shared [T, d])`` (gated)."""
     p, f = xs.shape[0], ew.w_gate.shape[-1]  # F of these weights (a shared expert has its own)
     (wg, kg, gg), (wu, ku, gu), (wd, kd, gd) = (operands(w) for w in (ew.w_gate, ew.w_up, ew.w_down))
-    biases = ew.biases_f32() or (jnp.zeros((0,), jnp.float32),) * 3
-    call = jax.ffi.ffi_call(
-        TARGET,
-        (
-            jax.ShapeDtypeStruct((p, xs.shape[1]), jnp.float32),
-            jax.ShapeDtypeStruct((p, f), jnp.float32),
-            jax.ShapeDtypeStruct((p, 2 * f) if save else (0,), jnp.float32),
-        ),
-        vmap_method="sequential",
-    )
-    ys, _, gate_up = call(
+    no_bias = (jnp.zeros((0,), jnp.float32),) * 3
+    biases = ew.biases_f32() or no_bias
+    results = [
+        jax.ShapeDtypeStruct((p, xs.shape[1]), jnp.float32),
+        jax.ShapeDtypeStruct((p, f), jnp.float32),
+        jax.ShapeDtypeStruct((p, 2 * f) if save else (0,), jnp.float32),
+    ]
+    extra, attrs = [], {}
+    if shared is not None:
+        x, sw = shared
+        one = _one_expert(sw)
+        (swg, skg, sgg), (swu, sku, sgu), (swd, skd, sgd) = (operands(w) for w in (one.w_gate, one.w_up, one.w_down))
+        gate = jnp.zeros((0,), jnp.float32) if sw.gate is None else sw.gate.astype(jnp.float32).reshape(-1)
+        extra = [x.astype(jnp.float32), *swg, *swu, *swd, *no_bias, gate]
+        attrs = dict(
+            skind_gate=np.int32(skg),
+            skind_up=np.int32(sku),
+            skind_down=np.int32(skd),
+            sgroup_gate=np.int32(sgg),
+            sgroup_up=np.int32(sgu),
+            sgroup_down=np.int32(sgd),
+        )
+        t, fs = x.shape[0], one.w_gate.shape[-1]
+        results += [jax.ShapeDtypeStruct((t, xs.shape[1]), jnp.float32), jax.ShapeDtypeStruct((t, fs), jnp.float32)]
+    call = jax.ffi.ffi_call(TARGET if shared is None else TARGET_SHARED, tuple(results), vmap_method="sequential")
+    out = call(
         xs.astype(jnp.float32),
         offsets.astype(jnp.int32),
         sizes.astype(jnp.int32),
@@ -232,6 +262,7 @@ def _call(xs, offsets, sizes, ew: ExpertWeights, cfg: MoEConfig, round_h, up_blo
         *wu,
         *wd,
         *biases,
+        *extra,
         act=np.int32(0 if cfg.activation == "swiglu" else 1),
         alpha=np.float32(cfg.swiglu_alpha),
         limit=np.float32(cfg.swiglu_limit),
@@ -245,8 +276,9 @@ def _call(xs, offsets, sizes, ew: ExpertWeights, cfg: MoEConfig, round_h, up_blo
         up_block=np.int32(up_block),
         down_block=np.int32(down_block),
         int_dot=np.int32(cfg.int8_activations),
+        **attrs,
     )
-    return ys, gate_up
+    return out[0], out[2], (out[3] if shared is not None else None)
 
 
 def shared_supported(sw: SharedWeights, dtype) -> bool:
@@ -318,6 +350,52 @@ def _shared_cpu_bwd(cfg, res, g):
 _shared_cpu.defvjp(_shared_cpu_fwd, _shared_cpu_bwd)
 
 
+def experts_shared_cpu(
+    x: jax.Array, routing: Routing, ew: ExpertWeights, sw: SharedWeights, cfg: MoEConfig
+) -> jax.Array:
+    """The routed experts and the shared expert in one C++ call: ``x [T, d]`` -> ``[T, d]``
+    float32, ``experts_cpu(x, routing, ew, cfg) + shared_expert_cpu(x, sw, cfg)``.
+
+    One custom call per layer instead of two: the shared expert's tasks run in the same
+    two rounds of the thread pool as the routed experts' (at ``T = 1`` the second call
+    and its gate cost ~0.3 ms of a ~1.4 ms Q4_K layer, docs/performance.md). The shared
+    gate ``sigmoid(x . gate)`` is computed in the kernel, in one fixed order per row, so
+    the result is batch-invariant as `shared_expert_cpu`'s. Requires `supports` for
+    ``ew`` and `shared_supported` for ``sw``. Gradients: the routed experts' `cpu_vjp`
+    plus the XLA shared expert's VJP (as `experts_cpu` and `shared_expert_cpu`).
+    """
+    check_inputs(x, routing, ew, "experts_shared_cpu")
+    why = supports(ew, x.dtype)
+    if why:
+        raise ValueError(why)
+    if not shared_supported(sw, x.dtype):
+        raise ValueError("experts_shared_cpu: the C++ kernel does not take these shared-expert weights")
+    ok, msg = cpu_kernel_status()
+    if not ok:
+        raise RuntimeError(f"impl='cpu' is unavailable: {msg}")
+    return _experts_shared_cpu(x, routing, ew, sw, cfg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _experts_shared_cpu(x, routing, ew, sw, cfg):
+    return _forward_shared(x, routing, ew, sw, cfg)
+
+
+def _fwd_shared(x, routing, ew, sw, cfg):
+    y, gate_up = _forward_shared(x, routing, ew, sw, cfg, save=True)
+    return y, (x, routing, ew, gate_up, sw)
+
+
+def _bwd_shared(cfg, res, g):
+    x, routing, ew, gate_up, sw = res
+    dx, drouting, dew = cpu_vjp(cfg, (x, routing, ew, gate_up), g)
+    dx_shared, dsw = _shared_cpu_bwd(cfg, (x, sw), g)
+    return dx + dx_shared, drouting, dew, dsw
+
+
+_experts_shared_cpu.defvjp(_fwd_shared, _bwd_shared)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "save"))
 def _forward(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, save: bool = False):
     """``y [T, d]``; with ``save`` (the forward of a differentiated call) ``(y, gate_up)``,
@@ -328,6 +406,21 @@ def _forward(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, 
     plan = plan_dispatch(routing.expert_ids, e, 1)
     xs = sorted_inputs(x, routing, plan, cfg).astype(jnp.float32)  # [P, d]
     round_h = bool(x.dtype == jnp.bfloat16)
-    ys, gate_up = _call(xs, plan.group_offsets[:e], plan.group_sizes, ew, cfg, round_h, UP_BLOCK, DOWN_BLOCK, save)
+    ys, gate_up, _ = _call(xs, plan.group_offsets[:e], plan.group_sizes, ew, cfg, round_h, UP_BLOCK, DOWN_BLOCK, save)
     y = combine(ys, routing, plan, cfg, invariant=wants_invariance(cfg, "cpu"))
+    return (y, gate_up) if save else y
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "save"))
+def _forward_shared(x, routing: Routing, ew: ExpertWeights, sw: SharedWeights, cfg: MoEConfig, save: bool = False):
+    """`_forward` with the shared expert in the same call (`experts_shared_cpu`)."""
+    e = ew.num_experts
+    plan = plan_dispatch(routing.expert_ids, e, 1)
+    xs = sorted_inputs(x, routing, plan, cfg).astype(jnp.float32)  # [P, d]
+    round_h = bool(x.dtype == jnp.bfloat16)
+    ys, gate_up, ys_shared = _call(
+        xs, plan.group_offsets[:e], plan.group_sizes, ew, cfg, round_h, UP_BLOCK, DOWN_BLOCK, save, shared=(x, sw)
+    )
+    assert ys_shared is not None
+    y = combine(ys, routing, plan, cfg, invariant=wants_invariance(cfg, "cpu")) + ys_shared
     return (y, gate_up) if save else y
