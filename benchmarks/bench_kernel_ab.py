@@ -45,11 +45,14 @@ from jaxmoe.impls.cpu import build, kernel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE_TARGET = "jaxmoe_grouped_swiglu_base"
+#: The base's routed + shared handler (revisions from 4 Dec 2026 on), for ``--what layer``.
+BASE_TARGET_SHARED = "jaxmoe_grouped_swiglu_shared_base"
 
 
-def load_base(rev: str, tmp: Path) -> None:
+def load_base(rev: str, tmp: Path) -> bool:
     """Builds the kernel sources of ``rev`` (its ``grouped_swiglu.cc`` and every header beside
-    it: ``kernel_common.h``, ``int_dot.h``, ...) and registers them as `BASE_TARGET`."""
+    it: ``kernel_common.h``, ``int_dot.h``, ...) and registers them as `BASE_TARGET` (and its
+    routed + shared handler as `BASE_TARGET_SHARED`; returns whether it has one)."""
     ls = subprocess.run(
         ["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{rev}:jaxmoe/impls/cpu/"], capture_output=True, text=True
     )
@@ -67,18 +70,23 @@ def load_base(rev: str, tmp: Path) -> None:
     if not ok:
         raise SystemExit(f"the kernel of {rev} did not build: {msg}")
     jax.ffi.register_ffi_target(BASE_TARGET, capsule, platform="cpu")
+    ok, _, shared = build.load_handler(tmp / "grouped_swiglu.cc", "JaxmoeGroupedSwigluShared")
+    if ok:
+        jax.ffi.register_ffi_target(BASE_TARGET_SHARED, shared, platform="cpu")
+    return ok
 
 
 def compiled(fn, target: str, *args):
     """``fn(*args)`` compiled with the custom call of ``target``."""
 
     def with_target(*a):
-        old = kernel.TARGET
+        old = kernel.TARGET, kernel.TARGET_SHARED
         kernel.TARGET = target
+        kernel.TARGET_SHARED = BASE_TARGET_SHARED if target == BASE_TARGET else old[1]
         try:
             return fn(*a)
         finally:
-            kernel.TARGET = old
+            kernel.TARGET, kernel.TARGET_SHARED = old
 
     jax.clear_caches()  # nested jitted functions trace again, for this target
     return jax.jit(with_target).lower(*args).compile()
@@ -127,7 +135,11 @@ def main(argv=None) -> int:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, num_experts=a.experts))
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
-        load_base(a.base, Path(tmp))
+        if not load_base(a.base, Path(tmp)) and a.what == "layer":
+            raise SystemExit(
+                f"{a.base} has no routed + shared handler (the layer's shared expert now runs in the "
+                "routed call); compare --what kernel, or a base from 4 Dec 2026 on"
+            )
     acts = "int8 activations" if a.int8 else "float activations"
     print(
         f"{a.what}: working tree against {a.base}; E={cfg.num_experts}, {acts}, new tokens every call, A B alternating"
