@@ -705,6 +705,37 @@ def test_shared_expert_in_the_routed_call_gradients(fmts, rng):
     assert len(jax.tree.leaves(got[3])) == (3 if trainable else 0)
 
 
+def test_routed_and_shared_call_names_bad_shared_operands(rng):
+    """The routed + shared custom call checks the shared expert's own operands before it
+    runs and names the one at fault: a gate of the wrong length, rows of the wrong width
+    (and the routed experts' operands keep their checks)."""
+    from jaxmoe.impls.cpu import kernel
+
+    assert cpu_kernel_status()[0]  # registers the handlers
+    cfg = dataclasses.replace(cfg_of(64, 64, 3, 1), shared_expert_dim=64, num_shared_experts=1, shared_expert_gate=True)
+    ew, _ = quantized_case(cfg, ("f32",) * 3, rng)
+    sw, _, _ = quantized_shared(64, 64, ("q8_0", "q4_0", "q8_0"), rng)
+    xs = jnp.asarray(rng.normal(size=(6, 64)).astype(np.float32))
+    x = xs[:4]
+    offsets, sizes = jnp.array([0, 2, 4]), jnp.array([2, 2, 2])
+
+    def run(x, sw, offsets=offsets):
+        out = kernel._call(
+            xs, offsets, sizes, ew, cfg, False, kernel.UP_BLOCK, kernel.DOWN_BLOCK, False, shared=(x, sw)
+        )
+        return jax.block_until_ready(out[2])
+
+    assert np.isfinite(run(x, sw)).all()
+    long_gate = jnp.asarray(rng.normal(size=(65,)).astype(np.float32))
+    for x_bad, sw_bad, offs, msg in (
+        (x, dataclasses.replace(sw, gate=long_gate), offsets, r"shared gate must be \[d\] or empty, d = 64"),
+        (jnp.concatenate([x, x], axis=1), sw, offsets, r"shared expert's x must be \[T, d\] with d = 64"),
+        (x, sw, jnp.array([0, 1, 4]), "sorted by expert and disjoint"),
+    ):
+        with pytest.raises(Exception, match=msg):
+            run(x_bad, sw_bad, offs)
+
+
 def test_quantized_shared_expert_outside_the_kernel_stays_xla(rng):
     """Reference impls keep the XLA shared expert (no kernel call), with the same result;
     a kind the kernel does not read is refused by ``shared_supported`` (XLA takes it)."""
