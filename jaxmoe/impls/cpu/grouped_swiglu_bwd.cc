@@ -211,6 +211,57 @@ void pack_gguf(const Weight& w, int64_t e, int64_t in0, int64_t nin, int64_t out
     }
 }
 
+// Rows per expert up to which the GGUF input-gradient products take axpy_gguf.
+constexpr int64_t kAxpyRows = 16;
+
+// Few rows, GGUF block weights: acc[m, B] += A[m, R] . rows, where row o < R is stored row o
+// of expert e (W[:, o] in the logical [in, out] view: column o), elements [in0, in0 + B)
+// (in0 on a block boundary). Each stored row's blocks are decoded once into an L1 buffer
+// and multiply-added into the m rows' accumulators, o ascending: per element the chain of
+// `matmul` over the packed [R, B] buffer (fused multiply-adds in o order from zero), so
+// the same bits, without a [R, B] buffer going through the caches (pack + matmul of that
+// buffer took ~60% of a T = 8 Q4_K_M backward step, perf). A second call with the next
+// weight's rows (A's columns after the first's) continues the chains.
+template <int Q>
+void axpy_gguf(const Weight& w, int64_t e, int64_t in0, int64_t B, int64_t R, const float* a, int64_t lda, int64_t m,
+               float* acc) {
+  constexpr int64_t BE = block_elems(Q), BB = block_bytes(Q);
+  const int64_t row_bytes = w.in / BE * BB, nb = (B + BE - 1) / BE, vec = B / kLanes * kLanes;
+  thread_local fvec blk;
+  blk.resize(size_t(nb * BE));
+  const uint8_t* base = static_cast<const uint8_t*>(w.data) + e * w.out * row_bytes + in0 / BE * BB;
+  for (int64_t o = 0; o < R; ++o) {
+    const uint8_t* row = base + o * row_bytes;
+    if (o + 4 < R)  // a few rows ahead (rows are row_bytes apart)
+      for (int64_t q = 0; q < nb * BB; q += 64) __builtin_prefetch(row + 4 * row_bytes + q);
+    for (int64_t b = 0; b < nb; ++b) decode_block<Q>(row + b * BB, blk.data() + b * BE);
+    for (int64_t r = 0; r < m; ++r) {
+      const float ar = a[r * lda + o];
+      const vf av = splat(ar);
+      float* c = acc + r * B;
+      int64_t j = 0;
+      for (; j < vec; j += kLanes) store(c + j, fmadd(av, load(blk.data() + j), load(c + j)));
+      for (; j < B; ++j) c[j] = fmadd(ar, blk[size_t(j)], c[j]);
+    }
+  }
+}
+
+// Whether axpy_gguf takes W[in0 : in0 + B, :] for m rows.
+inline bool axpy_takes(const Weight& w, int64_t in0, int64_t m) {
+  return is_gguf(w.kind) && m <= kAxpyRows && in0 % block_elems(w.kind) == 0;
+}
+
+// C[m, B] (row stride ldc) = A[m, R] . W[in0 : in0 + B, :]^T by axpy_gguf (and, with w2,
+// + A2 . W2[...]^T continuing the chains), through a zeroed [m, B] accumulator.
+void axpy_matmul(const Weight& w, const Weight* w2, int64_t e, int64_t in0, int64_t B, int64_t R, const float* a,
+                 const float* a2, int64_t lda, int64_t m, float* c, int64_t ldc) {
+  thread_local fvec acc;
+  acc.assign(size_t(m * B), 0.f);
+  with_gguf_kind(w.kind, [&](auto Q) { axpy_gguf<Q.value>(w, e, in0, B, R, a, lda, m, acc.data()); });
+  if (w2) with_gguf_kind(w2->kind, [&](auto Q) { axpy_gguf<Q.value>(*w2, e, in0, B, R, a2, lda, m, acc.data()); });
+  for (int64_t r = 0; r < m; ++r) std::memcpy(c + r * ldc, acc.data() + r * B, sizeof(float) * size_t(B));
+}
+
 // dst = W_e[in0 : in0 + nin, out0 : out0 + nout] as float32, laid out [nin, nout]
 // (transposed = false) or [nout, nin] (transposed = true); quantized codes dequantized
 // as the forward does (w = s q, int4: w = s q + b).
@@ -441,6 +492,8 @@ void run_a(const Problem& p, const Task& t) {
     with_float_rows(p.wd, e, c0, [&](auto* wr) {
       matmul_nt(gsr, d, wr, d, d, static_cast<const float*>(nullptr), decltype(wr)(nullptr), 0, n, B, dh.data(), B);
     });
+  } else if (axpy_takes(p.wd, c0, n)) {  // dh0[:, j] = sum_i gs[:, i] W_d[c0 + j, i], stored row i decoded in L1
+    axpy_matmul(p.wd, nullptr, e, c0, B, d, gsr, nullptr, d, n, dh.data(), B);
   } else {
     pack(p.wd, e, c0, B, 0, d, true, pw.data());  // pw[i * B + j] = W_d[c0 + j, i]
     matmul(gsr, d, 1, pw.data(), B, d, n, B, dh.data(), B);
@@ -524,6 +577,8 @@ void run_b(const Problem& p, const Task& t) {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(wgr)>>;
       matmul_nt(dgu, 2 * F, wgr, F, F, dgu + F, float_rows<T>(p.wu, e, i0), F, n, B, dx, d);
     });
+  } else if (axpy_takes(p.wg, i0, n) && axpy_takes(p.wu, i0, n)) {  // the same chains, W_g's rows then W_u's
+    axpy_matmul(p.wg, &p.wu, e, i0, B, F, dgu, dgu + F, 2 * F, n, dx, d);
   } else {
     pw.resize(size_t(2 * F) * B);
     pack(p.wg, e, i0, B, 0, F, true, pw.data());  // pw[j * B + i] = W_g[i0 + i, j]
