@@ -211,30 +211,85 @@ void pack_gguf(const Weight& w, int64_t e, int64_t in0, int64_t nin, int64_t out
     }
 }
 
-// Rows per expert up to which the GGUF input-gradient products take axpy_gguf.
+// Elements [in0, in0 + B) of stored row `col` of an int8 / int4 weight (in0 and B multiples
+// of 32), dequantized with pack's arithmetic (s q; s q + b: one multiply, then one add), 32
+// at a time in vectors (the per-element loop of pack took ~93% of a T = 8 Q4_0 backward step).
+void decode_int_slice(const Weight& w, int64_t col, int64_t in0, int64_t B, float* __restrict out) {
+  const int64_t K = w.in, ng = K / w.group, row_bytes = w.kind == kInt8 ? K : K / 2;
+  const char* codes = static_cast<const char*>(w.data) + col * row_bytes;
+  for (int64_t i = in0; i < in0 + B; i += 32) {
+    const int64_t gi = col * ng + i / w.group;
+    const float sc = load_scale(w.scales, w.stype, gi);
+    const float bs = w.kind == kInt4 ? load_scale(w.qbias, w.stype, gi) : 0.f;
+    float* o = out + (i - in0);
+#if JM_LANES == 16 && defined(__AVX512F__)
+    const __m512 sv = _mm512_set1_ps(sc), bv = _mm512_set1_ps(bs);
+    if (w.kind == kInt8) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(codes) + i;
+      for (int h = 0; h < 2; ++h)
+        _mm512_storeu_ps(o + 16 * h, _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h))))));
+    } else {  // byte j: element 2 j in its low nibble, 2 j + 1 in its high one
+      const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i / 2)));
+      const __m512 lo = _mm512_add_ps(_mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_and_si512(z, _mm512_set1_epi32(15)))), bv);
+      const __m512 hi = _mm512_add_ps(_mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_srli_epi32(z, 4))), bv);
+      const __m512i i0 = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+      const __m512i i1 = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+      _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo, i0, hi));
+      _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo, i1, hi));
+    }
+#elif defined(__AVX2__)
+    const __m256 sv = _mm256_set1_ps(sc), bv = _mm256_set1_ps(bs);
+    if (w.kind == kInt8) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(codes) + i;
+      for (int h = 0; h < 4; ++h)
+        _mm256_storeu_ps(o + 8 * h, _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * h))))));
+    } else {
+      for (int h = 0; h < 2; ++h) {  // bytes 8 h ..: elements 16 h ..
+        const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i / 2 + 8 * h)));
+        const __m256 lo = _mm256_add_ps(_mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_and_si256(z, _mm256_set1_epi32(15)))), bv);
+        const __m256 hi = _mm256_add_ps(_mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_srli_epi32(z, 4))), bv);
+        const __m256 a = _mm256_unpacklo_ps(lo, hi), b = _mm256_unpackhi_ps(lo, hi);  // [0..3 | 8..11], [4..7 | 12..15]
+        _mm256_storeu_ps(o + 16 * h, _mm256_permute2f128_ps(a, b, 0x20));
+        _mm256_storeu_ps(o + 16 * h + 8, _mm256_permute2f128_ps(a, b, 0x31));
+      }
+    }
+#else
+    for (int64_t l = 0; l < 32; ++l) {
+      const int64_t k = i + l;
+      if (w.kind == kInt8) {
+        o[l] = sc * float(reinterpret_cast<const int8_t*>(codes)[k]);
+      } else {
+        const uint8_t byte = reinterpret_cast<const uint8_t*>(codes)[k / 2];
+        const float v = sc * float((k & 1) ? (byte >> 4) : (byte & 15));
+        o[l] = v + bs;
+      }
+    }
+#endif
+  }
+}
+
+// Rows per expert up to which the quantized input-gradient products take axpy_rows.
 constexpr int64_t kAxpyRows = 16;
 
-// Few rows, GGUF block weights: acc[m, B] += A[m, R] . rows, where row o < R is stored row o
-// of expert e (W[:, o] in the logical [in, out] view: column o), elements [in0, in0 + B)
-// (in0 on a block boundary). Each stored row's blocks are decoded once into an L1 buffer
-// and multiply-added into the m rows' accumulators, o ascending: per element the chain of
-// `matmul` over the packed [R, B] buffer (fused multiply-adds in o order from zero), so
-// the same bits, without a [R, B] buffer going through the caches (pack + matmul of that
-// buffer took ~60% of a T = 8 Q4_K_M backward step, perf). A second call with the next
-// weight's rows (A's columns after the first's) continues the chains.
-template <int Q>
-void axpy_gguf(const Weight& w, int64_t e, int64_t in0, int64_t B, int64_t R, const float* a, int64_t lda, int64_t m,
-               float* acc) {
-  constexpr int64_t BE = block_elems(Q), BB = block_bytes(Q);
-  const int64_t row_bytes = w.in / BE * BB, nb = (B + BE - 1) / BE, vec = B / kLanes * kLanes;
+// Few rows, quantized weights: acc[m, B] += A[m, R] . rows, where row o < R is stored row o
+// of expert e (W[:, o] in the logical [in, out] view: column o), elements [in0, in0 + B).
+// Each stored row's slice is decoded once into an L1 buffer (`decode(o, buf)`: GGUF blocks
+// by decode_block, int8 / int4 by decode_int_slice) and multiply-added into the m rows'
+// accumulators, o ascending: per element the chain of `matmul` over the packed [R, B]
+// buffer (fused multiply-adds in o order from zero), so the same bits, without a [R, B]
+// buffer going through the caches (pack + matmul of that buffer took ~60% of a T = 8
+// Q4_K_M backward step, perf). A second call with the next weight's rows (A's columns
+// after the first's) continues the chains.
+template <typename Decode>
+void axpy_rows(int64_t B, int64_t R, const float* a, int64_t lda, int64_t m, float* acc, int64_t buf_elems,
+               Decode decode) {
+  const int64_t vec = B / kLanes * kLanes;
   thread_local fvec blk;
-  blk.resize(size_t(nb * BE));
-  const uint8_t* base = static_cast<const uint8_t*>(w.data) + e * w.out * row_bytes + in0 / BE * BB;
+  blk.resize(size_t(buf_elems));
   for (int64_t o = 0; o < R; ++o) {
-    const uint8_t* row = base + o * row_bytes;
-    if (o + 4 < R)  // a few rows ahead (rows are row_bytes apart)
-      for (int64_t q = 0; q < nb * BB; q += 64) __builtin_prefetch(row + 4 * row_bytes + q);
-    for (int64_t b = 0; b < nb; ++b) decode_block<Q>(row + b * BB, blk.data() + b * BE);
+    decode(o, blk.data());
     for (int64_t r = 0; r < m; ++r) {
       const float ar = a[r * lda + o];
       const vf av = splat(ar);
@@ -246,19 +301,39 @@ void axpy_gguf(const Weight& w, int64_t e, int64_t in0, int64_t B, int64_t R, co
   }
 }
 
-// Whether axpy_gguf takes W[in0 : in0 + B, :] for m rows.
-inline bool axpy_takes(const Weight& w, int64_t in0, int64_t m) {
-  return is_gguf(w.kind) && m <= kAxpyRows && in0 % block_elems(w.kind) == 0;
+void axpy_weight(const Weight& w, int64_t e, int64_t in0, int64_t B, int64_t R, const float* a, int64_t lda,
+                 int64_t m, float* acc) {
+  if (is_gguf(w.kind))
+    return with_gguf_kind(w.kind, [&](auto Q) {
+      constexpr int64_t BE = block_elems(Q.value), BB = block_bytes(Q.value);
+      const int64_t row_bytes = w.in / BE * BB, nb = (B + BE - 1) / BE;
+      const uint8_t* base = static_cast<const uint8_t*>(w.data) + e * w.out * row_bytes + in0 / BE * BB;
+      axpy_rows(B, R, a, lda, m, acc, nb * BE, [&](int64_t o, float* buf) {
+        const uint8_t* row = base + o * row_bytes;
+        if (o + 4 < R)  // a few rows ahead (rows are row_bytes apart)
+          for (int64_t q = 0; q < nb * BB; q += 64) __builtin_prefetch(row + 4 * row_bytes + q);
+        for (int64_t b = 0; b < nb; ++b) decode_block<Q.value>(row + b * BB, buf + b * BE);
+      });
+    });
+  axpy_rows(B, R, a, lda, m, acc, B, [&](int64_t o, float* buf) { decode_int_slice(w, e * w.out + o, in0, B, buf); });
 }
 
-// C[m, B] (row stride ldc) = A[m, R] . W[in0 : in0 + B, :]^T by axpy_gguf (and, with w2,
+// Whether axpy_matmul takes W[in0 : in0 + B, :] for m rows: GGUF blocks with in0 on a block
+// boundary, int8 / int4 with in0 and B multiples of 32.
+inline bool axpy_takes(const Weight& w, int64_t in0, int64_t B, int64_t m) {
+  if (m > kAxpyRows) return false;
+  if (is_gguf(w.kind)) return in0 % block_elems(w.kind) == 0;
+  return (w.kind == kInt8 || w.kind == kInt4) && in0 % 32 == 0 && B % 32 == 0;
+}
+
+// C[m, B] (row stride ldc) = A[m, R] . W[in0 : in0 + B, :]^T by axpy_rows (and, with w2,
 // + A2 . W2[...]^T continuing the chains), through a zeroed [m, B] accumulator.
 void axpy_matmul(const Weight& w, const Weight* w2, int64_t e, int64_t in0, int64_t B, int64_t R, const float* a,
                  const float* a2, int64_t lda, int64_t m, float* c, int64_t ldc) {
   thread_local fvec acc;
   acc.assign(size_t(m * B), 0.f);
-  with_gguf_kind(w.kind, [&](auto Q) { axpy_gguf<Q.value>(w, e, in0, B, R, a, lda, m, acc.data()); });
-  if (w2) with_gguf_kind(w2->kind, [&](auto Q) { axpy_gguf<Q.value>(*w2, e, in0, B, R, a2, lda, m, acc.data()); });
+  axpy_weight(w, e, in0, B, R, a, lda, m, acc.data());
+  if (w2) axpy_weight(*w2, e, in0, B, R, a2, lda, m, acc.data());
   for (int64_t r = 0; r < m; ++r) std::memcpy(c + r * ldc, acc.data() + r * B, sizeof(float) * size_t(B));
 }
 
@@ -492,7 +567,7 @@ void run_a(const Problem& p, const Task& t) {
     with_float_rows(p.wd, e, c0, [&](auto* wr) {
       matmul_nt(gsr, d, wr, d, d, static_cast<const float*>(nullptr), decltype(wr)(nullptr), 0, n, B, dh.data(), B);
     });
-  } else if (axpy_takes(p.wd, c0, n)) {  // dh0[:, j] = sum_i gs[:, i] W_d[c0 + j, i], stored row i decoded in L1
+  } else if (axpy_takes(p.wd, c0, B, n)) {  // dh0[:, j] = sum_i gs[:, i] W_d[c0 + j, i], stored row i decoded in L1
     axpy_matmul(p.wd, nullptr, e, c0, B, d, gsr, nullptr, d, n, dh.data(), B);
   } else {
     pack(p.wd, e, c0, B, 0, d, true, pw.data());  // pw[i * B + j] = W_d[c0 + j, i]
@@ -577,7 +652,7 @@ void run_b(const Problem& p, const Task& t) {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(wgr)>>;
       matmul_nt(dgu, 2 * F, wgr, F, F, dgu + F, float_rows<T>(p.wu, e, i0), F, n, B, dx, d);
     });
-  } else if (axpy_takes(p.wg, i0, n) && axpy_takes(p.wu, i0, n)) {  // the same chains, W_g's rows then W_u's
+  } else if (axpy_takes(p.wg, i0, B, n) && axpy_takes(p.wu, i0, B, n)) {  // the same chains, W_g's rows then W_u's
     axpy_matmul(p.wg, &p.wu, e, i0, B, F, dgu, dgu + F, 2 * F, n, dx, d);
   } else {
     pw.resize(size_t(2 * F) * B);
