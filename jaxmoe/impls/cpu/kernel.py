@@ -213,6 +213,18 @@ def grouped_swiglu_saving(
     return ys, gate_up
 
 
+def _weight_operands(ew: ExpertWeights, prefix: str = "") -> tuple[list, dict]:
+    """The custom call's operands of gate, up and down (data, scales, quantization biases
+    each) and their ``{prefix}kind_*`` / ``{prefix}group_*`` attributes."""
+    ops, attrs = [], {}
+    for name, w in zip(("gate", "up", "down"), (ew.w_gate, ew.w_up, ew.w_down)):
+        arrays, kind, group = operands(w)
+        ops += list(arrays)
+        attrs[f"{prefix}kind_{name}"] = np.int32(kind)
+        attrs[f"{prefix}group_{name}"] = np.int32(group)
+    return ops, attrs
+
+
 def _call(
     xs,
     offsets,
@@ -228,7 +240,7 @@ def _call(
     """The custom call: ``(ys, gate_up, None)``, and with ``shared = (x [T, d], sw)`` the
     shared expert in the same call: ``(ys, gate_up, ys_shared [T, d])`` (gated)."""
     p, f = xs.shape[0], ew.w_gate.shape[-1]  # F of these weights (a shared expert has its own)
-    (wg, kg, gg), (wu, ku, gu), (wd, kd, gd) = (operands(w) for w in (ew.w_gate, ew.w_up, ew.w_down))
+    weights, attrs = _weight_operands(ew)
     no_bias = (jnp.zeros((0,), jnp.float32),) * 3
     biases = ew.biases_f32() or no_bias
     results = [
@@ -236,21 +248,14 @@ def _call(
         jax.ShapeDtypeStruct((p, f), jnp.float32),
         jax.ShapeDtypeStruct((p, 2 * f) if save else (0,), jnp.float32),
     ]
-    extra, attrs = [], {}
+    extra = []
     if shared is not None:
         x, sw = shared
         one = _one_expert(sw)
-        (swg, skg, sgg), (swu, sku, sgu), (swd, skd, sgd) = (operands(w) for w in (one.w_gate, one.w_up, one.w_down))
+        sweights, sattrs = _weight_operands(one, "s")
         gate = jnp.zeros((0,), jnp.float32) if sw.gate is None else sw.gate.astype(jnp.float32).reshape(-1)
-        extra = [x.astype(jnp.float32), *swg, *swu, *swd, *no_bias, gate]
-        attrs = dict(
-            skind_gate=np.int32(skg),
-            skind_up=np.int32(sku),
-            skind_down=np.int32(skd),
-            sgroup_gate=np.int32(sgg),
-            sgroup_up=np.int32(sgu),
-            sgroup_down=np.int32(sgd),
-        )
+        extra = [x.astype(jnp.float32), *sweights, *no_bias, gate]
+        attrs.update(sattrs)
         t, fs = x.shape[0], one.w_gate.shape[-1]
         results += [jax.ShapeDtypeStruct((t, xs.shape[1]), jnp.float32), jax.ShapeDtypeStruct((t, fs), jnp.float32)]
     call = jax.ffi.ffi_call(TARGET if shared is None else TARGET_SHARED, tuple(results), vmap_method="sequential")
@@ -258,21 +263,13 @@ def _call(
         xs.astype(jnp.float32),
         offsets.astype(jnp.int32),
         sizes.astype(jnp.int32),
-        *wg,
-        *wu,
-        *wd,
+        *weights,
         *biases,
         *extra,
         act=np.int32(0 if cfg.activation == "swiglu" else 1),
         alpha=np.float32(cfg.swiglu_alpha),
         limit=np.float32(cfg.swiglu_limit),
         round_h=np.int32(round_h),
-        kind_gate=np.int32(kg),
-        kind_up=np.int32(ku),
-        kind_down=np.int32(kd),
-        group_gate=np.int32(gg),
-        group_up=np.int32(gu),
-        group_down=np.int32(gd),
         up_block=np.int32(up_block),
         down_block=np.int32(down_block),
         int_dot=np.int32(cfg.int8_activations),
