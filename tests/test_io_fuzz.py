@@ -251,6 +251,31 @@ def test_per_layer_array_key_without_the_layer_is_an_error(tmp_path, rng):
         jgguf.load_layer(short, layer=2)
 
 
+@pytest.mark.parametrize(
+    "shift, msg",
+    [
+        (1, r"ffn_gate_inp.weight's data offset 1 is not a multiple of the file's alignment 32"),
+        (32, r"tensors blk\.1\.ffn_gate_inp\.weight .* and blk\.1\.ffn_gate_exps\.weight .* overlap"),
+    ],
+)
+def test_gguf_corrupt_tensor_offset_is_an_error(tmp_path, rng, shift, msg):
+    """A tensor offset in the header moved by a bit flip (the fuzz test's example: one bit
+    of the router's offset) would load shifted or foreign bytes: a misaligned offset or
+    overlapping tensors is a CheckpointError naming the tensor(s)."""
+    cfg, params = _small_model(rng)
+    src = jaxmoe.save_gguf((cfg, params), tmp_path / "base.gguf", layer=1, dtype="f32")
+    r = gguf.GGUFReader(src)
+    t = next(t for t in r.tensors if t.name == "blk.1.ffn_gate_inp.weight")
+    at = t.field.offset + sum(part.nbytes for part in t.field.parts[:-1])  # its offset, a uint64
+    buf = bytearray(src.read_bytes())
+    (off,) = struct.unpack_from("<Q", buf, at)
+    struct.pack_into("<Q", buf, at, off + shift)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(buf))
+    with pytest.raises(CheckpointError, match=msg):
+        jgguf.load_layer(bad, layer=1)
+
+
 @FUZZ
 @given(data=st.data())
 def test_gguf_fuzz_load_or_value_error(tmp_path_factory, data):

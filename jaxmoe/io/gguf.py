@@ -172,7 +172,29 @@ def open_reader(path: str | os.PathLike) -> gguf.GGUFReader:
                 f"{p}: truncated GGUF file: tensor {t.name} ends at byte "
                 f"{t.data_offset + t.n_bytes} but the file has {size} bytes"
             )
+    _check_tensor_layout(p, reader)
     return reader
+
+
+def _check_tensor_layout(p: Path, reader: gguf.GGUFReader) -> None:
+    """Each tensor's data starts on the file's alignment (``general.alignment``, 32 by
+    default) and no two tensors overlap: a corrupt offset in the header (which gguf-py
+    reads as it is) would otherwise load another tensor's bytes, or bytes shifted within
+    one, without an error."""
+    align = int(getattr(reader, "alignment", 32)) or 32
+    start = int(getattr(reader, "data_offset", 0))
+    spans = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name) for t in reader.tensors)
+    for lo, _, name in spans:
+        if (lo - start) % align:
+            raise CheckpointError(
+                f"{p}: corrupt GGUF file: tensor {name}'s data offset {lo - start} is not a multiple of the "
+                f"file's alignment {align}"
+            )
+    for (lo, hi, name), (lo2, _, name2) in zip(spans, spans[1:]):
+        if lo2 < hi:
+            raise CheckpointError(
+                f"{p}: corrupt GGUF file: tensors {name} (bytes {lo}..{hi}) and {name2} (from byte {lo2}) overlap"
+            )
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
