@@ -1006,6 +1006,7 @@ ffi::Error bind_problem(const std::string& what, const float* xs, int64_t P, int
   p.E = E;
   p.d = d;
   p.F = F;
+  p.rows = P;
   p.act = at.act;
   p.alpha = at.alpha;
   p.limit = at.limit;
@@ -1068,11 +1069,6 @@ ffi::Error bind_routed(ffi::Buffer<ffi::F32>& xs, ffi::Buffer<ffi::S32>& offsets
   if (xd.size() != 2 || ud.size() != 1)
     return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: xs must be [P, d] and offsets [E]");
   const int64_t P = xd[0], d = xd[1], E = ud[0];
-  auto hd = hbuf->dimensions();
-  if (hd.size() != 2 || hd[0] != P)
-    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: the h result must be [P, F]");
-  if (gubuf->element_count() != 0 && gubuf->element_count() != size_t(P * 2 * hd[1]))
-    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: the gu result must be [P, 2F] or empty");
   if (sizes.element_count() != size_t(E))
     return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: offsets and sizes must both be [E]");
   if (up_block < 1 || down_block < 1)
@@ -1081,7 +1077,8 @@ ffi::Error bind_routed(ffi::Buffer<ffi::F32>& xs, ffi::Buffer<ffi::S32>& offsets
                               gubuf->element_count() ? gubuf->typed_data() : nullptr, at, p);
       err.failure())
     return err;
-  p.rows = P;
+  if (gubuf->element_count() != 0 && gubuf->element_count() != size_t(P * 2 * p.F))
+    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: the gu result must be [P, 2F] or empty");
   return ffi::Error::Success();
 }
 
@@ -1144,7 +1141,6 @@ ffi::Error GroupedSwigluSharedImpl(
                               s);
       err.failure())
     return err;
-  s.rows = T;
   std::vector<float> logits;
   if (gate.element_count() != 0) {
     if (gate.element_count() != size_t(p.d))

@@ -149,14 +149,19 @@ def experts_cpu(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfi
     Raises ValueError for unsupported weights and RuntimeError when the kernel could
     not be built.
     """
-    check_inputs(x, routing, ew, "experts_cpu")
+    _check_call(x, routing, ew, "experts_cpu")
+    return _experts_cpu(x, routing, ew, cfg)
+
+
+def _check_call(x: jax.Array, routing: Routing, ew: ExpertWeights, name: str) -> None:
+    """The checks before a kernel call: inputs, weight formats, the kernel built."""
+    check_inputs(x, routing, ew, name)
     why = supports(ew, x.dtype)
     if why:
         raise ValueError(why)
     ok, msg = cpu_kernel_status()
     if not ok:
         raise RuntimeError(f"impl='cpu' is unavailable: {msg}")
-    return _experts_cpu(x, routing, ew, cfg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -361,25 +366,19 @@ def experts_shared_cpu(
     ``ew`` and `shared_supported` for ``sw``. Gradients: the routed experts' `cpu_vjp`
     plus the XLA shared expert's VJP (as `experts_cpu` and `shared_expert_cpu`).
     """
-    check_inputs(x, routing, ew, "experts_shared_cpu")
-    why = supports(ew, x.dtype)
-    if why:
-        raise ValueError(why)
+    _check_call(x, routing, ew, "experts_shared_cpu")
     if not shared_supported(sw, x.dtype):
         raise ValueError("experts_shared_cpu: the C++ kernel does not take these shared-expert weights")
-    ok, msg = cpu_kernel_status()
-    if not ok:
-        raise RuntimeError(f"impl='cpu' is unavailable: {msg}")
     return _experts_shared_cpu(x, routing, ew, sw, cfg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _experts_shared_cpu(x, routing, ew, sw, cfg):
-    return _forward_shared(x, routing, ew, sw, cfg)
+    return _forward(x, routing, ew, cfg, sw=sw)
 
 
 def _fwd_shared(x, routing, ew, sw, cfg):
-    y, gate_up = _forward_shared(x, routing, ew, sw, cfg, save=True)
+    y, gate_up = _forward(x, routing, ew, cfg, save=True, sw=sw)
     return y, (x, routing, ew, gate_up, sw)
 
 
@@ -394,30 +393,29 @@ _experts_shared_cpu.defvjp(_fwd_shared, _bwd_shared)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "save"))
-def _forward(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, save: bool = False):
+def _forward(
+    x: jax.Array,
+    routing: Routing,
+    ew: ExpertWeights,
+    cfg: MoEConfig,
+    save: bool = False,
+    sw: SharedWeights | None = None,
+):
     """``y [T, d]``; with ``save`` (the forward of a differentiated call) ``(y, gate_up)``,
     ``gate_up [T k, 2F]`` float32 the gate | up products of each pair in sorted order
     (`grouped_swiglu_saving`), which the backward reads instead of recomputing them; its
-    dispatch plan (`plan_dispatch` of the same ids) orders the pairs the same way."""
+    dispatch plan (`plan_dispatch` of the same ids) orders the pairs the same way. With
+    ``sw`` the shared expert runs in the same call and ``y`` includes it
+    (`experts_shared_cpu`)."""
     e = ew.num_experts
     plan = plan_dispatch(routing.expert_ids, e, 1)
     xs = sorted_inputs(x, routing, plan, cfg).astype(jnp.float32)  # [P, d]
     round_h = bool(x.dtype == jnp.bfloat16)
-    ys, gate_up, _ = _call(xs, plan.group_offsets[:e], plan.group_sizes, ew, cfg, round_h, UP_BLOCK, DOWN_BLOCK, save)
-    y = combine(ys, routing, plan, cfg, invariant=wants_invariance(cfg, "cpu"))
-    return (y, gate_up) if save else y
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "save"))
-def _forward_shared(x, routing: Routing, ew: ExpertWeights, sw: SharedWeights, cfg: MoEConfig, save: bool = False):
-    """`_forward` with the shared expert in the same call (`experts_shared_cpu`)."""
-    e = ew.num_experts
-    plan = plan_dispatch(routing.expert_ids, e, 1)
-    xs = sorted_inputs(x, routing, plan, cfg).astype(jnp.float32)  # [P, d]
-    round_h = bool(x.dtype == jnp.bfloat16)
+    shared = None if sw is None else (x, sw)
     ys, gate_up, ys_shared = _call(
-        xs, plan.group_offsets[:e], plan.group_sizes, ew, cfg, round_h, UP_BLOCK, DOWN_BLOCK, save, shared=(x, sw)
+        xs, plan.group_offsets[:e], plan.group_sizes, ew, cfg, round_h, UP_BLOCK, DOWN_BLOCK, save, shared=shared
     )
-    assert ys_shared is not None
-    y = combine(ys, routing, plan, cfg, invariant=wants_invariance(cfg, "cpu")) + ys_shared
+    y = combine(ys, routing, plan, cfg, invariant=wants_invariance(cfg, "cpu"))
+    if ys_shared is not None:
+        y = y + ys_shared
     return (y, gate_up) if save else y
