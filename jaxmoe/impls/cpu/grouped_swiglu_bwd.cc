@@ -272,6 +272,9 @@ void decode_int_slice(const Weight& w, int64_t col, int64_t in0, int64_t B, floa
 
 // Rows per expert up to which the quantized input-gradient products take axpy_rows.
 constexpr int64_t kAxpyRows = 16;
+// Stored rows ahead of the one decoded that axpy_weight prefetches (4 -> 8: T = 8 frozen
+// Q4_K_M step 1.1x faster; none -> 8 for int8: the Q8_0 step 1.5x faster, 4 Dec 2026).
+constexpr int64_t kAxpyAhead = 8;
 
 // Few rows, quantized weights: acc[m, B] += A[m, R] . rows, where row o < R is stored row o
 // of expert e (W[:, o] in the logical [in, out] view: column o), elements [in0, in0 + B).
@@ -310,12 +313,18 @@ void axpy_weight(const Weight& w, int64_t e, int64_t in0, int64_t B, int64_t R, 
       const uint8_t* base = static_cast<const uint8_t*>(w.data) + e * w.out * row_bytes + in0 / BE * BB;
       axpy_rows(B, R, a, lda, m, acc, nb * BE, [&](int64_t o, float* buf) {
         const uint8_t* row = base + o * row_bytes;
-        if (o + 4 < R)  // a few rows ahead (rows are row_bytes apart)
-          for (int64_t q = 0; q < nb * BB; q += 64) __builtin_prefetch(row + 4 * row_bytes + q);
+        if (o + kAxpyAhead < R)  // a few rows ahead (rows are row_bytes apart)
+          for (int64_t q = 0; q < nb * BB; q += 64) __builtin_prefetch(row + kAxpyAhead * row_bytes + q);
         for (int64_t b = 0; b < nb; ++b) decode_block<Q.value>(row + b * BB, buf + b * BE);
       });
     });
-  axpy_rows(B, R, a, lda, m, acc, B, [&](int64_t o, float* buf) { decode_int_slice(w, e * w.out + o, in0, B, buf); });
+  const int64_t row_bytes = w.kind == kInt8 ? w.in : w.in / 2, nbytes = w.kind == kInt8 ? B : B / 2;
+  const char* base = static_cast<const char*>(w.data) + e * w.out * row_bytes + (w.kind == kInt8 ? in0 : in0 / 2);
+  axpy_rows(B, R, a, lda, m, acc, B, [&](int64_t o, float* buf) {
+    if (o + kAxpyAhead < R)  // the slice a few rows ahead (rows are row_bytes apart)
+      for (int64_t q = 0; q < nbytes; q += 64) __builtin_prefetch(base + (o + kAxpyAhead) * row_bytes + q);
+    decode_int_slice(w, e * w.out + o, in0, B, buf);
+  });
 }
 
 // Whether axpy_matmul takes W[in0 : in0 + B, :] for m rows: GGUF blocks with in0 on a block
