@@ -152,10 +152,26 @@ def shared_expert(x: jax.Array, sw: SharedWeights | None, cfg: MoEConfig, *, inv
     with jax.named_scope("shared_expert"):
         if invariant:
             return row_blocks(lambda xb, sw: shared_expert(xb, sw, cfg), x, sw)
+        sw = freeze_shared(sw)  # a quantized shared expert is frozen, as routed experts are
         y = swiglu_ffn(x, sw.w_gate, sw.w_up, sw.w_down, cfg)
         if sw.gate is not None:
             y = y * shared_gate(x, sw.gate)
     return y
+
+
+def shared_frozen(sw: SharedWeights) -> bool:
+    """True when any of the shared expert's ``w_gate, w_up, w_down`` is a `QuantizedTensor`:
+    then all three are frozen under differentiation (no gradient, as `experts_frozen`
+    routed experts); the float ``gate [d]`` is still trained."""
+    return any(isinstance(w, QuantizedTensor) for w in (sw.w_gate, sw.w_up, sw.w_down))
+
+
+def freeze_shared(sw: SharedWeights) -> SharedWeights:
+    """``sw`` with its three matrices behind `jax.lax.stop_gradient` when `shared_frozen`
+    (the gate vector untouched), else unchanged."""
+    if not shared_frozen(sw):
+        return sw
+    return dataclasses.replace(sw, **{n: jax.lax.stop_gradient(getattr(sw, n)) for n in ("w_gate", "w_up", "w_down")})
 
 
 def shared_gate(x: jax.Array, gate: jax.Array) -> jax.Array:

@@ -296,3 +296,106 @@ def test_saved_and_recomputed_gate_up_agree(case, rng):
     _, gu = grouped_swiglu_saving(xs, plan.group_offsets[:6], plan.group_sizes, ew, cfg, round_h=case == "bf16")
     moved = cpu_vjp(cfg, (x, r, ew, gu * 1.01), g)
     assert not np.allclose(np.asarray(moved[0], np.float32), np.asarray(saved[0], np.float32))
+
+
+def np_shared_grads(x, g, wg, wu, wd, gate):
+    """Hand-derived float64 gradients of ``y = s * (silu(x Wg) * (x Wu)) Wd``,
+    ``s = sigmoid(x . gate)`` (1 without a gate), for the upstream ``g``: ``(dx, dWg, dWu,
+    dWd, dgate)``."""
+    x, g, wg, wu, wd = (np.asarray(a, np.float64) for a in (x, g, wg, wu, wd))
+    a, b = x @ wg, x @ wu
+    sig = 1.0 / (1.0 + np.exp(-a))
+    h = a * sig * b
+    o = h @ wd
+    s = np.ones(x.shape[0]) if gate is None else 1.0 / (1.0 + np.exp(-(x @ np.asarray(gate, np.float64))))
+    do = s[:, None] * g
+    dh = do @ wd.T
+    da = dh * b * sig * (1.0 + a * (1.0 - sig))
+    db = dh * a * sig
+    dx = da @ wg.T + db @ wu.T
+    dgate = None
+    if gate is not None:
+        dlogit = (g * o).sum(1) * s * (1.0 - s)
+        dx = dx + dlogit[:, None] * np.asarray(gate, np.float64)[None, :]
+        dgate = x.T @ dlogit
+    return dx, x.T @ da, x.T @ db, h.T @ do, dgate
+
+
+@pytest.mark.parametrize("case", ["f32", "f32_no_gate", "bf16_weights", "bf16_x", "int8", "int4", "q4_k_m"])
+@pytest.mark.parametrize("t", [1, 7, 33])
+def test_shared_expert_backward_in_the_kernel(case, t, rng):
+    """The shared expert's backward (`shared_expert_cpu`'s VJP) runs in the C++ backward
+    kernel as one expert owning every row: input, gate and (float) weight gradients equal
+    a hand-derived float64 numpy gradient; quantized matrices (int8, int4, Q4_K_M's q4_k /
+    q6_k, reference weights decoded by gguf.quants) are frozen (zero cotangents) and the
+    gate vector still trains; the compiled gradient runs the backward custom call."""
+    from jaxmoe.experts import SharedWeights
+    from jaxmoe.impls.cpu.kernel import shared_expert_cpu
+    from jaxmoe.quant import quantize_int4_affine, quantize_int8
+
+    d, f = (256, 256) if case == "q4_k_m" else (96, 72 if case.startswith(("f32", "bf16")) else 96)
+    cfg = cfg_of(d, 32, 4, 2)
+    wg, wu = (jnp.asarray(rng.normal(size=(d, f)) * 0.1, jnp.float32) for _ in range(2))
+    wd = jnp.asarray(rng.normal(size=(f, d)) * 0.1, jnp.float32)
+    gate = None if case == "f32_no_gate" else jnp.asarray(rng.normal(size=d) * 0.2, jnp.float32)
+    mats = (wg, wu, wd)
+    if case in ("bf16_weights", "bf16_x"):  # bf16_x: the kernel wants bfloat16 weights too
+        mats = tuple(w.astype(jnp.bfloat16) for w in mats)
+    elif case in ("int8", "int4"):
+        q = quantize_int8 if case == "int8" else (lambda w: quantize_int4_affine(w, 32))
+        mats = tuple(q(w) for w in mats)
+    elif case == "q4_k_m":
+        made = [
+            gguf_block_weight(rng, k, s) for k, s in (("q4_k", (1, f, d)), ("q4_k", (1, f, d)), ("q6_k", (1, d, f)))
+        ]
+        mats = tuple(jax.tree.map(lambda a: a[0], q) for q, _ in made)
+    ref_mats = [np.asarray(materialize(w, jnp.float32), np.float64) for w in mats]
+    if case == "q4_k_m":
+        ref_mats = [w[0] for _, w in made]
+    sw = SharedWeights(*mats, gate)
+    x_dtype = jnp.bfloat16 if case == "bf16_x" else jnp.float32
+    x = jnp.asarray(rng.normal(size=(t, d)), x_dtype)
+    g = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
+    dx, dsw = jax.vjp(lambda x, sw: shared_expert_cpu(x, sw, cfg), x, sw)[1](g)
+    want = np_shared_grads(np.asarray(x, np.float64), g, *ref_mats, gate)
+    tol = 2e-2 if "bf16" in case else 1e-4
+
+    def close(a, b, what):
+        a, b = np.asarray(a, np.float64), np.asarray(b)
+        assert np.abs(a - b).max() <= tol * np.abs(b).max(), what
+
+    assert dx.dtype == x_dtype
+    close(dx, want[0], "dx")
+    if gate is None:
+        assert dsw.gate is None
+    else:
+        close(dsw.gate, want[4], "gate")
+    frozen = case in ("int8", "int4", "q4_k_m")
+    for name, got, w in zip(("w_gate", "w_up", "w_down"), (dsw.w_gate, dsw.w_up, dsw.w_down), want[1:4]):
+        if frozen:
+            for leaf in jax.tree.leaves(got):
+                assert not np.asarray(leaf).astype(bool).any(), f"frozen {name} got a gradient"
+        else:
+            assert got.dtype == getattr(sw, name).dtype
+            close(got, w, name)
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(shared_expert_cpu(x, sw, cfg) * g)))
+    assert backward.BWD_TARGET in grad.lower(x).compile().as_text()
+
+
+def test_xla_shared_expert_freezes_quantized_matrices(rng):
+    """`jaxmoe.experts.shared_expert` (every strategy's shared expert outside the C++
+    kernel) gives a quantized shared expert's scales no gradient, as the kernel's backward
+    does; its float gate still trains."""
+    from jaxmoe.experts import SharedWeights, shared_expert
+    from jaxmoe.quant import quantize_int8
+
+    cfg = cfg_of(64, 32, 4, 2)
+    sw = SharedWeights(
+        *(quantize_int8(jnp.asarray(rng.normal(size=s) * 0.1, jnp.float32)) for s in ((64, 96), (64, 96), (96, 64))),
+        jnp.asarray(rng.normal(size=64) * 0.2, jnp.float32),
+    )
+    x = jnp.asarray(rng.normal(size=(5, 64)), jnp.float32)
+    dsw = jax.grad(lambda sw: jnp.sum(shared_expert(x, sw, cfg) ** 2), allow_int=True)(sw)
+    for w in (dsw.w_gate, dsw.w_up, dsw.w_down):
+        assert not np.asarray(w.scales).any()
+    assert np.abs(np.asarray(dsw.gate)).max() > 0

@@ -42,9 +42,9 @@ import numpy as np
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import plan_dispatch
-from jaxmoe.experts import ExpertWeights, SharedWeights, shared_expert, shared_gate
+from jaxmoe.experts import ExpertWeights, SharedWeights, shared_expert, shared_frozen, shared_gate, zero_cotangent
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
-from jaxmoe.impls.cpu.backward import cpu_vjp
+from jaxmoe.impls.cpu.backward import backward_kernel_status, backward_supports, cpu_vjp, grouped_swiglu_bwd
 from jaxmoe.impls.cpu.build import TARGET, TARGET_SHARED, cpu_kernel_status
 from jaxmoe.impls.cpu.kinds import GGUF_KINDS, INT4, INT8, operands
 from jaxmoe.invariance import row_blocks, wants_invariance
@@ -287,11 +287,17 @@ def shared_supported(sw: SharedWeights, dtype) -> bool:
     """Whether `shared_expert_cpu` takes these shared-expert weights for activations of
     ``dtype`` (the formats `supports` takes for routed experts: float32 / bfloat16 arrays,
     int8 / int4 / GGUF block `QuantizedTensor`s) and the kernel built."""
+    return _shared_problem(sw, dtype) is None
+
+
+def _shared_problem(sw: SharedWeights, dtype) -> str | None:
+    """Why `shared_expert_cpu` does not take ``sw`` for activations of ``dtype``, or None."""
     ew = jax.eval_shape(_one_expert, sw)  # shapes only: no copy of the weights to check them
-    return (
-        _weights_problem({"w_gate": ew.w_gate, "w_up": ew.w_up, "w_down": ew.w_down}, dtype) is None
-        and (cpu_kernel_status()[0])
-    )
+    why = _weights_problem({"w_gate": ew.w_gate, "w_up": ew.w_up, "w_down": ew.w_down}, dtype)
+    if why is not None:
+        return f"shared expert: {why}"
+    ok, msg = cpu_kernel_status()
+    return None if ok else f"impl='cpu' is unavailable: {msg}"
 
 
 def shared_stored_narrow(sw: SharedWeights | None, dtype) -> bool:
@@ -322,8 +328,12 @@ def shared_expert_cpu(x: jax.Array, sw: SharedWeights, cfg: MoEConfig) -> jax.Ar
     where XLA would dequantize each whole matrix on every call (`jaxmoe.moe_apply` takes it
     for a quantized or bfloat16-stored shared expert, `shared_stored_narrow`, whenever the
     routed experts run in this kernel). Requires
-    `shared_supported`. Gradients: the VJP of the XLA shared expert (quantized weights frozen).
+    `shared_supported` (a ValueError otherwise). Gradients: the C++ backward kernel with the
+    shared expert as one expert (`_shared_cpu_bwd`; quantized weights frozen).
     """
+    why = _shared_problem(sw, x.dtype)
+    if why is not None:
+        raise ValueError(f"shared_expert_cpu: {why}")
     return _shared_cpu(x, sw, cfg)
 
 
@@ -345,8 +355,55 @@ def _shared_cpu_fwd(x, sw, cfg):
 
 
 def _shared_cpu_bwd(cfg, res, g):
+    """The shared expert's cotangents ``(dx, dsw)``: the C++ backward kernel with the
+    shared expert as one expert owning every row (`_shared_backward`), or the VJP of the
+    XLA shared expert where that kernel does not take the weights (mixed float and
+    quantized matrices) or did not build."""
     x, sw = res
-    return jax.vjp(lambda x, sw: shared_expert(x, sw, cfg), x, sw)[1](g)
+    mats = (sw.w_gate, sw.w_up, sw.w_down)
+    mixed = shared_frozen(sw) and not all(isinstance(w, QuantizedTensor) for w in mats)
+    if mixed or backward_supports(_one_expert(sw)) is not None or not backward_kernel_status()[0]:
+        return jax.vjp(lambda x, sw: shared_expert(x, sw, cfg), x, sw)[1](g)
+    return _shared_backward(x, sw, g, cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _shared_backward(x: jax.Array, sw: SharedWeights, g: jax.Array, cfg: MoEConfig):
+    """``x, g [T, d]`` -> ``(dx [T, d], dsw)`` of ``y = s * ffn(x)``, ``s = sigmoid(x . gate)``
+    (1 without a gate), through `grouped_swiglu_bwd` (gate/up recomputed: the forward
+    saves nothing for the shared expert). With ``dot_t = <g_t, ffn(x_t)>`` from the kernel,
+    the gate's logit gets ``dot_t s_t (1 - s_t)``: ``dx += dlogit gate``, ``dgate = x^T dlogit``.
+    Quantized matrices are frozen (zero cotangents, `jaxmoe.experts.freeze_shared`); float
+    ones get their gradients in their dtype."""
+    t = x.shape[0]
+    xf = x.astype(jnp.float32)
+    s = None if sw.gate is None else shared_gate(x, sw.gate)[:, 0]
+    frozen = shared_frozen(sw)
+    dxs, dot, dws, _ = grouped_swiglu_bwd(
+        xf,
+        g.astype(jnp.float32),
+        s,
+        jnp.zeros((1,), jnp.int32),
+        jnp.full((1,), t, jnp.int32),
+        _one_expert(sw),
+        cfg,
+        round_h=bool(x.dtype == jnp.bfloat16),
+        weight_grads=not frozen,
+    )
+    dx = dxs
+    dgate = None
+    if sw.gate is not None:
+        assert s is not None
+        dlogit = dot * s * (1.0 - s)  # [T]
+        gate = sw.gate.astype(jnp.float32)
+        dx = dx + dlogit[:, None] * gate[None, :]
+        dgate = jnp.dot(dlogit, xf, precision=jax.lax.Precision.HIGHEST).astype(sw.gate.dtype)
+    if frozen:
+        mats = tuple(zero_cotangent(w) for w in (sw.w_gate, sw.w_up, sw.w_down))
+    else:
+        assert dws is not None
+        mats = tuple(dw[0] for dw in dws)
+    return dx.astype(x.dtype), SharedWeights(*mats, dgate)
 
 
 _shared_cpu.defvjp(_shared_cpu_fwd, _shared_cpu_bwd)
@@ -364,11 +421,12 @@ def experts_shared_cpu(
     gate ``sigmoid(x . gate)`` is computed in the kernel, in one fixed order per row, so
     the result is batch-invariant as `shared_expert_cpu`'s. Requires `supports` for
     ``ew`` and `shared_supported` for ``sw``. Gradients: the routed experts' `cpu_vjp`
-    plus the XLA shared expert's VJP (as `experts_cpu` and `shared_expert_cpu`).
+    plus the shared expert's (as `experts_cpu` and `shared_expert_cpu`).
     """
     _check_call(x, routing, ew, "experts_shared_cpu")
-    if not shared_supported(sw, x.dtype):
-        raise ValueError("experts_shared_cpu: the C++ kernel does not take these shared-expert weights")
+    why = _shared_problem(sw, x.dtype)
+    if why is not None:
+        raise ValueError(f"experts_shared_cpu: {why}")
     return _experts_shared_cpu(x, routing, ew, sw, cfg)
 
 
