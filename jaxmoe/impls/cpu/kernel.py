@@ -399,11 +399,11 @@ def _shared_backward(x: jax.Array, sw: SharedWeights, g: jax.Array, cfg: MoEConf
         dx = dx + dlogit[:, None] * gate[None, :]
         dgate = jnp.dot(dlogit, xf, precision=jax.lax.Precision.HIGHEST).astype(sw.gate.dtype)
     if frozen:
-        mats = tuple(zero_cotangent(w) for w in (sw.w_gate, sw.w_up, sw.w_down))
+        dwg, dwu, dwd = (zero_cotangent(w) for w in (sw.w_gate, sw.w_up, sw.w_down))
     else:
         assert dws is not None
-        mats = tuple(dw[0] for dw in dws)
-    return dx.astype(x.dtype), SharedWeights(*mats, dgate)
+        dwg, dwu, dwd = (dw[0] for dw in dws)
+    return dx.astype(x.dtype), SharedWeights(dwg, dwu, dwd, dgate)
 
 
 _shared_cpu.defvjp(_shared_cpu_fwd, _shared_cpu_bwd)
