@@ -29,6 +29,7 @@ ALSO_SCANNED = ("tests", "benchmarks")
 LAYERS: dict[str, int] = {
     "pallas_kernels": 0,
     "jaxmoe.platforms": 0,
+    "jaxmoe.host_memory": 0,
     "jaxmoe.config": 0,
     "jaxmoe.invariance": 0,
     "jaxmoe.quant": 0,

@@ -17,7 +17,8 @@ the routed experts' weights, max error relative to the largest entry).
     python benchmarks/bench_train.py                        # 256 experts, T 64,256,1024 (~14 GB peak)
     python benchmarks/bench_train.py --experts 64 --tokens 64,256 --impls hf,cpu
     python benchmarks/bench_train.py --dtype q4_k_m --tokens 8,64 --impls auto,gather --gather-max-tokens 64
-    python benchmarks/bench_train.py --tokens 64,256 --impls auto --glibc-reuse   # freed memory kept (README)
+    python benchmarks/bench_train.py --tokens 64,256 --impls auto --keep-freed    # freed memory kept (README)
+    python benchmarks/bench_train.py --tokens 64,256 --impls auto --glibc-reuse   # plain / env / keep-freed
 
 ``--dtype`` stores the experts (routed and shared) in one of bench_block.py's formats;
 quantized experts are frozen (adapter-style fine-tuning: gradients of ``x``, the router and
@@ -39,6 +40,7 @@ import numpy as np
 
 import jaxmoe
 from jaxmoe.evaluation.hf_block import qwen35_moe_block
+from jaxmoe.host_memory import keep_freed_host_memory
 
 
 def parse_args(argv=None):
@@ -58,8 +60,14 @@ def parse_args(argv=None):
     ap.add_argument(
         "--glibc-reuse",
         action="store_true",
-        help="run the benchmark twice in child processes, plain and with GLIBC_TUNABLES that keep "
-        "freed memory in the process (README, Training), and print both and their step ratio",
+        help="run the benchmark in three child processes: plain, with GLIBC_TUNABLES that keep freed "
+        "memory in the process, and with jaxmoe.keep_freed_host_memory() (README, Training); print "
+        "all three and the step ratios",
+    )
+    ap.add_argument(
+        "--keep-freed",
+        action="store_true",
+        help="call jaxmoe.keep_freed_host_memory() before JAX starts (freed memory reused; README, Training)",
     )
     ap.add_argument("--json-out", default=None, help=argparse.SUPPRESS)  # a child's rows, for --glibc-reuse
     a = ap.parse_args(argv)
@@ -127,34 +135,39 @@ GLIBC_REUSE = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.tri
 
 
 def glibc_reuse(argv: list[str]) -> int:
-    """The benchmark in two child processes, plain then with `GLIBC_REUSE`; prints each one's
-    output and, per T and impl, the step times and plain / reuse (> 1: reuse faster)."""
+    """The benchmark in three child processes: plain, with `GLIBC_REUSE` in the environment,
+    and with ``--keep-freed`` (the same options set at run time); prints each one's output
+    and, per T and impl, the step times and plain / other (> 1: the other faster)."""
     import json
     import subprocess
     import tempfile
 
-    argv = [x for x in argv if x != "--glibc-reuse"]
+    argv = [x for x in argv if x not in ("--glibc-reuse", "--keep-freed")]
+    runs = (("plain", None, []), ("env", GLIBC_REUSE, []), ("keep", None, ["--keep-freed"]))
     rows = {}
-    for name, tunables in (("plain", None), ("reuse", GLIBC_REUSE)):
+    for name, tunables, extra in runs:
         env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
         if tunables:
             env["GLIBC_TUNABLES"] = tunables
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            print(f"== {name}: GLIBC_TUNABLES={tunables or '(unset)'}", flush=True)
-            r = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--json-out", out.name], env=env)
+            print(f"== {name}: GLIBC_TUNABLES={tunables or '(unset)'} {' '.join(extra)}", flush=True)
+            cmd = [sys.executable, os.path.abspath(__file__), *argv, *extra, "--json-out", out.name]
+            r = subprocess.run(cmd, env=env)
             if r.returncode:
                 return r.returncode
             with open(out.name) as f:
                 rows[name] = {(x["T"], x["impl"]): x for x in json.load(f)}
-    print("\n|    T | impl     | plain fwd+bwd ms | reuse fwd+bwd ms | plain / reuse | bwd/fwd plain | bwd/fwd reuse |")
-    print("|-----:|:---------|-----------------:|-----------------:|--------------:|--------------:|--------------:|")
+    print("\nfwd+bwd ms (bwd/fwd); env = GLIBC_TUNABLES, keep = jaxmoe.keep_freed_host_memory()")
+    print("|    T | impl     | plain          | env            | keep           | plain / env | plain / keep |")
+    print("|-----:|:---------|---------------:|---------------:|---------------:|------------:|-------------:|")
     for key, p0 in rows["plain"].items():
-        p1 = rows["reuse"].get(key)
-        if p1 is None:
+        p1, p2 = rows["env"].get(key), rows["keep"].get(key)
+        if p1 is None or p2 is None:
             continue
+        cells = " | ".join(f"{r['step']:7.1f} ({bwd_fwd(r, 4)})" for r in (p0, p1, p2))
         print(
-            f"| {key[0]:4d} | {key[1]:8s} | {p0['step']:16.1f} | {p1['step']:16.1f} | "
-            f"{p0['step'] / p1['step']:13.2f} | {bwd_fwd(p0, 13)} | {bwd_fwd(p1, 13)} |"
+            f"| {key[0]:4d} | {key[1]:8s} | {cells} | {p0['step'] / p1['step']:11.2f} | "
+            f"{p0['step'] / p2['step']:12.2f} |"
         )
     return 0
 
@@ -169,6 +182,8 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     if a.glibc_reuse:
         return glibc_reuse(argv)
+    if a.keep_freed and not keep_freed_host_memory():
+        print("--keep-freed: not glibc, nothing changed", flush=True)
     cfg = jaxmoe.load_config("qwen3.6-35b-a3b")
     if a.experts:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, num_experts=a.experts))

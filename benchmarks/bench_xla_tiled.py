@@ -11,6 +11,7 @@ benchmarks/intel_compile_check.py).
 
     python benchmarks/bench_xla_tiled.py --tokens 1,16,256 --dtype bf16
     python benchmarks/bench_xla_tiled.py --experts 32 --tokens 1,16 --repeats 2   # quick
+    python benchmarks/bench_xla_tiled.py --tokens 1,16,256 --dtype f32 --keep-freed  # freed memory reused
 """
 
 from __future__ import annotations
@@ -43,7 +44,14 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=None)
     ap.add_argument("--dtype", default="bf16", choices=["f32", "bf16"])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--keep-freed",
+        action="store_true",
+        help="jaxmoe.keep_freed_host_memory() first: XLA reuses freed result memory (README, Training)",
+    )
     a = ap.parse_args(argv)
+    if a.keep_freed and not jaxmoe.keep_freed_host_memory():
+        print("--keep-freed: not glibc, nothing changed")
     cfg = jaxmoe.load_config(a.preset)
     if a.experts:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, num_experts=a.experts))

@@ -11,6 +11,7 @@ and import direction: docs/design.md.
 from jaxmoe.block import MoEBlock
 from jaxmoe.config import MoEConfig, RouterConfig, config_from_dict, list_presets
 from jaxmoe.experts import ExpertWeights, SharedWeights, experts_dense, experts_gather, shared_expert
+from jaxmoe.host_memory import keep_freed_host_memory
 from jaxmoe.impls.policy import resolve_impl
 from jaxmoe.impls.registry import available_impls, register_impl
 from jaxmoe.io import load_config
@@ -37,6 +38,7 @@ __all__ = [
     "experts_gather",
     "from_pretrained",
     "init_params",
+    "keep_freed_host_memory",
     "list_presets",
     "load_config",
     "moe_apply",
