@@ -3,6 +3,7 @@
 ``auto`` backend choice."""
 
 import dataclasses
+import re
 
 import chex
 import jax
@@ -338,3 +339,48 @@ def test_a_user_impl_runs_through_moe_apply(rng):
     finally:
         registry.unregister_impl("mine")
     assert "mine" not in jaxmoe.available_impls()
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_xla_bf16_converts_only_the_selected_experts(grad):
+    """The compiled CPU program of ``xla`` over bfloat16 experts holds no float32 copy of a
+    whole ``[E, ...]`` weight: XLA:CPU used to rewrite each expert's upcast into one of all
+    ``E`` experts hoisted out of the loop (0.8-1.2 s per Qwen3.6 layer call at ``T = 1``
+    instead of ~12 ms; `jaxmoe.impls.xla.loop_take`). Forward and backward (x gradient)."""
+    cfg = shrink(jaxmoe.load_config("qwen3-30b-a3b"), d=64, f=32, e=16)
+    rng = np.random.default_rng(7)
+    ew = jaxmoe.ExpertWeights(
+        *(
+            jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16)
+            for s in ((16, 64, 32), (16, 64, 32), (16, 32, 64))
+        )
+    )
+    x = jnp.asarray(rng.standard_normal((3, 64), np.float32), jnp.bfloat16)
+    r = Routing(
+        jnp.asarray(rng.choice(16, (3, cfg.top_k)), jnp.int32), jnp.asarray(rng.random((3, cfg.top_k)), jnp.float32)
+    )
+    if grad:
+        fn = jax.jit(jax.grad(lambda x, r, ew: experts_xla(x, r, ew, cfg).sum()))
+    else:
+        fn = jax.jit(lambda x, r, ew: experts_xla(x, r, ew, cfg))
+    hlo = fn.lower(x, r, ew).compile().as_text()  # weights as arguments, as in a model
+    buffers = unfused_instructions(hlo)  # what XLA materializes (a fused convert + slice is not)
+    whole = [i for i in buffers if re.search(r"= f32\[16,(64,32|32,64)\]", i)]
+    assert not whole, f"a float32 copy of every expert's weights in the compiled program: {whole}"
+    assert any("bf16[16,64,32]" in i for i in buffers)  # the check reads the right program
+
+
+def unfused_instructions(hlo: str) -> list[str]:
+    """The instructions of an HLO module's computations that are not fusion bodies (ENTRY,
+    loop bodies, branches): each one's result is a buffer."""
+    comps: dict[str, list[str]] = {}
+    name = None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head and not line.startswith(" "):
+            name = head.group(1)
+            comps[name] = []
+        elif name is not None and line.startswith("  "):
+            comps[name].append(line.strip())
+    fused = {c for body in comps.values() for i in body for c in re.findall(r"calls=%([\w.\-]+)", i) if " fusion(" in i}
+    return [i for n, body in comps.items() if n not in fused for i in body]
