@@ -25,7 +25,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
+
+#: Whether `keep_freed_host_memory` has set the options in this process.
+_kept = False
 
 #: ``mallopt`` parameters (glibc ``malloc.h``).
 M_TRIM_THRESHOLD = -1
@@ -87,7 +91,19 @@ def keep_freed_host_memory() -> bool:
     ):
         if libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) != 1:
             raise RuntimeError(f"keep_freed_host_memory: glibc mallopt({name}, {value}) failed")
+    global _kept
+    _kept = True
     return True
 
 
-__all__ = ["glibc_malloc_available", "keep_freed_host_memory"]
+def host_memory_mode() -> str:
+    """How this process's freed host memory is handled, for run records: ``"kept (jaxmoe.
+    keep_freed_host_memory)"``, ``"GLIBC_TUNABLES=..."`` when the environment sets glibc
+    malloc tunables, else ``"default"``."""
+    if _kept:
+        return "kept (jaxmoe.keep_freed_host_memory)"
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    return f"GLIBC_TUNABLES={tunables}" if "glibc.malloc" in tunables else "default"
+
+
+__all__ = ["glibc_malloc_available", "host_memory_mode", "keep_freed_host_memory"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -837,3 +839,25 @@ def test_eval_train_config_errors():
         load_any("train", ["impl_max_tokens={gather: 8}"])
     cfg = load_any("train")
     assert cfg.kind == "train" and cfg.hf and cfg.tokens == (64, 256)
+
+
+def test_eval_keep_freed_memory_recorded(tmp_path):
+    """``jaxmoe eval --keep-freed-memory`` in a fresh process sets the glibc options before
+    JAX starts, runs, and records it in results.json and report.md; in a process whose JAX
+    backends exist (this one) it is a command-line error naming the option."""
+    from jaxmoe.host_memory import glibc_malloc_available
+
+    p = _write(tmp_path, dict(TINY, impls=["auto"], tokens=[3], plots=False))
+    out = tmp_path / "run"
+    code = "import sys; from jaxmoe.cli import main; sys.exit(main(sys.argv[1:]))"
+    args = ["eval", str(p), "--keep-freed-memory", "--no-progress", "--out", str(out)]
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    env = json.loads((out / "results.json").read_text())["environment"]
+    want = "kept (jaxmoe.keep_freed_host_memory)" if glibc_malloc_available() else "default"
+    assert env["host_memory"] == want
+    assert f"host memory: {want}" in (out / "report.md").read_text()
+    if glibc_malloc_available():
+        jnp.arange(3).block_until_ready()
+        assert cli_main([str(p), "--keep-freed-memory", "--no-progress", "--out", str(tmp_path / "x")]) == 2
+        assert not (tmp_path / "x").exists()

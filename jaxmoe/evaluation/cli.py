@@ -1,4 +1,4 @@
-"""``jaxmoe eval [CONFIG] [--set key=value ...] [--out DIR] [--no-progress] [--list]``.
+"""``jaxmoe eval [CONFIG] [--set key=value ...] [--out DIR] [--no-progress] [--keep-freed-memory] [--list]``.
 
 ``CONFIG`` is a YAML file or the name of a shipped config (``configs/evals/<CONFIG>.yaml``;
 default: ``default``). Its ``kind`` key picks the runner (`jaxmoe.evaluation.kinds`);
@@ -17,6 +17,7 @@ import sys
 
 from jaxmoe.evaluation.kinds import KINDS, kind_of, load_any
 from jaxmoe.evaluation.schema import ConfigError, RunOptions, find_config, list_eval_configs
+from jaxmoe.host_memory import keep_freed_host_memory
 
 #: Exit codes of `cli_main`.
 EXIT_PASSED, EXIT_GATE_FAILED, EXIT_CONFIG_ERROR = 0, 1, 2
@@ -48,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=None, help="write the run into this directory instead of <output_dir>/<name>-<timestamp>"
     )
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="jaxmoe.keep_freed_host_memory() before anything runs: glibc keeps freed memory for reuse, so "
+        "XLA:CPU's fresh per-call buffers (a training step's weight gradients) skip first-touch page "
+        "zeroing (README, Training); recorded in the results",
+    )
     ap.add_argument("--list", action="store_true", help="list the shipped configs and exit")
     return ap
 
@@ -63,6 +71,13 @@ def cli_main(argv: list[str] | None = None) -> int:
         for name in list_eval_configs():
             print(name)
         return EXIT_PASSED
+    if a.keep_freed_memory:
+        try:
+            if not keep_freed_host_memory():
+                print("jaxmoe eval: --keep-freed-memory: not glibc, nothing changed", file=sys.stderr)
+        except RuntimeError as e:
+            print(f"jaxmoe eval: --keep-freed-memory: {e}", file=sys.stderr)
+            return EXIT_CONFIG_ERROR
     try:
         path = find_config(a.config)
         cfg = load_any(path, a.overrides)

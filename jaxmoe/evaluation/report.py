@@ -128,7 +128,8 @@ def render_markdown(res: dict[str, Any], plots: list[str]) -> str:
         + (f" with `--set {' '.join(res['overrides'])}`" if res["overrides"] else ""),
         f"- started {res['started_utc']}, wall time {_v(res['wall_time']):.1f} s",
         f"- device: {env['platform']} ({env['device_kind']}, {env['device_count']} device(s)), "
-        f"{env['host_cpus']} host CPUs, jax {env['jax']}, jaxmoe {env['jaxmoe']}",
+        f"{env['host_cpus']} host CPUs, jax {env['jax']}, jaxmoe {env['jaxmoe']}, "
+        f"host memory: {env.get('host_memory', 'default')}",
         f"- reference: `{cfg['reference']['impl']}` on the first {cfg['reference']['max_tokens']} tokens; "
         f"error = max abs error / max abs reference output",
         f"- timing: median of up to {cfg['repeats']} calls"

@@ -36,6 +36,7 @@ from jaxmoe.evaluation.config import FLOAT64_REFERENCE, EvalConfig, case_label, 
 from jaxmoe.evaluation.reference import reference_forward, route_f64, router_logits_f64, to_f64
 from jaxmoe.evaluation.schema import RunOptions
 from jaxmoe.evaluation.sources import LayerSpec, case_params, layer_specs, load_inputs, load_params
+from jaxmoe.host_memory import host_memory_mode
 from jaxmoe.impls.policy import resolve_impl
 from jaxmoe.impls.registry import available_impls
 from jaxmoe.layer import moe_apply
@@ -71,6 +72,7 @@ def _environment() -> dict[str, Any]:
         "device_count": jax.device_count(),
         "host_cpus": os.cpu_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "host_memory": host_memory_mode(),
         "impls_available": available_impls(),
     }
 

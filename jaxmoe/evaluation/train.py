@@ -71,6 +71,7 @@ from jaxmoe.evaluation.reference import RefRouting, route_f64, router_logits_f64
 from jaxmoe.evaluation.report import make_run_dir
 from jaxmoe.evaluation.schema import Context, RunOptions, check_impls, check_name, mapping_reader, to_plain
 from jaxmoe.evaluation.sources import shrink_config
+from jaxmoe.host_memory import host_memory_mode
 from jaxmoe.impls.registry import available_impls
 from jaxmoe.layer import moe_apply
 from jaxmoe.params import MoEParams, init_params
@@ -535,7 +536,8 @@ def report_md(res: dict) -> str:
         f"platform {res['platform']} ({res['device_kind']}, {res['cpu_count']} cores, load average "
         f"{res['load_average']:.1f} at the end); L = sum(g * y), gradients w.r.t. x and every parameter; "
         f"times: best of up to {c['repeats']} calls on new tokens (median in results.json); grad error: "
-        f"max|grad - ref| / max|ref| per group against the float64 reference, tolerance {c['tolerance']:g}",
+        f"max|grad - ref| / max|ref| per group against the float64 reference, tolerance {c['tolerance']:g}; "
+        f"host memory: {res.get('host_memory', 'default')} (`jaxmoe eval --keep-freed-memory`, README, Training)",
         "",
         "| tokens | impl | fwd ms | fwd+bwd ms | bwd / fwd | vs hf | err x | err router | err experts | "
         "err shared | routing agree | status |",
@@ -572,6 +574,7 @@ def run(cfg: TrainEvalConfig, opts: RunOptions | None = None) -> tuple[dict, Pat
     res = run_train(cfg, log=(lambda s: console.print(s, highlight=False)) if opts.progress else (lambda s: None))
     res["config_file"] = opts.source
     res["overrides"] = list(opts.overrides or [])
+    res["host_memory"] = host_memory_mode()
     run_dir = make_run_dir(cfg.output_dir, cfg.name, opts.out)
     res["run_dir"] = str(run_dir)
     (run_dir / "results.json").write_text(json.dumps(res, indent=2))
