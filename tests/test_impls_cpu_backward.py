@@ -68,10 +68,18 @@ def test_backward_kernel_is_built():
 
 @pytest.mark.parametrize(
     "t, d, f, e, k",
-    [(1, 48, 40, 6, 2), (7, 40, 72, 8, 3), (130, 64, 136, 12, 4), (7, 50, 9, 5, 2), (1, 16, 8, 4, 1)],
+    [
+        (1, 48, 40, 6, 2),
+        (7, 40, 72, 8, 3),
+        (130, 64, 136, 12, 4),
+        (7, 50, 9, 5, 2),
+        (1, 16, 8, 4, 1),
+        (130, 50, 45, 6, 2),
+    ],
 )
 def test_equals_dense_vjp(t, d, f, e, k, rng):
-    """Random shapes with column tails (d, F not multiples of the vector or the blocks)."""
+    """Random shapes with column tails (d, F not multiples of the vector or the blocks); T = 130
+    puts more than 16 rows on each expert (the packed, transposed weights and their tails)."""
     cfg = cfg_of(d, f, e, k)
     x, r, ew, g = problem(rng, t, cfg)
     assert_grads_close(vjp_of(experts_cpu, cfg, x, r, ew, g), vjp_of(experts_dense, cfg, x, r, ew, g))
