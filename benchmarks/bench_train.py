@@ -40,7 +40,7 @@ import numpy as np
 
 import jaxmoe
 from jaxmoe.evaluation.hf_block import qwen35_moe_block
-from jaxmoe.host_memory import keep_freed_host_memory
+from jaxmoe.host_memory import GLIBC_TUNABLES, keep_freed_host_memory
 
 
 def parse_args(argv=None):
@@ -129,13 +129,8 @@ def trainable_grad(loss, p):
     return step
 
 
-#: One glibc heap for every thread, no per-allocation maps, no trimming: XLA's freed result
-#: memory stays in the process and the next step reuses it (README, "Training").
-GLIBC_REUSE = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=100000000000"
-
-
 def glibc_reuse(argv: list[str]) -> int:
-    """The benchmark in three child processes: plain, with `GLIBC_REUSE` in the environment,
+    """The benchmark in three child processes: plain, with `GLIBC_TUNABLES` in the environment,
     and with ``--keep-freed`` (the same options set at run time); prints each one's output
     and, per T and impl, the step times and plain / other (> 1: the other faster)."""
     import json
@@ -143,7 +138,7 @@ def glibc_reuse(argv: list[str]) -> int:
     import tempfile
 
     argv = [x for x in argv if x not in ("--glibc-reuse", "--keep-freed")]
-    runs = (("plain", None, []), ("env", GLIBC_REUSE, []), ("keep", None, ["--keep-freed"]))
+    runs = (("plain", None, []), ("env", GLIBC_TUNABLES, []), ("keep", None, ["--keep-freed"]))
     rows = {}
     for name, tunables, extra in runs:
         env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}

@@ -31,6 +31,9 @@ import sys
 #: Whether `keep_freed_host_memory` has set the options in this process.
 _kept = False
 
+#: The same three options as a ``GLIBC_TUNABLES`` value, for a process started with them.
+GLIBC_TUNABLES = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=100000000000"
+
 #: ``mallopt`` parameters (glibc ``malloc.h``).
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
@@ -81,8 +84,7 @@ def keep_freed_host_memory() -> bool:
     if _jax_backends_started():
         raise RuntimeError(
             "keep_freed_host_memory: JAX's backends are already initialized; call it before the first "
-            "JAX computation (or set GLIBC_TUNABLES=glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:"
-            "glibc.malloc.trim_threshold=100000000000 in the environment)"
+            f"JAX computation (or set GLIBC_TUNABLES={GLIBC_TUNABLES} in the environment)"
         )
     for name, param, value in (
         ("M_ARENA_MAX", M_ARENA_MAX, 1),
@@ -106,4 +108,4 @@ def host_memory_mode() -> str:
     return f"GLIBC_TUNABLES={tunables}" if "glibc.malloc" in tunables else "default"
 
 
-__all__ = ["glibc_malloc_available", "host_memory_mode", "keep_freed_host_memory"]
+__all__ = ["GLIBC_TUNABLES", "glibc_malloc_available", "host_memory_mode", "keep_freed_host_memory"]

@@ -40,8 +40,10 @@ def child(mode: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not glibc_malloc_available(), reason="glibc malloc options: Linux with glibc only")
 def test_freed_memory_is_reused():
+    if not glibc_malloc_available():  # macOS, musl: the call changes nothing and says so
+        assert child("keep")["applied"] is False
+        return
     plain, keep = child("plain"), child("keep")
     assert keep["applied"] is True
     tail_plain, tail_keep = plain["faults"][-8:], keep["faults"][-8:]
