@@ -12,12 +12,15 @@ benchmarks/intel_compile_check.py).
     python benchmarks/bench_xla_tiled.py --tokens 1,16,256 --dtype bf16
     python benchmarks/bench_xla_tiled.py --experts 32 --tokens 1,16 --repeats 2   # quick
     python benchmarks/bench_xla_tiled.py --tokens 1,16,256 --dtype f32 --keep-freed  # freed memory reused
+    python benchmarks/bench_xla_tiled.py --tokens 64,256 --dtype f32 --keep-freed --layouts tiles
+        # also each named layout of xla_tiled (jaxmoe.impls.xla_tiled.LAYOUTS), in the same run
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 
@@ -32,9 +35,7 @@ from interleave import interleaved_ms  # noqa: E402
 
 import jaxmoe  # noqa: E402
 from jaxmoe.impls.xla import experts_xla  # noqa: E402
-from jaxmoe.impls.xla_tiled import experts_xla_tiled  # noqa: E402
-
-IMPLS = {"xla": experts_xla, "xla_tiled": experts_xla_tiled}
+from jaxmoe.impls.xla_tiled import LAYOUTS, experts_xla_tiled  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -44,6 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=None)
     ap.add_argument("--dtype", default="bf16", choices=["f32", "bf16"])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layouts", default="", help=f"also xla_tiled with these layouts, comma separated: {LAYOUTS}")
     ap.add_argument(
         "--keep-freed",
         action="store_true",
@@ -52,6 +54,12 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.keep_freed and not jaxmoe.keep_freed_host_memory():
         print("--keep-freed: not glibc, nothing changed")
+    layouts = [s for s in a.layouts.split(",") if s]
+    if bad := [s for s in layouts if s not in LAYOUTS]:
+        ap.error(f"--layouts: unknown {bad}, choose from {LAYOUTS}")
+    impls = {"xla": experts_xla, "xla_tiled": experts_xla_tiled}
+    for lay in layouts:
+        impls[f"xla_tiled[{lay}]"] = functools.partial(experts_xla_tiled, layout=lay)
     cfg = jaxmoe.load_config(a.preset)
     if a.experts:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, num_experts=a.experts))
@@ -62,8 +70,11 @@ def main(argv=None) -> int:
         *(jnp.asarray(rng.standard_normal(s, np.float32) / 16, dt) for s in ((e, d, f), (e, d, f), (e, f, d)))
     )
     print(f"{a.preset}: E={e} k={k} d={d} F={f} {a.dtype}, backend {jax.default_backend()}")
-    print("| T | xla ms | xla_tiled ms | tiled/xla | xla launches | xla_tiled launches |")
-    print("|---|---|---|---|---|---|")
+    tiled = [n for n in impls if n != "xla"]
+    head = ["T", "xla ms", *(c for n in tiled for c in (f"{n} ms", f"{n}/xla")), "xla launches"]
+    head += [f"{n} launches" for n in tiled]
+    print("| " + " | ".join(head) + " |")
+    print("|---" * len(head) + "|")
     for t in (int(s) for s in a.tokens.split(",")):
 
         def inputs(t=t):
@@ -73,17 +84,18 @@ def main(argv=None) -> int:
             return x, jaxmoe.Routing(jnp.asarray(ids), jnp.asarray(w))
 
         # the weights are an argument (a closure would make them a 3 GB compile-time constant)
-        fns = {n: jax.jit(lambda x, r, w, fn=fn: fn(x, r, w, cfg)) for n, fn in IMPLS.items()}
+        fns = {n: jax.jit(lambda x, r, w, fn=fn: fn(x, r, w, cfg)) for n, fn in impls.items()}
         x0, r0 = inputs()
         launches, outs = {}, {}
         for n, fn in fns.items():
             launches[n] = count_kernels(fn.lower(x0, r0, ew).compile().as_text() or "").row()
             outs[n] = np.asarray(fn(x0, r0, ew), np.float32)
-        err = float(np.abs(outs["xla"] - outs["xla_tiled"]).max())
         scale = float(np.abs(outs["xla"]).max())
-        if err > 1e-2 * max(scale, 1.0):
-            print(f"T={t}: outputs differ by {err} (scale {scale})", file=sys.stderr)
-            return 1
+        for n in tiled:
+            err = float(np.abs(outs["xla"] - outs[n]).max())
+            if err > 1e-2 * max(scale, 1.0):
+                print(f"T={t}: {n} differs from xla by {err} (scale {scale})", file=sys.stderr)
+                return 1
         # new tokens and routing for every call (one input shared by both left its experts hot
         # in the caches for the second call of a repeat, before 1 Dec 2026 22:00 UTC)
         ms = interleaved_ms({n: (lambda x, r, f=f: f(x, r, ew)) for n, f in fns.items()}, inputs, a.repeats)
@@ -92,11 +104,9 @@ def main(argv=None) -> int:
         def fmt(row):
             return f"{row['launches'] if row['launches'] is not None else '?'} (top {row['kernels_top']}, loops {row['loops'] or '-'})"
 
-        print(
-            f"| {t} | {best['xla'] * 1e3:.1f} | {best['xla_tiled'] * 1e3:.1f} | "
-            f"{best['xla_tiled'] / best['xla']:.2f} | {fmt(launches['xla'])} | {fmt(launches['xla_tiled'])} |",
-            flush=True,
-        )
+        cells = [f"{best[n] * 1e3:.1f} | {best[n] / best['xla']:.2f}" for n in tiled]
+        counts = [fmt(launches[n]) for n in ["xla", *tiled]]
+        print(f"| {t} | {best['xla'] * 1e3:.1f} | " + " | ".join(cells + counts) + " |", flush=True)
     return 0
 
 

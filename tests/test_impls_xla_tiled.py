@@ -1,7 +1,8 @@
 """``xla_tiled`` (the loop-free XLA formulation for GPUs without Pallas) against the float64
 numpy references: every preset family (shrunk), quantized and not, uneven routing, empty
-experts, one expert taking every token, both layouts (pairs and tiles); and its shape:
-no loop and no ``[T, E, ...]`` array in the traced program."""
+experts, one expert taking every token, every layout (pairs, capacity, tiles); and its
+shape: no loop, no ``[T, E, ...]`` array, and in the capacity layout no copy of the
+weights but the overflow visits' in the traced program."""
 
 import dataclasses
 
@@ -17,7 +18,14 @@ from hypothesis import strategies as st
 import jaxmoe
 from jaxmoe import MoEConfig, RouterConfig, Routing
 from jaxmoe.experts import experts_dense
-from jaxmoe.impls.xla_tiled import MAX_BLOCK_M, choose_block_m, experts_xla_tiled
+from jaxmoe.impls.xla_tiled import (
+    LAYOUTS,
+    MAX_BLOCK_M,
+    MIN_CAPACITY,
+    choose_block_m,
+    experts_xla_tiled,
+    overflow_visits,
+)
 
 PRESETS = jaxmoe.list_presets()
 F32 = dict(rtol=2e-5, atol=2e-5)
@@ -50,8 +58,11 @@ def test_quantized_experts(preset, quant, t, rng):
 # uneven routing, empty experts and block sizes: tests/test_impls.py::test_uneven_routing_block_sizes
 
 
+@pytest.mark.parametrize("layout", ["capacity", "tiles"])
 @pytest.mark.parametrize("block_m", [None, 1, 8, 64])
-def test_one_expert_takes_every_token(block_m, rng):
+def test_one_expert_takes_every_token(block_m, layout, rng):
+    """At block_m 8 the capacity layout's overflow bound is reached: 29 rows of one expert
+    make cdiv(29, 8) - 1 = 3 = overflow_visits(29, 8) overflow blocks."""
     cfg = MoEConfig(d_model=32, expert_dim=16, router=RouterConfig(num_experts=8, top_k=1), expert_bias=True)
     p = random_params(cfg, rng)
     ew = p.experts
@@ -69,8 +80,62 @@ def test_one_expert_takes_every_token(block_m, rng):
     ws = rng.uniform(0.1, 1.0, size=(t, 1)).astype(np.float32)
     x = rng.normal(size=(t, 32)).astype(np.float32)
     ref = np_experts(x, ids, ws, params_to_numpy(p), cfg)
-    y = experts_xla_tiled(jnp.asarray(x), Routing(jnp.asarray(ids), jnp.asarray(ws)), p.experts, cfg, block_m=block_m)
+    r = Routing(jnp.asarray(ids), jnp.asarray(ws))
+    y = experts_xla_tiled(jnp.asarray(x), r, p.experts, cfg, block_m=block_m, layout=layout)
     np.testing.assert_allclose(np.asarray(y), ref, **F32)
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3, 8])
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_capacity_overflow(cap, quant, rng):
+    """Hot experts far over the capacity, others at or just over it, several empty; biases."""
+    cfg = MoEConfig(d_model=64, expert_dim=32, router=RouterConfig(num_experts=12, top_k=3), expert_bias=True)
+    p = random_params(cfg, rng)
+    ew = p.experts
+    biases = {b: jnp.asarray(rng.normal(size=getattr(ew, b).shape), jnp.float32) for b in ("b_gate", "b_up", "b_down")}
+    p = dataclasses.replace(p, experts=dataclasses.replace(ew, **biases))
+    if quant:
+        p = quantize_experts(p, quant)
+    t = 23
+    ids, ws = skewed_routing(rng, t, 3, 12, share=0.9)
+    ids[:4, 2] = 11  # expert 11: exactly 4 rows unless the pool holds it
+    x = rng.normal(size=(t, 64)).astype(np.float32)
+    ref = np_experts(x, ids, ws, params_to_numpy(p), cfg)
+    r = Routing(jnp.asarray(ids), jnp.asarray(ws))
+    y = experts_xla_tiled(jnp.asarray(x), r, p.experts, cfg, block_m=cap, layout="capacity")
+    np.testing.assert_allclose(np.asarray(y), ref, **F32)
+    sizes = np.bincount(ids.ravel(), minlength=12)
+    assert (sizes > cap).any() and (sizes == 0).any()  # overflow and empty experts both happen
+
+
+@settings(deadline=None)
+@given(st.lists(st.integers(0, 60), min_size=1, max_size=24), st.integers(1, 17))
+def test_overflow_visits_bound(sizes, cap):
+    """Every routing's overflow blocks fit the static bound (a numpy count, not the code's)."""
+    blocks = sum(max(-(-n // cap) - 1, 0) for n in sizes)
+    assert blocks <= overflow_visits(sum(sizes), cap)
+
+
+@pytest.mark.parametrize("t", [9, 41])
+def test_capacity_copies_only_overflow_weights(t, rng):
+    """The first block of every expert reads the weights as they are (a dot on the stored
+    ``[E, d, F]``); the only weight gathers are the overflow visits'."""
+    e, k = 23, 2
+    cfg = MoEConfig(d_model=16, expert_dim=8, router=RouterConfig(num_experts=e, top_k=k))
+    p = random_params(cfg, rng)
+    r = Routing(jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32), jnp.ones((t, k), jnp.float32))
+    cap = choose_block_m(t * k, e) if t * k > e else 4
+    jaxpr = jax.make_jaxpr(lambda x, w: experts_xla_tiled(x, r, w, cfg, block_m=cap, layout="capacity"))(
+        jnp.ones((t, 16)), p.experts
+    ).jaxpr
+    weights = {(e, 16, 8), (e, 8, 16)}
+    eqns = list(_eqns(jaxpr))
+    gathered = [
+        q.outvars[0].aval.shape for q in eqns if q.primitive.name == "gather" and q.invars[0].aval.shape in weights
+    ]
+    assert len(gathered) == 3 and {s[0] for s in gathered} == {overflow_visits(t * k, cap)}, gathered
+    direct = [q for q in eqns if q.primitive.name == "dot_general" and any(v.aval.shape in weights for v in q.invars)]
+    assert len(direct) == 3, [q.invars for q in direct]
 
 
 def test_weight_on_input_and_bf16(rng):
@@ -81,10 +146,16 @@ def test_weight_on_input_and_bf16(rng):
         weight_on_input=True,
     )
     p = random_params(cfg, rng)
-    for t in (2, 21):  # pairs and tiles
+    for t in (2, 21):  # pairs and capacity
         x = rng.normal(size=(t, 32)).astype(np.float32)
         ref, _, _ = np_moe(x, params_to_numpy(p), cfg)
         np.testing.assert_allclose(np.asarray(jaxmoe.moe_apply(p, jnp.asarray(x), cfg, impl="xla_tiled")), ref, **F32)
+        r = jaxmoe.layer.compute_routing(p, jnp.asarray(x), cfg)
+        ids, ws = np.asarray(r.expert_ids), np.asarray(r.weights)
+        ref = np_experts(x, ids, ws, params_to_numpy(p), cfg)
+        for layout in LAYOUTS:
+            y = experts_xla_tiled(jnp.asarray(x), r, p.experts, cfg, block_m=2, layout=layout)
+            np.testing.assert_allclose(np.asarray(y), ref, **F32)
     pb = random_params(cfg, rng, jnp.bfloat16)
     xb = jnp.asarray(rng.normal(size=(21, 32)), jnp.bfloat16)
     y = jaxmoe.moe_apply(pb, xb, cfg, impl="xla_tiled")
@@ -109,8 +180,13 @@ XLA_CFG = MoEConfig(d_model=16, expert_dim=8, router=RouterConfig(num_experts=12
 
 
 @settings(deadline=None)
-@given(st.integers(0, 2**31 - 1), st.sampled_from(["uniform", "skewed", "few"]), st.sampled_from([None, 1, 2, 16]))
-def test_hypothesis(seed, mode, block_m):
+@given(
+    st.integers(0, 2**31 - 1),
+    st.sampled_from(["uniform", "skewed", "few"]),
+    st.sampled_from([None, 1, 2, 3, 16]),
+    st.sampled_from([None, *LAYOUTS]),
+)
+def test_hypothesis(seed, mode, block_m, layout):
     r = np.random.default_rng(seed)
     t, k, e = 24, 3, 12
     if mode == "skewed":
@@ -122,7 +198,7 @@ def test_hypothesis(seed, mode, block_m):
     p = random_params(XLA_CFG, r)
     x = r.normal(size=(t, 16)).astype(np.float32)
     y = experts_xla_tiled(
-        jnp.asarray(x), Routing(jnp.asarray(ids), jnp.asarray(ws)), p.experts, XLA_CFG, block_m=block_m
+        jnp.asarray(x), Routing(jnp.asarray(ids), jnp.asarray(ws)), p.experts, XLA_CFG, block_m=block_m, layout=layout
     )
     np.testing.assert_allclose(np.asarray(y), np_experts(x, ids, ws, params_to_numpy(p), XLA_CFG), **F32)
 
@@ -155,8 +231,9 @@ def test_no_loop_and_no_tokens_by_experts_array(t, rng):
 def test_choose_block_m():
     assert choose_block_m(8, 256) == 1  # decode: pairs layout
     assert choose_block_m(256, 256) == 1
-    assert choose_block_m(257, 256) == 4
+    assert choose_block_m(257, 256) == MIN_CAPACITY == 8
     assert choose_block_m(2048, 256) == 16
+    assert choose_block_m(8192, 256) == 64
     assert choose_block_m(10**7, 8) == MAX_BLOCK_M
 
 
@@ -167,9 +244,9 @@ def test_matches_dense_at_every_layout(rng):
     r = jaxmoe.layer.compute_routing(p, x, cfg)
     yd = experts_dense(x, r, p.experts, cfg)
     for bm in (1, 2, 4, 32, 256):
-        np.testing.assert_allclose(
-            np.asarray(experts_xla_tiled(x, r, p.experts, cfg, block_m=bm)), np.asarray(yd), **F32
-        )
+        for layout in (None, "tiles"):
+            y = experts_xla_tiled(x, r, p.experts, cfg, block_m=bm, layout=layout)
+            np.testing.assert_allclose(np.asarray(y), np.asarray(yd), **F32)
 
 
 def test_bad_input(rng):
@@ -180,6 +257,8 @@ def test_bad_input(rng):
         experts_xla_tiled(jnp.ones((4,)), r, p.experts, cfg)
     with pytest.raises(ValueError, match="block_m"):
         experts_xla_tiled(jnp.ones((4, cfg.d_model)), r, p.experts, cfg, block_m=0)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        experts_xla_tiled(jnp.ones((4, cfg.d_model)), r, p.experts, cfg, layout="dense")
     assert experts_xla_tiled(
         jnp.ones((0, cfg.d_model)), Routing(r.expert_ids[:0], r.weights[:0]), p.experts, cfg
     ).shape == (

@@ -6,28 +6,37 @@ no loop: a fixed set of batched ops whose count does not depend on how many expe
 the tokens touch. It is what ``impl="xla"`` and ``impl="auto"`` lower to on Intel GPUs
 (`jaxmoe.impls.policy`), and the fallback for any XLA GPU without Pallas.
 
-Two layouts, chosen statically from ``P = T * k`` and ``E``:
+Three layouts (`LAYOUTS`); by default ``pairs`` when ``P = T * k <= E``, else ``capacity``
+(``tiles`` when batch invariance is on):
 
 - **pairs** (``P <= E``, decode): every (token, slot) pair is one row; its expert's
   weights are gathered (``W[ids]``, ``[P, d, F]``: ``P`` expert reads, as many as a
   per-pair kernel does) and the three projections are batched dots over the pairs. No
   sort, no plan.
-- **tiles** (larger ``P``): the pairs are sorted by expert and cut into row tiles of
-  ``block_m`` (`jaxmoe.dispatch.plan_dispatch`); each (expert, tile) *visit* (a static
-  bound of ``cdiv(P, block_m) + min(E, P) - 1`` of them) gathers its rows
-  ``[V, block_m, d]`` and its expert's weights ``[V, d, F]`` and the projections are
-  batched dots over the visits. Rows of a visit outside its expert (a tile straddling
-  two experts, visits past ``num_tiles``) are dropped when the results are scattered
-  back to the sorted rows, so each row is written once, by its own expert. ``block_m``
-  is the power of two at or above ``2 P / E`` (at most 256), so there are at most
-  about ``2 min(E, P)`` visits: the gathered weights are at most about twice those of
-  the touched experts.
+- **capacity** (larger ``P``): the pairs are sorted by expert (`jaxmoe.dispatch.plan_dispatch`)
+  and each expert's rows are cut into blocks of ``C = block_m`` rows. The first block of
+  every expert (``[E, C, d]``, absent rows zero) goes through batched dots with the
+  stored weights ``[E, d, F]`` themselves: every expert's weights are read once, none is
+  copied. The further blocks of the experts that hold more than ``C`` rows are
+  *overflow visits* (a static bound of `overflow_visits` ``= (P - 1) // C`` of them,
+  reached when one expert takes every pair); each gathers its rows and its expert's
+  weights, as a tile of the ``tiles`` layout does. Each pair then gathers its result from
+  its block (no scatter). ``C`` is the power of two at or above ``2 P / E`` (twice the
+  mean rows per expert), at least `MIN_CAPACITY`: the copied weights are at most those
+  of ``E / 2`` experts, against ``cdiv(P, C) + min(E, P) - 1`` copies in ``tiles``.
+- **tiles**: the sorted pairs are cut into row tiles of ``block_m``; each (expert, tile)
+  *visit* (a static bound of ``cdiv(P, block_m) + min(E, P) - 1`` of them) gathers its
+  rows ``[V, block_m, d]`` and its expert's weights ``[V, d, F]`` and the projections are
+  batched dots over the visits. Rows of a visit outside its expert (a tile straddling two
+  experts, visits past ``num_tiles``) are dropped when the results are scattered back to
+  the sorted rows, so each row is written once, by its own expert. It keeps one tile
+  shape whatever ``T`` is (``block_m = ROW_BLOCK``), so it is the batch-invariant layout.
 
 A pair whose id is outside ``[0, E)`` contributes nothing (as in `jaxmoe.dispatch`).
 Quantized experts (`jaxmoe.quant.QuantizedTensor`) are gathered quantized and
-dequantized per visit (only the touched experts). No ``[T, E, ...]`` array is formed.
-Each pair's row is weighted and summed back to its token in slot order
-(`jaxmoe.impls.common.combine`), as in ``xla``.
+dequantized per visit (``capacity``: all ``E`` experts for the first blocks). No
+``[T, E, ...]`` array is formed. Each pair's row is weighted and summed back to its
+token in slot order (`jaxmoe.invariance.slot_sum`), as in ``xla``.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.dispatch import plan_dispatch
+from jaxmoe.dispatch import DispatchPlan, plan_dispatch
 from jaxmoe.experts import ExpertWeights, activation, freeze, mm
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.invariance import ROW_BLOCK, slot_sum, wants_invariance
@@ -48,23 +57,42 @@ from jaxmoe.routing import Routing
 #: Largest row tile.
 MAX_BLOCK_M = 256
 
+#: The layouts (module docstring).
+LAYOUTS = ("pairs", "capacity", "tiles")
+
+
+#: Smallest capacity / row tile of the capacity layout.
+MIN_CAPACITY = 8
+
 
 def choose_block_m(num_pairs: int, num_experts: int) -> int:
-    """Rows per tile: 1 (the pairs layout) when ``P <= E``, else the power of two at or
-    above ``2 P / E``, within ``[2, MAX_BLOCK_M]``."""
+    """Rows per expert and per tile: 1 (the pairs layout) when ``P <= E``, else the power
+    of two at or above ``2 P / E`` (twice the mean rows per expert), within
+    ``[MIN_CAPACITY, MAX_BLOCK_M]``.
+
+    Measured (docs/intel.md): a smaller capacity makes more overflow visits, each a copy
+    of its expert's weights; a larger one more padded rows in the dot over all experts.
+    """
     if num_pairs <= num_experts:
         return 1
     want = -(-2 * num_pairs // num_experts)
-    return int(min(MAX_BLOCK_M, max(2, 1 << (want - 1).bit_length())))
+    return int(min(MAX_BLOCK_M, max(MIN_CAPACITY, 1 << (want - 1).bit_length())))
 
 
 def experts_xla_tiled(
-    x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, block_m: int | None = None
+    x: jax.Array,
+    routing: Routing,
+    ew: ExpertWeights,
+    cfg: MoEConfig,
+    block_m: int | None = None,
+    layout: str | None = None,
 ) -> jax.Array:
     """Routed experts with a bounded number of batched XLA ops. ``x [T, d]`` -> ``[T, d]`` float32.
 
     The arguments are those of `jaxmoe.impls.xla.experts_xla`; here ``block_m`` is the rows
-    per tile (default `choose_block_m`; 1 takes the pairs layout).
+    per tile or per capacity block (default `choose_block_m`; 1 takes the pairs layout
+    unless ``layout`` says otherwise) and ``layout`` one of `LAYOUTS` (default: ``pairs``
+    for ``block_m == 1``, else ``tiles`` when batch-invariant, else ``capacity``).
     """
     check_inputs(x, routing, ew, "experts_xla_tiled")
     t, k = routing.expert_ids.shape
@@ -72,16 +100,23 @@ def experts_xla_tiled(
         raise ValueError(f"experts_xla_tiled: block_m must be a positive int, got {block_m!r}")
     if block_m is None:  # batch-invariant: the tiles layout with one tile shape whatever T is
         block_m = ROW_BLOCK if wants_invariance(cfg, "xla_tiled") else choose_block_m(t * k, ew.num_experts)
-    bm = block_m
+    if layout is None:
+        layout = "pairs" if block_m == 1 else ("tiles" if wants_invariance(cfg, "xla_tiled") else "capacity")
+    if layout not in LAYOUTS:
+        raise ValueError(f"experts_xla_tiled: layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "pairs":
+        block_m = 1
     if t == 0:
         return jnp.zeros((0, x.shape[1]), jnp.float32)
-    return _experts_xla_tiled(x, routing, freeze(ew), cfg=cfg, block_m=bm)  # quantized experts: frozen
+    return _experts_xla_tiled(
+        x, routing, freeze(ew), cfg=cfg, block_m=block_m, layout=layout
+    )  # quantized experts: frozen
 
 
-def _swiglu(xv: jax.Array, ids: jax.Array, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
-    """``xv [V, m, d]`` through expert ``ids[v]`` of each batch entry -> ``[V, m, d]`` float32."""
+def _swiglu(xv: jax.Array, one: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+    """``xv [V, m, d]`` through the experts ``one`` (``[V, ...]``, one per batch entry) ->
+    ``[V, m, d]`` float32."""
     dt = xv.dtype
-    one = ew.take(ids)  # [V, ...]: the visited experts' weights, still quantized
     wg, wu, wd = (materialize(w, dt) for w in (one.w_gate, one.w_up, one.w_down))  # [V,d,F] [V,d,F] [V,F,d]
     bias = one.biases_f32()  # [V, F], [V, F], [V, d]
     g = mm("vmd,vdf->vmf", xv, wg)
@@ -95,26 +130,41 @@ def _swiglu(xv: jax.Array, ids: jax.Array, ew: ExpertWeights, cfg: MoEConfig) ->
     return y
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "block_m"))
-def _experts_xla_tiled(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, block_m: int) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("cfg", "block_m", "layout"))
+def _experts_xla_tiled(
+    x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, block_m: int, layout: str
+) -> jax.Array:
     t, d = x.shape
     k = routing.expert_ids.shape[1]
     p = t * k
     dt = x.dtype
     ids = routing.expert_ids.astype(jnp.int32)
-    if block_m == 1:  # pairs layout: one row per (token, slot), in pair order
+    if layout == "pairs":  # one row per (token, slot), in pair order
         with jax.named_scope("pairs"):
             xin = jnp.broadcast_to(x[:, None, :], (t, k, d))
             if cfg.weight_on_input:
                 xin = (xin.astype(jnp.float32) * routing.weights[..., None]).astype(dt)
-            y = _swiglu(xin.reshape(p, 1, d), ids.reshape(p), ew, cfg).reshape(t, k, d)
+            y = _swiglu(xin.reshape(p, 1, d), ew.take(ids.reshape(p)), cfg).reshape(t, k, d)
             ok = (ids >= 0) & (ids < ew.num_experts)  # an id outside [0, E) is dropped, never clamped
         scale = None if cfg.weight_on_input else routing.weights
         return slot_sum(y, scale, ok, invariant=False)  # not taken when invariant (fixed tiles instead)
     bm = block_m
+    if layout == "capacity":
+        return _capacity(x, routing, ew, cfg, bm)
     with jax.named_scope("dispatch"):
         plan = plan_dispatch(ids, ew.num_experts, bm)
         xs = sorted_inputs(x, routing, plan, cfg)  # [P, d]
+    rows, valid, y = _tiles(xs, plan, ew, cfg, bm)
+    with jax.named_scope("combine"):
+        dest = jnp.where(valid, rows, p)  # others out of range: dropped
+        ys = jnp.zeros((p, d), jnp.float32).at[dest.reshape(-1)].set(y.reshape(-1, d), mode="drop")
+        return combine(ys, routing, plan, cfg, invariant=wants_invariance(cfg, "xla_tiled"))
+
+
+def _tiles(xs: jax.Array, plan: DispatchPlan, ew: ExpertWeights, cfg: MoEConfig, bm: int):
+    """The tiles layout: ``(rows [V, bm], valid [V, bm], y [V, bm, d])``, the sorted row each
+    result row belongs to and whether it is its visit's own row."""
+    with jax.named_scope("tiles"):
         v = plan.max_tiles
         rows = plan.tile_row[:, None] * bm + jnp.arange(bm, dtype=jnp.int32)  # [V, bm] sorted rows
         g = plan.tile_group
@@ -125,11 +175,81 @@ def _experts_xla_tiled(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: M
         )  # [V, bm]: the visit's own rows
         xv = xs.at[rows].get(mode="fill", fill_value=0)  # [V, bm, d]; rows past P read 0
     with jax.named_scope("grouped_swiglu"):
-        y = _swiglu(xv, g, ew, cfg)  # [V, bm, d]
+        y = _swiglu(xv, ew.take(g), cfg)  # [V, bm, d]
+    return rows, valid, y
+
+
+def overflow_visits(num_pairs: int, capacity: int) -> int:
+    """Static bound on the overflow visits of the capacity layout (0: none can overflow).
+
+    An expert with ``n > capacity`` rows has ``cdiv(n, capacity) - 1`` overflow tiles, at
+    most ``(n - 1) / capacity``; over all experts (``sum n <= P``) that is at most
+    ``(P - 1) // capacity``.
+    """
+    return max(0, (num_pairs - 1) // capacity)
+
+
+def _capacity(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, cap: int) -> jax.Array:
+    """The capacity layout: ``x [T, d]`` -> ``[T, d]`` float32.
+
+    Each expert's sorted rows are cut into blocks of ``cap``. Every expert's first block
+    goes through one batched dot over all ``E`` experts with their own weights (no copy:
+    ``[E, cap, d]`` rows, absent ones zero); the further blocks of the experts holding
+    more than ``cap`` rows (at most `overflow_visits` of them) gather their expert's
+    weights. Each pair then gathers its result row from its block: no scatter.
+    """
+    t, d = x.shape
+    k = routing.expert_ids.shape[1]
+    e, p, dt = ew.num_experts, t * k, x.dtype
+    ids = routing.expert_ids.astype(jnp.int32)
+    j = jnp.arange(cap, dtype=jnp.int32)
+
+    def rows_in(rows: jax.Array) -> jax.Array:  # sorted rows [..., cap] (p: none) -> inputs [..., cap, d]
+        tok = plan.token_idx.at[rows].get(mode="fill", fill_value=t)
+        xr = x.at[tok].get(mode="fill", fill_value=0)
+        if cfg.weight_on_input:
+            w = routing.weights.reshape(p).at[plan.sort_idx.at[rows].get(mode="fill", fill_value=0)].get()
+            xr = (xr.astype(jnp.float32) * w[..., None]).astype(dt)
+        return xr
+
+    with jax.named_scope("dispatch"):
+        plan = plan_dispatch(ids, e, cap)
+        starts, sizes = plan.group_offsets[:-1], plan.group_sizes  # [E]
+        rows_a = jnp.where(j < sizes[:, None], starts[:, None] + j, p)  # [E, cap]; p: no row
+        xa = rows_in(rows_a)  # [E, cap, d]
+    with jax.named_scope("grouped_swiglu"):
+        ya = _swiglu(xa, ew, cfg)  # every expert's own weights, not gathered
+    # the sorted row of each pair, its expert and its place in the expert's rows
+    grp = jnp.minimum(ids.reshape(p), e - 1)  # [P]; dropped pairs are masked in slot_sum
+    n_b = overflow_visits(p, cap)
+    if n_b:
+        with jax.named_scope("overflow"):
+            n_over = jnp.maximum(-(-sizes // cap) - 1, 0)  # [E] blocks past the first
+            vis_end = jnp.cumsum(n_over, dtype=jnp.int32)
+            # per expert: first sorted row, rows, first overflow visit (one gather per lookup)
+            table = jnp.stack([starts, sizes, vis_end - n_over], axis=1)  # [E, 3]
+            v = jnp.arange(n_b, dtype=jnp.int32)
+            g = jnp.minimum(jnp.searchsorted(vis_end, v, side="right", method="compare_all"), e - 1).astype(jnp.int32)
+            tg = table[g]  # [Vb, 3]
+            blk = v - tg[:, 2] + 1  # [Vb]: block of expert g
+            rows_b = tg[:, :1] + blk[:, None] * cap + j  # [Vb, cap]
+            ok = (v < vis_end[-1])[:, None] & (blk[:, None] * cap + j < tg[:, 1:2])
+            xb = rows_in(jnp.where(ok, rows_b, p))  # [Vb, cap, d]
+        with jax.named_scope("grouped_swiglu"):
+            yb = _swiglu(xb, ew.take(g), cfg)  # [Vb, cap, d]
+        tp = table[grp]  # [P, 3]
+    else:
+        tp = starts[grp][:, None]
     with jax.named_scope("combine"):
-        dest = jnp.where(valid, rows, p)  # others out of range: dropped
-        ys = jnp.zeros((p, d), jnp.float32).at[dest.reshape(-1)].set(y.reshape(-1, d), mode="drop")
-        return combine(ys, routing, plan, cfg, invariant=wants_invariance(cfg, "xla_tiled"))
+        pos = plan.inv - tp[:, 0]  # [P]: the pair's place in its expert's sorted rows
+        y = ya.reshape(e * cap, d).at[grp * cap + jnp.minimum(pos, cap - 1)].get()  # [P, d]
+        if n_b:
+            vb = jnp.clip(tp[:, 2] + pos // cap - 1, 0, n_b - 1)  # [P] the pair's overflow visit
+            y = jnp.where((pos >= cap)[:, None], yb.reshape(n_b * cap, d).at[vb * cap + pos % cap].get(), y)
+    with jax.named_scope("combine"):
+        scale = None if cfg.weight_on_input else routing.weights
+        ok = (ids >= 0) & (ids < e)  # an id outside [0, E) is dropped, never clamped
+        return slot_sum(y.reshape(t, k, d), scale, ok, invariant=wants_invariance(cfg, "xla_tiled"))
 
 
-__all__ = ["MAX_BLOCK_M", "choose_block_m", "experts_xla_tiled"]
+__all__ = ["LAYOUTS", "MAX_BLOCK_M", "MIN_CAPACITY", "choose_block_m", "experts_xla_tiled", "overflow_visits"]
