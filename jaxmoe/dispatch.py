@@ -167,6 +167,20 @@ def plan_dispatch(expert_ids: jax.Array, num_experts: int, block_m: int) -> Disp
     return _plan(expert_ids, num_experts=num_experts, block_m=block_m)
 
 
+def sort_pairs(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The stable sort of the ``P = T * k`` pairs of ``expert_ids [T, k]`` by expert, traced
+    inline: ``(sort_idx [P], token_idx [P], inv [P], group_sizes [E])``, all int32, as in
+    `DispatchPlan`. Pairs with ids outside ``[0, num_experts)`` sort last, in no group."""
+    t, k = expert_ids.shape
+    p, e = t * k, num_experts
+    # invalid ids (checked before the int32 cast) sort after every expert, in no group
+    flat = replace_invalid(expert_ids.reshape(p), e, e).astype(jnp.int32)
+    sort_idx = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [P]
+    inv = jnp.zeros((p,), jnp.int32).at[sort_idx].set(jnp.arange(p, dtype=jnp.int32))
+    sizes = jnp.zeros((e,), jnp.int32).at[flat].add(1, mode="drop")  # [E]
+    return sort_idx, sort_idx // k, inv, sizes
+
+
 @functools.partial(jax.jit, static_argnames=("num_experts", "block_m"))
 def _plan(expert_ids: jax.Array, num_experts: int, block_m: int) -> DispatchPlan:
     t, k = expert_ids.shape
@@ -174,13 +188,7 @@ def _plan(expert_ids: jax.Array, num_experts: int, block_m: int) -> DispatchPlan
     e = num_experts
     n_vis = max_tiles(p, e, block_m)
     with jax.named_scope("plan_dispatch"):
-        raw = expert_ids.reshape(p)
-        # invalid ids (checked before the int32 cast) sort after every expert, in no group
-        flat = replace_invalid(raw, e, e).astype(jnp.int32)
-        sort_idx = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [P]
-        token_idx = sort_idx // k
-        inv = jnp.zeros((p,), jnp.int32).at[sort_idx].set(jnp.arange(p, dtype=jnp.int32))
-        sizes = jnp.zeros((e,), jnp.int32).at[flat].add(1, mode="drop")  # [E]
+        sort_idx, token_idx, inv, sizes = sort_pairs(expert_ids, e)
         ends = jnp.cumsum(sizes, dtype=jnp.int32)  # [E]
         offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])  # [E+1]
         starts = offsets[:-1]

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.dispatch import DispatchPlan, plan_dispatch
+from jaxmoe.dispatch import DispatchPlan, plan_dispatch, sort_pairs
 from jaxmoe.experts import ExpertWeights, activation, freeze, mm
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.invariance import ROW_BLOCK, slot_sum, wants_invariance
@@ -205,16 +205,18 @@ def _capacity(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig,
     j = jnp.arange(cap, dtype=jnp.int32)
 
     def rows_in(rows: jax.Array) -> jax.Array:  # sorted rows [..., cap] (p: none) -> inputs [..., cap, d]
-        tok = plan.token_idx.at[rows].get(mode="fill", fill_value=t)
+        tok = token_idx.at[rows].get(mode="fill", fill_value=t)
         xr = x.at[tok].get(mode="fill", fill_value=0)
         if cfg.weight_on_input:
-            w = routing.weights.reshape(p).at[plan.sort_idx.at[rows].get(mode="fill", fill_value=0)].get()
+            w = routing.weights.reshape(p).at[sort_idx.at[rows].get(mode="fill", fill_value=0)].get()
             xr = (xr.astype(jnp.float32) * w[..., None]).astype(dt)
         return xr
 
     with jax.named_scope("dispatch"):
-        plan = plan_dispatch(ids, e, cap)
-        starts, sizes = plan.group_offsets[:-1], plan.group_sizes  # [E]
+        sort_idx, token_idx, inv, sizes = sort_pairs(ids, e)
+        n_over = jnp.maximum(-(-sizes // cap) - 1, 0)  # [E] blocks past the first
+        ends = jnp.cumsum(jnp.stack([sizes, n_over], axis=1), axis=0, dtype=jnp.int32)  # [E, 2]: one scan
+        starts, vis_end = ends[:, 0] - sizes, ends[:, 1]
         rows_a = jnp.where(j < sizes[:, None], starts[:, None] + j, p)  # [E, cap]; p: no row
         xa = rows_in(rows_a)  # [E, cap, d]
     with jax.named_scope("grouped_swiglu"):
@@ -224,8 +226,6 @@ def _capacity(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig,
     n_b = overflow_visits(p, cap)
     if n_b:
         with jax.named_scope("overflow"):
-            n_over = jnp.maximum(-(-sizes // cap) - 1, 0)  # [E] blocks past the first
-            vis_end = jnp.cumsum(n_over, dtype=jnp.int32)
             # per expert: first sorted row, rows, first overflow visit (one gather per lookup)
             table = jnp.stack([starts, sizes, vis_end - n_over], axis=1)  # [E, 3]
             v = jnp.arange(n_b, dtype=jnp.int32)
@@ -241,7 +241,7 @@ def _capacity(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig,
     else:
         tp = starts[grp][:, None]
     with jax.named_scope("combine"):
-        pos = plan.inv - tp[:, 0]  # [P]: the pair's place in its expert's sorted rows
+        pos = inv - tp[:, 0]  # [P]: the pair's place in its expert's sorted rows
         y = ya.reshape(e * cap, d).at[grp * cap + jnp.minimum(pos, cap - 1)].get()  # [P, d]
         if n_b:
             vb = jnp.clip(tp[:, 2] + pos // cap - 1, 0, n_b - 1)  # [P] the pair's overflow visit
