@@ -15,7 +15,7 @@ level, kernels inside loops with each loop's trip count (``?`` = data dependent)
 launches per call (benchmarks/hlo_kernels.py on the optimized HLO). It fails (exit 1) when
 ``auto`` does not compile. Usage::
 
-    python benchmarks/intel_compile_check.py [--ci] [--targets bmg,pvc] [--only REGEX] [--out FILE]
+    python benchmarks/intel_compile_check.py [--ci] [--targets bmg,pvc] [--only REGEX] [--out FILE] [--dump-hlo DIR]
 
 ``--ci``: both targets, ``auto`` (moe_apply and MoEBlock) in both dtypes at every T, the other
 impls in bfloat16 on BMG only.
@@ -152,6 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--only", default=None, help="regex on 'target/impl/dtype/T'")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
+    ap.add_argument("--dump-hlo", default=None, metavar="DIR", help="write each case's optimized HLO into DIR")
     a = ap.parse_args(argv)
     targets = a.targets.split(",")
     for t in targets:
@@ -184,7 +185,11 @@ def main(argv=None) -> int:
         row = dict(target=target, impl=impl, dtype=dt, T=t)
         try:
             compiled = compile_case(meshes[target], cfg, impl, dt, t)
-            row.update(compiled=True, **count_kernels(compiled.as_text() or "").row())
+            text = compiled.as_text() or ""
+            row.update(compiled=True, **count_kernels(text).row())
+            if a.dump_hlo:
+                Path(a.dump_hlo).mkdir(parents=True, exist_ok=True)
+                (Path(a.dump_hlo) / f"{target}-{impl}-{dt}-T{t}.hlo.txt").write_text(text)
         except Exception as e:  # noqa: BLE001 - every failure is a row
             msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
             row.update(compiled=False, error=f"{type(e).__name__}: {msg}")

@@ -176,7 +176,12 @@ def sort_pairs(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.
     # invalid ids (checked before the int32 cast) sort after every expert, in no group
     flat = replace_invalid(expert_ids.reshape(p), e, e).astype(jnp.int32)
     sort_idx = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [P]
-    inv = jnp.zeros((p,), jnp.int32).at[sort_idx].set(jnp.arange(p, dtype=jnp.int32))
+    # unsigned indices: no negative-index wrap (a compare and a kernel of its own on a GPU)
+    inv = (
+        jnp.zeros((p,), jnp.int32)
+        .at[sort_idx.astype(jnp.uint32)]
+        .set(jnp.arange(p, dtype=jnp.int32), unique_indices=True)
+    )
     sizes = jnp.zeros((e,), jnp.int32).at[flat].add(1, mode="drop")  # [E]
     return sort_idx, sort_idx // k, inv, sizes
 
