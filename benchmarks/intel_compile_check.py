@@ -154,6 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     ap.add_argument("--dump-hlo", default=None, metavar="DIR", help="write each case's optimized HLO into DIR")
     a = ap.parse_args(argv)
+    if a.dump_hlo:
+        Path(a.dump_hlo).mkdir(parents=True, exist_ok=True)
     targets = a.targets.split(",")
     for t in targets:
         if t not in TARGETS:
@@ -188,7 +190,6 @@ def main(argv=None) -> int:
             text = compiled.as_text() or ""
             row.update(compiled=True, **count_kernels(text).row())
             if a.dump_hlo:
-                Path(a.dump_hlo).mkdir(parents=True, exist_ok=True)
                 (Path(a.dump_hlo) / f"{target}-{impl}-{dt}-T{t}.hlo.txt").write_text(text)
         except Exception as e:  # noqa: BLE001 - every failure is a row
             msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""

@@ -55,6 +55,13 @@ def test_quantized_experts(preset, quant, t, rng):
     np.testing.assert_allclose(np.asarray(y), ref, **F32)
 
 
+def with_random_biases(p, rng):
+    """``p`` with random (nonzero) routed-expert biases: init leaves them zero."""
+    ew = p.experts
+    biases = {b: jnp.asarray(rng.normal(size=getattr(ew, b).shape), jnp.float32) for b in ("b_gate", "b_up", "b_down")}
+    return dataclasses.replace(p, experts=dataclasses.replace(ew, **biases))
+
+
 # uneven routing, empty experts and block sizes: tests/test_impls.py::test_uneven_routing_block_sizes
 
 
@@ -64,17 +71,7 @@ def test_one_expert_takes_every_token(block_m, layout, rng):
     """At block_m 8 the capacity layout's overflow bound is reached: 29 rows of one expert
     make cdiv(29, 8) - 1 = 3 = overflow_visits(29, 8) overflow blocks."""
     cfg = MoEConfig(d_model=32, expert_dim=16, router=RouterConfig(num_experts=8, top_k=1), expert_bias=True)
-    p = random_params(cfg, rng)
-    ew = p.experts
-    p = dataclasses.replace(
-        p,
-        experts=dataclasses.replace(
-            ew,
-            **{
-                b: jnp.asarray(rng.normal(size=getattr(ew, b).shape), jnp.float32) for b in ("b_gate", "b_up", "b_down")
-            },
-        ),
-    )
+    p = with_random_biases(random_params(cfg, rng), rng)
     t = 29
     ids = np.full((t, 1), 5, np.int32)
     ws = rng.uniform(0.1, 1.0, size=(t, 1)).astype(np.float32)
@@ -90,10 +87,7 @@ def test_one_expert_takes_every_token(block_m, layout, rng):
 def test_capacity_overflow(cap, quant, rng):
     """Hot experts far over the capacity, others at or just over it, several empty; biases."""
     cfg = MoEConfig(d_model=64, expert_dim=32, router=RouterConfig(num_experts=12, top_k=3), expert_bias=True)
-    p = random_params(cfg, rng)
-    ew = p.experts
-    biases = {b: jnp.asarray(rng.normal(size=getattr(ew, b).shape), jnp.float32) for b in ("b_gate", "b_up", "b_down")}
-    p = dataclasses.replace(p, experts=dataclasses.replace(ew, **biases))
+    p = with_random_biases(random_params(cfg, rng), rng)
     if quant:
         p = quantize_experts(p, quant)
     t = 23

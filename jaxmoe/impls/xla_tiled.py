@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.dispatch import DispatchPlan, plan_dispatch, sort_pairs
+from jaxmoe.dispatch import id_valid, plan_dispatch, replace_invalid, sort_pairs
 from jaxmoe.experts import ExpertWeights, activation, freeze, mm
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.invariance import ROW_BLOCK, slot_sum, wants_invariance
@@ -134,6 +134,8 @@ def _swiglu(xv: jax.Array, one: ExpertWeights, cfg: MoEConfig) -> jax.Array:
 def _experts_xla_tiled(
     x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, block_m: int, layout: str
 ) -> jax.Array:
+    if layout == "capacity":
+        return _capacity(x, routing, ew, cfg, block_m)
     t, d = x.shape
     k = routing.expert_ids.shape[1]
     p = t * k
@@ -145,26 +147,13 @@ def _experts_xla_tiled(
             if cfg.weight_on_input:
                 xin = (xin.astype(jnp.float32) * routing.weights[..., None]).astype(dt)
             y = _swiglu(xin.reshape(p, 1, d), ew.take(ids.reshape(p)), cfg).reshape(t, k, d)
-            ok = (ids >= 0) & (ids < ew.num_experts)  # an id outside [0, E) is dropped, never clamped
+            ok = id_valid(ids, ew.num_experts)  # an id outside [0, E) is dropped, never clamped
         scale = None if cfg.weight_on_input else routing.weights
         return slot_sum(y, scale, ok, invariant=False)  # not taken when invariant (fixed tiles instead)
     bm = block_m
-    if layout == "capacity":
-        return _capacity(x, routing, ew, cfg, bm)
     with jax.named_scope("dispatch"):
         plan = plan_dispatch(ids, ew.num_experts, bm)
         xs = sorted_inputs(x, routing, plan, cfg)  # [P, d]
-    rows, valid, y = _tiles(xs, plan, ew, cfg, bm)
-    with jax.named_scope("combine"):
-        dest = jnp.where(valid, rows, p)  # others out of range: dropped
-        ys = jnp.zeros((p, d), jnp.float32).at[dest.reshape(-1)].set(y.reshape(-1, d), mode="drop")
-        return combine(ys, routing, plan, cfg, invariant=wants_invariance(cfg, "xla_tiled"))
-
-
-def _tiles(xs: jax.Array, plan: DispatchPlan, ew: ExpertWeights, cfg: MoEConfig, bm: int):
-    """The tiles layout: ``(rows [V, bm], valid [V, bm], y [V, bm, d])``, the sorted row each
-    result row belongs to and whether it is its visit's own row."""
-    with jax.named_scope("tiles"):
         v = plan.max_tiles
         rows = plan.tile_row[:, None] * bm + jnp.arange(bm, dtype=jnp.int32)  # [V, bm] sorted rows
         g = plan.tile_group
@@ -176,7 +165,10 @@ def _tiles(xs: jax.Array, plan: DispatchPlan, ew: ExpertWeights, cfg: MoEConfig,
         xv = xs.at[rows].get(mode="fill", fill_value=0)  # [V, bm, d]; rows past P read 0
     with jax.named_scope("grouped_swiglu"):
         y = _swiglu(xv, ew.take(g), cfg)  # [V, bm, d]
-    return rows, valid, y
+    with jax.named_scope("combine"):
+        dest = jnp.where(valid, rows, p)  # others out of range: dropped
+        ys = jnp.zeros((p, d), jnp.float32).at[dest.reshape(-1)].set(y.reshape(-1, d), mode="drop")
+        return combine(ys, routing, plan, cfg, invariant=wants_invariance(cfg, "xla_tiled"))
 
 
 def overflow_visits(num_pairs: int, capacity: int) -> int:
@@ -222,7 +214,7 @@ def _capacity(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig,
     with jax.named_scope("grouped_swiglu"):
         ya = _swiglu(xa, ew, cfg)  # every expert's own weights, not gathered
     # the sorted row of each pair, its expert and its place in the expert's rows
-    grp = jnp.minimum(ids.reshape(p), e - 1)  # [P]; dropped pairs are masked in slot_sum
+    grp = replace_invalid(ids.reshape(p), e, 0)  # [P]; dropped pairs are masked in slot_sum
     n_b = overflow_visits(p, cap)
     if n_b:
         with jax.named_scope("overflow"):
@@ -248,7 +240,7 @@ def _capacity(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig,
             y = jnp.where((pos >= cap)[:, None], yb.reshape(n_b * cap, d).at[vb * cap + pos % cap].get(), y)
     with jax.named_scope("combine"):
         scale = None if cfg.weight_on_input else routing.weights
-        ok = (ids >= 0) & (ids < e)  # an id outside [0, E) is dropped, never clamped
+        ok = id_valid(ids, e)  # an id outside [0, E) is dropped, never clamped
         return slot_sum(y.reshape(t, k, d), scale, ok, invariant=wants_invariance(cfg, "xla_tiled"))
 
 
