@@ -24,6 +24,7 @@ from jaxmoe.impls.xla_tiled import (
     MIN_CAPACITY,
     choose_block_m,
     experts_xla_tiled,
+    overflow_buckets,
     overflow_visits,
 )
 
@@ -110,10 +111,42 @@ def test_overflow_visits_bound(sizes, cap):
     assert blocks <= overflow_visits(sum(sizes), cap)
 
 
+def test_overflow_buckets():
+    """Written out: 0, powers of 4 from 2 below the bound, the bound."""
+    assert overflow_buckets(2048, 16) == (0, 2, 8, 32, 127)  # Qwen3.6 at T = 256
+    assert overflow_buckets(512, 8) == (0, 2, 8, 32, 63)
+    assert overflow_buckets(17, 8) == (0, 2)
+    assert overflow_buckets(9, 8) == (0, 1)
+    assert overflow_buckets(8, 8) == (0,)
+
+
+@pytest.mark.parametrize("visits", [0, 1, 2, 3, 8, 9, 30, 31])
+def test_capacity_takes_the_branch_holding_its_visits(visits, rng):
+    """Calls whose overflow visits land on, just past and just under each compiled count
+    (0, 2, 8, 31 for P = 256, C = 8): every row gets its own expert's result."""
+    e, k, cap, t = 32, 1, 8, 256
+    cfg = MoEConfig(d_model=32, expert_dim=16, router=RouterConfig(num_experts=e, top_k=k), expert_bias=True)
+    p = with_random_biases(random_params(cfg, rng), rng)
+    assert overflow_buckets(t * k, cap) == (0, 2, 8, 31)
+    # expert 0 takes 8 * (visits + 1) rows (its first block and `visits` overflow blocks);
+    # the other rows fill the other experts' first blocks, at most 8 each
+    hot = cap * (visits + 1)
+    rest = np.arange(t - hot) % (e - 1) + 1
+    assert np.bincount(rest, minlength=e).max() <= cap
+    ids = rng.permutation(np.concatenate([np.zeros(hot, np.int32), rest.astype(np.int32)]))[:, None]
+    ws = rng.uniform(0.1, 1.0, size=(t, k)).astype(np.float32)
+    x = rng.normal(size=(t, 32)).astype(np.float32)
+    ref = np_experts(x, ids, ws, params_to_numpy(p), cfg)
+    r = Routing(jnp.asarray(ids), jnp.asarray(ws))
+    y = experts_xla_tiled(jnp.asarray(x), r, p.experts, cfg, block_m=cap, layout="capacity")
+    np.testing.assert_allclose(np.asarray(y), ref, **F32)
+
+
 @pytest.mark.parametrize("t", [9, 41])
 def test_capacity_copies_only_overflow_weights(t, rng):
     """The first block of every expert reads the weights as they are (a dot on the stored
-    ``[E, d, F]``); the only weight gathers are the overflow visits'."""
+    ``[E, d, F]``); the only weight gathers are the overflow visits', three per compiled
+    visit count (`overflow_buckets`), the largest the static bound."""
     e, k = 23, 2
     cfg = MoEConfig(d_model=16, expert_dim=8, router=RouterConfig(num_experts=e, top_k=k))
     p = random_params(cfg, rng)
@@ -127,7 +160,9 @@ def test_capacity_copies_only_overflow_weights(t, rng):
     gathered = [
         q.outvars[0].aval.shape for q in eqns if q.primitive.name == "gather" and q.invars[0].aval.shape in weights
     ]
-    assert len(gathered) == 3 and {s[0] for s in gathered} == {overflow_visits(t * k, cap)}, gathered
+    buckets = overflow_buckets(t * k, cap)  # one switch branch per visit count past 0
+    assert sorted(s[0] for s in gathered) == sorted(3 * buckets[1:]), gathered
+    assert max(s[0] for s in gathered) == overflow_visits(t * k, cap)
     direct = [q for q in eqns if q.primitive.name == "dot_general" and any(v.aval.shape in weights for v in q.invars)]
     assert len(direct) == 3, [q.invars for q in direct]
 

@@ -20,10 +20,13 @@ Three layouts (`LAYOUTS`); by default ``pairs`` when ``P = T * k <= E``, else ``
   copied. The further blocks of the experts that hold more than ``C`` rows are
   *overflow visits* (a static bound of `overflow_visits` ``= (P - 1) // C`` of them,
   reached when one expert takes every pair); each gathers its rows and its expert's
-  weights, as a tile of the ``tiles`` layout does. Each pair then gathers its result from
-  its block (no scatter). ``C`` is the power of two at or above ``2 P / E`` (twice the
-  mean rows per expert), at least `MIN_CAPACITY`: the copied weights are at most those
-  of ``E / 2`` experts, against ``cdiv(P, C) + min(E, P) - 1`` copies in ``tiles``.
+  weights, as a tile of the ``tiles`` layout does. The overflow part is compiled for a
+  few visit counts (`overflow_buckets`: 0, 2, 8, 32, ..., the bound), one
+  `jax.lax.switch` branch each, and a call runs the smallest that holds its visits: only
+  the visits a call has (rounded up) copy weights, not the bound's (a usual Qwen3.6 call
+  at ``T = 256`` has 0 to 3 visits, against a bound of 127). Each pair then gathers its
+  result from its block (no scatter). ``C`` is the power of two at or above ``2 P / E``
+  (twice the mean rows per expert), at least `MIN_CAPACITY`.
 - **tiles**: the sorted pairs are cut into row tiles of ``block_m``; each (expert, tile)
   *visit* (a static bound of ``cdiv(P, block_m) + min(E, P) - 1`` of them) gathers its
   rows ``[V, block_m, d]`` and its expert's weights ``[V, d, F]`` and the projections are
@@ -42,6 +45,7 @@ token in slot order (`jaxmoe.invariance.slot_sum`), as in ``xla``.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -171,6 +175,31 @@ def _experts_xla_tiled(
         return combine(ys, routing, plan, cfg, invariant=wants_invariance(cfg, "xla_tiled"))
 
 
+def overflow_buckets(num_pairs: int, capacity: int) -> tuple[int, ...]:
+    """The overflow visit counts the capacity layout compiles, one `jax.lax.switch` branch
+    each: 0, then 2, 8, 32, ... (powers of 4 from 2) below `overflow_visits`, then that
+    bound; ``(0,)`` when nothing can overflow. A call takes the smallest count that holds
+    its visits, so only those gather weights (the bound is reached only when one expert
+    takes every pair; at Qwen3.6's T = 256 it is 127 visits, a usual call has 0 to 3).
+    """
+    bound = overflow_visits(num_pairs, capacity)
+    sizes = [0]
+    s = 2
+    while s < bound:
+        sizes.append(s)
+        s *= 4
+    return (*sizes, bound) if bound else (0,)
+
+
+def _bucket_index(visits: jax.Array) -> jax.Array:
+    """Index into `overflow_buckets` of the smallest count ``>= visits`` (an int32 scalar;
+    `jax.lax.switch` clamps it to the last, the bound): 0 for none, else
+    ``1 + ceil(log4(ceil(visits / 2)))``, in elementwise ops (one small kernel with the clamp)."""
+    m = (visits + 1) // 2 - 1  # ceil(visits / 2) - 1 >= 0 when visits > 0
+    bits = 32 - jax.lax.clz(jnp.maximum(m, 0))  # bit length of m
+    return jnp.where(visits > 0, 1 + (bits + 1) // 2, 0).astype(jnp.int32)
+
+
 def overflow_visits(num_pairs: int, capacity: int) -> int:
     """Static bound on the overflow visits of the capacity layout (0: none can overflow).
 
@@ -215,33 +244,57 @@ def _capacity(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig,
         ya = _swiglu(xa, ew, cfg)  # every expert's own weights, not gathered
     # the sorted row of each pair, its expert and its place in the expert's rows
     grp = replace_invalid(ids.reshape(p), e, 0)  # [P]; dropped pairs are masked in slot_sum
-    n_b = overflow_visits(p, cap)
-    if n_b:
-        with jax.named_scope("overflow"):
-            # per expert: first sorted row, rows, first overflow visit (one gather per lookup)
-            table = jnp.stack([starts, sizes, vis_end - n_over], axis=1)  # [E, 3]
-            v = jnp.arange(n_b, dtype=jnp.int32)
-            g = jnp.minimum(jnp.searchsorted(vis_end, v, side="right", method="compare_all"), e - 1).astype(jnp.int32)
-            tg = table[g]  # [Vb, 3]
-            blk = v - tg[:, 2] + 1  # [Vb]: block of expert g
-            rows_b = tg[:, :1] + blk[:, None] * cap + j  # [Vb, cap]
-            ok = (v < vis_end[-1])[:, None] & (blk[:, None] * cap + j < tg[:, 1:2])
-            xb = rows_in(jnp.where(ok, rows_b, p))  # [Vb, cap, d]
-        with jax.named_scope("grouped_swiglu"):
-            yb = _swiglu(xb, ew.take(g), cfg)  # [Vb, cap, d]
-        tp = table[grp]  # [P, 3]
-    else:
-        tp = starts[grp][:, None]
+    pos = inv - starts[grp]  # [P]
     with jax.named_scope("combine"):
-        pos = inv - tp[:, 0]  # [P]: the pair's place in its expert's sorted rows
         y = ya.reshape(e * cap, d).at[grp * cap + jnp.minimum(pos, cap - 1)].get()  # [P, d]
-        if n_b:
-            vb = jnp.clip(tp[:, 2] + pos // cap - 1, 0, n_b - 1)  # [P] the pair's overflow visit
-            y = jnp.where((pos >= cap)[:, None], yb.reshape(n_b * cap, d).at[vb * cap + pos % cap].get(), y)
+
+    def overflow(n_b: int) -> Callable[[], jax.Array]:
+        """The results ``[P, d]`` of the pairs past their expert's first block, from ``n_b``
+        overflow visits (at least this call's). Only what is already in memory is read
+        from outside (``ends``, ``sizes``, ``inv``, ``ids``), so nothing more is written
+        out for the branch."""
+
+        def run() -> jax.Array:
+            with jax.named_scope("overflow"):
+                sz, st, ve = sizes, ends[:, 0] - sizes, ends[:, 1]
+                first = ve - jnp.maximum(-(-sz // cap) - 1, 0)  # [E]: each expert's first visit
+                v = jnp.arange(n_b, dtype=jnp.int32)
+                g = jnp.minimum(jnp.searchsorted(ve, v, side="right", method="compare_all"), e - 1).astype(jnp.int32)
+                blk = (v - first[g] + 1)[:, None]  # [Vb, 1]: block of expert g
+                jb = jnp.arange(cap, dtype=jnp.int32)
+                ok = (v < ve[-1])[:, None] & (blk * cap + jb < sz[g][:, None])
+                xb = rows_in(jnp.where(ok, st[g][:, None] + blk * cap + jb, p))  # [Vb, cap, d]
+            with jax.named_scope("grouped_swiglu"):
+                yb = _swiglu(xb, ew.take(g), cfg)  # [Vb, cap, d]
+            with jax.named_scope("combine"):
+                gp = replace_invalid(ids.reshape(p), e, 0)
+                ps = inv - st[gp]
+                vb = jnp.clip(first[gp] + ps // cap - 1, 0, n_b - 1)  # [P] the pair's overflow visit
+                return yb.reshape(n_b * cap, d).at[vb * cap + ps % cap].get()
+
+        return run
+
+    buckets = overflow_buckets(p, cap)
+    if len(buckets) > 1:
+        # the smallest compiled visit count that holds this call's visits (0: none, the
+        # first blocks held every row): only those visits gather weights
+        yo = jax.lax.switch(
+            _bucket_index(vis_end[-1]),
+            [lambda: jnp.zeros((p, d), jnp.float32), *(overflow(n) for n in buckets[1:])],
+        )
+        y = jnp.where((pos >= cap)[:, None], yo, y)
     with jax.named_scope("combine"):
         scale = None if cfg.weight_on_input else routing.weights
         ok = id_valid(ids, e)  # an id outside [0, E) is dropped, never clamped
         return slot_sum(y.reshape(t, k, d), scale, ok, invariant=wants_invariance(cfg, "xla_tiled"))
 
 
-__all__ = ["LAYOUTS", "MAX_BLOCK_M", "MIN_CAPACITY", "choose_block_m", "experts_xla_tiled", "overflow_visits"]
+__all__ = [
+    "LAYOUTS",
+    "MAX_BLOCK_M",
+    "MIN_CAPACITY",
+    "choose_block_m",
+    "experts_xla_tiled",
+    "overflow_buckets",
+    "overflow_visits",
+]
