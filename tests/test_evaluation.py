@@ -77,6 +77,9 @@ def test_shipped_configs_validate():
     assert d.model.preset == "qwen3.6-35b-a3b" and set(d.impls) == {"auto", "cpu", "xla", "gather", "dense"}
     with pytest.raises(ConfigError, match=r"gguf\.yaml: key 'model.path'.*--set model.path"):
         load_eval_config("gguf")
+    # narrowing a shipped config leaves its named tolerances unused, not wrong
+    q = load_eval_config("quantized", ["impls=[gather]", "dtypes=[float32]"])
+    assert q.impls == ("gather",) and case_tolerance(q, "gather", "float32", "int4") == 1e-4
 
 
 @pytest.mark.parametrize(
@@ -92,6 +95,7 @@ def test_shipped_configs_validate():
         (lambda d: d.update(impls=["dense", "warp"]), r"impls\[1\]", "impl 'warp' is not available"),
         (lambda d: d["model"].update(preset="nope-1b"), "model.preset", "unknown preset 'nope-1b'"),
         (lambda d: d.update(tolerance={"gathr": 1e-3}), "tolerance.gathr", "matches no case"),
+        (lambda d: d.update(tolerance={"dense/float16": 1e-3}), "tolerance.dense/float16", "matches no case"),
         (lambda d: d.update(tokens=[4, 4]), "tokens", "duplicates"),
         (lambda d: d.update(reference={"impl": "nope"}), "reference.impl", "must be 'float64' or an available impl"),
         (lambda d: d["inputs"].update(kind="npy"), "inputs.path", "is required"),
@@ -514,6 +518,49 @@ def test_eval_quantized_and_npy_inputs(tmp_path, rng):
     # too few tokens in the file for the requested counts: a config error
     data["tokens"] = [21]
     assert cli_main([str(_write(tmp_path, data)), "--no-progress", "--out", str(out)]) == 2
+
+
+def test_float32_case_of_a_bfloat16_model_sees_the_references_inputs(tmp_path):
+    """A bfloat16 model's reference computes from the activations rounded to bfloat16; a
+    float32 case must take the same inputs (it took the unrounded ones until 5 Dec 2026 and
+    missed a 1e-5 gate by bfloat16 rounding, ~3e-3)."""
+    model = dict(TINY["model"], dtype="bfloat16")
+    data = dict(TINY, model=model, impls=["xla"], tokens=[6], dtypes=["float32"], plots=False)
+    out = tmp_path / "run"
+    assert cli_main([str(_write(tmp_path, data)), "--no-progress", "--out", str(out)]) == 0
+    (row,) = json.loads((out / "results.json").read_text())["layers"][0]["results"]
+    assert row["passed"] and _q(row["rel_error"]) < 1e-5
+
+
+def test_eval_int8_activations_impl(tmp_path):
+    """``cpu_int8`` is ``cpu`` with int8 activations: on int8 / int4 experts its error
+    against the dequantized weights' float64 forward is the documented Q8 error (well above
+    float rounding, ~1% of the output), while ``cpu`` stays within float rounding; on float
+    experts it is ``cpu`` exactly (float weights keep float activations)."""
+    model = dict(TINY["model"], shrink={"d_model": 64, "expert_dim": 64, "num_experts": 16})
+    data = dict(
+        TINY,
+        model=model,
+        impls=["cpu", "cpu_int8"],
+        tokens=[9],
+        quantize=["none", "int8", "int4"],
+        plots=False,
+        tolerance={"default": 1e-5, "cpu_int8": 3e-2},
+        min_routing_agreement=0.0,
+    )
+    out = tmp_path / "run"
+    assert cli_main([str(_write(tmp_path, data)), "--no-progress", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert "cpu_int8" in res["environment"]["impls_available"]
+    by = {(r["impl"], r["quantize"]): r for r in res["layers"][0]["results"]}
+    assert by[("cpu_int8", "int8")]["resolved_impl"] == "cpu"
+    for q in ("int8", "int4"):
+        assert _q(by[("cpu", q)]["rel_error"]) < 1e-5
+        assert 1e-4 < _q(by[("cpu_int8", q)]["rel_error"]) < 3e-2, q
+    assert _q(by[("cpu_int8", "none")]["rel_error"]) == _q(by[("cpu", "none")]["rel_error"])
+    # the tolerance names it like any impl: a 1e-5 gate on it fails
+    data["tolerance"] = {"default": 1e-5}
+    assert cli_main([str(_write(tmp_path, data)), "--no-progress", "--out", str(out)]) == 1
 
 
 def test_quantized_gate_fails_a_broken_kernel(tmp_path):

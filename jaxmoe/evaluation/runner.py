@@ -13,6 +13,7 @@ the PNG plots.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import importlib.metadata
 import json
@@ -32,13 +33,20 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import jaxmoe.evaluation.metrics as M
 import jaxmoe.evaluation.plots as P
 import jaxmoe.evaluation.report as R
-from jaxmoe.evaluation.config import FLOAT64_REFERENCE, EvalConfig, case_label, case_tolerance
+from jaxmoe.evaluation.config import (
+    FLOAT64_REFERENCE,
+    INT8_IMPL,
+    EvalConfig,
+    case_label,
+    case_tolerance,
+    eval_impls,
+    moe_impl,
+)
 from jaxmoe.evaluation.reference import reference_forward, route_f64, router_logits_f64, to_f64
 from jaxmoe.evaluation.schema import RunOptions
 from jaxmoe.evaluation.sources import LayerSpec, case_params, layer_specs, load_inputs, load_params
 from jaxmoe.host_memory import host_memory_mode
 from jaxmoe.impls.policy import resolve_impl
-from jaxmoe.impls.registry import available_impls
 from jaxmoe.layer import moe_apply
 
 SCHEMA = "jaxmoe.eval/1"
@@ -49,7 +57,9 @@ moe_apply_jit = jax.jit(moe_apply, static_argnames=("cfg", "impl", "return_routi
 
 
 def _call(params, x, cfg, impl):
-    y, r = moe_apply_jit(params, x, cfg=cfg, impl=impl, return_routing=True)
+    if impl == INT8_IMPL:
+        cfg = dataclasses.replace(cfg, int8_activations=True)
+    y, r = moe_apply_jit(params, x, cfg=cfg, impl=moe_impl(impl), return_routing=True)
     return jax.block_until_ready((y, r))
 
 
@@ -73,7 +83,7 @@ def _environment() -> dict[str, Any]:
         "host_cpus": os.cpu_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "host_memory": host_memory_mode(),
-        "impls_available": available_impls(),
+        "impls_available": eval_impls(),
     }
 
 
@@ -133,13 +143,13 @@ def _reference(spec: LayerSpec, ecfg: EvalConfig, params, x_route: np.ndarray, n
     return y, ids, time.perf_counter() - t0
 
 
-def _run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant, t, y_float=None) -> dict[str, Any]:
+def _run_case(spec, ecfg, params, wb, x_in, y_ref, ids_ref, impl, dtype, quant, t, y_float=None) -> dict[str, Any]:
     """One measured case. ``y_ref`` is the gate's reference: for a quantized case the float64
     forward of the DEQUANTIZED case weights (kernel correctness). ``y_float``, when given, is
     the float64 forward of the float weights: the case's quantization error against it is
     reported (``quantization_error``), never gated."""
     cfg = spec.cfg
-    resolved = resolve_impl(impl, t * cfg.top_k, experts=params.experts, dtype=dtype)
+    resolved = resolve_impl(moe_impl(impl), t * cfg.top_k, experts=params.experts, dtype=dtype)
     row: dict[str, Any] = {
         "case": case_label(impl, dtype, quant),
         "impl": impl,
@@ -152,7 +162,7 @@ def _run_case(spec, ecfg, params, wb, x_all, y_ref, ids_ref, impl, dtype, quant,
     if caps and t > min(caps):
         row.update(status="skipped", reason=f"tokens {t} > impl_max_tokens {min(caps)} for {resolved}")
         return row
-    x = jnp.asarray(x_all[:t], dtype)
+    x = jnp.asarray(x_in[:t], dtype)
     try:
         t0 = time.perf_counter()
         y, r = _call(params, x, cfg, impl)
@@ -258,7 +268,8 @@ def run_eval(
         t_load = time.perf_counter() - t0
         progress.advance(f"{spec.label}: weights")
         x_all = load_inputs(spec, ecfg, max(tmax, ecfg.inputs.stats_tokens))
-        # the reference sees the activations rounded to the parameter dtype, as the model would
+        # the reference and every case see the activations rounded to the parameter dtype, as
+        # the model would (a float32 case of a bfloat16 model computes from the same inputs)
         x_base = np.asarray(jnp.asarray(x_all, ecfg.model.dtype).astype(jnp.float32))
         n_ref = min(ecfg.ref.max_tokens, tmax)
         y_ref, ids_ref, t_ref = _reference(spec, ecfg, base, x_base[:tmax], n_ref)
@@ -278,7 +289,7 @@ def run_eval(
                 # concrete impls first, so an `auto` that resolves to one of them reuses its measurement
                 for impl in sorted(ecfg.impls, key=lambda i: i == "auto"):
                     for t in ecfg.tokens:
-                        resolved = resolve_impl(impl, t * cfg.top_k, experts=params.experts, dtype=dtype)
+                        resolved = resolve_impl(moe_impl(impl), t * cfg.top_k, experts=params.experts, dtype=dtype)
                         if impl == "auto" and (resolved, t) in done:
                             row = dict(
                                 done[(resolved, t)],
@@ -288,7 +299,7 @@ def run_eval(
                             )
                         else:
                             row = _run_case(
-                                spec, ecfg, params, wb, x_all, y_case, ids_ref, impl, dtype, quant, t, y_float
+                                spec, ecfg, params, wb, x_base, y_case, ids_ref, impl, dtype, quant, t, y_float
                             )
                         done[(impl, t)] = judge(row, ecfg)
                         progress.advance(f"{spec.label}: {case_label(impl, dtype, quant)} T={t}")
