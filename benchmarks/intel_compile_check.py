@@ -13,9 +13,11 @@ sizes, abstract weights) with ``impl="auto"`` and each impl that can run there (
 T in {1, 16, 256}, bfloat16 and float32, it reports: compiled or the error, kernels at top
 level, kernels inside loops with each loop's trip count (``?`` = data dependent) and kernel
 launches per call (benchmarks/hlo_kernels.py on the optimized HLO). It fails (exit 1) when
-``auto`` does not compile. Usage::
+``auto`` does not compile, and with ``--max-launches N`` when ``auto``, ``xla`` or
+``xla_tiled`` (the Intel formulation) launches more than N kernels per call. Usage::
 
     python benchmarks/intel_compile_check.py [--ci] [--targets bmg,pvc] [--only REGEX] [--out FILE] [--dump-hlo DIR]
+        [--max-launches N]
 
 ``--ci``: both targets, ``auto`` (moe_apply and MoEBlock) in both dtypes at every T, the other
 impls in bfloat16 on BMG only.
@@ -153,6 +155,14 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="regex on 'target/impl/dtype/T'")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     ap.add_argument("--dump-hlo", default=None, metavar="DIR", help="write each case's optimized HLO into DIR")
+    ap.add_argument(
+        "--max-launches",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also fail when a case of the Intel formulation (auto, block-auto, xla, xla_tiled) launches more "
+        "than N kernels per call or a data-dependent number (CI: 40, the bound docs/intel.md promises)",
+    )
     a = ap.parse_args(argv)
     if a.dump_hlo:
         Path(a.dump_hlo).mkdir(parents=True, exist_ok=True)
@@ -211,9 +221,11 @@ def main(argv=None) -> int:
         else:
             lines.append(f"| {r['target']} | {r['impl']} | {r['dtype']} | {r['T']} | no: {r['error']} | | | | |")
     bad = [r for r in rows if r["impl"] in ("auto", "block-auto") and not r["compiled"]]
+    over = [r for r in rows if a.max_launches is not None and _over(r, a.max_launches)]
     summary = (
         f"\n{len(rows)} cases in {time.perf_counter() - t_all:.0f} s (jax {jax.__version__}, {PRESET} layer): "
         f"{sum(r['compiled'] for r in rows)} compiled; auto failing: {len(bad)}"
+        + (f"; over {a.max_launches} launches: {len(over)}" if a.max_launches is not None else "")
     )
     table = "\n".join(lines)
     print(table + summary)
@@ -221,7 +233,18 @@ def main(argv=None) -> int:
         Path(a.out).write_text(table + "\n" + summary + "\n")
     for r in bad:
         print(f"FAIL {r['target']} {r['impl']} {r['dtype']} T={r['T']}: {r['error']}", file=sys.stderr)
-    return 1 if bad else 0
+    for r in over:
+        n = r["launches"] if r["launches"] is not None else "a data-dependent number of"
+        print(
+            f"FAIL {r['target']} {r['impl']} {r['dtype']} T={r['T']}: {n} launches > {a.max_launches}", file=sys.stderr
+        )
+    return 1 if bad or over else 0
+
+
+def _over(r: dict, limit: int) -> bool:
+    """A compiled case of the Intel formulation above ``limit`` launches per call (or data dependent)."""
+    intel = r["impl"] in ("auto", "block-auto", "xla", "xla_tiled")
+    return intel and r["compiled"] and (r["launches"] is None or r["launches"] > limit)
 
 
 def _status(r: dict) -> str:
