@@ -256,13 +256,15 @@ def _capacity(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig,
 
         def run() -> jax.Array:
             with jax.named_scope("overflow"):
-                sz, st, ve = sizes, ends[:, 0] - sizes, ends[:, 1]
-                first = ve - jnp.maximum(-(-sz // cap) - 1, 0)  # [E]: each expert's first visit
+                # starts, visit ends, the pairs' experts recomputed here from what is in
+                # memory (`starts`, `grp` outside are fused into their consumers there)
+                st, ve = ends[:, 0] - sizes, ends[:, 1]
+                first = ve - jnp.maximum(-(-sizes // cap) - 1, 0)  # [E]: each expert's first visit
                 v = jnp.arange(n_b, dtype=jnp.int32)
                 g = jnp.minimum(jnp.searchsorted(ve, v, side="right", method="compare_all"), e - 1).astype(jnp.int32)
                 blk = (v - first[g] + 1)[:, None]  # [Vb, 1]: block of expert g
                 jb = jnp.arange(cap, dtype=jnp.int32)
-                ok = (v < ve[-1])[:, None] & (blk * cap + jb < sz[g][:, None])
+                ok = (v < ve[-1])[:, None] & (blk * cap + jb < sizes[g][:, None])
                 xb = rows_in(jnp.where(ok, st[g][:, None] + blk * cap + jb, p))  # [Vb, cap, d]
             with jax.named_scope("grouped_swiglu"):
                 yb = _swiglu(xb, ew.take(g), cfg)  # [Vb, cap, d]
