@@ -306,3 +306,29 @@ def test_bad_input(rng):
         0,
         cfg.d_model,
     )
+
+
+@pytest.mark.parametrize("visits", [0, 1, 3])
+def test_capacity_gradients_through_the_overflow_branch(visits, rng):
+    """Reverse and forward mode through the `lax.switch` of the overflow visits (finite
+    differences in float64; the dots accumulate in float32): x, routing weights, expert
+    weights and biases, for calls taking the branches of 0, 2 and 5 (the bound) visits."""
+    from jax.test_util import check_grads
+
+    with jax.enable_x64(True):
+        e, cap, t = 8, 2, 12
+        cfg = MoEConfig(d_model=8, expert_dim=6, router=RouterConfig(num_experts=e, top_k=1), expert_bias=True)
+        p = with_random_biases(random_params(cfg, rng, jnp.float64), rng)
+        hot = cap * (visits + 1)  # expert 0: its first block and `visits` overflow blocks
+        ids = np.concatenate([np.zeros(hot, np.int32), np.arange(t - hot, dtype=np.int32) % (e - 1) + 1])
+        ids = rng.permutation(ids)[:, None]
+        assert overflow_buckets(t, cap) == (0, 2, 5) and np.bincount(ids[:, 0], minlength=e)[1:].max() <= cap
+        x = jnp.asarray(rng.standard_normal((t, 8)))
+        c = jnp.asarray(rng.standard_normal((t, 8)))
+        w = jnp.asarray(rng.uniform(0.1, 1.0, (t, 1)))
+
+        def loss(x, w, ew):
+            r = Routing(jnp.asarray(ids), w)
+            return jnp.sum(experts_xla_tiled(x, r, ew, cfg, block_m=cap, layout="capacity") * c)
+
+        check_grads(loss, (x, w, p.experts), 1, ("rev", "fwd"), eps=1e-3, atol=1e-3, rtol=1e-3)
