@@ -22,9 +22,9 @@ from jaxmoe.impls.xla_tiled import (
     LAYOUTS,
     MAX_BLOCK_M,
     MIN_CAPACITY,
-    _bucket_index,
     choose_block_m,
     experts_xla_tiled,
+    overflow_branch,
     overflow_buckets,
     overflow_visits,
 )
@@ -122,13 +122,13 @@ def test_overflow_buckets():
 
 
 @pytest.mark.parametrize("p, cap", [(2048, 16), (512, 8), (256, 8), (288, 8), (17, 8), (9, 8), (4096, 8)])
-def test_bucket_index_picks_the_smallest_count_holding_the_visits(p, cap):
+def testoverflow_branch_picks_the_smallest_count_holding_the_visits(p, cap):
     """The closed form of the branch index against a numpy search over `overflow_buckets`,
     for every visit count up to the bound (`lax.switch` clamps past the last branch)."""
     buckets = overflow_buckets(p, cap)
     visits = np.arange(buckets[-1] + 1)
     want = np.searchsorted(np.asarray(buckets), visits, side="left")
-    got = np.minimum(np.asarray(_bucket_index(jnp.asarray(visits, jnp.int32))), len(buckets) - 1)
+    got = np.minimum(np.asarray(overflow_branch(jnp.asarray(visits, jnp.int32))), len(buckets) - 1)
     np.testing.assert_array_equal(got, want)
 
 

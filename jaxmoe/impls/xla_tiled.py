@@ -191,7 +191,7 @@ def overflow_buckets(num_pairs: int, capacity: int) -> tuple[int, ...]:
     return (*sizes, bound) if bound else (0,)
 
 
-def _bucket_index(visits: jax.Array) -> jax.Array:
+def overflow_branch(visits: jax.Array) -> jax.Array:
     """Index into `overflow_buckets` of the smallest count ``>= visits`` (an int32 scalar;
     `jax.lax.switch` clamps it to the last, the bound): 0 for none, else
     ``1 + ceil(log4(ceil(visits / 2)))``, in elementwise ops (one small kernel with the clamp)."""
@@ -281,7 +281,7 @@ def _capacity(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig,
         # the smallest compiled visit count that holds this call's visits (0: none, the
         # first blocks held every row): only those visits gather weights
         yo = jax.lax.switch(
-            _bucket_index(vis_end[-1]),
+            overflow_branch(vis_end[-1]),
             [lambda: jnp.zeros((p, d), jnp.float32), *(overflow(n) for n in buckets[1:])],
         )
         y = jnp.where((pos >= cap)[:, None], yo, y)
@@ -297,6 +297,7 @@ __all__ = [
     "MIN_CAPACITY",
     "choose_block_m",
     "experts_xla_tiled",
+    "overflow_branch",
     "overflow_buckets",
     "overflow_visits",
 ]
