@@ -59,15 +59,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxmoe
+from jaxmoe.evaluation.config import INT8_IMPL, moe_call
 from jaxmoe.evaluation.hf_block import qwen35_moe_block
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_common import gguf_random_weight, projection_kinds  # noqa: E402  (shared with the GPU check)
 
-JAX_IMPLS = ("auto", "cpu", "cpu_int8", "xla", "gather", "ragged_dot", "dense")
-#: Not a `moe_apply` impl: ``cpu`` with `MoEConfig.int8_activations` (int8 / int4 experts
-#: multiply activations quantized to int8 per 32, as ggml does; its error is that of Q8(x)).
-INT8_IMPL = "cpu_int8"
+#: ``cpu_int8`` (`INT8_IMPL`) is `jaxmoe eval`'s: ``cpu`` with `MoEConfig.int8_activations` (int8 / int4
+#: experts multiply activations quantized to int8 per 32, as ggml does; its error is that of Q8(x)).
+JAX_IMPLS = ("auto", "cpu", INT8_IMPL, "xla", "gather", "ragged_dot", "dense")
 #: GGUF block kinds kept as the file's block bytes (``q4_k_m``: gate/up q4_k, down q6_k, as a
 #: Q4_K_M file stores the experts).
 BLOCK_DTYPES = ("q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k_m")
@@ -308,13 +308,8 @@ def run_format(a, cfg, p, impls, bw, rbw, rate, fmt):
         f"-> read floor of one token's experts {k * expert_bytes / rbw * 1e3:.2f} ms"
     )
     hf_run = make_hf_block(p, cfg, a.threads) if "hf" in impls else None
-    cfg8 = dataclasses.replace(cfg, int8_activations=True)
     jitted = {
-        i: jax.jit(
-            lambda p, x, i=i: (
-                jaxmoe.moe_apply(p, x, cfg8, impl="cpu") if i == INT8_IMPL else jaxmoe.moe_apply(p, x, cfg, impl=i)
-            )
-        )
+        i: jax.jit(lambda p, x, call=moe_call(i, cfg): jaxmoe.moe_apply(p, x, call[1], impl=call[0]))
         for i in impls
         if i != "hf"
     }

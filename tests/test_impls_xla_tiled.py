@@ -14,6 +14,7 @@ import pytest
 from helpers import np_experts, np_moe, params_to_numpy, quantize_experts, random_params, shrink, skewed_routing
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.test_util import check_grads
 
 import jaxmoe
 from jaxmoe import MoEConfig, RouterConfig, Routing
@@ -55,6 +56,16 @@ def test_quantized_experts(preset, quant, t, rng):
     ref, _, _ = np_moe(x, params_to_numpy(p), cfg)
     y = jaxmoe.moe_apply(p, jnp.asarray(x), cfg, impl="xla_tiled")
     np.testing.assert_allclose(np.asarray(y), ref, **F32)
+
+
+def hot_expert_ids(rng, t: int, e: int, cap: int, visits: int) -> np.ndarray:
+    """``[t, 1]`` ids in random order: expert 0 takes ``cap * (visits + 1)`` rows (its
+    first block and exactly ``visits`` overflow blocks), the other rows go round the other
+    experts, at most ``cap`` each (no overflow of their own)."""
+    hot = cap * (visits + 1)
+    rest = np.arange(t - hot, dtype=np.int32) % (e - 1) + 1
+    assert np.bincount(rest, minlength=e).max() <= cap
+    return rng.permutation(np.concatenate([np.zeros(hot, np.int32), rest]))[:, None]
 
 
 def with_random_biases(p, rng):
@@ -122,7 +133,7 @@ def test_overflow_buckets():
 
 
 @pytest.mark.parametrize("p, cap", [(2048, 16), (512, 8), (256, 8), (288, 8), (17, 8), (9, 8), (4096, 8)])
-def testoverflow_branch_picks_the_smallest_count_holding_the_visits(p, cap):
+def test_overflow_branch_picks_the_smallest_count_holding_the_visits(p, cap):
     """The closed form of the branch index against a numpy search over `overflow_buckets`,
     for every visit count up to the bound (`lax.switch` clamps past the last branch)."""
     buckets = overflow_buckets(p, cap)
@@ -140,12 +151,7 @@ def test_capacity_takes_the_branch_holding_its_visits(visits, rng):
     cfg = MoEConfig(d_model=32, expert_dim=16, router=RouterConfig(num_experts=e, top_k=k), expert_bias=True)
     p = with_random_biases(random_params(cfg, rng), rng)
     assert overflow_buckets(t * k, cap) == (0, 2, 8, 31)
-    # expert 0 takes 8 * (visits + 1) rows (its first block and `visits` overflow blocks);
-    # the other rows fill the other experts' first blocks, at most 8 each
-    hot = cap * (visits + 1)
-    rest = np.arange(t - hot) % (e - 1) + 1
-    assert np.bincount(rest, minlength=e).max() <= cap
-    ids = rng.permutation(np.concatenate([np.zeros(hot, np.int32), rest.astype(np.int32)]))[:, None]
+    ids = hot_expert_ids(rng, t, e, cap, visits)
     ws = rng.uniform(0.1, 1.0, size=(t, k)).astype(np.float32)
     x = rng.normal(size=(t, 32)).astype(np.float32)
     ref = np_experts(x, ids, ws, params_to_numpy(p), cfg)
@@ -313,16 +319,12 @@ def test_capacity_gradients_through_the_overflow_branch(visits, rng):
     """Reverse and forward mode through the `lax.switch` of the overflow visits (finite
     differences in float64; the dots accumulate in float32): x, routing weights, expert
     weights and biases, for calls taking the branches of 0, 2 and 5 (the bound) visits."""
-    from jax.test_util import check_grads
-
     with jax.enable_x64(True):
         e, cap, t = 8, 2, 12
         cfg = MoEConfig(d_model=8, expert_dim=6, router=RouterConfig(num_experts=e, top_k=1), expert_bias=True)
         p = with_random_biases(random_params(cfg, rng, jnp.float64), rng)
-        hot = cap * (visits + 1)  # expert 0: its first block and `visits` overflow blocks
-        ids = np.concatenate([np.zeros(hot, np.int32), np.arange(t - hot, dtype=np.int32) % (e - 1) + 1])
-        ids = rng.permutation(ids)[:, None]
-        assert overflow_buckets(t, cap) == (0, 2, 5) and np.bincount(ids[:, 0], minlength=e)[1:].max() <= cap
+        assert overflow_buckets(t, cap) == (0, 2, 5)
+        ids = hot_expert_ids(rng, t, e, cap, visits)
         x = jnp.asarray(rng.standard_normal((t, 8)))
         c = jnp.asarray(rng.standard_normal((t, 8)))
         w = jnp.asarray(rng.uniform(0.1, 1.0, (t, 1)))

@@ -42,7 +42,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from jaxmoe.config import list_presets
+from jaxmoe.config import MoEConfig, list_presets
 from jaxmoe.evaluation.schema import (
     Context,
     check_impls,
@@ -275,9 +275,12 @@ def eval_impls() -> list[str]:
     return [*available_impls(), INT8_IMPL]
 
 
-def moe_impl(impl: str) -> str:
-    """The `jaxmoe.moe_apply` impl an eval impl runs (``cpu`` for `INT8_IMPL`)."""
-    return "cpu" if impl == INT8_IMPL else impl
+def moe_call(impl: str, cfg: MoEConfig) -> tuple[str, MoEConfig]:
+    """The `jaxmoe.moe_apply` impl and config an eval impl runs: ``cpu`` with
+    ``int8_activations`` for `INT8_IMPL`, any other name as it is."""
+    if impl == INT8_IMPL:
+        return "cpu", dataclasses.replace(cfg, int8_activations=True)
+    return impl, cfg
 
 
 def case_label(impl: str, dtype: str, quantize: str) -> str:

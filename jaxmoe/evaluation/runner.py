@@ -13,7 +13,6 @@ the PNG plots.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import importlib.metadata
 import json
@@ -35,12 +34,11 @@ import jaxmoe.evaluation.plots as P
 import jaxmoe.evaluation.report as R
 from jaxmoe.evaluation.config import (
     FLOAT64_REFERENCE,
-    INT8_IMPL,
     EvalConfig,
     case_label,
     case_tolerance,
     eval_impls,
-    moe_impl,
+    moe_call,
 )
 from jaxmoe.evaluation.reference import reference_forward, route_f64, router_logits_f64, to_f64
 from jaxmoe.evaluation.schema import RunOptions
@@ -57,9 +55,8 @@ moe_apply_jit = jax.jit(moe_apply, static_argnames=("cfg", "impl", "return_routi
 
 
 def _call(params, x, cfg, impl):
-    if impl == INT8_IMPL:
-        cfg = dataclasses.replace(cfg, int8_activations=True)
-    y, r = moe_apply_jit(params, x, cfg=cfg, impl=moe_impl(impl), return_routing=True)
+    impl, cfg = moe_call(impl, cfg)
+    y, r = moe_apply_jit(params, x, cfg=cfg, impl=impl, return_routing=True)
     return jax.block_until_ready((y, r))
 
 
@@ -149,7 +146,7 @@ def _run_case(spec, ecfg, params, wb, x_in, y_ref, ids_ref, impl, dtype, quant, 
     the float64 forward of the float weights: the case's quantization error against it is
     reported (``quantization_error``), never gated."""
     cfg = spec.cfg
-    resolved = resolve_impl(moe_impl(impl), t * cfg.top_k, experts=params.experts, dtype=dtype)
+    resolved = resolve_impl(moe_call(impl, cfg)[0], t * cfg.top_k, experts=params.experts, dtype=dtype)
     row: dict[str, Any] = {
         "case": case_label(impl, dtype, quant),
         "impl": impl,
@@ -289,7 +286,9 @@ def run_eval(
                 # concrete impls first, so an `auto` that resolves to one of them reuses its measurement
                 for impl in sorted(ecfg.impls, key=lambda i: i == "auto"):
                     for t in ecfg.tokens:
-                        resolved = resolve_impl(moe_impl(impl), t * cfg.top_k, experts=params.experts, dtype=dtype)
+                        resolved = resolve_impl(
+                            moe_call(impl, cfg)[0], t * cfg.top_k, experts=params.experts, dtype=dtype
+                        )
                         if impl == "auto" and (resolved, t) in done:
                             row = dict(
                                 done[(resolved, t)],

@@ -45,7 +45,6 @@ token in slot order (`jaxmoe.invariance.slot_sum`), as in ``xla``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -248,33 +247,29 @@ def _capacity(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig,
     with jax.named_scope("combine"):
         y = ya.reshape(e * cap, d).at[grp * cap + jnp.minimum(pos, cap - 1)].get()  # [P, d]
 
-    def overflow(n_b: int) -> Callable[[], jax.Array]:
+    def overflow(n_b: int) -> jax.Array:
         """The results ``[P, d]`` of the pairs past their expert's first block, from ``n_b``
-        overflow visits (at least this call's). Only what is already in memory is read
-        from outside (``ends``, ``sizes``, ``inv``, ``ids``), so nothing more is written
-        out for the branch."""
-
-        def run() -> jax.Array:
-            with jax.named_scope("overflow"):
-                # starts, visit ends, the pairs' experts recomputed here from what is in
-                # memory (`starts`, `grp` outside are fused into their consumers there)
-                st, ve = ends[:, 0] - sizes, ends[:, 1]
-                first = ve - jnp.maximum(-(-sizes // cap) - 1, 0)  # [E]: each expert's first visit
-                v = jnp.arange(n_b, dtype=jnp.int32)
-                g = jnp.minimum(jnp.searchsorted(ve, v, side="right", method="compare_all"), e - 1).astype(jnp.int32)
-                blk = (v - first[g] + 1)[:, None]  # [Vb, 1]: block of expert g
-                jb = jnp.arange(cap, dtype=jnp.int32)
-                ok = (v < ve[-1])[:, None] & (blk * cap + jb < sizes[g][:, None])
-                xb = rows_in(jnp.where(ok, st[g][:, None] + blk * cap + jb, p))  # [Vb, cap, d]
-            with jax.named_scope("grouped_swiglu"):
-                yb = _swiglu(xb, ew.take(g), cfg)  # [Vb, cap, d]
-            with jax.named_scope("combine"):
-                gp = replace_invalid(ids.reshape(p), e, 0)
-                ps = inv - st[gp]
-                vb = jnp.clip(first[gp] + ps // cap - 1, 0, n_b - 1)  # [P] the pair's overflow visit
-                return yb.reshape(n_b * cap, d).at[vb * cap + ps % cap].get()
-
-        return run
+        overflow visits (at least this call's). It reads from outside only arrays already
+        in memory (the inputs, the sort's outputs, ``ends``): a derived array it closed
+        over would be written out as an operand of the switch, a kernel of its own."""
+        with jax.named_scope("overflow"):
+            # starts, visit ends, the pairs' experts recomputed here (`starts`, `grp` outside
+            # are fused into their consumers there)
+            st, ve = ends[:, 0] - sizes, ends[:, 1]
+            first = ve - jnp.maximum(-(-sizes // cap) - 1, 0)  # [E]: each expert's first visit
+            v = jnp.arange(n_b, dtype=jnp.int32)
+            g = jnp.minimum(jnp.searchsorted(ve, v, side="right", method="compare_all"), e - 1).astype(jnp.int32)
+            blk = (v - first[g] + 1)[:, None]  # [Vb, 1]: block of expert g
+            jb = jnp.arange(cap, dtype=jnp.int32)
+            ok = (v < ve[-1])[:, None] & (blk * cap + jb < sizes[g][:, None])
+            xb = rows_in(jnp.where(ok, st[g][:, None] + blk * cap + jb, p))  # [Vb, cap, d]
+        with jax.named_scope("grouped_swiglu"):
+            yb = _swiglu(xb, ew.take(g), cfg)  # [Vb, cap, d]
+        with jax.named_scope("combine"):
+            gp = replace_invalid(ids.reshape(p), e, 0)
+            ps = inv - st[gp]
+            vb = jnp.clip(first[gp] + ps // cap - 1, 0, n_b - 1)  # [P] the pair's overflow visit
+            return yb.reshape(n_b * cap, d).at[vb * cap + ps % cap].get()
 
     buckets = overflow_buckets(p, cap)
     if len(buckets) > 1:
@@ -282,7 +277,7 @@ def _capacity(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig,
         # first blocks held every row): only those visits gather weights
         yo = jax.lax.switch(
             overflow_branch(vis_end[-1]),
-            [lambda: jnp.zeros((p, d), jnp.float32), *(overflow(n) for n in buckets[1:])],
+            [lambda: jnp.zeros((p, d), jnp.float32), *(functools.partial(overflow, n) for n in buckets[1:])],
         )
         y = jnp.where((pos >= cap)[:, None], yo, y)
     with jax.named_scope("combine"):
