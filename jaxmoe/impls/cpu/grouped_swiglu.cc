@@ -88,24 +88,15 @@ namespace {
 // Float, in-major weights: C[MR, NV*lanes] = A[MR, K] @ B[K, NV*lanes].
 constexpr int64_t kAhead = 16;  // rows of B prefetched ahead when a block is packed (float_matmul)
 
-// Stream: B is read from memory (stream_matmul): the accumulators start from C (the sums
-// of the rows before, so C round-trips through memory exactly) and each row of B
-// prefetches the row `ahead` rows on into L1 and the one `far` rows on into L2.
-// Otherwise they start from zero. Every element is one chain of fused multiply-adds in
-// k order either way.
-template <int MR, int NV, bool Stream, typename W>
-inline void tile(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, float* c, int64_t ldc,
-                 int64_t ahead, int64_t far) {
+// B in cache (the packed block). Every element is one chain of fused multiply-adds in k
+// order from zero.
+template <int MR, int NV, typename W>
+inline void tile(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, float* c, int64_t ldc) {
   vf acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NV; ++j) acc[i][j] = Stream ? load(c + i * ldc + j * kLanes) : vf{};
+    for (int j = 0; j < NV; ++j) acc[i][j] = vf{};
   for (int64_t k = 0; k < K; ++k) {
     const W* bk = b + k * ldb;
-    if (Stream)
-      for (int j = 0; j < NV * kLanes * int(sizeof(W)); j += 64) {
-        __builtin_prefetch((const char*)(bk + ahead * ldb) + j);
-        __builtin_prefetch((const char*)(bk + far * ldb) + j, 0, 2);
-      }
     vf bv[NV];
     for (int j = 0; j < NV; ++j) bv[j] = load(bk + j * kLanes);
     for (int i = 0; i < MR; ++i) {
@@ -118,10 +109,9 @@ inline void tile(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K
 }
 
 // How far ahead the quantized few-row tiles (qtile) prefetch the columns to come into L2
-// (prefetcht1), besides the next tile into L1; the float streams (stream_matmul) prefetch
-// 3 chunks ahead the same way (tile<..., Stream>). Measured on the Qwen3.6 layer: int8 T = 1 / 8 ~1.5x, bf16
-// T = 1..4 ~1.4x faster; int4 and GGUF block kinds unchanged, so GGUF tiles (gtile) only
-// take the L1 prefetch.
+// (prefetcht1), besides the next tile into L1. Measured on the Qwen3.6 layer: int8 T = 1 / 8
+// ~1.5x faster; int4 and GGUF block kinds unchanged, so GGUF tiles (gtile) only take the
+// L1 prefetch.
 constexpr int64_t kFarBytes = 24 << 10;
 
 // Columns that do not fill a vector: plain loops (C[m, ncols]).
@@ -140,14 +130,13 @@ void tile_scalar(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K
 template <int MR>
 constexpr int kMaxNV = kLanes == 16 ? (MR <= 2 ? 8 : 4) : (MR == 1 ? 8 : MR == 2 ? 6 : MR <= 4 ? 3 : 2);
 
-template <int MR, bool Stream, typename W>
+template <int MR, typename W>
 void row_tile(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t vec_cols, float* c,
-              int64_t ldc, int64_t ahead = 0, int64_t far = 0) {
+              int64_t ldc) {
   constexpr int NV = kMaxNV<MR>;
   int64_t j0 = 0;
-  for (; j0 + NV * kLanes <= vec_cols; j0 += NV * kLanes)
-    tile<MR, NV, Stream>(a, lda, b + j0, ldb, K, c + j0, ldc, ahead, far);
-  for (; j0 < vec_cols; j0 += kLanes) tile<MR, 1, Stream>(a, lda, b + j0, ldb, K, c + j0, ldc, ahead, far);
+  for (; j0 + NV * kLanes <= vec_cols; j0 += NV * kLanes) tile<MR, NV>(a, lda, b + j0, ldb, K, c + j0, ldc);
+  for (; j0 < vec_cols; j0 += kLanes) tile<MR, 1>(a, lda, b + j0, ldb, K, c + j0, ldc);
 }
 
 // C[m, ncols] = A[m, K] @ B[K, ncols] for any m, ncols (B in cache: the packed block);
@@ -161,12 +150,12 @@ void block_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t 
     const float* ai = a + i0 * lda;
     float* ci = c + i0 * ldc;
     switch (mr) {
-      case 1: row_tile<1, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      case 2: row_tile<2, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      case 3: row_tile<3, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      case 4: row_tile<4, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      case 5: row_tile<5, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      default: row_tile<6, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      case 1: row_tile<1>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      case 2: row_tile<2>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      case 3: row_tile<3>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      case 4: row_tile<4>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      case 5: row_tile<5>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      default: row_tile<6>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
     }
     if (vec_cols < ncols) tile_scalar(ai, lda, b + vec_cols, ldb, K, mr, ncols - vec_cols, ci + vec_cols, ldc);
     i0 += mr;
@@ -178,34 +167,54 @@ void block_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t 
 // cache by every row tile.
 constexpr int64_t kPackRows = 8;
 
-// Few rows (m < kPackRows): the weights stream from memory once, in chunks of kc whole
-// rows of the task's columns (contiguous when the task spans the whole row), each chunk
-// swept column segment by segment by the streaming tiles (accumulators from and back to
-// C). Every output element is still one chain of fused multiply-adds in k order from
-// zero, as in the packed path, so a row's result is the same bits whichever path its
-// task takes.
+// One row k of B (its vec_cols columns) into the m = MR rows of C: c[i, :] += a[i, k] b[k, :],
+// the accumulators loaded from and stored back to C (in L1: at most 7 rows of a task's
+// columns), the weights read once, in address order.
+template <int MR, typename W>
+inline void stream_row(const float* a, int64_t lda, const W* bk, int64_t vec_cols, float* c, int64_t ldc) {
+  vf av[MR];
+  for (int i = 0; i < MR; ++i) av[i] = splat(a[i * lda]);
+  int64_t j = 0;
+  for (; j + 4 * kLanes <= vec_cols; j += 4 * kLanes) {
+    vf bv[4];
+    for (int q = 0; q < 4; ++q) bv[q] = load(bk + j + q * kLanes);
+    for (int i = 0; i < MR; ++i)
+      for (int q = 0; q < 4; ++q) {
+        float* ci = c + i * ldc + j + q * kLanes;
+        store(ci, fmadd(av[i], bv[q], load(ci)));
+      }
+  }
+  for (; j < vec_cols; j += kLanes) {
+    const vf bv = load(bk + j);
+    for (int i = 0; i < MR; ++i) store(c + i * ldc + j, fmadd(av[i], bv, load(c + i * ldc + j)));
+  }
+}
+
+// Few rows (m < kPackRows): the weights stream from memory once, strictly in address
+// order: row k of the task's columns is read whole, into every row of C, before row
+// k + 1 (contiguous when the task spans the whole row). Sweeping a chunk of rows column
+// strip by column strip (register tiles, as the packed path does) goes back and forth
+// inside each 4 KiB page, and Zen 4's hardware prefetchers then stop streaming: one
+// thread read the Qwen3.6 experts at about half the speed of a plain read that way
+// (docs/performance.md). The accumulators round-trip through C, which stays in L1.
+// Every output element is still one chain of fused multiply-adds in k order from zero,
+// as in the packed path, so a row's result is the same bits whichever path its task
+// takes.
 template <typename W>
 void stream_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t m, int64_t ncols, float* c,
                    int64_t ldc) {
   const int64_t vec_cols = (ncols / kLanes) * kLanes;
-  const int64_t kc = std::max<int64_t>(4, std::min<int64_t>(64, (16 << 10) / std::max<int64_t>(1, ncols * int64_t(sizeof(W)))));
   for (int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, sizeof(float) * size_t(vec_cols));
-  for (int64_t k0 = 0; k0 < K; k0 += kc) {
-    const int64_t n = std::min<int64_t>(kc, K - k0);
-    const int64_t ahead = k0 + kc < K ? kc : 0;  // prefetch the next chunk's rows of the same columns
-    const int64_t far = k0 + 3 * kc < K ? 3 * kc : 0;  // 3 chunks (~48 KiB of these columns) ahead, into L2
-    for (int64_t i0 = 0; i0 < m;) {
-      const int64_t mr = std::min<int64_t>(4, m - i0);
-      const float* ai = a + i0 * lda + k0;
-      const W* bk = b + k0 * ldb;
-      float* ci = c + i0 * ldc;
-      switch (mr) {
-        case 1: row_tile<1, true>(ai, lda, bk, ldb, n, vec_cols, ci, ldc, ahead, far); break;
-        case 2: row_tile<2, true>(ai, lda, bk, ldb, n, vec_cols, ci, ldc, ahead, far); break;
-        case 3: row_tile<3, true>(ai, lda, bk, ldb, n, vec_cols, ci, ldc, ahead, far); break;
-        default: row_tile<4, true>(ai, lda, bk, ldb, n, vec_cols, ci, ldc, ahead, far); break;
-      }
-      i0 += mr;
+  for (int64_t k = 0; k < K; ++k) {
+    const W* bk = b + k * ldb;
+    switch (m) {
+      case 1: stream_row<1>(a + k, lda, bk, vec_cols, c, ldc); break;
+      case 2: stream_row<2>(a + k, lda, bk, vec_cols, c, ldc); break;
+      case 3: stream_row<3>(a + k, lda, bk, vec_cols, c, ldc); break;
+      case 4: stream_row<4>(a + k, lda, bk, vec_cols, c, ldc); break;
+      case 5: stream_row<5>(a + k, lda, bk, vec_cols, c, ldc); break;
+      case 6: stream_row<6>(a + k, lda, bk, vec_cols, c, ldc); break;
+      default: stream_row<7>(a + k, lda, bk, vec_cols, c, ldc); break;
     }
   }
   if (vec_cols < ncols) tile_scalar(a, lda, b + vec_cols, ldb, K, m, ncols - vec_cols, c + vec_cols, ldc);
@@ -833,14 +842,21 @@ void run_down(const Problem& p, const Task& t) {
     }
 }
 
+// Experts with rows but fewer than kPackRows of them (they stream their weights).
+int64_t streaming_experts(const Problem& p) {
+  int64_t n = 0;
+  for (int64_t e = 0; e < p.E; ++e) n += p.sizes[e] > 0 && p.sizes[e] < kPackRows;
+  return n;
+}
+
 // Tasks over (expert, row chunk, column block) for experts with rows, in expert order.
 // An expert with fewer than kPackRows rows streams its weights (stream_matmul): its
-// tasks span wider blocks of columns, whole rows when there are enough such experts to
-// keep `threads` busy (at least two tasks per thread), so each task reads contiguous
-// rows; the block width never changes a result (each element is one chain over k).
-std::vector<Task> make_tasks(const Problem& p, int64_t E, int64_t ncols, int64_t block, int64_t threads) {
-  int64_t small = 0;
-  for (int64_t e = 0; e < E; ++e) small += p.sizes[e] > 0 && p.sizes[e] < kPackRows;
+// tasks span wider blocks of columns, whole rows when there are enough such experts in
+// the call (`small`: every problem's, the shared expert's too) to keep `threads` busy
+// (at least two tasks per thread), so each task reads its weights in address order; the
+// block width never changes a result (each element is one chain over k).
+std::vector<Task> make_tasks(const Problem& p, int64_t E, int64_t ncols, int64_t block, int64_t threads,
+                             int64_t small) {
   int64_t wide = block;
   if (small > 0) {
     const int64_t splits = std::max<int64_t>(1, (2 * threads + small - 1) / small);
@@ -1021,19 +1037,21 @@ ffi::Error bind_problem(const std::string& what, const float* xs, int64_t P, int
 // Runs the problems of one call (the routed experts, and the shared expert when the call
 // has it) together: phase 1 takes every problem's gate/up tasks on the pool, phase 2
 // every problem's down tasks, so a layer's experts share two rounds of the pool instead
-// of two per problem. Each problem's tasks are those a call of its own would make
-// (make_tasks per problem): the same bits as separate calls.
+// of two per problem. The column blocks count every problem's streaming experts
+// (make_tasks); a block's width never changes a result: the same bits as separate calls.
 void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t up_block, int64_t down_block,
                   bool int_dot) {
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   std::vector<Task> up_tasks, down_tasks;
+  int64_t small = 0;
+  for (int i = 0; i < n; ++i) small += streaming_experts(*parts[i]);
   for (int i = 0; i < n; ++i) {
     const Problem& p = *parts[i];
-    for (Task t : make_tasks(p, p.E, p.F, up_block, threads)) {
+    for (Task t : make_tasks(p, p.E, p.F, up_block, threads, small)) {
       t.part = i;
       up_tasks.push_back(t);
     }
-    for (Task t : make_tasks(p, p.E, p.d, down_block, threads)) {
+    for (Task t : make_tasks(p, p.E, p.d, down_block, threads, small)) {
       t.part = i;
       down_tasks.push_back(t);
     }
