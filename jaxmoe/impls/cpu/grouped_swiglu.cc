@@ -36,10 +36,11 @@
 // Work: phase 1 = tasks (expert, row chunk, block of F columns) computing h; phase 2 =
 // tasks (expert, row chunk, block of d columns) computing y. Float weights: register
 // tiles of MR rows x NV vectors along the output columns; a task with >= 8 rows packs
-// its in-major block to float32 first, one with fewer streams it in chunks of whole
-// rows (and an expert with so few rows gets wider tasks, whole rows when enough
-// experts keep the threads busy: contiguous reads); each output element is one chain
-// of fused multiply-adds in k order either way. Quantized weights (stored
+// its in-major block to float32 first, one with fewer streams it (up to 3 rows: row by
+// row, in address order; 4 to 7: in chunks of whole rows swept by register tiles), and
+// an expert with so few rows gets wider tasks, whole rows when enough experts keep the
+// threads busy: contiguous reads; each output element is one chain of fused
+// multiply-adds in k order either way. Quantized weights (stored
 // out-major, blocks along `in`): dot-product tiles of MR rows x NC output columns; each
 // vector of codes is widened and scaled in registers (w = s q + b) and multiplied
 // into float32 accumulators, so the result is within float rounding of the
@@ -88,15 +89,24 @@ namespace {
 // Float, in-major weights: C[MR, NV*lanes] = A[MR, K] @ B[K, NV*lanes].
 constexpr int64_t kAhead = 16;  // rows of B prefetched ahead when a block is packed (float_matmul)
 
-// B in cache (the packed block). Every element is one chain of fused multiply-adds in k
-// order from zero.
-template <int MR, int NV, typename W>
-inline void tile(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, float* c, int64_t ldc) {
+// Stream: B is read from memory (stream_strips): the accumulators start from C (the sums
+// of the rows before, so C round-trips through memory exactly) and each row of B
+// prefetches the row `ahead` rows on into L1 and the one `far` rows on into L2.
+// Otherwise they start from zero. Every element is one chain of fused multiply-adds in
+// k order either way.
+template <int MR, int NV, bool Stream, typename W>
+inline void tile(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, float* c, int64_t ldc,
+                 int64_t ahead, int64_t far) {
   vf acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NV; ++j) acc[i][j] = vf{};
+    for (int j = 0; j < NV; ++j) acc[i][j] = Stream ? load(c + i * ldc + j * kLanes) : vf{};
   for (int64_t k = 0; k < K; ++k) {
     const W* bk = b + k * ldb;
+    if (Stream)
+      for (int j = 0; j < NV * kLanes * int(sizeof(W)); j += 64) {
+        __builtin_prefetch((const char*)(bk + ahead * ldb) + j);
+        __builtin_prefetch((const char*)(bk + far * ldb) + j, 0, 2);
+      }
     vf bv[NV];
     for (int j = 0; j < NV; ++j) bv[j] = load(bk + j * kLanes);
     for (int i = 0; i < MR; ++i) {
@@ -109,9 +119,10 @@ inline void tile(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K
 }
 
 // How far ahead the quantized few-row tiles (qtile) prefetch the columns to come into L2
-// (prefetcht1), besides the next tile into L1. Measured on the Qwen3.6 layer: int8 T = 1 / 8
-// ~1.5x faster; int4 and GGUF block kinds unchanged, so GGUF tiles (gtile) only take the
-// L1 prefetch.
+// (prefetcht1), besides the next tile into L1; the float strips (stream_strips) prefetch
+// 3 chunks ahead the same way (tile<..., Stream>). Measured on the Qwen3.6 layer: int8 T = 1 / 8 ~1.5x, bf16
+// T = 1..4 ~1.4x faster; int4 and GGUF block kinds unchanged, so GGUF tiles (gtile) only
+// take the L1 prefetch.
 constexpr int64_t kFarBytes = 24 << 10;
 
 // Columns that do not fill a vector: plain loops (C[m, ncols]).
@@ -130,13 +141,14 @@ void tile_scalar(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K
 template <int MR>
 constexpr int kMaxNV = kLanes == 16 ? (MR <= 2 ? 8 : 4) : (MR == 1 ? 8 : MR == 2 ? 6 : MR <= 4 ? 3 : 2);
 
-template <int MR, typename W>
+template <int MR, bool Stream, typename W>
 void row_tile(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t vec_cols, float* c,
-              int64_t ldc) {
+              int64_t ldc, int64_t ahead = 0, int64_t far = 0) {
   constexpr int NV = kMaxNV<MR>;
   int64_t j0 = 0;
-  for (; j0 + NV * kLanes <= vec_cols; j0 += NV * kLanes) tile<MR, NV>(a, lda, b + j0, ldb, K, c + j0, ldc);
-  for (; j0 < vec_cols; j0 += kLanes) tile<MR, 1>(a, lda, b + j0, ldb, K, c + j0, ldc);
+  for (; j0 + NV * kLanes <= vec_cols; j0 += NV * kLanes)
+    tile<MR, NV, Stream>(a, lda, b + j0, ldb, K, c + j0, ldc, ahead, far);
+  for (; j0 < vec_cols; j0 += kLanes) tile<MR, 1, Stream>(a, lda, b + j0, ldb, K, c + j0, ldc, ahead, far);
 }
 
 // C[m, ncols] = A[m, K] @ B[K, ncols] for any m, ncols (B in cache: the packed block);
@@ -150,12 +162,12 @@ void block_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t 
     const float* ai = a + i0 * lda;
     float* ci = c + i0 * ldc;
     switch (mr) {
-      case 1: row_tile<1>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      case 2: row_tile<2>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      case 3: row_tile<3>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      case 4: row_tile<4>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      case 5: row_tile<5>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      default: row_tile<6>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      case 1: row_tile<1, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      case 2: row_tile<2, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      case 3: row_tile<3, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      case 4: row_tile<4, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      case 5: row_tile<5, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
+      default: row_tile<6, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
     }
     if (vec_cols < ncols) tile_scalar(ai, lda, b + vec_cols, ldb, K, mr, ncols - vec_cols, ci + vec_cols, ldc);
     i0 += mr;
@@ -167,9 +179,44 @@ void block_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t 
 // cache by every row tile.
 constexpr int64_t kPackRows = 8;
 
+// Few rows (m < kPackRows), strips: the weights stream from memory once, in chunks of
+// kc whole rows of the task's columns, each chunk swept column strip by column strip by
+// the streaming register tiles (accumulators from and back to C). Every output element
+// is still one chain of fused multiply-adds in k order from zero, as in the packed path,
+// so a row's result is the same bits whichever path its task takes. Going strip by strip
+// goes back and forth inside each 4 KiB page of the chunk, which slows the memory
+// stream (stream_rows, next); it is kept for 4 to 7 rows, where the register tiles'
+// fewer loads and stores win.
+template <typename W>
+void stream_strips(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t m, int64_t ncols, float* c,
+                   int64_t ldc) {
+  const int64_t vec_cols = (ncols / kLanes) * kLanes;
+  const int64_t kc = std::max<int64_t>(4, std::min<int64_t>(64, (16 << 10) / std::max<int64_t>(1, ncols * int64_t(sizeof(W)))));
+  for (int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, sizeof(float) * size_t(vec_cols));
+  for (int64_t k0 = 0; k0 < K; k0 += kc) {
+    const int64_t n = std::min<int64_t>(kc, K - k0);
+    const int64_t ahead = k0 + kc < K ? kc : 0;  // prefetch the next chunk's rows of the same columns
+    const int64_t far = k0 + 3 * kc < K ? 3 * kc : 0;  // 3 chunks (~48 KiB of these columns) ahead, into L2
+    for (int64_t i0 = 0; i0 < m;) {
+      const int64_t mr = std::min<int64_t>(4, m - i0);
+      const float* ai = a + i0 * lda + k0;
+      const W* bk = b + k0 * ldb;
+      float* ci = c + i0 * ldc;
+      switch (mr) {
+        case 1: row_tile<1, true>(ai, lda, bk, ldb, n, vec_cols, ci, ldc, ahead, far); break;
+        case 2: row_tile<2, true>(ai, lda, bk, ldb, n, vec_cols, ci, ldc, ahead, far); break;
+        case 3: row_tile<3, true>(ai, lda, bk, ldb, n, vec_cols, ci, ldc, ahead, far); break;
+        default: row_tile<4, true>(ai, lda, bk, ldb, n, vec_cols, ci, ldc, ahead, far); break;
+      }
+      i0 += mr;
+    }
+  }
+  if (vec_cols < ncols) tile_scalar(a, lda, b + vec_cols, ldb, K, m, ncols - vec_cols, c + vec_cols, ldc);
+}
+
 // One row k of B (its vec_cols columns) into the m = MR rows of C: c[i, :] += a[i, k] b[k, :],
-// the accumulators loaded from and stored back to C (in L1: at most 7 rows of a task's
-// columns), the weights read once, in address order.
+// the accumulators loaded from and stored back to C (in L1), the weights read once, in
+// address order.
 template <int MR, typename W>
 inline void stream_row(const float* a, int64_t lda, const W* bk, int64_t vec_cols, float* c, int64_t ldc) {
   vf av[MR];
@@ -190,19 +237,19 @@ inline void stream_row(const float* a, int64_t lda, const W* bk, int64_t vec_col
   }
 }
 
-// Few rows (m < kPackRows): the weights stream from memory once, strictly in address
-// order: row k of the task's columns is read whole, into every row of C, before row
-// k + 1 (contiguous when the task spans the whole row). Sweeping a chunk of rows column
-// strip by column strip (register tiles, as the packed path does) goes back and forth
-// inside each 4 KiB page, and Zen 4's hardware prefetchers then stop streaming: one
-// thread read the Qwen3.6 experts at about half the speed of a plain read that way
-// (docs/performance.md). The accumulators round-trip through C, which stays in L1.
-// Every output element is still one chain of fused multiply-adds in k order from zero,
-// as in the packed path, so a row's result is the same bits whichever path its task
-// takes.
+// Few rows (m <= kRowOrderRows), rows: the weights stream from memory once, strictly in
+// address order: row k of the task's columns is read whole, into every row of C, before
+// row k + 1 (contiguous when the task spans the whole row). Sweeping a chunk of rows
+// column strip by column strip (stream_strips) goes back and forth inside each 4 KiB
+// page, and Zen 4's hardware prefetchers then stop streaming: one thread read cold
+// matrices at about half the speed of a plain read that way, and at the plain read's
+// speed row by row (benchmarks/stream_order.cc, docs/performance.md). The accumulators
+// round-trip through C, which must stay in L1 (kRowOrderBytes). Every output element is
+// still one chain of fused multiply-adds in k order from zero: the same bits as the
+// other paths.
 template <typename W>
-void stream_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t m, int64_t ncols, float* c,
-                   int64_t ldc) {
+void stream_rows(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t m, int64_t ncols, float* c,
+                 int64_t ldc) {
   const int64_t vec_cols = (ncols / kLanes) * kLanes;
   for (int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, sizeof(float) * size_t(vec_cols));
   for (int64_t k = 0; k < K; ++k) {
@@ -210,20 +257,29 @@ void stream_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t
     switch (m) {
       case 1: stream_row<1>(a + k, lda, bk, vec_cols, c, ldc); break;
       case 2: stream_row<2>(a + k, lda, bk, vec_cols, c, ldc); break;
-      case 3: stream_row<3>(a + k, lda, bk, vec_cols, c, ldc); break;
-      case 4: stream_row<4>(a + k, lda, bk, vec_cols, c, ldc); break;
-      case 5: stream_row<5>(a + k, lda, bk, vec_cols, c, ldc); break;
-      case 6: stream_row<6>(a + k, lda, bk, vec_cols, c, ldc); break;
-      default: stream_row<7>(a + k, lda, bk, vec_cols, c, ldc); break;
+      default: stream_row<3>(a + k, lda, bk, vec_cols, c, ldc); break;
     }
   }
   if (vec_cols < ncols) tile_scalar(a, lda, b + vec_cols, ldb, K, m, ncols - vec_cols, c + vec_cols, ldc);
 }
 
+// When a few-row task streams its weights row by row (stream_rows) rather than in strips
+// (stream_strips): at most kRowOrderRows rows, whose kRowOrderBytes of C stay in L1.
+// Measured on the Qwen3.6 layer, both kernels in one process (bench_kernel_ab.py --what
+// layer): float32 T = 8 1.5x, T = 64 1.1-1.2x faster than strips for every row count, and
+// T = 256 0.9x (bfloat16 0.95x) when 4 to 7 rows and the down projection's 8 KiB rows also
+// went row by row; with these limits T = 256 is unchanged.
+constexpr int64_t kRowOrderRows = 3;
+constexpr int64_t kRowOrderBytes = 16 << 10;
+
 template <typename W>
 void float_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t m, int64_t ncols, float* c,
                   int64_t ldc, fvec& pack) {
-  if (m < kPackRows) return stream_matmul(a, lda, b, ldb, K, m, ncols, c, ldc);
+  if (m < kPackRows) {
+    if (m <= kRowOrderRows && m * ncols * int64_t(sizeof(float)) <= kRowOrderBytes)
+      return stream_rows(a, lda, b, ldb, K, m, ncols, c, ldc);
+    return stream_strips(a, lda, b, ldb, K, m, ncols, c, ldc);
+  }
   pack.resize(size_t(K) * ncols);
   const int64_t vec_cols = (ncols / kLanes) * kLanes;
   for (int64_t k = 0; k < K; ++k) {
@@ -850,7 +906,7 @@ int64_t streaming_experts(const Problem& p) {
 }
 
 // Tasks over (expert, row chunk, column block) for experts with rows, in expert order.
-// An expert with fewer than kPackRows rows streams its weights (stream_matmul): its
+// An expert with fewer than kPackRows rows streams its weights (float_matmul): its
 // tasks span wider blocks of columns, whole rows when there are enough such experts in
 // the call (`small`: every problem's, the shared expert's too) to keep `threads` busy
 // (at least two tasks per thread), so each task reads its weights in address order; the
