@@ -180,8 +180,9 @@ void block_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t 
 constexpr int64_t kPackRows = 8;
 
 // Few rows (m < kPackRows), strips: the weights stream from memory once, in chunks of
-// kc whole rows of the task's columns, each chunk swept column strip by column strip by
-// the streaming register tiles (accumulators from and back to C). Every output element
+// kc whole rows of the task's vector columns (C's zeroed by float_matmul, which also
+// takes the scalar tail), each chunk swept column strip by column strip by the streaming
+// register tiles (accumulators from and back to C). Every output element
 // is still one chain of fused multiply-adds in k order from zero, as in the packed path,
 // so a row's result is the same bits whichever path its task takes. Going strip by strip
 // goes back and forth inside each 4 KiB page of the chunk, which slows the memory
@@ -192,7 +193,6 @@ void stream_strips(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t
                    int64_t ldc) {
   const int64_t vec_cols = (ncols / kLanes) * kLanes;
   const int64_t kc = std::max<int64_t>(4, std::min<int64_t>(64, (16 << 10) / std::max<int64_t>(1, ncols * int64_t(sizeof(W)))));
-  for (int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, sizeof(float) * size_t(vec_cols));
   for (int64_t k0 = 0; k0 < K; k0 += kc) {
     const int64_t n = std::min<int64_t>(kc, K - k0);
     const int64_t ahead = k0 + kc < K ? kc : 0;  // prefetch the next chunk's rows of the same columns
@@ -211,7 +211,6 @@ void stream_strips(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t
       i0 += mr;
     }
   }
-  if (vec_cols < ncols) tile_scalar(a, lda, b + vec_cols, ldb, K, m, ncols - vec_cols, c + vec_cols, ldc);
 }
 
 // One row k of B (its vec_cols columns) into the m = MR rows of C: c[i, :] += a[i, k] b[k, :],
@@ -238,8 +237,9 @@ inline void stream_row(const float* a, int64_t lda, const W* bk, int64_t vec_col
 }
 
 // Few rows (m <= kRowOrderRows), rows: the weights stream from memory once, strictly in
-// address order: row k of the task's columns is read whole, into every row of C, before
-// row k + 1 (contiguous when the task spans the whole row). Sweeping a chunk of rows
+// address order: row k of the task's vector columns is read whole, into every row of C
+// (zeroed by float_matmul, which also takes the scalar tail), before row k + 1
+// (contiguous when the task spans the whole row). Sweeping a chunk of rows
 // column strip by column strip (stream_strips) goes back and forth inside each 4 KiB
 // page, and Zen 4's hardware prefetchers then stop streaming: one thread read cold
 // matrices at about half the speed of a plain read that way, and at the plain read's
@@ -251,7 +251,6 @@ template <typename W>
 void stream_rows(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t m, int64_t ncols, float* c,
                  int64_t ldc) {
   const int64_t vec_cols = (ncols / kLanes) * kLanes;
-  for (int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, sizeof(float) * size_t(vec_cols));
   for (int64_t k = 0; k < K; ++k) {
     const W* bk = b + k * ldb;
     switch (m) {
@@ -260,7 +259,6 @@ void stream_rows(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K
       default: stream_row<3>(a + k, lda, bk, vec_cols, c, ldc); break;
     }
   }
-  if (vec_cols < ncols) tile_scalar(a, lda, b + vec_cols, ldb, K, m, ncols - vec_cols, c + vec_cols, ldc);
 }
 
 // When a few-row task streams its weights row by row (stream_rows) rather than in strips
@@ -275,13 +273,17 @@ constexpr int64_t kRowOrderBytes = 16 << 10;
 template <typename W>
 void float_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t m, int64_t ncols, float* c,
                   int64_t ldc, fvec& pack) {
-  if (m < kPackRows) {
+  const int64_t vec_cols = (ncols / kLanes) * kLanes;
+  if (m < kPackRows) {  // stream: the accumulators start from C, zeroed here
+    for (int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, sizeof(float) * size_t(vec_cols));
     if (m <= kRowOrderRows && m * ncols * int64_t(sizeof(float)) <= kRowOrderBytes)
-      return stream_rows(a, lda, b, ldb, K, m, ncols, c, ldc);
-    return stream_strips(a, lda, b, ldb, K, m, ncols, c, ldc);
+      stream_rows(a, lda, b, ldb, K, m, ncols, c, ldc);
+    else
+      stream_strips(a, lda, b, ldb, K, m, ncols, c, ldc);
+    if (vec_cols < ncols) tile_scalar(a, lda, b + vec_cols, ldb, K, m, ncols - vec_cols, c + vec_cols, ldc);
+    return;
   }
   pack.resize(size_t(K) * ncols);
-  const int64_t vec_cols = (ncols / kLanes) * kLanes;
   for (int64_t k = 0; k < K; ++k) {
     const W* bk = b + k * ldb;
     if (k + kAhead < K)
@@ -911,8 +913,7 @@ int64_t streaming_experts(const Problem& p) {
 // the call (`small`: every problem's, the shared expert's too) to keep `threads` busy
 // (at least two tasks per thread), so each task reads its weights in address order; the
 // block width never changes a result (each element is one chain over k).
-std::vector<Task> make_tasks(const Problem& p, int64_t E, int64_t ncols, int64_t block, int64_t threads,
-                             int64_t small) {
+std::vector<Task> make_tasks(const Problem& p, int64_t ncols, int64_t block, int64_t threads, int64_t small) {
   int64_t wide = block;
   if (small > 0) {
     const int64_t splits = std::max<int64_t>(1, (2 * threads + small - 1) / small);
@@ -920,7 +921,7 @@ std::vector<Task> make_tasks(const Problem& p, int64_t E, int64_t ncols, int64_t
     wide = std::max<int64_t>(block, w);
   }
   std::vector<Task> tasks;
-  for (int64_t e = 0; e < E; ++e) {
+  for (int64_t e = 0; e < p.E; ++e) {
     const int32_t n = p.sizes[e];
     const int64_t bw = n < kPackRows ? wide : block;
     for (int32_t r = 0; r < n; r += kRowChunk)
@@ -1103,11 +1104,11 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
   for (int i = 0; i < n; ++i) small += streaming_experts(*parts[i]);
   for (int i = 0; i < n; ++i) {
     const Problem& p = *parts[i];
-    for (Task t : make_tasks(p, p.E, p.F, up_block, threads, small)) {
+    for (Task t : make_tasks(p, p.F, up_block, threads, small)) {
       t.part = i;
       up_tasks.push_back(t);
     }
-    for (Task t : make_tasks(p, p.E, p.d, down_block, threads, small)) {
+    for (Task t : make_tasks(p, p.d, down_block, threads, small)) {
       t.part = i;
       down_tasks.push_back(t);
     }
