@@ -23,6 +23,7 @@ from jaxmoe.impls.xla_tiled import (
     LAYOUTS,
     MAX_BLOCK_M,
     MIN_CAPACITY,
+    batched_mm,
     choose_block_m,
     experts_xla_tiled,
     overflow_branch,
@@ -182,7 +183,46 @@ def test_capacity_copies_only_overflow_weights(t, rng):
     assert sorted(s[0] for s in gathered) == sorted(3 * buckets[1:]), gathered
     assert max(s[0] for s in gathered) == overflow_visits(t * k, cap)
     direct = [q for q in eqns if q.primitive.name == "dot_general" and any(v.aval.shape in weights for v in q.invars)]
-    assert len(direct) == 3, [q.invars for q in direct]
+    # each projection once in each platform branch of `batched_mm` (the CPU's operand form, the default)
+    assert len(direct) == 3 * 2, [q.invars for q in direct]
+
+
+@settings(deadline=None, max_examples=30)
+@given(
+    st.integers(0, 2**31 - 1),
+    st.integers(1, 5),
+    st.sampled_from([1, 2, 3, 8]),
+    st.sampled_from(["float32", "bfloat16"]),
+    st.booleans(),
+)
+def test_batched_mm_matches_float64(seed, v, m, dtype, jit):
+    """Each platform form of `batched_mm` (on the CPU: a transposed float32 operand, bf16
+    operands as stored, or an upcast matrix-vector product) against a float64 einsum of
+    the same (rounded) operands."""
+    r = np.random.default_rng(seed)
+    k, n = int(r.integers(1, 70)), int(r.integers(1, 40))
+    a = jnp.asarray(r.normal(size=(v, m, k)), dtype)
+    b = jnp.asarray(r.normal(size=(v, k, n)), dtype)
+    fn = jax.jit(batched_mm) if jit else batched_mm
+    y = fn(a, b)
+    assert y.dtype == jnp.float32 and y.shape == (v, m, n)
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    ref = np.einsum("vmk,vkn->vmn", a64, b64)
+    scale = np.einsum("vmk,vkn->vmn", np.abs(a64), np.abs(b64))  # float32 sums: error within k eps of this
+    np.testing.assert_array_less(np.abs(np.asarray(y) - ref), 1e-6 * k * scale + 1e-30)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_batched_mm_bf16_weights_stay_bf16_on_the_cpu(m):
+    """Lowered for the CPU, bf16 products with more than one row keep the ``[V, K, N]``
+    operand in bf16 (no float32 copy of every expert's weights per call); matrix-vector
+    products (``m = 1``) upcast it, which is faster there."""
+    v, k, n = 6, 64, 40
+    a = jnp.ones((v, m, k), jnp.bfloat16)
+    b = jnp.ones((v, k, n), jnp.bfloat16)
+    hlo = jax.jit(batched_mm).lower(a, b).compile().as_text()
+    upcast = f"f32[{v},{k},{n}]" in hlo
+    assert upcast == (m == 1), hlo
 
 
 def test_weight_on_input_and_bf16(rng):
