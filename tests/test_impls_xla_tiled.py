@@ -317,8 +317,9 @@ def test_no_loop_and_no_tokens_by_experts_array(t, rng):
 
 def test_choose_block_m():
     assert choose_block_m(8, 256) == 1  # decode: pairs layout
-    assert choose_block_m(256, 256) == 1
-    assert choose_block_m(257, 256) == MIN_CAPACITY == 8
+    assert choose_block_m(128, 256) == 1
+    assert choose_block_m(129, 256) == MIN_CAPACITY == 8  # past E / 2 pairs: capacity
+    assert choose_block_m(257, 256) == MIN_CAPACITY
     assert choose_block_m(2048, 256) == 16
     assert choose_block_m(8192, 256) == 64
     assert choose_block_m(10**7, 8) == MAX_BLOCK_M
