@@ -41,10 +41,12 @@ def dot_f32(op, a: jax.Array, b: jax.Array) -> jax.Array:
     """``op(a, b)``, a dot that accumulates and returns float32, with operands as the
     platform takes them.
 
-    XLA:CPU has no bf16 x bf16 -> f32 dot, so the CPU branch upcasts low-precision
-    operands (exact); other platforms accumulate in f32 from the stored dtype. The branch
-    is chosen for the platform the program is lowered for (`jax.lax.platform_dependent`),
-    not the host it is traced on.
+    The CPU branch upcasts low-precision operands (exact); other platforms accumulate in
+    f32 from the stored dtype. XLA:CPU (jax 0.10) does take ``bf16 x bf16 -> f32`` as a
+    YNNPACK fusion, but its bf16 matrix-vector products measured slower than upcasting
+    (docs/intel.md); `jaxmoe.impls.xla_tiled.batched_mm` keeps bf16 where rows make it
+    faster. The branch is chosen for the platform the program is lowered for
+    (`jax.lax.platform_dependent`), not the host it is traced on.
     """
     if a.dtype == jnp.float32 and b.dtype == jnp.float32:
         return op(a, b)
