@@ -10,7 +10,7 @@ differs from real hardware: docs/intel.md.
 For ``moe_apply`` of the Qwen3.6-35B-A3B layer (256 experts, d 2048, F 512, top-8; the real
 sizes, abstract weights) with ``impl="auto"`` and each impl that can run there (``xla``,
 ``xla_tiled``, ``gather``, ``ragged_dot``, ``dense``; ``auto`` also as a whole ``MoEBlock``), at
-T in {1, 16, 256}, bfloat16 and float32, it reports: compiled or the error, kernels at top
+T in {1, 16, 32, 64, 256}, bfloat16 and float32, it reports: compiled or the error, kernels at top
 level, kernels inside loops with each loop's trip count (``?`` = data dependent) and kernel
 launches per call (benchmarks/hlo_kernels.py on the optimized HLO). It fails (exit 1) when
 ``auto`` does not compile, and with ``--max-launches N`` when ``auto``, ``xla`` or
@@ -95,7 +95,7 @@ TARGETS = {
     ),
 }
 IMPLS = ("auto", "block-auto", "xla", "xla_tiled", "gather", "ragged_dot", "dense")
-TOKENS = (1, 16, 256)
+TOKENS = (1, 16, 32, 64, 256)  # 32: the first capacity T at E = 256 (P = E), 64: C = 8
 DTYPES = ("bf16", "f32")
 PRESET = "qwen3.6-35b-a3b"
 #: Without a device oneDNN cannot create an engine for library matmuls: every dot is left to
