@@ -213,13 +213,13 @@ def test_batched_mm_matches_float64(seed, v, m, dtype, jit):
 
 
 @pytest.mark.parametrize("m", [1, 4])
-def test_batched_mm_bf16_weights_stay_bf16_on_the_cpu(m):
+def test_batched_mm_bf16_weights_stay_bf16_on_the_cpu(m, rng):
     """Lowered for the CPU, bf16 products with more than one row keep the ``[V, K, N]``
     operand in bf16 (no float32 copy of every expert's weights per call); matrix-vector
     products (``m = 1``) upcast it, which is faster there."""
     v, k, n = 6, 64, 40
-    a = jnp.ones((v, m, k), jnp.bfloat16)
-    b = jnp.ones((v, k, n), jnp.bfloat16)
+    a = jnp.asarray(rng.normal(size=(v, m, k)), jnp.bfloat16)
+    b = jnp.asarray(rng.normal(size=(v, k, n)), jnp.bfloat16)
     hlo = jax.jit(batched_mm).lower(a, b).compile().as_text()
     upcast = f"f32[{v},{k},{n}]" in hlo
     assert upcast == (m == 1), hlo

@@ -131,29 +131,28 @@ def batched_mm(a: jax.Array, b: jax.Array) -> jax.Array:
     - float32 with ``m > 1``: ``a`` transposed to ``[V, K, m]`` behind an optimization
       barrier (else XLA folds the transpose back into the dot), so the product is a
       plain dot rather than a YNNPACK fusion, which packs each ``[K, N]`` weight again:
-      about 1.3x at ``C = 8`` and 1.7x at ``C = 16``;
+      1.2-1.4x at ``C`` = 4 to 16 (benchmarks/bench_batched_dot.py);
     - bfloat16 operands with ``m > 1`` go in as they are: XLA:CPU's YNNPACK dot takes
       ``bf16 x bf16 -> f32`` (exact products, float32 sums), where upcasting first wrote
-      a float32 copy of every expert's weights (1.7x);
+      a float32 copy of every expert's weights (1.7-2.1x);
     - ``m = 1`` (the pairs layout's matrix-vector products), and other mixes, are
-      upcast to float32: YNNPACK's bf16 matrix-vector product is slower than the upcast
-      and a float32 one (1.9x at ``T = 1``).
+      upcast to float32, as `jaxmoe.experts.mm` does on the CPU: YNNPACK's bf16
+      matrix-vector product was no faster in the benchmark and slower in ad hoc runs.
 
     The sums are float32 in every branch; only their order differs.
     """
     f32 = jnp.float32
 
-    def plain(a: jax.Array, b: jax.Array) -> jax.Array:
-        return jnp.einsum("vmk,vkn->vmn", a, b, preferred_element_type=f32, precision=jax.lax.Precision.HIGHEST)
+    def plain(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:  # the dot on operands as given
+        return jnp.einsum(spec, a, b, preferred_element_type=f32, precision=jax.lax.Precision.HIGHEST)
 
     def cpu(a: jax.Array, b: jax.Array) -> jax.Array:
-        if a.shape[1] == 1:  # a matrix-vector product per entry: float32, nothing to pack
-            return plain(a.astype(f32), b.astype(f32))
-        if a.dtype == b.dtype == jnp.bfloat16:
-            return plain(a, b)
+        if a.shape[1] > 1 and a.dtype == b.dtype == jnp.bfloat16:
+            return plain("vmk,vkn->vmn", a, b)
         a, b = a.astype(f32), b.astype(f32)
-        at = jax.lax.optimization_barrier(jnp.swapaxes(a, 1, 2))  # [V, K, m]
-        return jnp.einsum("vkm,vkn->vmn", at, b, preferred_element_type=f32, precision=jax.lax.Precision.HIGHEST)
+        if a.shape[1] == 1:  # a matrix-vector product per entry: nothing to pack
+            return plain("vmk,vkn->vmn", a, b)
+        return plain("vkm,vkn->vmn", jax.lax.optimization_barrier(jnp.swapaxes(a, 1, 2)), b)  # a as [V, K, m]
 
     return jax.lax.platform_dependent(a, b, cpu=cpu, default=lambda a, b: mm("vmk,vkn->vmn", a, b))
 
