@@ -35,6 +35,12 @@ PRESETS = jaxmoe.list_presets()
 F32 = dict(rtol=2e-5, atol=2e-5)
 
 
+def _random_routing(rng, t: int, k: int, e: int) -> Routing:
+    """Ids drawn in ``[0, e)`` (repeats allowed) and weights in ``[0.05, 1)``."""
+    ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
+    return Routing(ids, jnp.asarray(rng.uniform(0.05, 1.0, (t, k)), jnp.float32))
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("t", [1, 11])
 def test_presets_match_float64(preset, t, rng):
@@ -169,10 +175,10 @@ def test_capacity_copies_only_overflow_weights(t, rng):
     e, k = 23, 2
     cfg = MoEConfig(d_model=16, expert_dim=8, router=RouterConfig(num_experts=e, top_k=k))
     p = random_params(cfg, rng)
-    r = Routing(jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32), jnp.ones((t, k), jnp.float32))
+    r = _random_routing(rng, t, k, e)
     cap = choose_block_m(t * k, e) if t * k > e else 4
     jaxpr = jax.make_jaxpr(lambda x, w: experts_xla_tiled(x, r, w, cfg, block_m=cap, layout="capacity"))(
-        jnp.ones((t, 16)), p.experts
+        jnp.asarray(rng.normal(size=(t, 16)), jnp.float32), p.experts
     ).jaxpr
     weights = {(e, 16, 8), (e, 8, 16)}
     eqns = list(_eqns(jaxpr))
@@ -303,15 +309,16 @@ def test_no_loop_and_no_tokens_by_experts_array(t, rng):
     e, k = 23, 2
     cfg = MoEConfig(d_model=16, expert_dim=8, router=RouterConfig(num_experts=e, top_k=k))
     p = random_params(cfg, rng)
-    r = Routing(jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32), jnp.ones((t, k), jnp.float32))
-    jaxpr = jax.make_jaxpr(lambda x: experts_xla_tiled(x, r, p.experts, cfg))(jnp.ones((t, 16))).jaxpr
+    r = _random_routing(rng, t, k, e)
+    x = jnp.asarray(rng.normal(size=(t, 16)), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda x: experts_xla_tiled(x, r, p.experts, cfg))(x).jaxpr
     eqns = list(_eqns(jaxpr))
     prims = {q.primitive.name for q in eqns}
     assert not prims & {"while", "scan"}, prims
     shapes = {tuple(getattr(v.aval, "shape", ())) for q in eqns for v in q.outvars}
     bad = [s for s in shapes if (t in s or t * k in s) and e in s and t > 1]
     assert not bad, bad
-    loopy = jax.make_jaxpr(lambda x: jaxmoe.impls.xla.experts_xla(x, r, p.experts, cfg))(jnp.ones((t, 16))).jaxpr
+    loopy = jax.make_jaxpr(lambda x: jaxmoe.impls.xla.experts_xla(x, r, p.experts, cfg))(x).jaxpr
     assert "while" in {q.primitive.name for q in _eqns(loopy)}  # the check itself can fail
 
 
@@ -340,19 +347,16 @@ def test_matches_dense_at_every_layout(rng):
 def test_bad_input(rng):
     cfg = shrink(jaxmoe.load_config("qwen3-30b-a3b"))
     p = random_params(cfg, rng)
-    r = Routing(jnp.zeros((4, cfg.top_k), jnp.int32), jnp.ones((4, cfg.top_k)))
+    r = _random_routing(rng, 4, cfg.top_k, cfg.num_experts)
+    x = jnp.asarray(rng.normal(size=(4, cfg.d_model)), jnp.float32)
     with pytest.raises(ValueError, match="x must be"):
-        experts_xla_tiled(jnp.ones((4,)), r, p.experts, cfg)
+        experts_xla_tiled(x[0], r, p.experts, cfg)
     with pytest.raises(ValueError, match="block_m"):
-        experts_xla_tiled(jnp.ones((4, cfg.d_model)), r, p.experts, cfg, block_m=0)
+        experts_xla_tiled(x, r, p.experts, cfg, block_m=0)
     with pytest.raises(ValueError, match="layout must be one of"):
-        experts_xla_tiled(jnp.ones((4, cfg.d_model)), r, p.experts, cfg, layout="dense")
-    assert experts_xla_tiled(
-        jnp.ones((0, cfg.d_model)), Routing(r.expert_ids[:0], r.weights[:0]), p.experts, cfg
-    ).shape == (
-        0,
-        cfg.d_model,
-    )
+        experts_xla_tiled(x, r, p.experts, cfg, layout="dense")
+    empty = experts_xla_tiled(x[:0], Routing(r.expert_ids[:0], r.weights[:0]), p.experts, cfg)
+    assert empty.shape == (0, cfg.d_model)
 
 
 @pytest.mark.parametrize("visits", [0, 1, 3])
