@@ -14,6 +14,23 @@ benchmarks/intel_compile_check.py).
     python benchmarks/bench_xla_tiled.py --tokens 1,16,256 --dtype f32 --keep-freed  # freed memory reused
     python benchmarks/bench_xla_tiled.py --tokens 64,256 --dtype f32 --keep-freed --layouts tiles
         # also each named layout of xla_tiled (jaxmoe.impls.xla_tiled.LAYOUTS), in the same run
+    python benchmarks/bench_xla_tiled.py --tokens 1,16,32,64 --dtype f32 --keep-freed --floors
+        # also two floors, timed in the same rounds: what any loop-free layout pays at least
+
+``--floors`` times two programs that do part of a layout's memory traffic and none of its
+arithmetic, as ratios to ``xla``:
+
+- ``copy floor`` (only while ``P = T k <= E``): the weights of every (token, slot) pair's
+  expert gathered (``W[ids]``, the three matrices, one copy per pair as the pairs layout
+  makes), kept in memory (an optimization barrier) and read back once by a sum. A layout
+  that copies the selected experts' weights pays at least this, less the few repeated
+  experts (random routing at ``T = 16`` touches about 100 distinct of the 128 pairs).
+- ``read floor``: every expert's weights read once by a float32 sum. A layout that reads
+  all ``E`` experts in place (capacity) pays at least this.
+
+``xla`` reads each touched expert once, in place, inside its loop; a formulation without
+a loop over experts can only copy them or read them all, unless the backend fuses the
+gather into the dot (XLA:CPU does not; docs/intel.md, "xla_tiled on the CPU").
 """
 
 from __future__ import annotations
@@ -38,6 +55,21 @@ from jaxmoe.impls.xla import experts_xla  # noqa: E402
 from jaxmoe.impls.xla_tiled import LAYOUTS, experts_xla_tiled  # noqa: E402
 
 
+def copy_floor(x: jax.Array, routing: jaxmoe.Routing, ew: jaxmoe.ExpertWeights, cfg) -> jax.Array:
+    """The pairs' experts' weights gathered (one copy per pair), materialized, read back once."""
+    ids = routing.expert_ids.reshape(-1)
+    copies = jax.lax.optimization_barrier(tuple(w[ids] for w in (ew.w_gate, ew.w_up, ew.w_down)))
+    return sum(jnp.sum(c, dtype=jnp.float32) for c in copies) + jnp.sum(x, dtype=jnp.float32)
+
+
+def read_floor(x: jax.Array, routing: jaxmoe.Routing, ew: jaxmoe.ExpertWeights, cfg) -> jax.Array:
+    """Every expert's weights read once (a float32 sum each)."""
+    return sum(jnp.sum(w, dtype=jnp.float32) for w in (ew.w_gate, ew.w_up, ew.w_down)) + jnp.sum(x, dtype=jnp.float32)
+
+
+FLOORS = {"copy floor": copy_floor, "read floor": read_floor}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen3.6-35b-a3b")
@@ -46,6 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=["f32", "bf16"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layouts", default="", help=f"also xla_tiled with these layouts, comma separated: {LAYOUTS}")
+    ap.add_argument("--floors", action="store_true", help="also the copy and read floors (module docstring)")
     ap.add_argument(
         "--keep-freed",
         action="store_true",
@@ -71,7 +104,8 @@ def main(argv=None) -> int:
     )
     print(f"{a.preset}: E={e} k={k} d={d} F={f} {a.dtype}, backend {jax.default_backend()}")
     tiled = [n for n in impls if n != "xla"]
-    head = ["T", "xla ms", *(c for n in tiled for c in (f"{n} ms", f"{n}/xla")), "xla launches"]
+    floors = FLOORS if a.floors else {}
+    head = ["T", "xla ms", *(c for n in [*tiled, *floors] for c in (f"{n} ms", f"{n}/xla")), "xla launches"]
     head += [f"{n} launches" for n in tiled]
     print("| " + " | ".join(head) + " |")
     print("|---" * len(head) + "|")
@@ -98,13 +132,18 @@ def main(argv=None) -> int:
                 return 1
         # new tokens and routing for every call (one input shared by both left its experts hot
         # in the caches for the second call of a repeat, before 1 Dec 2026 22:00 UTC)
-        ms = interleaved_ms({n: (lambda x, r, f=f: f(x, r, ew)) for n, f in fns.items()}, inputs, a.repeats)
+        # past E pairs a copy of all P would outgrow the read floor many times over (GBs)
+        now = {n: fn for n, fn in floors.items() if n != "copy floor" or t * k <= e}
+        timed = {**fns, **{n: jax.jit(lambda x, r, w, fn=fn: fn(x, r, w, cfg)) for n, fn in now.items()}}
+        ms = interleaved_ms({n: (lambda x, r, f=f: f(x, r, ew)) for n, f in timed.items()}, inputs, a.repeats)
         best = {n: min(v) / 1e3 for n, v in ms.items()}
 
         def fmt(row):
             return f"{row['launches'] if row['launches'] is not None else '?'} (top {row['kernels_top']}, loops {row['loops'] or '-'})"
 
-        cells = [f"{best[n] * 1e3:.1f} | {best[n] / best['xla']:.2f}" for n in tiled]
+        cells = [
+            f"{best[n] * 1e3:.1f} | {best[n] / best['xla']:.2f}" if n in best else "- | -" for n in [*tiled, *floors]
+        ]
         counts = [fmt(launches[n]) for n in ["xla", *tiled]]
         print(f"| {t} | {best['xla'] * 1e3:.1f} | " + " | ".join(cells + counts) + " |", flush=True)
     return 0
