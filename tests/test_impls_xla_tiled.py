@@ -35,12 +35,6 @@ PRESETS = jaxmoe.list_presets()
 F32 = dict(rtol=2e-5, atol=2e-5)
 
 
-def _random_routing(rng, t: int, k: int, e: int) -> Routing:
-    """Ids drawn in ``[0, e)`` (repeats allowed) and weights in ``[0.05, 1)``."""
-    ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
-    return Routing(ids, jnp.asarray(rng.uniform(0.05, 1.0, (t, k)), jnp.float32))
-
-
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("t", [1, 11])
 def test_presets_match_float64(preset, t, rng):
@@ -175,7 +169,7 @@ def test_capacity_copies_only_overflow_weights(t, rng):
     e, k = 23, 2
     cfg = MoEConfig(d_model=16, expert_dim=8, router=RouterConfig(num_experts=e, top_k=k))
     p = random_params(cfg, rng)
-    r = _random_routing(rng, t, k, e)
+    r = Routing(*map(jnp.asarray, skewed_routing(rng, t, k, e)))
     cap = choose_block_m(t * k, e) if t * k > e else 4
     jaxpr = jax.make_jaxpr(lambda x, w: experts_xla_tiled(x, r, w, cfg, block_m=cap, layout="capacity"))(
         jnp.asarray(rng.normal(size=(t, 16)), jnp.float32), p.experts
@@ -309,7 +303,7 @@ def test_no_loop_and_no_tokens_by_experts_array(t, rng):
     e, k = 23, 2
     cfg = MoEConfig(d_model=16, expert_dim=8, router=RouterConfig(num_experts=e, top_k=k))
     p = random_params(cfg, rng)
-    r = _random_routing(rng, t, k, e)
+    r = Routing(*map(jnp.asarray, skewed_routing(rng, t, k, e)))
     x = jnp.asarray(rng.normal(size=(t, 16)), jnp.float32)
     jaxpr = jax.make_jaxpr(lambda x: experts_xla_tiled(x, r, p.experts, cfg))(x).jaxpr
     eqns = list(_eqns(jaxpr))
@@ -347,7 +341,7 @@ def test_matches_dense_at_every_layout(rng):
 def test_bad_input(rng):
     cfg = shrink(jaxmoe.load_config("qwen3-30b-a3b"))
     p = random_params(cfg, rng)
-    r = _random_routing(rng, 4, cfg.top_k, cfg.num_experts)
+    r = Routing(*map(jnp.asarray, skewed_routing(rng, 4, cfg.top_k, cfg.num_experts)))
     x = jnp.asarray(rng.normal(size=(4, cfg.d_model)), jnp.float32)
     with pytest.raises(ValueError, match="x must be"):
         experts_xla_tiled(x[0], r, p.experts, cfg)
