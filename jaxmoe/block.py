@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.config import MoEConfig
+from jaxmoe.execution import ExecConfig, exec_config
 from jaxmoe.experts import ExpertWeights, SharedWeights
 from jaxmoe.layer import moe_apply
 from jaxmoe.losses import RouterAux, router_aux, update_selection_bias
@@ -61,7 +62,9 @@ class MoEBlock(nnx.Module):
     Args:
       cfg: the `MoEConfig`.
       rngs: random init (normal, fan-in scaled), keyword only.
-      impl: execution strategy (``auto``, ``xla``, ``pallas``, ``gather``, ``dense``, ...).
+      impl: shorthand for ``ExecConfig(impl=...)`` (``auto``, ``xla``, ``pallas``, ...).
+      ex: how to run the layer (`jaxmoe.ExecConfig`: strategy, batch invariance,
+        activation arithmetic, ...); default ``ExecConfig(impl=impl)``.
       dtype: parameter and compute dtype (routing is float32 always).
       params: ready `MoEParams` (e.g. from a loader) instead of a random init.
       mesh: a `jax.sharding.Mesh` with an ``expert`` axis for expert parallelism.
@@ -72,13 +75,15 @@ class MoEBlock(nnx.Module):
         cfg: MoEConfig,
         *,
         rngs: nnx.Rngs | None = None,
-        impl: str = "auto",
+        impl: str | None = None,
+        ex: ExecConfig | None = None,
         dtype=jnp.float32,
         params: MoEParams | None = None,
         mesh=None,
+        **removed,
     ):
         self.cfg = cfg
-        self.impl = impl
+        self.ex = exec_config(ex, impl, **removed)
         self.dtype = jnp.dtype(dtype)
         self.mesh = mesh
         if params is None:
@@ -122,21 +127,34 @@ class MoEBlock(nnx.Module):
             )
         self.selection_bias.set_value(update_selection_bias(self.selection_bias.get_value(), expert_ids, gamma))
 
+    @property
+    def impl(self) -> str:
+        """The strategy name of the block's `ExecConfig`."""
+        return self.ex.impl
+
     def __call__(
-        self, x: jax.Array, *, return_routing: bool = False, return_aux: bool = False, impl: str | None = None
+        self,
+        x: jax.Array,
+        *,
+        return_routing: bool = False,
+        return_aux: bool = False,
+        impl: str | None = None,
+        ex: ExecConfig | None = None,
     ):
+        """``x [..., d]`` -> ``y [..., d]`` (and the routing or the `RouterAux`); ``ex`` /
+        ``impl`` override the block's `ExecConfig` for this call."""
         x = jnp.asarray(x)
         if x.shape[-1] != self.cfg.d_model:
             raise ValueError(f"MoEBlock: x has width {x.shape[-1]} but d_model is {self.cfg.d_model} (shape {x.shape})")
         if return_routing and return_aux:
             raise ValueError("MoEBlock: pass return_routing or return_aux, not both (aux.routing is the routing)")
-        impl = impl or self.impl
+        run = exec_config(ex or self.ex, impl) if (ex is not None or impl is not None) else self.ex
         p = self.params()
         x = x.astype(self.dtype)
         if self.mesh is not None:
-            out = moe_apply_ep(p, x, self.cfg, self.mesh, impl=impl, return_routing=return_routing or return_aux)
+            out = moe_apply_ep(p, x, self.cfg, self.mesh, run, return_routing=return_routing or return_aux)
         else:
-            out = _moe_apply_jit(p, x, self.cfg, impl, return_routing or return_aux)
+            out = _moe_apply_jit(p, x, self.cfg, run, return_routing or return_aux)
         if not return_aux:
             return out
         y, routing = out
@@ -144,10 +162,10 @@ class MoEBlock(nnx.Module):
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _moe_apply_jit(p: MoEParams, x: jax.Array, cfg: MoEConfig, impl: str, return_routing: bool):
-    # One jitted function per (config, impl): eager calls of the block run compiled, and
-    # inside a user's jit this nests at no cost.
-    return moe_apply(p, x, cfg, impl=impl, return_routing=return_routing)
+def _moe_apply_jit(p: MoEParams, x: jax.Array, cfg: MoEConfig, ex: ExecConfig, return_routing: bool):
+    # One jitted function per (config, ExecConfig): eager calls of the block run compiled,
+    # and inside a user's jit this nests at no cost.
+    return moe_apply(p, x, cfg, ex, return_routing=return_routing)
 
 
 @functools.partial(jax.jit, static_argnums=(3,))

@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from jaxmoe.execution import REMOVED
+
 SCORE_FNS = ("softmax", "sigmoid", "softmax_topk", "sigmoid_topk")
 GROUP_SCORES = ("max", "top2_sum")
 RENORMS = ("none", "sum", "clamp", "add")
@@ -27,6 +29,10 @@ ACTIVATIONS = ("swiglu", "swiglu_oai")
 
 #: llama.cpp's renormalization floor: the smallest normal float16, 2^-14.
 F16_MIN_NORMAL = 2.0**-14
+
+
+#: The default of the removed `MoEConfig` fields (any value passed is an error).
+_REMOVED: Any = type("_Removed", (), {"__repr__": lambda self: "<removed>"})()
 
 
 def _fail(cls: str, field: str, msg: str) -> None:
@@ -130,17 +136,10 @@ class MoEConfig:
       dense_layers: indices of layers that are dense, not MoE (e.g. DeepSeek's first 3).
       dense_dim: intermediate width of those dense layers (0 when unknown / none).
       name, family: preset name and model family (informational).
-      batch_invariant: a token's output independent of the batch it is in (bitwise;
-        `jaxmoe.invariance`): ``True`` for every strategy, ``False`` for none beyond the
-        routing, ``None`` (default) where it is free (measured: nowhere yet, so off).
-      int8_activations: ``impl="cpu"`` only, opt-in: experts stored as int8 / int4 codes
-        (GGUF Q8_0 / Q4_0, MLX affine) or GGUF Q4_K / Q6_K blocks (the Q4_K_M mix; AVX2
-        builds) multiply activations quantized to int8 per block of
-        32 (``dx = max|x| / 127``, ggml's Q8_0 rule) with integer dot products, as llama.cpp
-        does. The result is that of the dequantized weights times the quantized activations
-        (`jaxmoe.quant.quantize_activations_q8`) within float32 rounding, not of the float
-        activations: docs/design.md, "int8 activations", has the error and the speed.
-        Other weight kinds and other impls keep float activations.
+
+    How to run the layer (strategy, batch invariance, activation arithmetic) is not part
+    of the model: `jaxmoe.execution.ExecConfig`. The removed fields ``batch_invariant``
+    and ``int8_activations`` are a ValueError naming it.
     """
 
     d_model: int
@@ -159,15 +158,14 @@ class MoEConfig:
     dense_dim: int = 0
     name: str = ""
     family: str = ""
-    batch_invariant: bool | None = None
-    int8_activations: bool = False
+    batch_invariant: dataclasses.InitVar[object] = _REMOVED
+    int8_activations: dataclasses.InitVar[object] = _REMOVED
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, batch_invariant: object = _REMOVED, int8_activations: object = _REMOVED) -> None:
         c = "MoEConfig"
-        if not isinstance(self.int8_activations, bool):
-            _fail(c, "int8_activations", f"must be true or false, got {self.int8_activations!r}")
-        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
-            _fail(c, "batch_invariant", f"must be true, false or null, got {self.batch_invariant!r}")
+        for name, v in (("batch_invariant", batch_invariant), ("int8_activations", int8_activations)):
+            if v is not _REMOVED:
+                _fail(c, name, f"was removed: how to run is not part of the model; use {REMOVED[name]}")
         if not isinstance(self.router, RouterConfig):
             _fail(c, "router", f"must be a RouterConfig, got {type(self.router).__name__}")
         for f in ("d_model", "expert_dim", "num_layers"):
@@ -235,6 +233,9 @@ def config_from_dict(d: dict[str, Any], *, source: str = "<dict>") -> MoEConfig:
     bad = set(r) - _ROUTER_FIELDS
     if bad:
         raise ValueError(f"{source}: unknown router key(s) {sorted(bad)}; known: {sorted(_ROUTER_FIELDS)}")
+    gone = sorted(set(d) & set(REMOVED))
+    if gone:
+        raise ValueError(f"{source}: key {gone[0]!r} was removed from the model config; use {REMOVED[gone[0]]}")
     bad = set(d) - _MOE_FIELDS
     if bad:
         raise ValueError(f"{source}: unknown key(s) {sorted(bad)}; known: {sorted(_MOE_FIELDS - {'router'})}")

@@ -26,7 +26,8 @@ import numpy as np
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import check_expert_ids, id_valid, replace_invalid
-from jaxmoe.invariance import row_blocks, slot_sum, wants_invariance
+from jaxmoe.execution import ExecConfig
+from jaxmoe.invariance import row_blocks, slot_sum
 from jaxmoe.quant import QuantizedTensor, materialize
 from jaxmoe.routing import Routing
 from pallas_kernels.activation import Activation
@@ -37,26 +38,26 @@ _HI = jax.lax.Precision.HIGHEST
 Weight = jax.Array | QuantizedTensor
 
 
-def dot_f32(op, a: jax.Array, b: jax.Array) -> jax.Array:
-    """``op(a, b)``, a dot that accumulates and returns float32, with operands as the
-    platform takes them.
+def dot_f32(op, a: jax.Array, b: jax.Array, platform: str = "default") -> jax.Array:
+    """``op(a, b)``, a dot that accumulates and returns float32, with operands as
+    ``platform`` (a group of `jaxmoe.platforms.GROUPS`, the one the program is lowered
+    for) takes them.
 
-    The CPU branch upcasts low-precision operands (exact); other platforms accumulate in
-    f32 from the stored dtype. XLA:CPU (jax 0.10) does take ``bf16 x bf16 -> f32`` as a
-    YNNPACK fusion, but its bf16 matrix-vector products measured slower than upcasting
-    (docs/intel.md); `jaxmoe.impls.xla_tiled.batched_mm` keeps bf16 where rows make it
-    faster. The branch is chosen for the platform the program is lowered for
-    (`jax.lax.platform_dependent`), not the host it is traced on.
+    On the CPU low-precision operands are upcast first (exact): XLA:CPU (jax 0.10) takes
+    ``bf16 x bf16 -> f32`` as a YNNPACK fusion, but its bf16 matrix-vector products are
+    slower than upcasting (docs/intel.md); `jaxmoe.impls.xla_tiled.batched_mm` keeps bf16
+    where rows make it faster. Other platforms accumulate in f32 from the stored dtype.
     """
-    if a.dtype == jnp.float32 and b.dtype == jnp.float32:
-        return op(a, b)
-    f32 = jnp.float32
-    return jax.lax.platform_dependent(a, b, cpu=lambda a, b: op(a.astype(f32), b.astype(f32)), default=op)
+    if platform == "cpu" and not (a.dtype == jnp.float32 and b.dtype == jnp.float32):
+        return op(a.astype(jnp.float32), b.astype(jnp.float32))
+    return op(a, b)
 
 
-def mm(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+def mm(spec: str, a: jax.Array, b: jax.Array, platform: str = "default") -> jax.Array:
     """``einsum(spec, a, b)`` accumulated and returned in float32 (`dot_f32`)."""
-    return dot_f32(lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, precision=_HI), a, b)
+    return dot_f32(
+        lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, precision=_HI), a, b, platform
+    )
 
 
 @jax.tree_util.register_dataclass
@@ -127,35 +128,53 @@ def activation(g: jax.Array, u: jax.Array, cfg: MoEConfig) -> jax.Array:
     return Activation(cfg.activation, float(cfg.swiglu_alpha), float(cfg.swiglu_limit))(g, u)
 
 
-def swiglu_ffn(x: jax.Array, w_gate, w_up, w_down, cfg: MoEConfig, b_gate=None, b_up=None, b_down=None) -> jax.Array:
-    """One SwiGLU MLP. ``x [T, d]``, ``w_gate, w_up [d, F]``, ``w_down [F, d]`` -> ``[T, d]``."""
-    dt = x.dtype
-    g = mm("td,df->tf", x, materialize(w_gate, dt))
-    u = mm("td,df->tf", x, materialize(w_up, dt))
-    if b_gate is not None:
-        g = g + b_gate.astype(jnp.float32)
-    if b_up is not None:
-        u = u + b_up.astype(jnp.float32)
-    h = activation(g, u, cfg).astype(dt)
-    y = mm("tf,fd->td", h, materialize(w_down, dt))
-    if b_down is not None:
-        y = y + b_down.astype(jnp.float32)
+def swiglu(x: jax.Array, wg, wu, wd, cfg: MoEConfig, matmul, bias=None, scale=None) -> jax.Array:
+    """The SwiGLU body every strategy in XLA ops shares: ``act(x Wg + bg, x Wu + bu) Wd + bd``.
+
+    ``matmul(a, w)`` is the strategy's float32-accumulating product (per expert, batched,
+    grouped); ``bias`` None or ``(bg, bu, bd)`` broadcastable to its results; ``scale``
+    (optional) multiplies the gate and up products before the biases (the routing weight
+    on the input: ``gate(w x) = w (x Wg) + b``). The hidden activation is rounded to
+    ``x.dtype`` before the down projection.
+    """
+    g = matmul(x, wg)
+    u = matmul(x, wu)
+    if scale is not None:
+        g, u = g * scale, u * scale
+    if bias is not None:
+        g, u = g + bias[0], u + bias[1]
+    h = activation(g, u, cfg).astype(x.dtype)
+    y = matmul(h, wd)
+    if bias is not None:
+        y = y + bias[2]
     return y
 
 
-def shared_expert(x: jax.Array, sw: SharedWeights | None, cfg: MoEConfig, *, invariant: bool = False) -> jax.Array:
+def swiglu_ffn(x: jax.Array, w_gate, w_up, w_down, cfg: MoEConfig, bias=None, platform: str = "default") -> jax.Array:
+    """One SwiGLU MLP. ``x [T, d]``, ``w_gate, w_up [d, F]``, ``w_down [F, d]`` (quantized
+    ones dequantized to ``x.dtype``), ``bias`` None or ``(b_gate, b_up, b_down)``
+    float32 -> ``[T, d]`` float32."""
+    dt = x.dtype
+    wg, wu, wd = (materialize(w, dt) for w in (w_gate, w_up, w_down))
+    return swiglu(x, wg, wu, wd, cfg, lambda a, w: mm("mk,kn->mn", a, w, platform), bias)
+
+
+def shared_expert(
+    x: jax.Array, sw: SharedWeights | None, cfg: MoEConfig, *, invariant: bool = False, platform: str = "default"
+) -> jax.Array:
     """Shared output ``[T, d]`` float32: ``g * shared(x)``, g = sigmoid(x . gate) or 1.
 
     ``invariant``: computed on fixed-shape row blocks (`jaxmoe.invariance.row_blocks`),
-    so a token's row does not depend on ``T``.
+    so a token's row does not depend on ``T``. ``platform``: the lowering platform group
+    (`dot_f32`).
     """
     if sw is None:
         return jnp.zeros(x.shape, jnp.float32)
     with jax.named_scope("shared_expert"):
         if invariant:
-            return row_blocks(lambda xb, sw: shared_expert(xb, sw, cfg), x, sw)
+            return row_blocks(lambda xb, sw: shared_expert(xb, sw, cfg, platform=platform), x, sw)
         sw = freeze_shared(sw)  # a quantized shared expert is frozen, as routed experts are
-        y = swiglu_ffn(x, sw.w_gate, sw.w_up, sw.w_down, cfg)
+        y = swiglu_ffn(x, sw.w_gate, sw.w_up, sw.w_down, cfg, platform=platform)
         if sw.gate is not None:
             y = y * shared_gate(x, sw.gate)
     return y
@@ -194,39 +213,40 @@ def combine_matrix(routing: Routing, num_experts: int) -> jax.Array:
     )
 
 
-def experts_dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+def experts_dense(
+    x: jax.Array,
+    routing: Routing,
+    ew: ExpertWeights,
+    cfg: MoEConfig,
+    ex: ExecConfig | None = None,
+    platform: str = "default",
+) -> jax.Array:
     """Every expert on every token, masked: the oracle. ``x [T, d]`` -> ``[T, d]`` float32.
 
-    Memory ``O(T * E * F)``: for tests and small shapes only.
+    Memory ``O(T * E * F)``: for tests and small shapes only. ``ex.batch_invariant``:
+    on fixed-shape token blocks. ``platform``: the lowering platform group (`dot_f32`).
     """
     e = ew.num_experts
     check_expert_ids(routing.expert_ids, e, "experts_dense", shape=(x.shape[0], None), weights=routing.weights)
     ew = freeze(ew)
-    if wants_invariance(cfg, "dense"):  # fixed-shape token blocks
-        return row_blocks(lambda xr, ew: _dense(xr[0], xr[1], ew, cfg), (x, routing), ew)
-    return _dense(x, routing, ew, cfg)
+    if ex is not None and ex.batch_invariant:  # fixed-shape token blocks
+        return row_blocks(lambda xr, ew: _dense(xr[0], xr[1], ew, cfg, platform), (x, routing), ew)
+    return _dense(x, routing, ew, cfg, platform)
 
 
-def _dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+def _dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, platform: str) -> jax.Array:
     dt = x.dtype
     e = ew.num_experts
     comb = combine_matrix(routing, e)  # [T, E]
     ids = replace_invalid(routing.expert_ids, e, e)  # invalid: out of range, dropped
     sel = jnp.zeros(comb.shape, bool).at[jnp.arange(comb.shape[0])[:, None], ids].set(True, mode="drop")
     wg, wu, wd = (materialize(w, dt) for w in (ew.w_gate, ew.w_up, ew.w_down))
-    g = mm("td,edf->tef", x, wg)
-    u = mm("td,edf->tef", x, wu)
-    if cfg.weight_on_input:  # expert(w * x): gate(w x) = w (x Wg) + b
-        g = g * comb[..., None]
-        u = u * comb[..., None]
-    bias = ew.biases_f32()
-    if bias is not None:
-        g = g + bias[0]
-        u = u + bias[1]
-    h = activation(g, u, cfg).astype(dt)
-    y = mm("tef,efd->ted", h, wd)
-    if bias is not None:
-        y = y + bias[2]
+
+    def matmul(a, w):  # [T, d] x [E, d, F] -> [T, E, F], then [T, E, F] x [E, F, d] -> [T, E, d]
+        return mm("td,edf->tef" if a.ndim == 2 else "tef,efd->ted", a, w, platform)
+
+    # expert(w * x): gate(w x) = w (x Wg) + b
+    y = swiglu(x, wg, wu, wd, cfg, matmul, ew.biases_f32(), comb[..., None] if cfg.weight_on_input else None)
     scale = sel.astype(jnp.float32) if cfg.weight_on_input else comb
     # where() keeps NaN weights of a NaN token from being multiplied away, and keeps
     # unselected experts (whose output may be inf) out of the sum.
@@ -234,7 +254,14 @@ def _dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) ->
     return y.sum(axis=1)
 
 
-def experts_gather(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+def experts_gather(
+    x: jax.Array,
+    routing: Routing,
+    ew: ExpertWeights,
+    cfg: MoEConfig,
+    ex: ExecConfig | None = None,
+    platform: str = "default",
+) -> jax.Array:
     """Per (token, slot) pair, its selected expert only. ``x [T, d]`` -> ``[T, d]`` float32.
 
     A loop over the ``T * k`` pairs in order; each step takes one expert's weights
@@ -246,11 +273,13 @@ def experts_gather(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoECo
     check_expert_ids(
         routing.expert_ids, ew.num_experts, "experts_gather", shape=(x.shape[0], None), weights=routing.weights
     )
-    return _experts_gather(x, routing, freeze(ew), cfg)
+    return _experts_gather(x, routing, freeze(ew), cfg, ex is not None and ex.batch_invariant, platform)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _experts_gather(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("cfg", "invariant", "platform"))
+def _experts_gather(
+    x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, invariant: bool, platform: str
+) -> jax.Array:
     dt = x.dtype
     ids, w = routing.expert_ids, routing.weights
     t, k = ids.shape
@@ -264,7 +293,7 @@ def _experts_gather(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEC
 
     def run(i):
         one = ew.take(flat[i])  # this pair's expert: w_gate [d, F], w_up [d, F], w_down [F, d]
-        return swiglu_ffn(xin[i], one.w_gate, one.w_up, one.w_down, cfg, one.b_gate, one.b_up, one.b_down)
+        return swiglu_ffn(xin[i], one.w_gate, one.w_up, one.w_down, cfg, one.biases_f32(), platform)
 
     def pair(i, ys):
         # an invalid pair (e.g. expert-parallel padding) is not computed
@@ -274,7 +303,7 @@ def _experts_gather(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEC
     ys = jax.lax.fori_loop(0, p, pair, jnp.zeros((p, x.shape[1]), jnp.float32)).reshape(t, k, -1)
     # an invalid pair adds exactly zero; slots in order (batch invariant: one per-pair program)
     scale = None if cfg.weight_on_input else w
-    return slot_sum(ys, scale, ok.reshape(t, k), invariant=wants_invariance(cfg, "gather"))
+    return slot_sum(ys, scale, ok.reshape(t, k), invariant=invariant)
 
 
 def zero_cotangent(tree):

@@ -19,11 +19,10 @@ The rules here make every arithmetic step that produces a token's row independen
   strategy's module says how); the C++ kernel (``impl="cpu"``) accumulates every output
   element in one sequential order whatever its row count, so it is invariant always.
 
-`MoEConfig.batch_invariant` chooses: ``True`` every strategy invariant, ``False`` none
-beyond the routing's fixed-order sums (they cost nothing and are always on), ``None``
-(default) invariant where it is free (`INVARIANT_BY_DEFAULT`: measured, nowhere yet).
-The cost of ``True`` per strategy is measured by ``benchmarks/bench_invariance.py``
-(docs/performance.md).
+``ExecConfig(batch_invariant=True)`` (`jaxmoe.execution`) turns it on for every strategy,
+on one device and under expert parallelism; off (the default), nothing beyond the
+routing's fixed-order sums (they cost nothing and are always on). Its cost per strategy
+is measured by ``benchmarks/bench_invariance.py`` (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -35,23 +34,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.config import MoEConfig
+from pallas_kernels.common import slot_sum as ordered_slot_sum
 
 #: Rows per block of a token-dimension dot in invariant mode.
 ROW_BLOCK = 8
-
-#: Strategies whose invariant form costs nothing measurable, so ``batch_invariant=None``
-#: turns it on there. Empty: even ``cpu`` (whose kernel is invariant by itself) pays for
-#: the invariant routing, router, shared expert and combine around it, 0.98-1.31x of the
-#: fast layer by T (benchmarks/bench_invariance.py, docs/performance.md).
-INVARIANT_BY_DEFAULT: frozenset[str] = frozenset()
-
-
-def wants_invariance(cfg: MoEConfig, impl: str) -> bool:
-    """Whether strategy ``impl`` (a resolved name) runs batch-invariant under ``cfg``."""
-    if cfg.batch_invariant is None:
-        return impl in INVARIANT_BY_DEFAULT
-    return bool(cfg.batch_invariant)
 
 
 def row_blocks(fn: Callable[..., Any], rows: Any, *args, block: int = ROW_BLOCK) -> Any:
@@ -137,16 +123,6 @@ def fixed_sum(v: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array
     return s
 
 
-def ordered_sum(v: jax.Array, axis: int) -> jax.Array:
-    """Sum over ``axis`` in index order, ``((v0 + v1) + v2) + ...``, as elementwise adds
-    (for short axes: the top-k slots of a token)."""
-    v = jnp.moveaxis(v, axis, 0)
-    acc = v[0]
-    for i in range(1, v.shape[0]):
-        acc = acc + v[i]
-    return acc
-
-
 def slot_sum(y: jax.Array, scale: jax.Array | None, valid: jax.Array, *, invariant: bool) -> jax.Array:
     """``y [T, k, n]`` -> ``[T, n]`` float32: ``sum_j valid[t, j] ? scale[t, j] * y[t, j] : 0``
     with the slots added in order (``scale`` None: no scaling).
@@ -162,8 +138,8 @@ def slot_sum(y: jax.Array, scale: jax.Array | None, valid: jax.Array, *, invaria
         return jnp.where(vb[..., None], p, 0.0)
 
     if invariant:
-        return ordered_sum(row_blocks(products, (y, scale, valid)), axis=1)
-    return ordered_sum(products((y, scale, valid)), axis=1)
+        return ordered_slot_sum(row_blocks(products, (y, scale, valid)))
+    return ordered_slot_sum(products((y, scale, valid)))
 
 
 def fixed_softmax(z: jax.Array, axis: int = -1) -> jax.Array:
@@ -177,12 +153,9 @@ def fixed_softmax(z: jax.Array, axis: int = -1) -> jax.Array:
 
 
 __all__ = [
-    "INVARIANT_BY_DEFAULT",
     "ROW_BLOCK",
     "fixed_softmax",
     "fixed_sum",
-    "ordered_sum",
     "row_blocks",
     "slot_sum",
-    "wants_invariance",
 ]

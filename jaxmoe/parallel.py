@@ -6,19 +6,23 @@ replicated over ``data``); tokens are sharded over all devices; the router, the
 selection bias and the shared expert are replicated. Inside `jax.shard_map` each
 device:
 
-1. routes its tokens exactly as `jaxmoe.moe_apply` does (float32, replicated router),
+1. routes its tokens exactly as `jaxmoe.moe_apply` does (`jaxmoe.params.compute_routing`:
+   float32, replicated router, fixed row blocks with batch invariance),
 2. writes each (token, slot) pair into a send buffer ``[n, C, d]``: row ``dest*C + pos``
    where ``dest = id // (E/n)`` and ``pos`` is the pair's rank among this device's
    pairs for ``dest`` (token order, then slot order),
 3. exchanges the buffers along ``expert`` (``all_to_all``, or ``ragged_all_to_all``
    where XLA lowers it, which moves only the filled rows),
-4. runs its local experts on the received rows with the registered grouped path
-   (``jaxmoe.impls``; one slot per row, local expert ids, the routing weight
-   sent along). The unused rows of the ``[n, C]`` buffers carry the local id ``E/n``,
-   which the dispatch plan drops (`jaxmoe.dispatch`): only the received pairs are
-   computed, never the padding,
-5. sends the weighted rows back the same way and sums each token's k slots,
-6. adds the (replicated) shared expert.
+4. runs its local experts on the received rows through `jaxmoe.impls.policy.run_experts`,
+   the same expert dispatch as `jaxmoe.moe_apply` (so every `jaxmoe.ExecConfig` option
+   holds: ``impl`` resolved per lowering platform, batch invariance, activations; one
+   slot per row, local expert ids, the routing weight sent along). The unused rows of
+   the ``[n, C]`` buffers carry the local id ``E/n``, which the dispatch plan drops
+   (`jaxmoe.dispatch`): only the received pairs are computed, never the padding,
+5. sends the weighted rows back the same way and sums each token's k slots in slot
+   order (`jaxmoe.invariance.slot_sum`),
+6. adds the (replicated) shared expert (`jaxmoe.experts.shared_expert`; row blocks with
+   batch invariance).
 
 Capacity ``C`` (rows per sender -> receiver): with ``capacity_factor=None`` it is the
 no-drop worst case ``T_local * min(k, E/n)`` (every local pair to one device), so no
@@ -60,12 +64,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmoe.config import MoEConfig, RouterConfig
 from jaxmoe.dispatch import check_expert_ids, id_valid, replace_invalid
+from jaxmoe.execution import ExecConfig, exec_config
 from jaxmoe.experts import shared_expert
-from jaxmoe.impls.policy import default_platform, resolve_impl
-from jaxmoe.impls.registry import get_impl
-from jaxmoe.params import MoEParams
-from jaxmoe.platforms import RAGGED_PLATFORMS
-from jaxmoe.routing import Routing, route, router_logits
+from jaxmoe.impls.policy import resolve_impl, run_experts
+from jaxmoe.invariance import slot_sum
+from jaxmoe.params import MoEParams, compute_routing
+from jaxmoe.platforms import RAGGED_PLATFORMS, default_platform
+from jaxmoe.routing import Routing
 
 EXPERT_AXIS = "expert"
 DATA_AXIS = "data"
@@ -135,10 +140,6 @@ def check_divisible(cfg: MoEConfig, mesh: Mesh) -> int:
     if e % n:
         raise ValueError(f"num_experts={e} is not divisible by the mesh's {EXPERT_AXIS!r} axis size {n}")
     return e // n
-
-
-def _is_q(a) -> bool:
-    return hasattr(a, "qdata")
 
 
 def param_specs(params: MoEParams) -> MoEParams:
@@ -280,7 +281,7 @@ def _ep_body(
     cfg: MoEConfig,
     n: int,
     c: int,
-    impl: str,
+    ex: ExecConfig,
     kind: str,
     tok_axes: tuple[str, ...],
     all_axes: tuple[str, ...],
@@ -290,9 +291,8 @@ def _ep_body(
     tl, d = x.shape
     k = cfg.top_k
     if ids is None:
-        w_router, b_router, sel_bias = router
         with jax.named_scope("ep_route"):
-            r = route(router_logits(x, w_router, b_router), cfg.router, sel_bias)
+            r = compute_routing(router, x, cfg, invariant=ex.batch_invariant)
         ids, w = r.expert_ids, r.weights
     with jax.named_scope("ep_dispatch"):
         slot, kept, sizes, dropped = _plan(ids, valid, n, el, c)
@@ -307,15 +307,14 @@ def _ep_body(
         recv_id = exchange_rows(send_id, sizes, recv_sizes, n, c, kind, fill=el)
         recv_w = exchange_rows(send_w, sizes, recv_sizes, n, c, kind)
     lcfg = local_config(cfg, el)
-    name = resolve_impl(impl, n * c)
-    with jax.named_scope(f"ep_experts_{name}"):
-        out = get_impl(name)(recv_x, Routing(recv_id[:, None], recv_w[:, None]), experts, lcfg)
+    with jax.named_scope("ep_experts"):
+        out = run_experts(recv_x, Routing(recv_id[:, None], recv_w[:, None]), experts, None, lcfg, ex)
     with jax.named_scope("ep_return"):
         back = exchange_rows(out.astype(jnp.float32), recv_sizes, sizes, n, c, kind)
     with jax.named_scope("ep_combine"):
-        y = jnp.take(back, jnp.minimum(slot, n * c - 1), axis=0)
-        y = jnp.where(kept[:, None], y, 0.0).reshape(tl, k, d).sum(axis=1)
-        y = y + shared_expert(x, shared, cfg)
+        y = jnp.take(back, jnp.minimum(slot, n * c - 1), axis=0).reshape(tl, k, d)
+        y = slot_sum(y, None, kept.reshape(tl, k), invariant=ex.batch_invariant)
+        y = y + shared_expert(x, shared, cfg, invariant=ex.batch_invariant)
     load = (
         jnp.zeros((el,), jnp.int32)
         .at[recv_id]
@@ -326,8 +325,8 @@ def _ep_body(
     return y.astype(x.dtype), ids, w, kept.reshape(tl, k), dropped, load
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "impl", "c", "kind", "given"))
-def _ep_jit(params: MoEParams, x2: jax.Array, ids, w, *, cfg, mesh, impl, c, kind, given):
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "ex", "c", "kind", "given"))
+def _ep_jit(params: MoEParams, x2: jax.Array, ids, w, *, cfg, mesh, ex, c, kind, given):
     n, tok_axes = _axes(mesh)
     all_axes = tuple(mesh.axis_names)
     n_tok = math.prod(int(mesh.shape[a]) for a in tok_axes)
@@ -339,7 +338,7 @@ def _ep_jit(params: MoEParams, x2: jax.Array, ids, w, *, cfg, mesh, impl, c, kin
     if given:
         ids = jnp.pad(ids, ((0, pad), (0, 0)))
         w = jnp.pad(w, ((0, pad), (0, 0)))
-    router = (params.w_router, params.b_router, params.selection_bias)
+    router = dataclasses.replace(params, experts=None, shared=None)  # the routing's parameters
 
     tspec = P(tok_axes)
     rep = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
@@ -359,7 +358,7 @@ def _ep_jit(params: MoEParams, x2: jax.Array, ids, w, *, cfg, mesh, impl, c, kin
     args = (x2, valid, ids, w, router, params.experts, params.shared)
     specs = (tspec, tspec, tspec, tspec, rep(router), ex_spec, P())
     args = tuple(put(a, s) for a, s in zip(args, specs))
-    body = functools.partial(_ep_body, cfg=cfg, n=n, c=c, impl=impl, kind=kind, tok_axes=tok_axes, all_axes=all_axes)
+    body = functools.partial(_ep_body, cfg=cfg, n=n, c=c, ex=ex, kind=kind, tok_axes=tok_axes, all_axes=all_axes)
     out_specs = (tspec, tspec, tspec, tspec, P(), P(EXPERT_AXIS))
     # check_vma=False: the grouped paths (e.g. ``xla``'s fori_loop over a zeros carry) are
     # written for one device and need not annotate which values vary across the mesh.
@@ -382,25 +381,31 @@ def moe_apply_ep(
     x: jax.Array,
     cfg: MoEConfig,
     mesh: Mesh,
+    ex: ExecConfig | None = None,
     *,
-    impl: str = "auto",
+    impl: str | None = None,
     return_routing: bool = False,
     capacity_factor: float | None = None,
     routing: Routing | None = None,
     exchange: str = "auto",
     return_stats: bool = False,
+    **removed,
 ):
     """One MoE layer, expert-parallel over ``mesh``. ``x [..., d]`` -> ``y [..., d]`` in ``x.dtype``.
 
-    Equals `jaxmoe.moe_apply` up to float rounding (same routing, same per-slot expert
-    math, sums in float32) whenever no pair is dropped.
+    Equals `jaxmoe.moe_apply` up to float rounding (same routing, same expert dispatch,
+    sums in float32 in slot order) whenever no pair is dropped; with
+    ``ExecConfig(batch_invariant=True)`` a token's output is bitwise independent of the
+    batch and of how the tokens fall on the mesh.
 
     Args:
       params: the layer's `MoEParams` (any placement; `shard_params` avoids a reshard).
       x: activations ``[..., d]``; tokens are padded to a multiple of the device count.
       cfg: the layer's `MoEConfig`.
       mesh: a `jax.sharding.Mesh` with an ``expert`` axis and optionally ``data``.
-      impl: the grouped path each device runs on its local experts.
+      ex: how each device runs its share (`jaxmoe.ExecConfig`; every option holds: the
+        same `jaxmoe.impls.policy.run_experts` as `jaxmoe.moe_apply`).
+      impl: shorthand for ``ExecConfig(impl=...)``.
       return_routing: also return the `Routing` ``[T, k]`` used (flattened tokens).
       capacity_factor: None (no drops, worst-case buffers) or ``c > 0``: rows per device
         pair ``ceil(c * T_local * k / n)``. When set, an `EPStats` is always returned,
@@ -413,6 +418,7 @@ def moe_apply_ep(
       ``y``, followed by the `Routing` if ``return_routing`` and the `EPStats` if
       ``return_stats`` or ``capacity_factor`` is set, in that order.
     """
+    ex = exec_config(ex, impl, **removed)
     x = jnp.asarray(x)
     if x.shape[-1] != cfg.d_model:
         raise ValueError(f"moe_apply_ep: x has width {x.shape[-1]} but d_model is {cfg.d_model} (shape {x.shape})")
@@ -435,9 +441,8 @@ def moe_apply_ep(
         check_expert_ids(ids, cfg.num_experts, "moe_apply_ep", shape=(t, cfg.top_k), weights=w)
         ids = replace_invalid(ids, cfg.num_experts, cfg.num_experts)  # before the int32 cast
         ids, w = ids.astype(jnp.int32), w.astype(jnp.float32)
-    impl = resolve_impl(impl, n * c, experts=params.experts, dtype=x2.dtype) if impl == "auto" else impl
-    get_impl(impl)  # ValueError for unknown names, before tracing
-    y, r, stats = _ep_jit(params, x2, ids, w, cfg=cfg, mesh=mesh, impl=impl, c=c, kind=kind, given=given)
+    resolve_impl(ex.impl, n * c, experts=params.experts, dtype=x2.dtype)  # ValueError for unknown names, before tracing
+    y, r, stats = _ep_jit(params, x2, ids, w, cfg=cfg, mesh=mesh, ex=ex, c=c, kind=kind, given=given)
     out = [y.reshape(*lead, cfg.d_model)]
     if return_routing:
         out.append(r)

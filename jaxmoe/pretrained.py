@@ -13,11 +13,20 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from jaxmoe.block import MoEBlock
+from jaxmoe.execution import REMOVED, ExecConfig, exec_config
 from jaxmoe.io import load_layer
 from jaxmoe.io import save_gguf as save_layer_gguf
 
 
-def from_pretrained(path: str | os.PathLike, layer: int = 0, *, dtype=jnp.float32, impl: str = "auto", **loader_kwargs):
+def from_pretrained(
+    path: str | os.PathLike,
+    layer: int = 0,
+    *,
+    dtype=jnp.float32,
+    impl: str | None = None,
+    ex: ExecConfig | None = None,
+    **loader_kwargs,
+):
     """An `MoEBlock` for MoE layer ``layer`` of a GGUF file or an HF / MLX checkpoint directory.
 
     Args:
@@ -28,11 +37,16 @@ def from_pretrained(path: str | os.PathLike, layer: int = 0, *, dtype=jnp.float3
       dtype: the block's parameter and compute dtype, and the dtype the loader gives the
         float expert weights (Q8_0 / Q4_0 / MLX 4-bit experts stay quantized; the router
         is float32 always).
-      impl: the block's execution strategy.
+      impl: shorthand for ``ExecConfig(impl=...)``.
+      ex: how the block runs (`jaxmoe.ExecConfig`).
       **loader_kwargs: the format's own options (e.g. ``quantized=`` for HF directories).
     """
+    gone = [k for k in loader_kwargs if k in REMOVED]
+    if gone:
+        raise TypeError(f"from_pretrained: keyword {gone[0]!r} was removed; use {REMOVED[gone[0]]}")
+    run = exec_config(ex, impl)
     cfg, params = load_layer(path, layer=layer, dtype=dtype, **loader_kwargs)
-    return MoEBlock(cfg, params=params, impl=impl, dtype=dtype)
+    return MoEBlock(cfg, params=params, ex=run, dtype=dtype)
 
 
 def save_gguf(block_or_cfg_params, path: str | os.PathLike, layer: int = 0, dtype: str = "f16", **kwargs) -> Path:

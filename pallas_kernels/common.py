@@ -1,9 +1,7 @@
-"""Pieces every kernel shares: Triton compiler params, the interpret switch and argument
-checks (and the SwiGLU epilogue of `pallas_kernels.activation`, re-exported)."""
+"""Pieces every kernel shares: Triton compiler params, argument checks, the ordered slot
+sum (and the SwiGLU epilogue of `pallas_kernels.activation`, re-exported)."""
 
 from __future__ import annotations
-
-import os
 
 import jax
 import jax.numpy as jnp
@@ -11,11 +9,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.activation import ACTIVATIONS, Activation
-
-#: Set to 1 to run the kernels in Pallas interpret mode (0 forces compiled mode).
-INTERPRET_ENV = "JAXMOE_PALLAS_INTERPRET"
-#: JAX platforms whose backend compiles Pallas's Triton lowering.
-TRITON_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
@@ -43,19 +36,6 @@ def grouped_order(num_rows: int, num_cols: int, group: int = GROUP_M) -> tuple[j
     size = jnp.minimum(num_rows - first, group)
     local = pid % width
     return first + local % size, local // size
-
-
-def default_interpret(platform: str | None = None) -> bool:
-    """Interpret mode from ``JAXMOE_PALLAS_INTERPRET``, else on whenever ``platform``
-    (default: the default backend's) is not a GPU with Triton, so the same kernels run,
-    slowly, on the CPU. Pass the *lowering* platform to decide per platform (what
-    `jax.lax.platform_dependent` callers do)."""
-    env = os.environ.get(INTERPRET_ENV, "").strip().lower()
-    if env in ("1", "true", "yes", "on"):
-        return True
-    if env in ("0", "false", "no", "off"):
-        return False
-    return (platform or jax.default_backend()) not in TRITON_PLATFORMS
 
 
 def check_array(name: str, a, shape: tuple, dtype=None, kinds: str | None = None) -> None:
@@ -91,14 +71,12 @@ def check_out(where: str, out, shape: tuple, dtype) -> None:
 
 __all__ = [
     "ACTIVATIONS",
-    "INTERPRET_ENV",
-    "TRITON_PLATFORMS",
+    "slot_sum",
     "Activation",
     "check_array",
     "check_blocks",
     "check_out",
     "compiler_params",
-    "default_interpret",
 ]
 
 

@@ -52,6 +52,7 @@ def rows_vjp(
     cfg: MoEConfig,
     *,
     weight_grads: bool = True,
+    platform: str = "default",
 ) -> RowsGrad:
     """Reverse of ``y = wr * (act(x Wg + bg, x Wu + bu) Wd + bd)`` over rows of one expert.
 
@@ -67,6 +68,7 @@ def rows_vjp(
       bias: ``(b_gate [F], b_up [F], b_down [d])`` float32, or None.
       cfg: the layer config (activation).
       weight_grads: also form the weight gradients (False for frozen experts).
+      platform: the lowering platform group (`jaxmoe.experts.dot_f32`).
     """
     dt = xb.dtype
     f32 = jnp.float32
@@ -74,12 +76,12 @@ def rows_vjp(
     xb = jnp.where(v, xb, jnp.zeros((), dt))
     gt = jnp.where(v, gt.astype(f32), 0.0)
     wg, wu, wd = w
-    g = mm("md,df->mf", xb, wg)  # recomputed: [m, F]
-    u = mm("md,df->mf", xb, wu)
+    g = mm("md,df->mf", xb, wg, platform)  # recomputed: [m, F]
+    u = mm("md,df->mf", xb, wu, platform)
     if bias is not None:
         g, u = g + bias[0], u + bias[1]
     h, act_vjp = jax.vjp(lambda g, u: activation(g, u, cfg).astype(dt), g, u)  # h [m, F]
-    dh = mm("md,fd->mf", gt, wd)  # g_t W_down^T [m, F]
+    dh = mm("md,fd->mf", gt, wd, platform)  # g_t W_down^T [m, F]
     dw = None
     gy = gt
     if wr is not None:
@@ -90,12 +92,12 @@ def rows_vjp(
         dh = dh * wr[:, None]
         gy = gt * wr[:, None]
     dg, du = act_vjp(dh.astype(dt))  # float32 [m, F]
-    dx = mm("mf,df->md", dg, wg) + mm("mf,df->md", du, wu)
+    dx = mm("mf,df->md", dg, wg, platform) + mm("mf,df->md", du, wu, platform)
     if not weight_grads:
         return RowsGrad(dx, dw, None)
-    dwg = mm("md,mf->df", xb, dg)
-    dwu = mm("md,mf->df", xb, du)
-    dwd = mm("mf,md->fd", h, gy)
+    dwg = mm("md,mf->df", xb, dg, platform)
+    dwu = mm("md,mf->df", xb, du, platform)
+    dwd = mm("mf,md->fd", h, gy, platform)
     return RowsGrad(dx, dw, (dwg, dwu, dwd, dg.sum(0), du.sum(0), gy.sum(0)))
 
 

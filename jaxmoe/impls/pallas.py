@@ -13,13 +13,14 @@ kernels run over it, then `pallas_kernels.down.combine` sums each token's slots.
 are a ValueError when concrete; under ``jit`` such a pair adds exactly zero (the decode
 kernels read expert 0 for it and the result is masked; the plan drops it).
 
-The interpret switch is resolved for the lowering platform (`jax.lax.platform_dependent`):
-lowered for CUDA / ROCm the kernels are compiled Triton kernels, even when the program
-is traced on a CPU host (``jax.jit(f).lower(lowering_platforms=("cuda",))``,
-``jax.export``); lowered anywhere else they run in Pallas interpret mode (same kernel
-bodies, slow). ``JAXMOE_PALLAS_INTERPRET=1`` / ``0`` forces interpret / compiled mode on
-every platform (compiled mode then fails to lower where Pallas's Triton backend does not
-exist: "MLIR translation rule for primitive 'pallas_call' not found").
+Interpret mode follows the platform group the branch is lowered for (the ``platform``
+argument, from `jaxmoe.impls.policy.run_experts`): lowered for CUDA / ROCm the kernels are
+compiled Triton kernels, even when the program is traced on a CPU host
+(``jax.jit(f).lower(lowering_platforms=("cuda",))``, ``jax.export``); lowered anywhere
+else they run in Pallas interpret mode (same kernel bodies, slow).
+``ExecConfig(interpret=True / False)`` forces interpret / compiled mode on every platform
+(compiled mode then fails to lower where Pallas's Triton backend does not exist: "MLIR
+translation rule for primitive 'pallas_call' not found").
 
 Reverse mode (a `jax.custom_vjp`, issue 13): the backward runs in Pallas over a dispatch
 plan (the decode bucket's too, with ``tuning.fixed`` blocks), `pallas_kernels.backward`:
@@ -47,20 +48,17 @@ import numpy as np
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import check_expert_ids, id_valid, plan_dispatch, replace_invalid
+from jaxmoe.execution import ExecConfig
 from jaxmoe.experts import ExpertWeights, experts_frozen, frozen_cotangent, zero_cotangent
-from jaxmoe.invariance import wants_invariance
 from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
 from jaxmoe.routing import Routing
 from pallas_kernels import tuning
 from pallas_kernels.backward import backward_blocks, gate_up_backward, gmm_transposed, group_sum, tgmm
-from pallas_kernels.common import Activation, default_interpret
+from pallas_kernels.common import Activation
 from pallas_kernels.decode import combine_pairs, decode_down, decode_gate_up
 from pallas_kernels.down import combine, down_project
 from pallas_kernels.quant import QuantWeight
 from pallas_kernels.swiglu import gate_up_swiglu
-
-#: Lowering platforms (`jax.lax.platform_dependent` names) where the kernels are compiled.
-_TRITON_LOWERING = ("cuda", "rocm")
 
 
 def kernel_weight(w: jax.Array | QuantizedTensor) -> jax.Array | QuantWeight:
@@ -90,9 +88,9 @@ def experts_pallas(
     routing: Routing,
     experts: ExpertWeights,
     cfg: MoEConfig,
+    ex: ExecConfig | None = None,
+    platform: str = "default",
     *,
-    interpret: bool | None = None,
-    config: tuning.KernelConfig | None = None,
     debug: bool = False,
 ) -> jax.Array:
     """Routed experts with the Pallas kernels. ``x [T, d]`` -> ``[T, d]`` float32.
@@ -102,29 +100,24 @@ def experts_pallas(
       routing: `jaxmoe.routing.Routing` with ``expert_ids, weights [T, k]``.
       experts: `jaxmoe.experts.ExpertWeights` (arrays or `QuantizedTensor`s).
       cfg: the `jaxmoe.config.MoEConfig`.
-      interpret: Pallas interpret mode; default: `pallas_kernels.common.default_interpret`
-        of the lowering platform (compiled on CUDA / ROCm, interpreted elsewhere).
-      config: block sizes; default ``tuning.choose(T * k, d, F, x.dtype)``, or ``tuning.fixed(d, F, x.dtype)``
-        when ``cfg`` asks for batch invariance (`jaxmoe.invariance`).
+      ex: ``interpret`` (default: compiled when ``platform`` is ``triton``, interpreted
+        otherwise); ``kernel_config`` block sizes (default ``tuning.choose(T * k, d, F,
+        x.dtype)``, or ``tuning.fixed(d, F, x.dtype)`` with ``batch_invariant``).
+      platform: the platform group the program is lowered for (`jaxmoe.platforms`).
       debug: the Pallas ``debug`` flag (prints each kernel's jaxpr and generated code).
     """
+    ex = ex or ExecConfig()
     if x.ndim != 2 or x.shape[1] != cfg.d_model:
         raise ValueError(f"experts_pallas: x must be [T, {cfg.d_model}], got shape {x.shape}")
     t, d = x.shape
     k = cfg.top_k
     check_expert_ids(routing.expert_ids, experts.num_experts, "experts_pallas", shape=(t, k), weights=routing.weights)
-    if interpret is None:
-        modes = {plat: default_interpret(plat) for plat in (*_TRITON_LOWERING, "cpu")}
-        if len(set(modes.values())) > 1:
-            run = functools.partial(experts_pallas, cfg=cfg, config=config, debug=debug)
-            by_mode = {m: functools.partial(run, interpret=m) for m in (False, True)}  # one branch per mode
-            per = {plat: by_mode[modes[plat]] for plat in _TRITON_LOWERING}
-            return jax.lax.platform_dependent(x, routing, experts, default=by_mode[modes["cpu"]], **per)
-        interpret = modes["cpu"]
+    interpret = ex.interpret if ex.interpret is not None else platform != "triton"
+    config = ex.kernel_config
     if config is None:  # batch-invariant: one tile program whatever T is, no decode switch
         config = (
             tuning.fixed(d, cfg.expert_dim, x.dtype)
-            if wants_invariance(cfg, "pallas")
+            if ex.batch_invariant
             else tuning.choose(t * k, d, cfg.expert_dim, x.dtype)
         )
     return _experts_vjp(x, routing, experts, cfg, config, interpret, debug)

@@ -1,6 +1,8 @@
 """Grouped execution of the routed experts in plain XLA ops (``impl="xla"``).
 
-``xla`` (the default on CPU and Intel GPUs): the ``P = T * k`` (token, slot) pairs are
+``xla`` (``auto``'s choice on the CPU when the C++ kernel is not available, and on
+platforms without a strategy of their own; on Intel GPUs ``xla`` lowers to
+`jaxmoe.impls.xla_tiled`): the ``P = T * k`` (token, slot) pairs are
 sorted by expert (`jaxmoe.dispatch.plan_dispatch`); a loop runs over the experts that
 received at least one pair, in increasing id order; for each it takes that expert's
 weights once (dequantizing a `QuantizedTensor` expert there, so only selected experts
@@ -24,10 +26,11 @@ import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import DispatchPlan, plan_dispatch
-from jaxmoe.experts import ExpertWeights, activation, experts_frozen, frozen_cotangent, mm, zero_cotangent
+from jaxmoe.execution import ExecConfig
+from jaxmoe.experts import ExpertWeights, experts_frozen, frozen_cotangent, mm, swiglu, zero_cotangent
 from jaxmoe.impls.backward import rows_vjp
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
-from jaxmoe.invariance import ROW_BLOCK, wants_invariance
+from jaxmoe.invariance import ROW_BLOCK
 from jaxmoe.quant import materialize
 from jaxmoe.routing import Routing
 
@@ -43,7 +46,12 @@ def choose_block_m(num_pairs: int, num_experts: int) -> int:
 
 
 def experts_xla(
-    x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, block_m: int | None = None
+    x: jax.Array,
+    routing: Routing,
+    ew: ExpertWeights,
+    cfg: MoEConfig,
+    ex: ExecConfig | None = None,
+    platform: str = "default",
 ) -> jax.Array:
     """Sorted grouped SwiGLU in plain XLA ops. ``x [T, d]`` -> ``[T, d]`` float32.
 
@@ -52,20 +60,17 @@ def experts_xla(
       routing: ``expert_ids, weights [T, k]``.
       ew: `ExpertWeights` ``[E, ...]``, arrays or `QuantizedTensor`.
       cfg: the layer config (activation, biases, ``weight_on_input``).
-      block_m: rows per expert dot (default `choose_block_m`; `jaxmoe.invariance.ROW_BLOCK`
-        when ``cfg`` asks for batch invariance).
+      ex: ``block_m`` rows per expert dot (default `choose_block_m`;
+        `jaxmoe.invariance.ROW_BLOCK` with ``batch_invariant``), ``batch_invariant``.
+      platform: the lowering platform group (`jaxmoe.experts.dot_f32`).
     """
+    ex = ex or ExecConfig()
     check_inputs(x, routing, ew, "experts_xla")
     t, k = routing.expert_ids.shape
-    if block_m is not None and (not isinstance(block_m, int) or block_m < 1):
-        raise ValueError(f"experts_xla: block_m must be a positive int, got {block_m!r}")
+    block_m = ex.block_m
     if block_m is None:  # batch-invariant: one chunk shape whatever T is (jaxmoe.invariance)
-        block_m = ROW_BLOCK if wants_invariance(cfg, "xla") else choose_block_m(t * k, ew.num_experts)
-    return _experts_xla(x, routing, ew, cfg=cfg, block_m=block_m)
-
-
-def _experts_xla(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, block_m: int) -> jax.Array:
-    return _xla_jit(x, routing, ew, cfg, block_m)
+        block_m = ROW_BLOCK if ex.batch_invariant else choose_block_m(t * k, ew.num_experts)
+    return _xla_jit(x, routing, ew, cfg, (block_m, ex.batch_invariant, platform))
 
 
 def loop_take(ew: ExpertWeights, ex: jax.Array) -> ExpertWeights:
@@ -90,7 +95,8 @@ def _active(plan: DispatchPlan, p: int) -> tuple[jax.Array, jax.Array]:
     return active, jnp.sum(plan.group_sizes > 0, dtype=jnp.int32)
 
 
-def _forward(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, bm: int):
+def _forward(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, how: tuple[int, bool, str]):
+    bm, invariant, platform = how
     t, d = x.shape
     k = routing.expert_ids.shape[1]
     e = ew.num_experts
@@ -113,14 +119,7 @@ def _forward(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, 
         def chunk_body(j, ys):
             r0 = start + j * bm
             xb = jax.lax.dynamic_slice_in_dim(xs, r0, bm)  # [bm, d]
-            g = mm("md,df->mf", xb, wg)  # [bm, F]
-            u = mm("md,df->mf", xb, wu)
-            if bias is not None:
-                g, u = g + bias[0], u + bias[1]
-            h = activation(g, u, cfg).astype(dt)
-            y = mm("mf,fd->md", h, wd)  # [bm, d]
-            if bias is not None:
-                y = y + bias[2]
+            y = swiglu(xb, wg, wu, wd, cfg, lambda a, w: mm("mk,kn->mn", a, w, platform), bias)  # [bm, d]
             return jax.lax.dynamic_update_slice_in_dim(ys, y, r0, axis=0)
 
         return jax.lax.fori_loop(0, (n + bm - 1) // bm, chunk_body, ys)
@@ -128,23 +127,23 @@ def _forward(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, 
     with jax.named_scope("grouped_swiglu"):
         ys = jax.lax.fori_loop(0, n_active, expert_body, jnp.zeros((p + bm, d), jnp.float32))
     with jax.named_scope("combine"):
-        return combine(ys[:p], routing, plan, cfg, invariant=wants_invariance(cfg, "xla")), plan
+        return combine(ys[:p], routing, plan, cfg, invariant=invariant), plan
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _xla_vjp(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, bm: int) -> jax.Array:
-    return _forward(x, routing, ew, cfg, bm)[0]
+def _xla_vjp(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, how: tuple) -> jax.Array:
+    return _forward(x, routing, ew, cfg, how)[0]
 
 
-def _xla_fwd(x, routing, ew, cfg, bm):
-    y, plan = _forward(x, routing, ew, cfg, bm)
+def _xla_fwd(x, routing, ew, cfg, how):
+    y, plan = _forward(x, routing, ew, cfg, how)
     return y, (x, routing, ew, plan)  # the inputs and the O(T k) plan: nothing [rows, F], nothing [T, E]
 
 
-def _xla_bwd(cfg: MoEConfig, bm: int, res, gy: jax.Array):
+def _xla_bwd(cfg: MoEConfig, how: tuple, res, gy: jax.Array):
     x, routing, ew, plan = res
     with jax.named_scope("xla_backward"):
-        dx, dw, dew = experts_xla_backward(x, routing, ew, plan, gy, cfg)
+        dx, dw, dew = experts_xla_backward(x, routing, ew, plan, gy, cfg, platform=how[2])
     return dx, Routing(zero_cotangent(routing.expert_ids), dw), dew
 
 
@@ -153,7 +152,14 @@ _xla_jit = jax.jit(_xla_vjp, static_argnums=(3, 4))
 
 
 def experts_xla_backward(
-    x: jax.Array, routing: Routing, ew: ExpertWeights, plan: DispatchPlan, gy: jax.Array, cfg: MoEConfig
+    x: jax.Array,
+    routing: Routing,
+    ew: ExpertWeights,
+    plan: DispatchPlan,
+    gy: jax.Array,
+    cfg: MoEConfig,
+    *,
+    platform: str = "default",
 ) -> tuple[jax.Array, jax.Array, ExpertWeights]:
     """The reverse of `experts_xla` over its dispatch plan, in the same strategy.
 
@@ -168,6 +174,7 @@ def experts_xla_backward(
       x: ``[T, d]``; routing: ``[T, k]``; ew: the experts; plan: the forward's plan.
       gy: ``[T, d]`` float32 cotangent of the output.
       cfg: the layer config.
+      platform: the lowering platform group (`jaxmoe.experts.dot_f32`).
 
     Returns:
       ``(dx [T, d] in x.dtype, d routing.weights [T, k], d experts)``; frozen (quantized)
@@ -209,7 +216,17 @@ def experts_xla_backward(
             r0 = start + j * bm
             valid = r0 + jnp.arange(bm, dtype=jnp.int32) < start + n
             sl = lambda a: jax.lax.dynamic_slice_in_dim(a, r0, bm)  # noqa: E731
-            r = rows_vjp(sl(xs), sl(gt), None if wr is None else sl(wr), valid, w, bias, cfg, weight_grads=not frozen)
+            r = rows_vjp(
+                sl(xs),
+                sl(gt),
+                None if wr is None else sl(wr),
+                valid,
+                w,
+                bias,
+                cfg,
+                weight_grads=not frozen,
+                platform=platform,
+            )
             dxs = jax.lax.dynamic_update_slice_in_dim(dxs, r.dx, r0, axis=0)
             if r.dw is not None:
                 dwr = jax.lax.dynamic_update_slice_in_dim(dwr, r.dw, r0, axis=0)

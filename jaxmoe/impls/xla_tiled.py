@@ -45,15 +45,17 @@ token in slot order (`jaxmoe.invariance.slot_sum`), as in ``xla``.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import id_valid, plan_dispatch, replace_invalid, sort_pairs
-from jaxmoe.experts import ExpertWeights, activation, freeze, mm
+from jaxmoe.execution import XLA_TILED_LAYOUTS, ExecConfig
+from jaxmoe.experts import ExpertWeights, freeze, mm, swiglu
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
-from jaxmoe.invariance import ROW_BLOCK, slot_sum, wants_invariance
+from jaxmoe.invariance import ROW_BLOCK, slot_sum
 from jaxmoe.quant import materialize
 from jaxmoe.routing import Routing
 
@@ -61,7 +63,7 @@ from jaxmoe.routing import Routing
 MAX_BLOCK_M = 256
 
 #: The layouts (module docstring).
-LAYOUTS = ("pairs", "capacity", "tiles")
+LAYOUTS = XLA_TILED_LAYOUTS
 
 
 #: Smallest capacity / row tile of the capacity layout.
@@ -73,12 +75,11 @@ def choose_block_m(num_pairs: int, num_experts: int) -> int:
     power of two at or above ``2 P / E`` (twice the mean rows per expert), within
     ``[MIN_CAPACITY, MAX_BLOCK_M]``.
 
-    Measured (docs/intel.md): the pairs layout copies ``P`` experts' weights, the capacity
-    layout reads all ``E`` in place (plus its overflow visits' copies), so past about
-    ``E / 2`` pairs the capacity layout reads less (Qwen3.6 on the CPU, ``T = 32``:
-    205 against 309 ms in f32, 217 against 257 in bf16). A smaller capacity makes more
-    overflow visits, each a copy of its expert's weights; a larger one more padded rows
-    in the dot over all experts.
+    The pairs layout copies ``P`` experts' weights, the capacity layout reads all ``E``
+    in place (plus its overflow visits' copies), so past about ``E / 2`` pairs the
+    capacity layout reads less (docs/intel.md has the measurements). A smaller capacity
+    makes more overflow visits, each a copy of its expert's weights; a larger one more
+    padded rows in the dot over all experts.
     """
     if 2 * num_pairs <= num_experts:
         return 1
@@ -91,110 +92,107 @@ def experts_xla_tiled(
     routing: Routing,
     ew: ExpertWeights,
     cfg: MoEConfig,
-    block_m: int | None = None,
-    layout: str | None = None,
+    ex: ExecConfig | None = None,
+    platform: str = "default",
 ) -> jax.Array:
     """Routed experts with a bounded number of batched XLA ops. ``x [T, d]`` -> ``[T, d]`` float32.
 
-    The arguments are those of `jaxmoe.impls.xla.experts_xla`; here ``block_m`` is the rows
-    per tile or per capacity block (default `choose_block_m`; 1 takes the pairs layout
-    unless ``layout`` says otherwise) and ``layout`` one of `LAYOUTS` (default: ``pairs``
-    for ``block_m == 1``, else ``tiles`` when batch-invariant, else ``capacity``).
+    The arguments are those of `jaxmoe.impls.xla.experts_xla`; here ``ex.block_m`` is the
+    rows per tile or per capacity block (default `choose_block_m`; 1 takes the pairs
+    layout unless ``ex.layout`` says otherwise) and ``ex.layout`` one of `LAYOUTS`
+    (default: ``pairs`` for ``block_m == 1``, else ``tiles`` when batch-invariant, else
+    ``capacity``). ``platform``: the lowering platform group (`batched_mm`).
     """
+    ex = ex or ExecConfig()
     check_inputs(x, routing, ew, "experts_xla_tiled")
     t, k = routing.expert_ids.shape
-    if block_m is not None and (not isinstance(block_m, int) or block_m < 1):
-        raise ValueError(f"experts_xla_tiled: block_m must be a positive int, got {block_m!r}")
+    invariant = ex.batch_invariant
+    block_m = ex.block_m
     if block_m is None:  # batch-invariant: the tiles layout with one tile shape whatever T is
-        block_m = ROW_BLOCK if wants_invariance(cfg, "xla_tiled") else choose_block_m(t * k, ew.num_experts)
+        block_m = ROW_BLOCK if invariant else choose_block_m(t * k, ew.num_experts)
+    layout = ex.layout
     if layout is None:
-        layout = "pairs" if block_m == 1 else ("tiles" if wants_invariance(cfg, "xla_tiled") else "capacity")
-    if layout not in LAYOUTS:
-        raise ValueError(f"experts_xla_tiled: layout must be one of {LAYOUTS}, got {layout!r}")
+        layout = "pairs" if block_m == 1 else ("tiles" if invariant else "capacity")
     if layout == "pairs":
         block_m = 1
     if t == 0:
         return jnp.zeros((0, x.shape[1]), jnp.float32)
-    return _experts_xla_tiled(
-        x, routing, freeze(ew), cfg=cfg, block_m=block_m, layout=layout
-    )  # quantized experts: frozen
+    how = _How(block_m, layout, invariant, platform)
+    return _experts_xla_tiled(x, routing, freeze(ew), cfg, how)  # quantized experts: frozen
 
 
-def batched_mm(a: jax.Array, b: jax.Array) -> jax.Array:
+class _How(NamedTuple):
+    """The static choices of one call: rows per tile, layout, invariance, platform group."""
+
+    block_m: int
+    layout: str
+    invariant: bool
+    platform: str
+
+
+def batched_mm(a: jax.Array, b: jax.Array, platform: str = "default") -> jax.Array:
     """``a [V, m, K] @ b [V, K, N]`` -> ``[V, m, N]`` float32, one product per batch entry.
 
     Off the CPU this is `jaxmoe.experts.mm` (operands as stored, float32 accumulation).
-    On the CPU (`jax.lax.platform_dependent`, chosen for the lowering platform) the
-    operands are given in the form XLA:CPU's batched dot is fastest on, measured on the
-    capacity layout's ``[256, C, 2048] x [256, 2048, 512]`` dots (docs/intel.md):
+    On the CPU (``platform``, the lowering platform group) the operands are given in the
+    form XLA:CPU's batched dot is fastest on (docs/intel.md, "`xla_tiled` on the CPU"):
 
     - float32 with ``m > 1``: ``a`` transposed to ``[V, K, m]`` behind an optimization
       barrier (else XLA folds the transpose back into the dot), so the product is a
-      plain dot rather than a YNNPACK fusion, which packs each ``[K, N]`` weight again:
-      1.2-1.4x at ``C`` = 4 to 16 (benchmarks/bench_batched_dot.py);
+      plain dot rather than a YNNPACK fusion, which packs each ``[K, N]`` weight again;
     - bfloat16 operands with ``m > 1`` go in as they are: XLA:CPU's YNNPACK dot takes
       ``bf16 x bf16 -> f32`` (exact products, float32 sums), where upcasting first wrote
-      a float32 copy of every expert's weights (1.7-2.1x);
+      a float32 copy of every expert's weights;
     - ``m = 1`` (the pairs layout's matrix-vector products), and other mixes, are
-      upcast to float32, as `jaxmoe.experts.mm` does on the CPU: YNNPACK's bf16
-      matrix-vector product was no faster in the benchmark and slower in ad hoc runs.
+      upcast to float32, as `jaxmoe.experts.mm` does on the CPU.
 
     The sums are float32 in every branch; only their order differs.
     """
+    if platform != "cpu":
+        return mm("vmk,vkn->vmn", a, b, platform)
     f32 = jnp.float32
 
     def plain(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:  # the dot on operands as given
         return jnp.einsum(spec, a, b, preferred_element_type=f32, precision=jax.lax.Precision.HIGHEST)
 
-    def cpu(a: jax.Array, b: jax.Array) -> jax.Array:
-        if a.shape[1] > 1 and a.dtype == b.dtype == jnp.bfloat16:
-            return plain("vmk,vkn->vmn", a, b)
-        a, b = a.astype(f32), b.astype(f32)
-        if a.shape[1] == 1:  # a matrix-vector product per entry: nothing to pack
-            return plain("vmk,vkn->vmn", a, b)
-        return plain("vkm,vkn->vmn", jax.lax.optimization_barrier(jnp.swapaxes(a, 1, 2)), b)  # a as [V, K, m]
-
-    return jax.lax.platform_dependent(a, b, cpu=cpu, default=lambda a, b: mm("vmk,vkn->vmn", a, b))
+    if a.shape[1] > 1 and a.dtype == b.dtype == jnp.bfloat16:
+        return plain("vmk,vkn->vmn", a, b)
+    a, b = a.astype(f32), b.astype(f32)
+    if a.shape[1] == 1:  # a matrix-vector product per entry: nothing to pack
+        return plain("vmk,vkn->vmn", a, b)
+    return plain("vkm,vkn->vmn", jax.lax.optimization_barrier(jnp.swapaxes(a, 1, 2)), b)  # a as [V, K, m]
 
 
-def _swiglu(xv: jax.Array, one: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+def _swiglu(xv: jax.Array, one: ExpertWeights, cfg: MoEConfig, platform: str) -> jax.Array:
     """``xv [V, m, d]`` through the experts ``one`` (``[V, ...]``, one per batch entry) ->
     ``[V, m, d]`` float32."""
     dt = xv.dtype
     wg, wu, wd = (materialize(w, dt) for w in (one.w_gate, one.w_up, one.w_down))  # [V,d,F] [V,d,F] [V,F,d]
     bias = one.biases_f32()  # [V, F], [V, F], [V, d]
-    g = batched_mm(xv, wg)
-    u = batched_mm(xv, wu)
     if bias is not None:
-        g, u = g + bias[0][:, None], u + bias[1][:, None]
-    h = activation(g, u, cfg).astype(dt)
-    y = batched_mm(h, wd)
-    if bias is not None:
-        y = y + bias[2][:, None]
-    return y
+        bias = tuple(b[:, None] for b in bias)
+    return swiglu(xv, wg, wu, wd, cfg, lambda a, w: batched_mm(a, w, platform), bias)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "block_m", "layout"))
-def _experts_xla_tiled(
-    x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, block_m: int, layout: str
-) -> jax.Array:
-    if layout == "capacity":
-        return _capacity(x, routing, ew, cfg, block_m)
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _experts_xla_tiled(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, how: _How) -> jax.Array:
+    if how.layout == "capacity":
+        return _capacity(x, routing, ew, cfg, how)
     t, d = x.shape
     k = routing.expert_ids.shape[1]
     p = t * k
     dt = x.dtype
     ids = routing.expert_ids.astype(jnp.int32)
-    if layout == "pairs":  # one row per (token, slot), in pair order
+    if how.layout == "pairs":  # one row per (token, slot), in pair order
         with jax.named_scope("pairs"):
             xin = jnp.broadcast_to(x[:, None, :], (t, k, d))
             if cfg.weight_on_input:
                 xin = (xin.astype(jnp.float32) * routing.weights[..., None]).astype(dt)
-            y = _swiglu(xin.reshape(p, 1, d), ew.take(ids.reshape(p)), cfg).reshape(t, k, d)
+            y = _swiglu(xin.reshape(p, 1, d), ew.take(ids.reshape(p)), cfg, how.platform).reshape(t, k, d)
             ok = id_valid(ids, ew.num_experts)  # an id outside [0, E) is dropped, never clamped
         scale = None if cfg.weight_on_input else routing.weights
         return slot_sum(y, scale, ok, invariant=False)  # not taken when invariant (fixed tiles instead)
-    bm = block_m
+    bm = how.block_m
     with jax.named_scope("dispatch"):
         plan = plan_dispatch(ids, ew.num_experts, bm)
         xs = sorted_inputs(x, routing, plan, cfg)  # [P, d]
@@ -208,11 +206,11 @@ def _experts_xla_tiled(
         )  # [V, bm]: the visit's own rows
         xv = xs.at[rows].get(mode="fill", fill_value=0)  # [V, bm, d]; rows past P read 0
     with jax.named_scope("grouped_swiglu"):
-        y = _swiglu(xv, ew.take(g), cfg)  # [V, bm, d]
+        y = _swiglu(xv, ew.take(g), cfg, how.platform)  # [V, bm, d]
     with jax.named_scope("combine"):
         dest = jnp.where(valid, rows, p)  # others out of range: dropped
         ys = jnp.zeros((p, d), jnp.float32).at[dest.reshape(-1)].set(y.reshape(-1, d), mode="drop")
-        return combine(ys, routing, plan, cfg, invariant=wants_invariance(cfg, "xla_tiled"))
+        return combine(ys, routing, plan, cfg, invariant=how.invariant)
 
 
 def overflow_buckets(num_pairs: int, capacity: int) -> tuple[int, ...]:
@@ -250,7 +248,7 @@ def overflow_visits(num_pairs: int, capacity: int) -> int:
     return max(0, (num_pairs - 1) // capacity)
 
 
-def _capacity(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, cap: int) -> jax.Array:
+def _capacity(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, how: _How) -> jax.Array:
     """The capacity layout: ``x [T, d]`` -> ``[T, d]`` float32.
 
     Each expert's sorted rows are cut into blocks of ``cap``. Every expert's first block
@@ -259,6 +257,7 @@ def _capacity(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig,
     more than ``cap`` rows (at most `overflow_visits` of them) gather their expert's
     weights. Each pair then gathers its result row from its block: no scatter.
     """
+    cap = how.block_m
     t, d = x.shape
     k = routing.expert_ids.shape[1]
     e, p, dt = ew.num_experts, t * k, x.dtype
@@ -281,7 +280,7 @@ def _capacity(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig,
         rows_a = jnp.where(j < sizes[:, None], starts[:, None] + j, p)  # [E, cap]; p: no row
         xa = rows_in(rows_a)  # [E, cap, d]
     with jax.named_scope("grouped_swiglu"):
-        ya = _swiglu(xa, ew, cfg)  # every expert's own weights, not gathered
+        ya = _swiglu(xa, ew, cfg, how.platform)  # every expert's own weights, not gathered
     # the sorted row of each pair, its expert and its place in the expert's rows
     grp = replace_invalid(ids.reshape(p), e, 0)  # [P]; dropped pairs are masked in slot_sum
     pos = inv - starts[grp]  # [P]
@@ -305,7 +304,7 @@ def _capacity(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig,
             ok = (v < ve[-1])[:, None] & (blk * cap + jb < sizes[g][:, None])
             xb = rows_in(jnp.where(ok, st[g][:, None] + blk * cap + jb, p))  # [Vb, cap, d]
         with jax.named_scope("grouped_swiglu"):
-            yb = _swiglu(xb, ew.take(g), cfg)  # [Vb, cap, d]
+            yb = _swiglu(xb, ew.take(g), cfg, how.platform)  # [Vb, cap, d]
         with jax.named_scope("combine"):
             gp = replace_invalid(ids.reshape(p), e, 0)
             ps = inv - st[gp]
@@ -324,7 +323,7 @@ def _capacity(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig,
     with jax.named_scope("combine"):
         scale = None if cfg.weight_on_input else routing.weights
         ok = id_valid(ids, e)  # an id outside [0, E) is dropped, never clamped
-        return slot_sum(y.reshape(t, k, d), scale, ok, invariant=wants_invariance(cfg, "xla_tiled"))
+        return slot_sum(y.reshape(t, k, d), scale, ok, invariant=how.invariant)
 
 
 __all__ = [

@@ -8,6 +8,7 @@ from jaxmoe.impls.cpu.build import cpu_kernel_available, cpu_kernel_status
 from jaxmoe.impls.cpu.kernel import (
     DOWN_BLOCK,
     UP_BLOCK,
+    cpu_layer,
     experts_cpu,
     experts_shared_cpu,
     grouped_swiglu,
@@ -22,6 +23,7 @@ __all__ = [
     "UP_BLOCK",
     "cpu_kernel_available",
     "cpu_kernel_status",
+    "cpu_layer",
     "experts_cpu",
     "experts_shared_cpu",
     "grouped_swiglu",

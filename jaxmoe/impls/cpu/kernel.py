@@ -42,12 +42,13 @@ import numpy as np
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import plan_dispatch
+from jaxmoe.execution import ExecConfig
 from jaxmoe.experts import ExpertWeights, SharedWeights, shared_expert, shared_frozen, shared_gate, zero_cotangent
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.impls.cpu.backward import backward_kernel_status, backward_supports, cpu_vjp, grouped_swiglu_bwd
 from jaxmoe.impls.cpu.build import TARGET, TARGET_SHARED, cpu_kernel_status
 from jaxmoe.impls.cpu.kinds import GGUF_KINDS, INT4, INT8, operands
-from jaxmoe.invariance import row_blocks, wants_invariance
+from jaxmoe.invariance import row_blocks
 from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
 from jaxmoe.routing import Routing
 
@@ -142,15 +143,56 @@ def _weights_problem(ws: dict, dtype) -> str | None:
     return None
 
 
-def experts_cpu(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig) -> jax.Array:
+def experts_cpu(
+    x: jax.Array,
+    routing: Routing,
+    ew: ExpertWeights,
+    cfg: MoEConfig,
+    ex: ExecConfig | None = None,
+    platform: str = "cpu",
+) -> jax.Array:
     """Routed experts through the C++ kernel. ``x [T, d]`` -> ``[T, d]`` float32.
 
     Same contract as `jaxmoe.impls.xla.experts_xla`; the backward pass is `cpu_vjp`.
-    Raises ValueError for unsupported weights and RuntimeError when the kernel could
-    not be built.
+    ``ex.activations == "int8"``: integer-coded experts multiply int8 activations
+    (`jaxmoe.execution.ExecConfig`); ``ex.batch_invariant``: the invariant combine (the
+    kernel itself is invariant always). Raises ValueError for unsupported weights and
+    RuntimeError when the kernel could not be built.
     """
     _check_call(x, routing, ew, "experts_cpu")
-    return _experts_cpu(x, routing, ew, cfg)
+    return _experts_cpu(x, routing, ew, cfg, _mode(ex))
+
+
+def _mode(ex: ExecConfig | None) -> tuple[bool, bool]:
+    """``(int8 activations, batch invariant)`` of ``ex``: the kernel's static choices."""
+    ex = ex or ExecConfig()
+    return ex.activations == "int8", ex.batch_invariant
+
+
+def cpu_layer(
+    x: jax.Array,
+    routing: Routing,
+    ew: ExpertWeights,
+    sw: SharedWeights | None,
+    cfg: MoEConfig,
+    ex: ExecConfig,
+    platform: str = "cpu",
+) -> jax.Array:
+    """``impl="cpu"``'s layer: routed plus shared expert, ``[T, d]`` float32.
+
+    The shared expert runs in the same C++ call (`experts_shared_cpu`) when batch
+    invariance asks for it or its weights are stored narrow (quantized or bfloat16 with
+    float32 activations: XLA would widen each whole matrix on every call,
+    `shared_stored_narrow`), and the kernel takes them; otherwise the XLA shared expert
+    is added after (`jaxmoe.experts.shared_expert`).
+    """
+    if sw is None:
+        return experts_cpu(x, routing, ew, cfg, ex, platform)
+    fused = ex.batch_invariant or shared_stored_narrow(sw, x.dtype)
+    if fused and x.shape[0] > 0 and shared_supported(sw, x.dtype):
+        return experts_shared_cpu(x, routing, ew, sw, cfg, ex)
+    y = experts_cpu(x, routing, ew, cfg, ex, platform)
+    return y + shared_expert(x, sw, cfg, invariant=ex.batch_invariant, platform=platform)
 
 
 def _check_call(x: jax.Array, routing: Routing, ew: ExpertWeights, name: str) -> None:
@@ -164,17 +206,21 @@ def _check_call(x: jax.Array, routing: Routing, ew: ExpertWeights, name: str) ->
         raise RuntimeError(f"impl='cpu' is unavailable: {msg}")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _experts_cpu(x, routing, ew, cfg):
-    return _forward(x, routing, ew, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _experts_cpu(x, routing, ew, cfg, mode):
+    return _forward(x, routing, ew, cfg, mode)
 
 
-def _fwd(x, routing, ew, cfg):
-    y, gate_up = _forward(x, routing, ew, cfg, save=True)
+def _fwd(x, routing, ew, cfg, mode):
+    y, gate_up = _forward(x, routing, ew, cfg, mode, save=True)
     return y, (x, routing, ew, gate_up)
 
 
-_experts_cpu.defvjp(_fwd, cpu_vjp)
+def _bwd(cfg, mode, res, g):
+    return cpu_vjp(cfg, res, g)
+
+
+_experts_cpu.defvjp(_fwd, _bwd)
 
 
 #: Columns of one task: gate/up tasks cover ``UP_BLOCK`` columns of F, down tasks
@@ -241,6 +287,7 @@ def _call(
     down_block,
     save: bool,
     shared: tuple[jax.Array, SharedWeights] | None = None,
+    int_dot: bool = False,
 ):
     """The custom call: ``(ys, gate_up, None)``, and with ``shared = (x [T, d], sw)`` the
     shared expert in the same call: ``(ys, gate_up, ys_shared [T, d])`` (gated)."""
@@ -277,7 +324,7 @@ def _call(
         round_h=np.int32(round_h),
         up_block=np.int32(up_block),
         down_block=np.int32(down_block),
-        int_dot=np.int32(cfg.int8_activations),
+        int_dot=np.int32(int_dot),
         **attrs,
     )
     return out[0], out[2], (out[3] if shared is not None else None)
@@ -410,7 +457,7 @@ _shared_cpu.defvjp(_shared_cpu_fwd, _shared_cpu_bwd)
 
 
 def experts_shared_cpu(
-    x: jax.Array, routing: Routing, ew: ExpertWeights, sw: SharedWeights, cfg: MoEConfig
+    x: jax.Array, routing: Routing, ew: ExpertWeights, sw: SharedWeights, cfg: MoEConfig, ex: ExecConfig | None = None
 ) -> jax.Array:
     """The routed experts and the shared expert in one C++ call: ``x [T, d]`` -> ``[T, d]``
     float32, ``experts_cpu(x, routing, ew, cfg) + shared_expert_cpu(x, sw, cfg)``.
@@ -427,20 +474,20 @@ def experts_shared_cpu(
     why = _shared_problem(sw, x.dtype)
     if why is not None:
         raise ValueError(f"experts_shared_cpu: {why}")
-    return _experts_shared_cpu(x, routing, ew, sw, cfg)
+    return _experts_shared_cpu(x, routing, ew, sw, cfg, _mode(ex))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _experts_shared_cpu(x, routing, ew, sw, cfg):
-    return _forward(x, routing, ew, cfg, sw=sw)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _experts_shared_cpu(x, routing, ew, sw, cfg, mode):
+    return _forward(x, routing, ew, cfg, mode, sw=sw)
 
 
-def _fwd_shared(x, routing, ew, sw, cfg):
-    y, gate_up = _forward(x, routing, ew, cfg, save=True, sw=sw)
+def _fwd_shared(x, routing, ew, sw, cfg, mode):
+    y, gate_up = _forward(x, routing, ew, cfg, mode, save=True, sw=sw)
     return y, (x, routing, ew, gate_up, sw)
 
 
-def _bwd_shared(cfg, res, g):
+def _bwd_shared(cfg, mode, res, g):
     x, routing, ew, gate_up, sw = res
     dx, drouting, dew = cpu_vjp(cfg, (x, routing, ew, gate_up), g)
     dx_shared, dsw = _shared_cpu_bwd(cfg, (x, sw), g)
@@ -450,12 +497,13 @@ def _bwd_shared(cfg, res, g):
 _experts_shared_cpu.defvjp(_fwd_shared, _bwd_shared)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "save"))
+@functools.partial(jax.jit, static_argnames=("cfg", "mode", "save"))
 def _forward(
     x: jax.Array,
     routing: Routing,
     ew: ExpertWeights,
     cfg: MoEConfig,
+    mode: tuple[bool, bool],
     save: bool = False,
     sw: SharedWeights | None = None,
 ):
@@ -471,9 +519,9 @@ def _forward(
     round_h = bool(x.dtype == jnp.bfloat16)
     shared = None if sw is None else (x, sw)
     ys, gate_up, ys_shared = _call(
-        xs, plan.group_offsets[:e], plan.group_sizes, ew, cfg, round_h, UP_BLOCK, DOWN_BLOCK, save, shared=shared
+        xs, plan.group_offsets[:e], plan.group_sizes, ew, cfg, round_h, UP_BLOCK, DOWN_BLOCK, save, shared, mode[0]
     )
-    y = combine(ys, routing, plan, cfg, invariant=wants_invariance(cfg, "cpu"))
+    y = combine(ys, routing, plan, cfg, invariant=mode[1])
     if ys_shared is not None:
         y = y + ys_shared
     return (y, gate_up) if save else y
