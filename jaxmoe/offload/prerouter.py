@@ -64,9 +64,9 @@ class PredictQuery:
     layer: int
     step: int
     m: int
-    hidden: np.ndarray | None = None
-    cur_ids: np.ndarray | None = None
-    prev_ids: np.ndarray | None = None
+    hidden: np.ndarray | None
+    cur_ids: np.ndarray | None
+    prev_ids: np.ndarray | None
 
 
 class Predictor(Protocol):

@@ -107,8 +107,11 @@ class ExpertStore:
         raise ExpertStoreError(f"{type(self).__name__} does not define load_expert()")
 
     def expert_nbytes(self, layer: int = 0) -> int:
-        """Bytes one expert of ``layer`` occupies once loaded (as stored)."""
-        return expert_nbytes(self.load_expert(layer, 0))
+        """Bytes one expert of ``layer`` occupies once loaded (as stored; measured once per layer)."""
+        cache = self.__dict__.setdefault("_nbytes", {})
+        if layer not in cache:
+            cache[layer] = expert_nbytes(self.load_expert(layer, 0))
+        return cache[layer]
 
     def total_expert_bytes(self) -> int:
         return sum(self.expert_nbytes(l) * self.cfg.num_experts for l in range(self.num_layers))
@@ -167,10 +170,6 @@ def _quantize(w: np.ndarray, kind: str, group_size: int):
     if kind == "int8":
         return quantize_int8(w, group_size)
     return quantize_int4_affine(w, group_size)
-
-
-def _host(a):
-    return None if a is None else np.asarray(a)
 
 
 def write_safetensors_store(
@@ -272,7 +271,6 @@ class SafetensorsStore(ExpertStore):
         self.verify = verify
         self._handles: dict[int, tuple[Any, dict[str, int]]] = {}
         self._lock = threading.Lock()
-        self._nbytes: dict[int, int] = {}
 
     def _handle(self, layer: int, expert: int):
         with self._lock:
@@ -347,11 +345,6 @@ class SafetensorsStore(ExpertStore):
                 for n, s in zip(BIASES, (f, f, d))
             ]
         return ExpertWeights(*ws, *bs)
-
-    def expert_nbytes(self, layer: int = 0) -> int:
-        if layer not in self._nbytes:
-            self._nbytes[layer] = expert_nbytes(self.load_expert(layer, 0))
-        return self._nbytes[layer]
 
     def resident(self, layer: int) -> ResidentLayer:
         p = self.path / "resident.safetensors"
@@ -491,7 +484,6 @@ class GGUFStore(ExpertStore):
             raise ExpertStoreError(f"GGUF expert store {self.path}: no blk.0.ffn_gate_inp.weight (not an MoE file)")
         self.kind = "gguf"
         self.check_finite = check_finite
-        self._nbytes: dict[int, int] = {}
 
     def _get(self, layer: int, expert: int, name: str):
         t = self._tensors.get(name)
@@ -540,11 +532,6 @@ class GGUFStore(ExpertStore):
                 t = self._get(layer, expert, f"blk.{self.blocks[layer]}.{gname}")
                 bs.append(np.array(t.data[expert], np.float32))
         return ExpertWeights(*ws, *bs)
-
-    def expert_nbytes(self, layer: int = 0) -> int:
-        if layer not in self._nbytes:
-            self._nbytes[layer] = expert_nbytes(self.load_expert(layer, 0))
-        return self._nbytes[layer]
 
     def resident(self, layer: int) -> ResidentLayer:
         cfg = self.cfg
