@@ -273,7 +273,7 @@ def mlx_affine_quantize_groups(g: np.ndarray):
 
 def quantize_activations_q8(x: jax.Array, block: int = 32) -> jax.Array:
     """``Q8(x)``: ``x [..., n]`` rounded to int8 per block of ``block`` along the last axis,
-    as float32 (``dx * xq``), what ``MoEConfig.int8_activations`` feeds the int8 / int4
+    as float32 (``dx * xq``), what ``ExecConfig(activations="int8")`` feeds the int8 / int4
     experts of ``impl="cpu"`` (ggml's Q8_0 rule on activations).
 
     Per block: ``dx = max|x| / 127`` (float32), ``xq = rint(clip(x / dx, -127, 127))`` (round

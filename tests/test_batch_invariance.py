@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxmoe
+from jaxmoe.execution import ExecConfig
 from jaxmoe.impls.registry import register_impl, unregister_impl
 from jaxmoe.impls.xla import choose_block_m, experts_xla
 from jaxmoe.invariance import fixed_softmax, fixed_sum, row_blocks
@@ -33,8 +34,8 @@ SETTINGS = settings(max_examples=2, deadline=None, suppress_health_check=list(He
 
 
 @functools.cache
-def _case(preset: str, dtype: str, quant: str | None, invariant: bool | None, seed: int = 0):
-    cfg = dataclasses.replace(shrink(jaxmoe.load_config(preset), d=1024, f=64, e=16), batch_invariant=invariant)
+def _case(preset: str, dtype: str, quant: str | None, seed: int = 0):
+    cfg = shrink(jaxmoe.load_config(preset), d=1024, f=64, e=16)
     rng = np.random.default_rng(seed)
     p = random_params(cfg, rng, jnp.dtype(dtype))
     if quant:
@@ -44,7 +45,8 @@ def _case(preset: str, dtype: str, quant: str | None, invariant: bool | None, se
 
 
 def _layer(cfg, impl):
-    return jax.jit(lambda p, x: jaxmoe.moe_apply(p, x, cfg, impl=impl))
+    ex = ExecConfig(impl=impl, batch_invariant=True)
+    return jax.jit(lambda p, x: jaxmoe.moe_apply(p, x, cfg, ex))
 
 
 def _needle_mismatches(cfg, p, needle, impl, sizes, rng) -> list[tuple[int, int]]:
@@ -67,11 +69,12 @@ def _needle_mismatches(cfg, p, needle, impl, sizes, rng) -> list[tuple[int, int]
 
 def test_a_token_count_dependent_switch_is_caught():
     """The check can fail: ``xla`` with its ``T``-dependent chunk size (choose_block_m)."""
-    cfg, p, needle = _case("qwen3.6-35b-a3b", "float32", None, True)
+    cfg, p, needle = _case("qwen3.6-35b-a3b", "float32", None)
 
-    def switching(x, routing, ew, cfg):
+    def switching(x, routing, ew, cfg, ex, platform):
         t, k = routing.expert_ids.shape
-        return experts_xla(x, routing, ew, cfg, block_m=choose_block_m(t * k, ew.num_experts))
+        bm = choose_block_m(t * k, ew.num_experts)
+        return experts_xla(x, routing, ew, cfg, ExecConfig(block_m=bm, batch_invariant=True), platform)
 
     register_impl("xla_switching", switching)
     try:
@@ -86,7 +89,7 @@ def test_a_token_count_dependent_switch_is_caught():
 @SETTINGS
 @given(sizes=st.lists(st.integers(1, 300), min_size=2, max_size=2), seed=st.integers(0, 2**31 - 1))
 def test_needle_every_strategy(impl, dtype, sizes, seed):
-    cfg, p, needle = _case("qwen3.6-35b-a3b", dtype, None, True)
+    cfg, p, needle = _case("qwen3.6-35b-a3b", dtype, None)
     assert _needle_mismatches(cfg, p, needle, impl, sizes, np.random.default_rng(seed)) == []
 
 
@@ -98,7 +101,7 @@ def test_needle_families(preset, impl, sizes, seed):
     """Biases and the clamped gpt-oss activation, sigmoid + group-limited routing with a
     shared expert and scaling (DeepSeek-V3), no shared expert (Mixtral), a gated shared
     expert (Qwen2)."""
-    cfg, p, needle = _case(preset, "float32", None, True)
+    cfg, p, needle = _case(preset, "float32", None)
     assert _needle_mismatches(cfg, p, needle, impl, sizes, np.random.default_rng(seed)) == []
 
 
@@ -109,7 +112,7 @@ def test_needle_families(preset, impl, sizes, seed):
 def test_needle_quantized(quant, impl, sizes, seed):
     """Plus a batch of 257 tokens every time (about 128 rows per expert: the C++ kernel's
     packed path, where the needle alone takes the few-row tiles)."""
-    cfg, p, needle = _case("qwen3.6-35b-a3b", "float32", quant, True)
+    cfg, p, needle = _case("qwen3.6-35b-a3b", "float32", quant)
     assert _needle_mismatches(cfg, p, needle, impl, [*sizes, 257], np.random.default_rng(seed)) == []
 
 
@@ -117,7 +120,7 @@ def test_needle_quantized(quant, impl, sizes, seed):
 def _block_case(up_kind: str, down_kind: str, seed: int = 0):
     """Qwen3.6 at d = 1024, F = 256 (both multiples of the 256-element super-blocks), gate
     and up in GGUF block kind ``up_kind``, down in ``down_kind`` (random blocks)."""
-    cfg = dataclasses.replace(shrink(jaxmoe.load_config("qwen3.6-35b-a3b"), d=1024, f=256, e=16), batch_invariant=True)
+    cfg = shrink(jaxmoe.load_config("qwen3.6-35b-a3b"), d=1024, f=256, e=16)
     rng = np.random.default_rng(seed)
     p = random_params(cfg, rng)
     e, d, f = cfg.router.num_experts, cfg.d_model, cfg.expert_dim
@@ -144,30 +147,29 @@ def test_needle_gguf_block_kinds(kinds):
 
 @pytest.mark.parametrize("plats", [("cpu",), ("oneapi",)])
 def test_the_default_is_the_fast_layer_and_true_adds_loops_only_where_asked(plats):
-    """``batch_invariant=None`` (default) is the fast layer (invariance is nowhere free
-    yet: INVARIANT_BY_DEFAULT is empty, costs in docs/performance.md): no row-block
-    loops in the program; ``True`` adds them, on every lowering platform."""
-    cfg, p, needle = _case("qwen3.6-35b-a3b", "float32", None, None)
+    """``ExecConfig()`` (default) is the fast layer (invariance costs time, docs/performance.md):
+    no row-block loops in the program; ``batch_invariant=True`` adds them, on every
+    lowering platform."""
+    cfg, p, needle = _case("qwen3.6-35b-a3b", "float32", None)
     x = jnp.concatenate([needle] * 5)
 
-    def whiles(c):
-        f = jax.jit(lambda p, x: jaxmoe.moe_apply(p, x, c, impl="auto"))
+    def whiles(ex):
+        f = jax.jit(lambda p, x: jaxmoe.moe_apply(p, x, cfg, ex))
         return f.trace(p, x).lower(lowering_platforms=plats).as_text().count("stablehlo.while")
 
-    base = whiles(cfg)
-    assert base == whiles(dataclasses.replace(cfg, batch_invariant=False))
-    assert whiles(dataclasses.replace(cfg, batch_invariant=True)) > base
+    base = whiles(None)
+    assert base == whiles(ExecConfig(batch_invariant=False))
+    assert whiles(ExecConfig(batch_invariant=True)) > base
 
 
 @pytest.mark.parametrize("impl", ["cpu", "xla", "gather", "dense"])
 def test_invariant_mode_computes_the_same_layer(impl):
     """Invariance changes only the order of float operations: the output stays within
     float32 rounding of the fast mode's."""
-    cfg, p, _ = _case("deepseek-v3", "float32", None, True)
-    fast = dataclasses.replace(cfg, batch_invariant=False)
+    cfg, p, _ = _case("deepseek-v3", "float32", None)
     x = jnp.asarray(np.random.default_rng(3).standard_normal((37, cfg.d_model)), jnp.float32)
-    a = np.asarray(jaxmoe.moe_apply(p, x, cfg, impl=impl))
-    b = np.asarray(jaxmoe.moe_apply(p, x, fast, impl=impl))
+    a = np.asarray(jaxmoe.moe_apply(p, x, cfg, ExecConfig(impl=impl, batch_invariant=True)))
+    b = np.asarray(jaxmoe.moe_apply(p, x, cfg, ExecConfig(impl=impl)))
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
 
 
@@ -200,13 +202,12 @@ def test_row_blocks_matches_the_plain_call(t):
 def test_gradients_through_the_invariant_layer(impl):
     """The invariant forms' loops have no reverse mode of their own (their trip count is
     hidden from XLA); their VJP is that of the plain computation: same gradients."""
-    cfg, p, _ = _case("deepseek-v3", "float32", None, True)
-    fast = dataclasses.replace(cfg, batch_invariant=False)
+    cfg, p, _ = _case("deepseek-v3", "float32", None)
     x = jnp.asarray(np.random.default_rng(5).standard_normal((11, cfg.d_model)), jnp.float32)
 
-    def loss(c):
-        return lambda p, x: jnp.sum(jnp.sin(jaxmoe.moe_apply(p, x, c, impl=impl)))
+    def loss(inv):
+        return lambda p, x: jnp.sum(jnp.sin(jaxmoe.moe_apply(p, x, cfg, ExecConfig(impl=impl, batch_invariant=inv))))
 
-    ga = jax.grad(loss(cfg), argnums=(0, 1))(p, x)
-    gb = jax.grad(loss(fast), argnums=(0, 1))(p, x)
+    ga = jax.grad(loss(True), argnums=(0, 1))(p, x)
+    gb = jax.grad(loss(False), argnums=(0, 1))(p, x)
     chex.assert_trees_all_close(ga, gb, rtol=1e-4, atol=1e-4)

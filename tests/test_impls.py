@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxmoe
+from jaxmoe.execution import ExecConfig
 from jaxmoe import MoEConfig, RouterConfig, Routing
 from jaxmoe.experts import experts_dense
 from jaxmoe.impls import policy, registry
@@ -23,7 +24,7 @@ from jaxmoe.impls.cpu import cpu_kernel_available, experts_cpu
 from jaxmoe.impls.ragged import experts_ragged_dot
 from jaxmoe.impls.xla import choose_block_m, experts_xla
 from jaxmoe.impls.xla_tiled import experts_xla_tiled
-from jaxmoe.platforms import INTEL_PLATFORMS
+from jaxmoe.platforms import GATHER_MAX_PAIRS, INTEL_PLATFORMS, platform_group
 
 PRESETS = jaxmoe.list_presets()
 GROUPED = ["xla", "ragged_dot", "cpu"]
@@ -85,7 +86,7 @@ def test_uneven_routing_block_sizes(fn, t, block_m, rng):
     x = rng.normal(size=(t, cfg.d_model)).astype(np.float32)
     ref = np_experts(x, ids, ws, params_to_numpy(p), cfg)
     r = Routing(jnp.asarray(ids), jnp.asarray(ws))
-    y = fn(jnp.asarray(x), r, p.experts, cfg, block_m=block_m)
+    y = fn(jnp.asarray(x), r, p.experts, cfg, ExecConfig(block_m=block_m))
     chex.assert_shape(y, (t, cfg.d_model))
     np.testing.assert_allclose(np.asarray(y), ref, **F32)
 
@@ -117,7 +118,9 @@ def test_every_pair_on_one_expert(rng):
     x = rng.normal(size=(t, 32)).astype(np.float32)
     ref = np_experts(x, ids, ws, params_to_numpy(p), cfg)
     for bm in (None, 64):
-        y = experts_xla(jnp.asarray(x), Routing(jnp.asarray(ids), jnp.asarray(ws)), p.experts, cfg, block_m=bm)
+        y = experts_xla(
+            jnp.asarray(x), Routing(jnp.asarray(ids), jnp.asarray(ws)), p.experts, cfg, ExecConfig(block_m=bm)
+        )
         np.testing.assert_allclose(np.asarray(y), ref, **F32)
 
 
@@ -144,7 +147,9 @@ def test_xla_hypothesis(case, block_m):
     rng = np.random.default_rng(seed)
     p = random_params(XLA_CFG, rng)
     x = rng.normal(size=(ids.shape[0], 16)).astype(np.float32)
-    y = experts_xla(jnp.asarray(x), Routing(jnp.asarray(ids), jnp.asarray(ws)), p.experts, XLA_CFG, block_m=block_m)
+    y = experts_xla(
+        jnp.asarray(x), Routing(jnp.asarray(ids), jnp.asarray(ws)), p.experts, XLA_CFG, ExecConfig(block_m=block_m)
+    )
     np.testing.assert_allclose(np.asarray(y), np_experts(x, ids, ws, params_to_numpy(p), XLA_CFG), **F32)
 
 
@@ -250,11 +255,11 @@ def test_bad_input(rng):
 
 
 def test_auto_resolution():
-    small, big = policy.GATHER_MAX_PAIRS, policy.GATHER_MAX_PAIRS + 1
+    small, big = GATHER_MAX_PAIRS, GATHER_MAX_PAIRS + 1
     assert policy.resolve_impl("auto", small, platform="cpu") == "gather"
     assert policy.resolve_impl("auto", big, platform="cpu") == "xla"
     for plat in INTEL_PLATFORMS:  # the loop-free XLA formulation at every T
-        assert policy.resolve_impl("auto", big, platform=plat) == policy.GPU_XLA == "xla_tiled"
+        assert policy.resolve_impl("auto", big, platform=plat) == "xla_tiled"
         assert policy.resolve_impl("auto", small, platform=plat) == "xla_tiled"
         assert policy.resolve_impl("xla", big, platform=plat) == "xla_tiled"  # xla's GPU shape
         assert policy.resolve_impl("gather", big, platform=plat) == "gather"
@@ -279,22 +284,25 @@ def test_auto_takes_the_cpu_kernel_for_float_experts(rng):
             policy.resolve_impl("cpu", 64, platform=plat)
 
 
-def test_lowering_impls_per_platform(rng):
-    """``auto``'s branch per lowering platform (jaxmoe.impls.policy.call_impl switches on it)."""
+def test_lowering_table_per_platform_group(rng):
+    """``auto``'s branch per lowering platform group (`policy.run_experts` switches on it)."""
     cfg = shrink(jaxmoe.load_config("qwen3-30b-a3b"))
     p = random_params(cfg, rng)
-    table = policy.lowering_impls("auto", 10**4, experts=p.experts, dtype=jnp.float32)
-    assert table["cuda"] == table["rocm"] == "pallas"
-    assert {table[plat] for plat in INTEL_PLATFORMS} == {"xla_tiled"}
-    assert table["cpu"] == ("cpu" if cpu_kernel_available() else "xla")
-    assert table["default"] == "xla"
-    assert policy.lowering_impls("auto", 1, experts=p.experts)["default"] == "gather"
-    forced = policy.lowering_impls("xla", 64)
-    assert forced["cpu"] == forced["cuda"] == forced["default"] == "xla"
-    assert {forced[plat] for plat in INTEL_PLATFORMS} == {"xla_tiled"}
-    assert set(policy.lowering_impls("gather", 64).values()) == {"gather"}
+    table = policy.lowering_table("auto", 10**4, experts=p.experts, dtype=jnp.float32)
+    assert table == {
+        "cpu": "cpu" if cpu_kernel_available() else "xla",
+        "triton": "pallas",
+        "intel": "xla_tiled",
+        "default": "xla",
+    }
+    assert policy.lowering_table("auto", 1, experts=p.experts)["default"] == "gather"
+    forced = policy.lowering_table("xla", 64)
+    assert forced == {"cpu": "xla", "triton": "xla", "intel": "xla_tiled", "default": "xla"}
+    assert set(policy.lowering_table("gather", 64).values()) == {"gather"}
     with pytest.raises(ValueError, match="unknown impl"):
-        policy.lowering_impls("nope", 8)
+        policy.lowering_table("nope", 8)
+    assert {platform_group(plat) for plat in INTEL_PLATFORMS} == {"intel"}
+    assert platform_group("cuda") == platform_group("gpu") == "triton" and platform_group("tpu") == "default"
 
 
 def test_pallas_forced_where_it_cannot_lower():
@@ -311,7 +319,8 @@ def test_unknown_impl():
 def test_registry_is_an_explicit_table():
     assert set(registry.BUILTIN) == {"dense", "gather", "xla", "xla_tiled", "ragged_dot", "cpu", "pallas"}
     assert registry.available_impls()[0] == "auto"
-    assert registry.get_impl("xla") is experts_xla
+    assert registry.get_impl("xla").routed is experts_xla
+    assert registry.get_impl("cpu").layer is not None  # cpu's contract covers the shared expert
     with pytest.raises(ValueError, match="already registered"):
         registry.register_impl("xla", experts_dense)
     with pytest.raises(ValueError, match="auto"):
@@ -324,18 +333,19 @@ def test_a_user_impl_runs_through_moe_apply(rng):
     x = jnp.asarray(rng.standard_normal((5, cfg.d_model)), jnp.float32)
     calls = []
 
-    def mine(x, routing, experts, cfg):
-        calls.append(x.shape)
-        return experts_dense(x, routing, experts, cfg)
+    def mine(x, routing, experts, cfg, ex, platform):
+        calls.append((x.shape, ex.batch_invariant, platform))
+        return experts_dense(x, routing, experts, cfg, ex, platform)
 
     registry.register_impl("mine", mine)
     try:
         with pytest.raises(ValueError, match="already registered"):
             registry.register_impl("mine", mine)
         assert "mine" in jaxmoe.available_impls()
-        y = jaxmoe.moe_apply(p, x, cfg, impl="mine")
+        y = jaxmoe.moe_apply(p, x, cfg, jaxmoe.ExecConfig(impl="mine", batch_invariant=True))
         chex.assert_trees_all_close(y, jaxmoe.moe_apply(p, x, cfg, impl="dense"), rtol=1e-6, atol=1e-6)
-        assert calls == [(5, cfg.d_model)]
+        # one trace: a user impl that tells no platform apart is one branch, "default"
+        assert calls == [((5, cfg.d_model), True, "default")]
     finally:
         registry.unregister_impl("mine")
     assert "mine" not in jaxmoe.available_impls()

@@ -1,4 +1,4 @@
-"""``MoEConfig.int8_activations`` in the C++ kernel (``impl="cpu"``, jaxmoe/impls/cpu/int_dot.h):
+"""``ExecConfig(activations="int8")`` in the C++ kernel (``impl="cpu"``, jaxmoe/impls/cpu/int_dot.h):
 int8 / int4 experts multiply activations quantized to int8 per block of 32 with integer dot
 products. The reference is a float64 numpy loop over the dequantized weights (gguf.quants /
 the MLX rule) fed with the activations quantized by an independent numpy mirror of the rule
@@ -22,6 +22,7 @@ from test_impls_cpu import cfg_of, quantized_case, uniform_routing
 import jaxmoe
 from jaxmoe import Routing
 from jaxmoe.dispatch import plan_dispatch
+from jaxmoe.execution import ExecConfig
 from jaxmoe.impls.common import sorted_inputs
 from jaxmoe.impls.cpu import experts_cpu
 from jaxmoe.impls.cpu.kernel import grouped_swiglu_saving
@@ -80,9 +81,11 @@ def np_experts_q8(x, ids, ws, ref, cfg, fmts, window=2e-3):
     return y, slack
 
 
+INT8 = ExecConfig(impl="cpu", activations="int8")
+
+
 def run_int8(cfg, ew, x, ids, ws):
-    cfg8 = dataclasses.replace(cfg, int8_activations=True)
-    return np.asarray(experts_cpu(jnp.asarray(x), Routing(jnp.asarray(ids), jnp.asarray(ws)), ew, cfg8))
+    return np.asarray(experts_cpu(jnp.asarray(x), Routing(jnp.asarray(ids), jnp.asarray(ws)), ew, cfg, INT8))
 
 
 def check_int8(cfg, fmts, ids, ws, rng, tol=3e-6, bias=False, gain=1.0):
@@ -180,7 +183,7 @@ def gate_up_products(cfg, ew, x, ids, ws):
     e = cfg.num_experts
     plan = plan_dispatch(r.expert_ids, e, 1)
     xs = sorted_inputs(jnp.asarray(x), r, plan, cfg)
-    _, gu = grouped_swiglu_saving(xs, plan.group_offsets[:e], plan.group_sizes, ew, cfg)
+    _, gu = grouped_swiglu_saving(xs, plan.group_offsets[:e], plan.group_sizes, ew, cfg, int_dot=True)
     return np.asarray(gu), np.asarray(xs), np.asarray(plan.group_offsets), np.asarray(plan.group_sizes)
 
 
@@ -188,7 +191,7 @@ def gate_up_products(cfg, ew, x, ids, ws):
 def test_gate_up_products_exact_and_within_the_documented_error(fmt, rng):
     """The products before the activation: within float rounding of Q8(x) . W, and off the
     float-activation product by at most sum_k |W[k]| dx_k / 2 (docs/design.md, "int8 activations")."""
-    cfg8 = cfg_of(256, 256, 6, 2, int8_activations=True)
+    cfg8 = cfg_of(256, 256, 6, 2)
     ew, ref = quantized_case(cfg8, (fmt,) * 3, rng)
     ids, ws = uniform_routing(rng, 11, 2, 6)
     x = rng.normal(size=(11, 256)).astype(np.float32)
@@ -239,11 +242,11 @@ def test_a_mutated_nibble_is_caught(rng):
 def test_batch_invariant(fmts, rng):
     """A token's output is the same bits alone and inside batches of other sizes (every row
     takes the same integer path whatever its expert's row count)."""
-    cfg = cfg_of(256, 256, 8, 2, int8_activations=True)
+    cfg = cfg_of(256, 256, 8, 2)
     ew, _ = quantized_case(cfg, fmts, rng)
     x = rng.normal(size=(40, 256)).astype(np.float32)
     ids, ws = skewed_routing(rng, 40, 2, 8, hot=int(rng.integers(8)), share=0.9)
-    f = jax.jit(lambda x, i, w: experts_cpu(x, Routing(i, w), ew, cfg))
+    f = jax.jit(lambda x, i, w: experts_cpu(x, Routing(i, w), ew, cfg, INT8))
     full = np.asarray(f(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(ws)))
     for n in (1, 3, 9):
         part = np.asarray(f(jnp.asarray(x[:n]), jnp.asarray(ids[:n]), jnp.asarray(ws[:n])))
@@ -276,9 +279,22 @@ def test_quantize_activations_q8_matches_the_rule(rng):
         quantize_activations_q8(jnp.zeros((2, 40)))
 
 
-def test_the_option_is_checked():
-    with pytest.raises(ValueError, match="int8_activations"):
-        cfg_of(64, 64, 4, 2, int8_activations="yes")
+def test_the_option_is_checked(rng):
+    with pytest.raises(ValueError, match="ExecConfig.activations: unknown 'int4'"):
+        ExecConfig(activations="int4")
+    with pytest.raises(ValueError, match="ExecConfig.activations: 'int8' is a mode of impl='cpu'"):
+        ExecConfig(impl="xla", activations="int8")
+    with pytest.raises(ValueError, match=r"MoEConfig.int8_activations: was removed.*ExecConfig\(activations='int8'\)"):
+        cfg_of(64, 64, 4, 2, int8_activations=True)
+    # auto: the mode is the host strategy's; on the CPU that is the kernel
+    cfg = cfg_of(64, 64, 4, 2)
+    ew, _ = quantized_case(cfg, ("q4_0",) * 3, rng)
+    ids, ws = uniform_routing(rng, 3, 2, 4)
+    x = jnp.asarray(rng.normal(size=(3, 64)).astype(np.float32))
+    r = Routing(jnp.asarray(ids), jnp.asarray(ws))
+    p = jaxmoe.MoEParams(jnp.asarray(rng.normal(size=(64, 4)).astype(np.float32)), ew)
+    y = jaxmoe.moe_apply(p, x, cfg, ExecConfig(activations="int8"), routing=r)
+    np.testing.assert_array_equal(np.asarray(y), run_int8(cfg, ew, np.asarray(x), ids, ws))
 
 
 def test_gradients_pass_straight_through(rng):
@@ -289,11 +305,11 @@ def test_gradients_pass_straight_through(rng):
     ids, ws = uniform_routing(rng, 5, 2, 6)
     x = jnp.asarray(rng.normal(size=(5, 128)).astype(np.float32))
 
-    def loss(x, w, c):
-        return jnp.sum(experts_cpu(x, Routing(jnp.asarray(ids), w), ew, c) ** 2)
+    def loss(x, w, ex):
+        return jnp.sum(experts_cpu(x, Routing(jnp.asarray(ids), w), ew, cfg, ex) ** 2)
 
-    g8 = jax.grad(loss, argnums=(0, 1))(x, jnp.asarray(ws), dataclasses.replace(cfg, int8_activations=True))
-    gf = jax.grad(loss, argnums=(0, 1))(x, jnp.asarray(ws), cfg)
+    g8 = jax.grad(loss, argnums=(0, 1))(x, jnp.asarray(ws), INT8)
+    gf = jax.grad(loss, argnums=(0, 1))(x, jnp.asarray(ws), None)
     for a, b in zip(g8, gf):
         rel = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
         assert 0 < rel < 3e-2, rel

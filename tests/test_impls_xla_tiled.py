@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from jax.test_util import check_grads
 
 import jaxmoe
+from jaxmoe.execution import ExecConfig
 from jaxmoe import MoEConfig, RouterConfig, Routing
 from jaxmoe.experts import experts_dense
 from jaxmoe.impls.xla_tiled import (
@@ -92,7 +93,7 @@ def test_one_expert_takes_every_token(block_m, layout, rng):
     x = rng.normal(size=(t, 32)).astype(np.float32)
     ref = np_experts(x, ids, ws, params_to_numpy(p), cfg)
     r = Routing(jnp.asarray(ids), jnp.asarray(ws))
-    y = experts_xla_tiled(jnp.asarray(x), r, p.experts, cfg, block_m=block_m, layout=layout)
+    y = experts_xla_tiled(jnp.asarray(x), r, p.experts, cfg, ExecConfig(block_m=block_m, layout=layout))
     np.testing.assert_allclose(np.asarray(y), ref, **F32)
 
 
@@ -110,7 +111,7 @@ def test_capacity_overflow(cap, quant, rng):
     x = rng.normal(size=(t, 64)).astype(np.float32)
     ref = np_experts(x, ids, ws, params_to_numpy(p), cfg)
     r = Routing(jnp.asarray(ids), jnp.asarray(ws))
-    y = experts_xla_tiled(jnp.asarray(x), r, p.experts, cfg, block_m=cap, layout="capacity")
+    y = experts_xla_tiled(jnp.asarray(x), r, p.experts, cfg, ExecConfig(block_m=cap, layout="capacity"))
     np.testing.assert_allclose(np.asarray(y), ref, **F32)
     sizes = np.bincount(ids.ravel(), minlength=12)
     assert (sizes > cap).any() and (sizes == 0).any()  # overflow and empty experts both happen
@@ -157,7 +158,7 @@ def test_capacity_takes_the_branch_holding_its_visits(visits, rng):
     x = rng.normal(size=(t, 32)).astype(np.float32)
     ref = np_experts(x, ids, ws, params_to_numpy(p), cfg)
     r = Routing(jnp.asarray(ids), jnp.asarray(ws))
-    y = experts_xla_tiled(jnp.asarray(x), r, p.experts, cfg, block_m=cap, layout="capacity")
+    y = experts_xla_tiled(jnp.asarray(x), r, p.experts, cfg, ExecConfig(block_m=cap, layout="capacity"))
     np.testing.assert_allclose(np.asarray(y), ref, **F32)
 
 
@@ -171,7 +172,7 @@ def test_capacity_copies_only_overflow_weights(t, rng):
     p = random_params(cfg, rng)
     r = Routing(*map(jnp.asarray, skewed_routing(rng, t, k, e)))
     cap = choose_block_m(t * k, e) if t * k > e else 4
-    jaxpr = jax.make_jaxpr(lambda x, w: experts_xla_tiled(x, r, w, cfg, block_m=cap, layout="capacity"))(
+    jaxpr = jax.make_jaxpr(lambda x, w: experts_xla_tiled(x, r, w, cfg, ExecConfig(block_m=cap, layout="capacity")))(
         jnp.asarray(rng.normal(size=(t, 16)), jnp.float32), p.experts
     ).jaxpr
     weights = {(e, 16, 8), (e, 8, 16)}
@@ -241,7 +242,7 @@ def test_weight_on_input_and_bf16(rng):
         ids, ws = np.asarray(r.expert_ids), np.asarray(r.weights)
         ref = np_experts(x, ids, ws, params_to_numpy(p), cfg)
         for layout in LAYOUTS:
-            y = experts_xla_tiled(jnp.asarray(x), r, p.experts, cfg, block_m=2, layout=layout)
+            y = experts_xla_tiled(jnp.asarray(x), r, p.experts, cfg, ExecConfig(block_m=2, layout=layout))
             np.testing.assert_allclose(np.asarray(y), ref, **F32)
     pb = random_params(cfg, rng, jnp.bfloat16)
     xb = jnp.asarray(rng.normal(size=(21, 32)), jnp.bfloat16)
@@ -285,7 +286,7 @@ def test_hypothesis(seed, mode, block_m, layout):
     p = random_params(XLA_CFG, r)
     x = r.normal(size=(t, 16)).astype(np.float32)
     y = experts_xla_tiled(
-        jnp.asarray(x), Routing(jnp.asarray(ids), jnp.asarray(ws)), p.experts, XLA_CFG, block_m=block_m, layout=layout
+        jnp.asarray(x), Routing(jnp.asarray(ids), jnp.asarray(ws)), p.experts, XLA_CFG, ExecConfig(block_m=block_m, layout=layout)
     )
     np.testing.assert_allclose(np.asarray(y), np_experts(x, ids, ws, params_to_numpy(p), XLA_CFG), **F32)
 
@@ -334,7 +335,7 @@ def test_matches_dense_at_every_layout(rng):
     yd = experts_dense(x, r, p.experts, cfg)
     for bm in (1, 2, 4, 32, 256):
         for layout in (None, "tiles"):
-            y = experts_xla_tiled(x, r, p.experts, cfg, block_m=bm, layout=layout)
+            y = experts_xla_tiled(x, r, p.experts, cfg, ExecConfig(block_m=bm, layout=layout))
             np.testing.assert_allclose(np.asarray(y), np.asarray(yd), **F32)
 
 
@@ -346,9 +347,11 @@ def test_bad_input(rng):
     with pytest.raises(ValueError, match="x must be"):
         experts_xla_tiled(x[0], r, p.experts, cfg)
     with pytest.raises(ValueError, match="block_m"):
-        experts_xla_tiled(x, r, p.experts, cfg, block_m=0)
-    with pytest.raises(ValueError, match="layout must be one of"):
-        experts_xla_tiled(x, r, p.experts, cfg, layout="dense")
+        experts_xla_tiled(x, r, p.experts, cfg, ExecConfig(block_m=0))
+    with pytest.raises(ValueError, match="ExecConfig.layout: unknown 'dense'"):
+        experts_xla_tiled(x, r, p.experts, cfg, ExecConfig(layout="dense"))
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        experts_xla_tiled(x, r, p.experts, cfg, block_m=4)  # a removed keyword
     empty = experts_xla_tiled(x[:0], Routing(r.expert_ids[:0], r.weights[:0]), p.experts, cfg)
     assert empty.shape == (0, cfg.d_model)
 
@@ -370,6 +373,6 @@ def test_capacity_gradients_through_the_overflow_branch(visits, rng):
 
         def loss(x, w, ew):
             r = Routing(jnp.asarray(ids), w)
-            return jnp.sum(experts_xla_tiled(x, r, ew, cfg, block_m=cap, layout="capacity") * c)
+            return jnp.sum(experts_xla_tiled(x, r, ew, cfg, ExecConfig(block_m=cap, layout="capacity")) * c)
 
         check_grads(loss, (x, w, p.experts), 1, ("rev", "fwd"), eps=1e-3, atol=1e-3, rtol=1e-3)

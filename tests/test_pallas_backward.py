@@ -18,6 +18,7 @@ import pytest
 from helpers import gguf_block_weight, gpu_target, quantize_experts, skewed_routing
 
 import jaxmoe
+from jaxmoe.execution import ExecConfig
 from jaxmoe.dispatch import plan_dispatch
 from jaxmoe.experts import experts_dense
 from jaxmoe.impls.pallas import experts_pallas, kernel_weight
@@ -135,7 +136,7 @@ def test_vjp_matches_dense(rng, variant, t):
     r = jaxmoe.Routing(jnp.asarray(ids), jnp.asarray(ws))
     x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
     ct = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
-    got = _grads(functools.partial(experts_pallas, interpret=True), x, r, ew, cfg, ct)
+    got = _grads(functools.partial(experts_pallas, ex=ExecConfig(interpret=True)), x, r, ew, cfg, ct)
     want = _grads(experts_dense, x, r, ew, cfg, ct)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
         assert a.dtype == b.dtype and a.shape == b.shape, jax.tree_util.keystr(path)
@@ -162,7 +163,7 @@ def test_frozen_quantized_experts(rng, quant):
     r = jaxmoe.Routing(jnp.asarray(ids), jnp.asarray(ws))
     x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
     ct = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
-    run = functools.partial(experts_pallas, cfg=cfg, interpret=True)
+    run = functools.partial(experts_pallas, cfg=cfg, ex=ExecConfig(interpret=True))
     _, vjp = jax.vjp(lambda x, w, ew: run(x, jaxmoe.Routing(r.expert_ids, w), ew), x, r.weights, ew)
     gx, gw, gew = vjp(ct)
     wx, ww = _grads(experts_dense, x, r, deq, cfg, ct, experts=False)
@@ -191,7 +192,7 @@ def test_backward_lowers_to_triton(rng, kind, t):
     ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k], jnp.int32)
 
     def loss(x, w, ew):
-        return jnp.sum(experts_pallas(x, jaxmoe.Routing(ids, w), ew, cfg, interpret=False))
+        return jnp.sum(experts_pallas(x, jaxmoe.Routing(ids, w), ew, cfg, ExecConfig(interpret=False)))
 
     w = jnp.asarray(rng.random((t, k)), jnp.float32)
     if kind == "int4":
@@ -235,7 +236,7 @@ def test_saved_residuals(rng, capsys):
     ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k], jnp.int32)
     x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
     w = jnp.asarray(rng.random((t, k)), jnp.float32)
-    run = functools.partial(experts_pallas, cfg=cfg, interpret=True)
+    run = functools.partial(experts_pallas, cfg=cfg, ex=ExecConfig(interpret=True))
     print_saved_residuals(lambda x, w, ew: run(x, jaxmoe.Routing(ids, w), ew), x, w, ew)
     out = capsys.readouterr().out
     shapes = {tuple(int(v) for v in s.split(",") if v) for s in re.findall(r"\[([\d,]*)\]", out)}

@@ -24,6 +24,7 @@ import pytest
 from helpers import gguf_block_weight, gpu_target
 
 import jaxmoe
+from jaxmoe.execution import ExecConfig
 from jaxmoe.dispatch import plan_dispatch
 from jaxmoe.impls.pallas import experts_pallas, kernel_weight
 from jaxmoe.quant import QuantizedTensor, quantize_int4_affine, quantize_int8
@@ -79,7 +80,7 @@ def test_table_config_lowers(rng, key, kind):
     ew = jaxmoe.ExpertWeights(wg, wu, wd)
     x = jnp.asarray(rng.standard_normal((t, d)), dt)
     r = jaxmoe.Routing(jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32), jnp.ones((t, k), jnp.float32))
-    f_ = functools.partial(experts_pallas, cfg=_cfg(d, f, e, k), interpret=False, config=kc)
+    f_ = functools.partial(experts_pallas, cfg=_cfg(d, f, e, k), ex=ExecConfig(interpret=False, kernel_config=kc))
     assert_triton(lower_text(f_, x, r, ew), 2)
 
 
@@ -92,7 +93,7 @@ def test_impl_variants_lower(rng, variant, t):
     ew = jaxmoe.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16).experts
     x = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
     r = jaxmoe.Routing(jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32), jnp.ones((t, k), jnp.float32))
-    assert_triton(lower_text(functools.partial(experts_pallas, cfg=cfg, interpret=False), x, r, ew), 2)
+    assert_triton(lower_text(functools.partial(experts_pallas, cfg=cfg, ex=ExecConfig(interpret=False)), x, r, ew), 2)
 
 
 @pytest.mark.parametrize("kind", ["f32", "bf16", "f16", "int8", "int4", "q5_1", "q4_k_m"])
@@ -164,7 +165,7 @@ def test_deepseek_v3_q8_0_operands_fit_32_bit_offsets(t):
     ew = jaxmoe.ExpertWeights(q8(d, f), q8(d, f), q8(f, d))
     assert e * d * f >= 2**31 and e * d * f <= 2**32  # the range the fix is for
     r = jaxmoe.Routing(S((t, k), jnp.int32), S((t, k), jnp.float32))
-    fn = functools.partial(experts_pallas, cfg=cfg, interpret=False)
+    fn = functools.partial(experts_pallas, cfg=cfg, ex=ExecConfig(interpret=False))
     calls = triton_operand_sizes(lower_text(fn, S((t, d), jnp.bfloat16), r, ew))
     assert len(calls) == 2, calls
     for sizes in calls:

@@ -23,6 +23,7 @@ from jaxmoe.evaluation.cli import cli_main as eval_cli_main
 from jaxmoe.evaluation.expert_parallel import ExpertParallelConfig
 from jaxmoe.evaluation.kinds import load_any
 from jaxmoe.evaluation.schema import ConfigError
+from jaxmoe.execution import ExecConfig
 from jaxmoe.quant import quantize_int4_affine, quantize_int8
 
 TOL = dict(atol=2e-5, rtol=2e-5)  # float32, EP vs single device
@@ -298,7 +299,16 @@ def test_ragged_exchange_lowers_for_gpu_and_tpu(rng):
     p = rand_params(cfg, rng)
     x = jnp.asarray(rng.standard_normal((16, cfg.d_model)), jnp.float32)
     tr = parallel._ep_jit.trace(
-        p, x, None, None, cfg=cfg, mesh=parallel.make_mesh(4, 2), impl="gather", c=4, kind="ragged", given=False
+        p,
+        x,
+        None,
+        None,
+        cfg=cfg,
+        mesh=parallel.make_mesh(4, 2),
+        ex=ExecConfig(impl="gather"),
+        c=4,
+        kind="ragged",
+        given=False,
     )
     for plat in ("cuda", "tpu"):
         txt = tr.lower(lowering_platforms=(plat,)).as_text()
@@ -320,6 +330,29 @@ def test_block_with_mesh_and_explicit_mesh(rng):
     # impl="auto": the grouped path (``xla`` once registered) runs inside shard_map
     y2 = jaxmoe.MoEBlock(cfg, params=p, impl="auto", mesh=parallel.make_mesh(8))(x)
     np.testing.assert_allclose(np.asarray(y2), np.asarray(y1), **TOL)
+
+
+@pytest.mark.parametrize("impl", ["auto", "xla", "gather"])
+def test_batch_invariance_holds_on_the_mesh(impl, rng):
+    """ExecConfig(batch_invariant=True) reaches each device's share (moe_apply_ep runs the
+    same run_experts as moe_apply): on 8 devices a token's output is the same bits alone
+    and among other tokens at any position (it fails with invariance off: the batch's
+    routing and tiles change with T)."""
+    cfg = shrunk("deepseek-v3", e=16)  # a shared expert, sigmoid + group-limited routing
+    p = rand_params(cfg, rng)
+    ex = ExecConfig(impl=impl, batch_invariant=True)
+    mesh = parallel.make_mesh(8)
+    needle = jnp.asarray(rng.standard_normal((1, cfg.d_model)), jnp.float32)
+    alone = np.asarray(parallel.moe_apply_ep(p, needle, cfg, mesh, ex))[0]
+    # the same layer as on one device (there ``cpu`` fuses the shared expert into its C++
+    # call: another order of the same sums)
+    np.testing.assert_allclose(alone, np.asarray(jaxmoe.moe_apply(p, needle, cfg, ex))[0], **TOL)
+    for t in (5, 29):
+        pos = int(rng.integers(t))
+        xb = jnp.asarray(rng.standard_normal((t, cfg.d_model)), jnp.float32).at[pos].set(needle[0])
+        np.testing.assert_array_equal(np.asarray(parallel.moe_apply_ep(p, xb, cfg, mesh, ex))[pos], alone)
+    with pytest.raises(TypeError, match="'block_m' was removed"):
+        parallel.moe_apply_ep(p, needle, cfg, mesh, block_m=4)
 
 
 def test_inside_user_jit(rng):
@@ -442,10 +475,10 @@ def test_padding_rows_are_not_computed(exchange, rng, monkeypatch):
         monkeypatch.setattr(parallel, "_ragged_all_to_all", _ragged_emulated)
     counts = []
 
-    def counting(x, routing, ew, cfg):
+    def counting(x, routing, ew, cfg, ex, platform):
         plan = plan_dispatch(routing.expert_ids, ew.num_experts, 1)
         jax.debug.callback(lambda v, r: counts.append((int(v), int(r))), plan.num_valid, routing.expert_ids.shape[0])
-        return experts_xla(x, routing, ew, cfg)
+        return experts_xla(x, routing, ew, cfg, ex, platform)
 
     register_impl("count_rows_test", counting)
     try:

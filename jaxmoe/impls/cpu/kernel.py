@@ -243,24 +243,34 @@ def grouped_swiglu(
     round_h: bool = False,
     up_block: int = UP_BLOCK,
     down_block: int = DOWN_BLOCK,
+    int_dot: bool = False,
 ) -> jax.Array:
     """The custom call itself: ``xs [P, d]`` float32 rows sorted by expert -> ``[P, d]`` float32.
 
     Expert ``e`` owns rows ``[offsets[e], offsets[e] + sizes[e])`` (``[E]`` int32 each);
     the non-empty ranges must be sorted by expert, disjoint and inside ``[0, P)``, else the
     call fails with an error naming the expert (checked in C++ when it runs). Rows no
-    expert owns come back zero. ``round_h`` rounds the hidden activations to bfloat16.
+    expert owns come back zero. ``round_h`` rounds the hidden activations to bfloat16;
+    ``int_dot``: integer-coded weights multiply int8-quantized activations
+    (``ExecConfig(activations="int8")``).
     """
-    return _call(xs, offsets, sizes, ew, cfg, round_h, up_block, down_block, save=False)[0]
+    return _call(xs, offsets, sizes, ew, cfg, round_h, up_block, down_block, save=False, int_dot=int_dot)[0]
 
 
 def grouped_swiglu_saving(
-    xs: jax.Array, offsets: jax.Array, sizes: jax.Array, ew: ExpertWeights, cfg: MoEConfig, *, round_h: bool = False
+    xs: jax.Array,
+    offsets: jax.Array,
+    sizes: jax.Array,
+    ew: ExpertWeights,
+    cfg: MoEConfig,
+    *,
+    round_h: bool = False,
+    int_dot: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """`grouped_swiglu` that also returns ``gu [P, 2F]`` float32: each row's gate | up
     products before the biases (``xs W_g``, ``xs W_u``), the residual the backward reads
     instead of recomputing them (rows no expert owns are unspecified)."""
-    ys, gate_up, _ = _call(xs, offsets, sizes, ew, cfg, round_h, UP_BLOCK, DOWN_BLOCK, save=True)
+    ys, gate_up, _ = _call(xs, offsets, sizes, ew, cfg, round_h, UP_BLOCK, DOWN_BLOCK, save=True, int_dot=int_dot)
     return ys, gate_up
 
 
