@@ -19,7 +19,8 @@ import jax
 from jaxmoe.config import MoEConfig
 from jaxmoe.execution import ExecConfig
 from jaxmoe.experts import ExpertWeights, SharedWeights
-from jaxmoe.impls.cpu import cpu_kernel_available, supports
+from jaxmoe.impls.cpu import cpu_kernel_available, cpu_layer, supports
+from jaxmoe.impls.cpu.build import kernel_ready
 from jaxmoe.impls.registry import get_impl
 from jaxmoe.platforms import (
     AUTO_IMPL,
@@ -41,6 +42,7 @@ def resolve_impl(
     *,
     experts: ExpertWeights | None = None,
     dtype=None,
+    built: bool = True,
 ) -> str:
     """The strategy ``impl`` takes on ``platform`` (a JAX platform name or a group of
     `jaxmoe.platforms.GROUPS`; default: the default device's).
@@ -51,7 +53,8 @@ def resolve_impl(
     for at most `jaxmoe.platforms.GATHER_MAX_PAIRS` token pairs ``T * k`` and ``xla``
     above. An explicit name is kept, or mapped by `jaxmoe.platforms.EXPLICIT_IMPL`
     (``xla`` -> ``xla_tiled`` on Intel). ValueError for an unknown name, ``pallas`` on an
-    Intel platform, ``cpu`` off the CPU.
+    Intel platform, ``cpu`` off the CPU. ``built=False``: ``cpu`` whenever it takes the
+    experts, without asking whether the kernel built (`run_experts` asks at lowering time).
     """
     group = platform if platform in GROUPS else platform_group(platform or default_platform())
     if impl != "auto":
@@ -65,7 +68,7 @@ def resolve_impl(
         return EXPLICIT_IMPL.get(group, {}).get(impl, impl)
     name = AUTO_IMPL[group]
     if group == "cpu" and not (
-        experts is not None and supports(experts, dtype or "float32") is None and cpu_kernel_available()
+        experts is not None and supports(experts, dtype or "float32") is None and (not built or cpu_kernel_available())
     ):
         name = AUTO_IMPL["default"]
     if name == "xla" and num_pairs is not None and num_pairs <= GATHER_MAX_PAIRS:
@@ -81,12 +84,13 @@ def lowering_table(
     An explicit name is first checked against the host's platform (`resolve_impl`'s
     ValueErrors); in the other groups it is kept as given (mapped by
     `jaxmoe.platforms.EXPLICIT_IMPL`), so forcing ``cpu`` and lowering for a GPU fails at
-    lowering time.
+    lowering time. ``auto``'s CPU entry is ``cpu`` whenever the kernel takes the experts:
+    whether it built is asked when the program is lowered for the CPU (`run_experts`).
     """
     if impl != "auto":
         resolve_impl(impl, num_pairs, experts=experts, dtype=dtype)  # unknown names, host-platform errors
         return {g: EXPLICIT_IMPL.get(g, {}).get(impl, impl) for g in GROUPS}
-    return {g: resolve_impl(impl, num_pairs, g, experts=experts, dtype=dtype) for g in GROUPS}
+    return {g: resolve_impl(impl, num_pairs, g, experts=experts, dtype=dtype, built=False) for g in GROUPS}
 
 
 def run_experts(
@@ -106,11 +110,18 @@ def run_experts(
     lowering platform (all of them, behind a switch, in a multi-platform `jax.export`).
     Every strategy ``auto`` picks has a reverse mode of its own, so each platform's
     gradient is its own strategy's. ``shared`` None: the routed experts only.
+
+    ``auto``'s CPU branch holds the C++ kernel and its fallback (``gather`` / ``xla``)
+    behind a `jax.lax.cond` on `jaxmoe.impls.cpu.build.kernel_ready`, a constant decided
+    when the program is lowered for the CPU (XLA keeps one branch): lowering for a GPU
+    never builds, loads or checks the kernel.
     """
     table = lowering_table(ex.impl, x.shape[0] * routing.expert_ids.shape[1], experts=experts, dtype=x.dtype)
     keys = {g: (name, g if g in get_impl(name).platforms else "default") for g, name in table.items()}
     if ex.activations != "float":
         name = table[platform_group(default_platform())]
+        if name == "cpu" and ex.impl == "auto" and not cpu_kernel_available():
+            name = _fallback(x.shape[0] * routing.expert_ids.shape[1])
         if ex.activations not in get_impl(name).activations:
             raise ValueError(
                 f"ExecConfig.activations={ex.activations!r}: impl {name!r} multiplies float activations only "
@@ -122,8 +133,23 @@ def run_experts(
     return _switch(tuple(sorted(keys.items())), cfg, ex, x, routing, experts, shared)
 
 
+def _fallback(num_pairs: int) -> str:
+    """``auto``'s strategy on the CPU where the C++ kernel did not build."""
+    return resolve_impl("auto", num_pairs, "default")
+
+
 def _branch(name: str, platform: str, cfg: MoEConfig, ex: ExecConfig, x, routing, experts, shared) -> jax.Array:
     with jax.named_scope(f"experts_{name}"):
+        if name == "cpu" and ex.impl == "auto":  # the kernel where it built (asked at lowering), else the fallback
+            fallback = get_impl(_fallback(x.shape[0] * routing.expert_ids.shape[1]))
+
+            def kernel(*a):
+                return cpu_layer(*a, cfg, ex, platform, check=False)
+
+            def other(*a):
+                return fallback.run_layer(*a, cfg, ex, platform)
+
+            return jax.lax.cond(kernel_ready(), kernel, other, x, routing, experts, shared)
         return get_impl(name).run_layer(x, routing, experts, shared, cfg, ex, platform)
 
 

@@ -30,6 +30,9 @@ import threading
 from pathlib import Path
 
 import jax
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 
 TARGET = "jaxmoe_grouped_swiglu"
 #: The same kernel with the shared expert in the call (`jaxmoe.impls.cpu.experts_shared_cpu`).
@@ -189,4 +192,28 @@ def cpu_kernel_status() -> tuple[bool, str]:
 
 
 def cpu_kernel_available() -> bool:
+    """`cpu_kernel_status`'s first half (builds on the first call)."""
     return cpu_kernel_status()[0]
+
+
+#: A bool scalar whose value is decided when the program is lowered (`kernel_ready`).
+kernel_ready_p = Primitive("jaxmoe_cpu_kernel_ready")
+kernel_ready_p.def_impl(lambda: np.bool_(cpu_kernel_available()))
+kernel_ready_p.def_abstract_eval(lambda: jax.core.ShapedArray((), np.bool_))
+
+
+def _kernel_ready_lowering(ctx: mlir.LoweringRuleContext):
+    ok = "cpu" in ctx.module_context.platforms and cpu_kernel_available()
+    return [mlir.ir_constant(np.bool_(ok))]
+
+
+mlir.register_lowering(kernel_ready_p, _kernel_ready_lowering)
+
+
+def kernel_ready() -> jax.Array:
+    """Whether the kernel built, as a bool scalar decided at lowering time: a program
+    lowered for the CPU builds (once per process) and asks then, so ``impl="auto"`` can
+    trace the kernel and its fallback behind a `jax.lax.cond` on it; a program lowered
+    for any other platform gets False and never builds, loads or checks the kernel. XLA
+    folds the constant and keeps one branch."""
+    return kernel_ready_p.bind()

@@ -159,7 +159,11 @@ def experts_cpu(
     kernel itself is invariant always). Raises ValueError for unsupported weights and
     RuntimeError when the kernel could not be built.
     """
-    _check_call(x, routing, ew, "experts_cpu")
+    return _routed_cpu(x, routing, ew, cfg, ex)
+
+
+def _routed_cpu(x, routing, ew, cfg, ex, check: bool = True) -> jax.Array:
+    _check_call(x, routing, ew, "experts_cpu", check)
     return _experts_cpu(x, routing, ew, cfg, _mode(ex))
 
 
@@ -177,6 +181,8 @@ def cpu_layer(
     cfg: MoEConfig,
     ex: ExecConfig,
     platform: str = "cpu",
+    *,
+    check: bool = True,
 ) -> jax.Array:
     """``impl="cpu"``'s layer: routed plus shared expert, ``[T, d]`` float32.
 
@@ -184,23 +190,27 @@ def cpu_layer(
     invariance asks for it or its weights are stored narrow (quantized or bfloat16 with
     float32 activations: XLA would widen each whole matrix on every call,
     `shared_stored_narrow`), and the kernel takes them; otherwise the XLA shared expert
-    is added after (`jaxmoe.experts.shared_expert`).
+    is added after (`jaxmoe.experts.shared_expert`). ``check=False``: the kernel's build is
+    not asked for (``auto`` asks at lowering time, `jaxmoe.impls.cpu.build.kernel_ready`).
     """
     if sw is None:
-        return experts_cpu(x, routing, ew, cfg, ex, platform)
+        return _routed_cpu(x, routing, ew, cfg, ex, check)
     fused = ex.batch_invariant or shared_stored_narrow(sw, x.dtype)
-    if fused and x.shape[0] > 0 and shared_supported(sw, x.dtype):
-        return experts_shared_cpu(x, routing, ew, sw, cfg, ex)
-    y = experts_cpu(x, routing, ew, cfg, ex, platform)
+    if fused and x.shape[0] > 0 and _shared_problem(sw, x.dtype, check) is None:
+        _check_call(x, routing, ew, "experts_shared_cpu", check)
+        return _experts_shared_cpu(x, routing, ew, sw, cfg, _mode(ex))
+    y = _routed_cpu(x, routing, ew, cfg, ex, check)
     return y + shared_expert(x, sw, cfg, invariant=ex.batch_invariant, platform=platform)
 
 
-def _check_call(x: jax.Array, routing: Routing, ew: ExpertWeights, name: str) -> None:
-    """The checks before a kernel call: inputs, weight formats, the kernel built."""
+def _check_call(x: jax.Array, routing: Routing, ew: ExpertWeights, name: str, built: bool = True) -> None:
+    """The checks before a kernel call: inputs, weight formats, the kernel built (``built``)."""
     check_inputs(x, routing, ew, name)
     why = supports(ew, x.dtype)
     if why:
         raise ValueError(why)
+    if not built:
+        return
     ok, msg = cpu_kernel_status()
     if not ok:
         raise RuntimeError(f"impl='cpu' is unavailable: {msg}")
@@ -347,12 +357,15 @@ def shared_supported(sw: SharedWeights, dtype) -> bool:
     return _shared_problem(sw, dtype) is None
 
 
-def _shared_problem(sw: SharedWeights, dtype) -> str | None:
-    """Why `shared_expert_cpu` does not take ``sw`` for activations of ``dtype``, or None."""
+def _shared_problem(sw: SharedWeights, dtype, built: bool = True) -> str | None:
+    """Why `shared_expert_cpu` does not take ``sw`` for activations of ``dtype``, or None
+    (``built``: the kernel must have built too)."""
     ew = jax.eval_shape(_one_expert, sw)  # shapes only: no copy of the weights to check them
     why = _weights_problem({"w_gate": ew.w_gate, "w_up": ew.w_up, "w_down": ew.w_down}, dtype)
     if why is not None:
         return f"shared expert: {why}"
+    if not built:
+        return None
     ok, msg = cpu_kernel_status()
     return None if ok else f"impl='cpu' is unavailable: {msg}"
 
