@@ -143,11 +143,11 @@ def _branch(name: str, platform: str, cfg: MoEConfig, ex: ExecConfig, x, routing
         if name == "cpu" and ex.impl == "auto":  # the kernel where it built (asked at lowering), else the fallback
             fallback = get_impl(_fallback(x.shape[0] * routing.expert_ids.shape[1]))
 
-            def kernel(*a):
-                return cpu_layer(*a, cfg, ex, platform, check=False)
+            def kernel(x, routing, experts, shared):
+                return cpu_layer(x, routing, experts, shared, cfg, ex, platform, check=False)
 
-            def other(*a):
-                return fallback.run_layer(*a, cfg, ex, platform)
+            def other(x, routing, experts, shared):
+                return fallback.run_layer(x, routing, experts, shared, cfg, ex, platform)
 
             return jax.lax.cond(kernel_ready(), kernel, other, x, routing, experts, shared)
         return get_impl(name).run_layer(x, routing, experts, shared, cfg, ex, platform)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
@@ -199,7 +200,7 @@ def cpu_kernel_available() -> bool:
 #: A bool scalar whose value is decided when the program is lowered (`kernel_ready`).
 kernel_ready_p = Primitive("jaxmoe_cpu_kernel_ready")
 kernel_ready_p.def_impl(lambda: np.bool_(cpu_kernel_available()))
-kernel_ready_p.def_abstract_eval(lambda: jax.core.ShapedArray((), np.bool_))
+kernel_ready_p.def_abstract_eval(lambda: ShapedArray((), np.bool_))
 
 
 def _kernel_ready_lowering(ctx: mlir.LoweringRuleContext):
