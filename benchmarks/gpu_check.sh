@@ -3,7 +3,10 @@
 #
 #   bash benchmarks/gpu_check.sh            # on the GPU machine, from anywhere; results under $OUT
 #   bash benchmarks/gpu_check.sh --dry-run  # anywhere: the same phases on the CPU (tiny shapes,
-#                                           # kernels in interpret mode); tests/test_gpu_check.py runs it
+#                                           # kernels in interpret mode)
+#   bash benchmarks/gpu_check.sh --dry-run --untimed  # the same, every phase run to its end (no
+#                                           # timeouts, deadlines or row cap): what tests/test_gpu_check.py
+#                                           # runs, so its rows do not depend on the machine's load
 #
 # Phases, each its own process with its own timeout (a crash or a hung kernel in one does
 # not take the next with it), each writing its rows as soon as they exist:
@@ -16,9 +19,14 @@
 # failed or timed out, or a planned row is missing).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DRY=0
-if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
-if [[ $# -gt 0 ]]; then echo "usage: bash benchmarks/gpu_check.sh [--dry-run]" >&2; exit 2; fi
+DRY=0 UNTIMED=0
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY=1 ;;
+    --untimed) UNTIMED=1 ;;
+    *) echo "usage: bash benchmarks/gpu_check.sh [--dry-run] [--untimed]" >&2; exit 2 ;;
+  esac
+done
 
 # Time limits in seconds: each phase's timeout plus KILL seconds of grace after it; their
 # sum stays under 480 s (8 minutes) so one device call of at most 10 minutes holds it.
@@ -44,13 +52,15 @@ else
   export JAXMOE_PALLAS_INTERPRET=0
   FLAG=()
 fi
-echo "gpu_check: out=$OUT dry_run=$DRY timeouts wheels=$T_WHEELS check=$T_CHECK bench=$T_BENCH" \
+if ((UNTIMED)); then FLAG+=(--no-deadline); fi
+echo "gpu_check: out=$OUT dry_run=$DRY untimed=$UNTIMED timeouts wheels=$T_WHEELS check=$T_CHECK bench=$T_BENCH" \
   "summary=$T_SUMMARY kill=$KILL sum=$TOTAL s" | tee -a "$LOG"
 
 PHASES=()
 phase() {  # phase NAME TIMEOUT CMD...: run CMD under timeout, log it, record NAME:RC:SECONDS:TIMEOUT
   local name=$1 limit=$2 start=$SECONDS rc
   shift 2
+  if ((UNTIMED)); then limit=0; fi  # GNU timeout: a duration of 0 disables the timeout
   echo "== phase $name (timeout ${limit} s)" | tee -a "$LOG"
   timeout -k "$KILL" "$limit" "$@" 2>&1 | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
@@ -67,5 +77,5 @@ else
 fi
 phase check "$T_CHECK" "$PY" benchmarks/gpu_kernels_check.py --out "$OUT" --deadline $((T_CHECK - 15)) "${FLAG[@]}"
 phase bench "$T_BENCH" "$PY" benchmarks/gpu_bench.py --out "$OUT" --deadline $((T_BENCH - 20)) "${FLAG[@]}"
-timeout -k "$KILL" "$T_SUMMARY" "$PY" benchmarks/gpu_summary.py --out "$OUT" "${PHASES[@]}" 2>&1 | tee -a "$LOG"
+timeout -k "$KILL" "$((UNTIMED ? 0 : T_SUMMARY))" "$PY" benchmarks/gpu_summary.py --out "$OUT" "${PHASES[@]}" 2>&1 | tee -a "$LOG"
 exit "${PIPESTATUS[0]}"

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import re
@@ -232,8 +233,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="folder of env.json and check.jsonl")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, interpret-mode kernels")
     ap.add_argument("--deadline", type=float, default=120.0, help="seconds this phase plans to use")
+    ap.add_argument("--no-deadline", action="store_true", help="run every case whatever the time (tests)")
     a = ap.parse_args(argv)
-    dl = common.Deadline(a.deadline)
+    dl = common.Deadline(math.inf if a.no_deadline else a.deadline)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment(a.dry_run)

@@ -332,9 +332,9 @@ def test_decode_kernels(rng, t, k, kind):
     dt = compute_dtype(kind)
     ids = jnp.asarray(routing_ids(rng, "random", t, k, e))
     x = jnp.asarray(rng.standard_normal((t, d)), dt)
-    wg, _ = make_weight(rng, (e, d, f), kind)
-    wu, _ = make_weight(rng, (e, d, f), kind)
-    wd, _ = make_weight(rng, (e, f, d), kind)
+    wg, wg64 = make_weight(rng, (e, d, f), kind)
+    wu, wu64 = make_weight(rng, (e, d, f), kind)
+    wd, wd64 = make_weight(rng, (e, f, d), kind)
     h = decode_gate_up(x, ids, wg, wu, out=nan_buf((t * k, f), dt), block_n=32, block_k=128, interpret=True)
     h_ref = decode_gate_up_reference(x, ids, wg, wu)
     assert_close(h, h_ref, dt, f"decode gate_up {kind}")
@@ -343,7 +343,16 @@ def test_decode_kernels(rng, t, k, kind):
         h_ref, ids, wd, row_scale=w, out=nan_buf((t * k, d), jnp.float32), block_n=64, block_k=64, interpret=True
     )
     assert_close(y, decode_down_reference(h_ref, ids, wd, row_scale=w), dt, f"decode down {kind}")
-    assert combine_pairs(y, k).shape == (t, d)
+    # the whole decode layer against a float64 loop over the pairs (the dequantized weights)
+    x64, w64, ids64 = np.asarray(x.astype(jnp.float32), np.float64), np.asarray(w, np.float64), np.asarray(ids)
+    want = np.zeros((t, d))
+    for i in range(t):
+        for j in range(k):
+            g, u = x64[i] @ wg64[ids64[i, j]], x64[i] @ wu64[ids64[i, j]]
+            want[i] += w64[i * k + j] * ((g / (1 + np.exp(-g)) * u) @ wd64[ids64[i, j]])
+    got = combine_pairs(y, k)
+    assert got.shape == (t, d) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=TOL[dt]["atol"] * np.abs(want).max())
 
 
 @pytest.mark.parametrize("mma,split_k", [(True, 1), (True, 3), (False, 1), (False, 2)])

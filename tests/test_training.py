@@ -10,13 +10,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import gguf_block_bytes, quantize_experts, random_params, shrink, skewed_routing
+from helpers import (
+    cpu_impls,
+    each_impl,
+    gguf_block_bytes,
+    needs_cpu_kernel,
+    quantize_experts,
+    random_params,
+    shrink,
+    skewed_routing,
+)
 from jax.ad_checkpoint import print_saved_residuals
 from jax.test_util import check_grads
 
 import jaxmoe
 from jaxmoe.experts import ExpertWeights, frozen_cotangent
-from jaxmoe.impls.cpu import cpu_kernel_available
 from jaxmoe.impls.registry import get_impl
 from jaxmoe.quant import QuantizedTensor, gguf_block_tensor, materialize
 from jaxmoe.routing import Routing
@@ -28,11 +36,6 @@ NATIVE = {"dense", "gather", "xla_tiled", "ragged_dot"}
 #: float64 inputs, but the expert dots accumulate in float32 (`jaxmoe.experts.mm`), so the
 #: function is float32-accurate: a step of 1e-3 keeps rounding / step near 1e-5 relative.
 F64_CHECK = dict(eps=1e-3, atol=1e-3, rtol=1e-3)
-
-
-def _needs_kernel(impl):
-    if impl == "cpu":
-        assert cpu_kernel_available(), "the C++ kernel did not build here"
 
 
 def _cfg(preset="qwen3-30b-a3b", d=32, f=32, e=8, **kw):
@@ -92,9 +95,9 @@ def test_check_grads_weight_on_input(rng):
             )
 
 
+@needs_cpu_kernel()
 def test_check_grads_cpu_float32(rng):
     """The C++ kernel takes float32 / bfloat16 only: its VJP against float32 finite differences."""
-    _needs_kernel("cpu")
     cfg = _cfg(d=16, f=16, e=4)
     p = random_params(cfg, rng)
     r = _routing(rng, 5, cfg.top_k, cfg.num_experts)
@@ -128,8 +131,7 @@ def test_layer_grads_equal_dense(preset, rng):
         assert float(jnp.abs(want[0].shared.w_up).max()) > 0
     if p.selection_bias is not None:
         assert not np.asarray(want[0].selection_bias).any()  # selection only: no gradient
-    impls = ["auto", "gather", "xla", "xla_tiled", "ragged_dot"] + (["cpu"] if cpu_kernel_available() else [])
-    for impl in impls:
+    for impl in each_impl(["auto", "gather", "xla", "xla_tiled", "ragged_dot", "cpu"]):
         _close(_layer_grads(impl, p, x, cfg, c), want, 2e-5, f"{preset} {impl}: ")
 
 
@@ -163,8 +165,7 @@ def test_frozen_quantized_experts(quant, rng):
     x = jnp.asarray(rng.standard_normal((6, cfg.d_model)), jnp.float32)
     c = jnp.asarray(rng.standard_normal((6, cfg.d_model)), jnp.float32)
     want = jax.grad(_loss("dense", cfg, r.expert_ids, c), argnums=(0, 1))(x, r.weights, fl)
-    impls = [i for i in CPU_IMPLS if i != "cpu" or cpu_kernel_available()]
-    for impl in impls:
+    for impl in each_impl(CPU_IMPLS):
         f = _loss(impl, cfg, r.expert_ids, c)
         gx, gw, gew = jax.grad(f, argnums=(0, 1, 2), allow_int=True)(x, r.weights, qew)
         _close((gx, gw), want, 1e-5, f"{quant} {impl}: ")
@@ -175,9 +176,8 @@ def test_frozen_quantized_experts(quant, rng):
                 assert not np.asarray(a).any(), f"{quant} {impl}: the frozen experts got a gradient"
 
 
-@pytest.mark.parametrize("impl", [*CPU_IMPLS, "pallas"])
+@pytest.mark.parametrize("impl", cpu_impls([*CPU_IMPLS, "pallas"]))
 def test_empty_experts_get_zero_gradient(impl, rng):
-    _needs_kernel(impl)
     cfg = _cfg("gpt-oss-20b", d=16, f=16, e=8)  # biases too
     p = random_params(cfg, rng)
     ids, ws = skewed_routing(rng, 12, cfg.top_k, cfg.num_experts)
@@ -193,10 +193,9 @@ def test_empty_experts_get_zero_gradient(impl, rng):
         assert np.abs(a[used]).max() > 0, jax.tree_util.keystr(path)
 
 
-@pytest.mark.parametrize("impl", [*CPU_IMPLS, "pallas"])  # pallas: interpret mode
+@pytest.mark.parametrize("impl", cpu_impls([*CPU_IMPLS, "pallas"]))  # pallas: interpret mode
 def test_nan_weights_stay_in_their_row(impl, rng):
     """A token whose routing weights are NaN: NaN in its own row of dx only."""
-    _needs_kernel(impl)
     cfg = _cfg(d=16, f=16, e=4)
     p = random_params(cfg, rng)
     r = _routing(rng, 7, cfg.top_k, cfg.num_experts)
