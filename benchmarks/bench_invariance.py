@@ -1,5 +1,5 @@
 """What batch invariance costs (`jaxmoe.invariance`): one full MoE layer with
-``batch_invariant=True`` against ``False``, per strategy, side by side in one run.
+``ExecConfig(batch_invariant=True)`` against ``False``, per strategy, side by side in one run.
 
 The Qwen3.6-35B-A3B layer (router, 256 experts top-8 of width 512, gated shared expert,
 d 2048; ``--experts`` fewer for a quick run) in float32 or bfloat16, T in ``--tokens``.
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxmoe
+from jaxmoe.execution import ExecConfig
 
 
 def main(argv=None) -> int:
@@ -42,8 +43,8 @@ def main(argv=None) -> int:
     dt = jnp.bfloat16 if a.dtype == "bf16" else jnp.float32
     p = jaxmoe.init_params(cfg, jax.random.key(0), dtype=dt)
     modes = {
-        "fast": dataclasses.replace(cfg, batch_invariant=False),
-        "invariant": dataclasses.replace(cfg, batch_invariant=True),
+        "fast": False,
+        "invariant": True,
     }
     impls = a.impls.split(",")
     rng = np.random.default_rng(0)
@@ -58,9 +59,11 @@ def main(argv=None) -> int:
             return jnp.asarray(rng.standard_normal((t, cfg.d_model), np.float32), dt)
 
         fns = {
-            (impl, m): jax.jit(lambda p, x, c=c, impl=impl: jaxmoe.moe_apply(p, x, c, impl=impl))
+            (impl, m): jax.jit(
+                lambda p, x, ex=ExecConfig(impl=impl, batch_invariant=inv): jaxmoe.moe_apply(p, x, cfg, ex)
+            )
             for impl in impls
-            for m, c in modes.items()
+            for m, inv in modes.items()
         }
         x0 = fresh()
         for impl in impls:

@@ -41,6 +41,7 @@ import bench_block  # noqa: E402
 from interleave import ab_cells, interleaved_ms  # noqa: E402
 
 import jaxmoe  # noqa: E402
+from jaxmoe.execution import ExecConfig  # noqa: E402
 from jaxmoe.impls.cpu import build, kernel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,7 +99,7 @@ def case(a, cfg, fmt: str, t: int, rng):
     d, e, k = cfg.d_model, cfg.num_experts, cfg.top_k
     if a.what == "layer":
         return (
-            lambda p, x: jaxmoe.moe_apply(p, x, cfg, impl="auto"),
+            lambda p, x: jaxmoe.moe_apply(p, x, cfg, ExecConfig(activations="int8" if a.int8 else "float")),
             p,
             lambda: (jnp.asarray(rng.standard_normal((t, d), np.float32)),),
         )
@@ -110,7 +111,7 @@ def case(a, cfg, fmt: str, t: int, rng):
         xs = jnp.asarray(rng.standard_normal((t * k, d), np.float32))
         return xs, jnp.asarray(offsets), jnp.asarray(sizes)
 
-    return (lambda ew, xs, o, s: kernel.grouped_swiglu(xs, o, s, ew, cfg)), p.experts, inputs
+    return (lambda ew, xs, o, s: kernel.grouped_swiglu(xs, o, s, ew, cfg, int_dot=a.int8)), p.experts, inputs
 
 
 def main(argv=None) -> int:
@@ -124,13 +125,13 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--int8",
         action="store_true",
-        help="MoEConfig.int8_activations=True (integer dot products; the base must take the int_dot attribute)",
+        help="ExecConfig(activations='int8') (integer dot products; the base must take the int_dot attribute)",
     )
     a = ap.parse_args(argv)
     ok, msg = build.cpu_kernel_status()
     if not ok:
         raise SystemExit(f"the C++ kernel did not build: {msg}")
-    cfg = dataclasses.replace(jaxmoe.load_config("qwen3.6-35b-a3b"), int8_activations=a.int8)
+    cfg = jaxmoe.load_config("qwen3.6-35b-a3b")
     if a.experts:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, num_experts=a.experts))
     rng = np.random.default_rng(0)

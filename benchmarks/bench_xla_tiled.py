@@ -51,6 +51,7 @@ from hlo_kernels import count_kernels  # noqa: E402
 from interleave import interleaved_ms  # noqa: E402
 
 import jaxmoe  # noqa: E402
+from jaxmoe.execution import ExecConfig  # noqa: E402
 from jaxmoe.impls.xla import experts_xla  # noqa: E402
 from jaxmoe.impls.xla_tiled import LAYOUTS, experts_xla_tiled  # noqa: E402
 
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
         ap.error(f"--layouts: unknown {bad}, choose from {LAYOUTS}")
     impls = {"xla": experts_xla, "xla_tiled": experts_xla_tiled}
     for lay in layouts:
-        impls[f"xla_tiled[{lay}]"] = functools.partial(experts_xla_tiled, layout=lay)
+        impls[f"xla_tiled[{lay}]"] = functools.partial(experts_xla_tiled, ex=ExecConfig(layout=lay))
     cfg = jaxmoe.load_config(a.preset)
     if a.experts:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, num_experts=a.experts))

@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:
 
 import jaxmoe  # noqa: E402
 from jaxmoe.dispatch import plan_dispatch  # noqa: E402
+from jaxmoe.execution import ExecConfig  # noqa: E402
 from jaxmoe.impls.common import combine, sorted_inputs  # noqa: E402
 from jaxmoe.impls.pallas import experts_pallas  # noqa: E402
 from jaxmoe.impls.registry import get_impl  # noqa: E402
@@ -244,7 +245,7 @@ def impl_fn(name: str, interpret: bool):
     """``fn(x [T, d], routing, experts, cfg) -> [T, d]`` f32 for ``xla``, ``pallas``,
     ``pallas_fma`` and ``ragged_dot`` (tokamax takes extra arguments: `tokamax_experts`)."""
     if name == "pallas":
-        return functools.partial(experts_pallas, interpret=interpret)
+        return functools.partial(experts_pallas, ex=ExecConfig(interpret=interpret))
     if name == "pallas_fma":
         return functools.partial(pallas_fma, interpret=interpret)
     return get_impl(name)
@@ -254,7 +255,7 @@ def pallas_fma(x, routing, ew, cfg, interpret: bool):
     """The ``pallas`` impl with its decode kernels as float32 matvecs (``decode_mma=False``)."""
     kc = tuning.choose(x.shape[0] * cfg.top_k, cfg.d_model, cfg.expert_dim, x.dtype)
     kc = dataclasses.replace(kc, decode_mma=False)
-    return experts_pallas(x, routing, ew, cfg, interpret=interpret, config=kc)
+    return experts_pallas(x, routing, ew, cfg, ExecConfig(interpret=interpret, kernel_config=kc))
 
 
 def projection_kinds(fmt: str) -> tuple[str, str, str]:

@@ -158,6 +158,7 @@ def _cases() -> list[Case]:
 
     import jaxmoe
     from jaxmoe.dispatch import plan_dispatch
+    from jaxmoe.execution import ExecConfig
     from jaxmoe.impls.pallas import experts_pallas, kernel_weight
     from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
     from pallas_kernels import tuning
@@ -200,7 +201,7 @@ def _cases() -> list[Case]:
         return jaxmoe.Routing(S((t, k), jnp.int32), S((t, k), jnp.float32))
 
     def layer(cfg, t, kind, dt, gs, config=None):
-        f = functools.partial(experts_pallas, cfg=cfg, interpret=False, config=config)
+        f = functools.partial(experts_pallas, cfg=cfg, ex=ExecConfig(interpret=False, kernel_config=config))
         return f, (S((t, cfg.d_model), dt), routing(t, cfg.top_k), experts(cfg, kind, dt, gs))
 
     def small_cfg(preset, d, f, e, k, **kw):
@@ -315,7 +316,7 @@ def _cases() -> list[Case]:
     def backward(cfg, t, kind, dt, gs):
         def fn(x, ids, w, ew):
             def loss(x, w, ew):
-                return jnp.sum(experts_pallas(x, jaxmoe.Routing(ids, w), ew, cfg, interpret=False))
+                return jnp.sum(experts_pallas(x, jaxmoe.Routing(ids, w), ew, cfg, ExecConfig(interpret=False)))
 
             if kind in DT:
                 return jax.grad(loss, argnums=(0, 1, 2))(x, w, ew)

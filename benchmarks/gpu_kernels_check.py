@@ -46,6 +46,7 @@ from gpu_common import log  # noqa: E402
 
 import jaxmoe  # noqa: E402
 from jaxmoe.dispatch import plan_dispatch  # noqa: E402
+from jaxmoe.execution import ExecConfig  # noqa: E402
 from jaxmoe.impls.pallas import experts_pallas, kernel_weight  # noqa: E402
 from jaxmoe.quant import quantize_int4_affine, quantize_int8  # noqa: E402
 from pallas_kernels import decode, swiglu  # noqa: E402
@@ -218,7 +219,7 @@ def run_case(case: Case, interpret: bool, dry_run: bool, key) -> dict:
         rec["ok"] = bool(rec["rel_err"] <= rec["tol"] and (dry_run or rec["triton_calls"] > 0))
     else:
         ew = case_experts(params.experts, case.kind)
-        y = jax.jit(functools.partial(experts_pallas, cfg=cfg, interpret=interpret))(x, r, ew)
+        y = jax.jit(functools.partial(experts_pallas, cfg=cfg, ex=ExecConfig(interpret=interpret)))(x, r, ew)
         ref = jax.jit(functools.partial(jaxmoe.experts_dense, cfg=cfg))(x, r, ew)
         rec["rel_err"] = common.rel_err(y, ref)
         rec["ok"] = bool(rec["rel_err"] <= rec["tol"])

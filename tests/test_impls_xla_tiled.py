@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from jax.test_util import check_grads
 
 import jaxmoe
-from jaxmoe.execution import ExecConfig
 from jaxmoe import MoEConfig, RouterConfig, Routing
+from jaxmoe.execution import ExecConfig
 from jaxmoe.experts import experts_dense
 from jaxmoe.impls.xla_tiled import (
     LAYOUTS,
@@ -286,7 +286,11 @@ def test_hypothesis(seed, mode, block_m, layout):
     p = random_params(XLA_CFG, r)
     x = r.normal(size=(t, 16)).astype(np.float32)
     y = experts_xla_tiled(
-        jnp.asarray(x), Routing(jnp.asarray(ids), jnp.asarray(ws)), p.experts, XLA_CFG, ExecConfig(block_m=block_m, layout=layout)
+        jnp.asarray(x),
+        Routing(jnp.asarray(ids), jnp.asarray(ws)),
+        p.experts,
+        XLA_CFG,
+        ExecConfig(block_m=block_m, layout=layout),
     )
     np.testing.assert_allclose(np.asarray(y), np_experts(x, ids, ws, params_to_numpy(p), XLA_CFG), **F32)
 

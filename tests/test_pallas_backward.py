@@ -18,8 +18,8 @@ import pytest
 from helpers import gguf_block_weight, gpu_target, quantize_experts, skewed_routing
 
 import jaxmoe
-from jaxmoe.execution import ExecConfig
 from jaxmoe.dispatch import plan_dispatch
+from jaxmoe.execution import ExecConfig
 from jaxmoe.experts import experts_dense
 from jaxmoe.impls.pallas import experts_pallas, kernel_weight
 from jaxmoe.quant import quantize_int4_affine, quantize_int8

@@ -24,8 +24,8 @@ import pytest
 from helpers import gguf_block_weight, gpu_target
 
 import jaxmoe
-from jaxmoe.execution import ExecConfig
 from jaxmoe.dispatch import plan_dispatch
+from jaxmoe.execution import ExecConfig
 from jaxmoe.impls.pallas import experts_pallas, kernel_weight
 from jaxmoe.quant import QuantizedTensor, quantize_int4_affine, quantize_int8
 from pallas_kernels import tuning
