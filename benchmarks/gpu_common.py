@@ -1,4 +1,4 @@
-"""What the GPU check's phases share (benchmarks/gpu_check.sh; benchmarks/README.md, "GPU").
+"""What the GPU check's phases share (benchmarks/gpu_check.sh; docs/gpu.md).
 
 The layer shapes and token counts, random expert weights and rotating routings, the
 implementations that are timed (``xla``, ``pallas``, ``pallas_fma``, ``ragged_dot`` and

@@ -19,7 +19,7 @@ from typing import Any
 
 #: Activation arithmetic: ``float`` (activations as given, float32 accumulation) or
 #: ``int8`` (``impl="cpu"`` only: activations quantized to int8 per block of 32 for
-#: integer-coded experts, docs/design.md "Execution options").
+#: integer-coded experts, docs/kernels.md "int8 activations").
 ACTIVATION_MODES = ("float", "int8")
 
 #: Layouts of ``impl="xla_tiled"`` (`jaxmoe.impls.xla_tiled`).

@@ -334,7 +334,7 @@ def frozen_cotangent(ew: ExpertWeights) -> ExpertWeights:
     zeros for the float scales / biases (and any float bias ``b_gate, b_up, b_down`` beside
     quantized weights), ``float0`` zeros for the integer codes / block bytes (`zero_cotangent`).
     No strategy computes a weight gradient for them (adapter-style fine-tuning of the
-    router, shared expert or other layers over a quantized MoE; docs/design.md, "Training").
+    router, shared expert or other layers over a quantized MoE; docs/training.md).
     """
     return zero_cotangent(ew)
 

@@ -5,7 +5,7 @@ allocation that large with its own ``mmap`` (or, from a worker thread's arena, a
 heap) and hands it back to the system when it is freed, so the next call's buffers land
 in new pages that the kernel must zero on first touch. A training step of a Qwen3.6 layer
 allocates 3.2 GB of expert-weight gradients per step, and that zeroing was half of a
-``T = 64`` step (docs/performance.md, "Training").
+``T = 64`` step (docs/training.md).
 
 `keep_freed_host_memory` sets three glibc malloc options through ``mallopt`` at run time
 (the same as ``GLIBC_TUNABLES=glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:

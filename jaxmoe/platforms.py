@@ -36,7 +36,7 @@ EXPLICIT_IMPL = {"intel": {"xla": "xla_tiled"}}
 #: Where an explicit ``impl`` cannot lower at all.
 IMPL_GROUPS = {"cpu": ("cpu",), "pallas": ("triton", "cpu", "default")}
 #: Token-pair count ``T * k`` at or below which ``auto`` takes ``gather`` where the C++
-#: kernel is not available (docs/performance.md, "The gather crossover").
+#: kernel is not available (docs/performance.md, "Why the strategies look the way they do").
 GATHER_MAX_PAIRS = 8
 
 

@@ -14,7 +14,7 @@ so no masking is needed and every row is written exactly by its own expert last.
 Finally each pair's row is weighted and summed back to its token in a fixed order
 (deterministic).
 
-See benchmarks/README.md for the layouts measured on CPU and why this one won.
+docs/log/2026-11-29-xla-path.md has the layouts measured on the CPU and why this one won.
 """
 
 from __future__ import annotations
@@ -78,9 +78,8 @@ def loop_take(ew: ExpertWeights, ex: jax.Array) -> ExpertWeights:
 
     Without it XLA:CPU rewrites the float32 upcast of a bfloat16 expert slice
     (`jaxmoe.experts.dot_f32`) into one of the whole ``[E, ...]`` operand and hoists that
-    out of the loop as loop-invariant: every call then converted all ``E`` experts (bf16
-    Qwen3.6 layer, ``T = 1``: 0.8 s a call instead of ~10 ms; quantized experts were not
-    affected). The barrier makes the weights opaque inside the body, so only the taken
+    out of the loop as loop-invariant: every call then converted all ``E`` experts (two
+    orders of magnitude slower at ``T = 1``; quantized experts were not affected). The barrier makes the weights opaque inside the body, so only the taken
     expert is read and converted.
     """
     ew, ex = jax.lax.optimization_barrier((ew, ex))

@@ -84,7 +84,7 @@ def backward_supports(ew: ExpertWeights) -> str | None:
 
 #: Columns of ``in`` per task at least, for int8 / int4 weights: each stored row's slice is
 #: then 128 (int4) or 256 (int8) contiguous bytes, whole cache lines (at 64 columns, half a
-#: line of each row per task, the T = 8 Q4_0 backward step took ~1.5x longer).
+#: line of each row per task, the Q4_0 backward step was slower; docs/training.md).
 INT_SLICE = 256
 
 

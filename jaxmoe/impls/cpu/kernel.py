@@ -1,6 +1,6 @@
 """The CPU grouped-SwiGLU kernel (``impl="cpu"``): an XLA FFI custom call in C++.
 
-XLA:CPU copies every expert slice ``W[e]`` before its dot (benchmarks/README.md), so
+XLA:CPU copies every expert slice ``W[e]`` before its dot (docs/log/2026-11-29-xla-path.md), so
 the plain-XLA path pays a weight copy per touched expert. ``grouped_swiglu.cc`` (beside
 this module) reads the selected experts' weights in place instead: tasks over (expert, column
 block) with float32 register tiles, on XLA's intra-op thread pool. Everything around
@@ -234,9 +234,9 @@ _experts_cpu.defvjp(_fwd, _bwd)
 
 
 #: Columns of one task: gate/up tasks cover ``UP_BLOCK`` columns of F, down tasks
-#: ``DOWN_BLOCK`` columns of d (measured on the Qwen3.6 layer, docs/performance.md: a
-#: float task reads 256 / 512 contiguous bytes of each weight row at these widths, half
-#: that at 64 / 128, which cost bfloat16 decode ~20%). An expert with fewer than 8 rows
+#: ``DOWN_BLOCK`` columns of d (measured on the Qwen3.6 layer, docs/log/2026-12-01-cpu-kernel.md:
+#: a float task reads 256 / 512 contiguous bytes of each weight row at these widths;
+#: half that was slower for bfloat16 decode). An expert with fewer than 8 rows
 #: gets wider tasks in the kernel (whole rows when there are at least two such tasks per
 #: thread), which stream their weight rows contiguously.
 UP_BLOCK = 128
@@ -487,7 +487,7 @@ def experts_shared_cpu(
 
     One custom call per layer instead of two: the shared expert's tasks run in the same
     two rounds of the thread pool as the routed experts' (at ``T = 1`` the second call
-    and its gate cost ~0.3 ms of a ~1.4 ms Q4_K layer, docs/performance.md). The shared
+    and its gate were a measurable share of a decode step, docs/log/2026-12-04-shared-expert-call.md). The shared
     gate ``sigmoid(x . gate)`` is computed in the kernel, in one fixed order per row, so
     the result is batch-invariant as `shared_expert_cpu`'s. Requires `supports` for
     ``ew`` and `shared_supported` for ``sw``. Gradients: the routed experts' `cpu_vjp`
