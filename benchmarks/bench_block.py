@@ -59,15 +59,31 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxmoe
-from jaxmoe.evaluation.config import INT8_IMPL, moe_call
 from jaxmoe.evaluation.hf_block import qwen35_moe_block
+from jaxmoe.evaluation.schema import exec_of_label
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_common import gguf_random_weight, projection_kinds  # noqa: E402  (shared with the GPU check)
 
-#: ``cpu_int8`` (`INT8_IMPL`) is `jaxmoe eval`'s: ``cpu`` with `MoEConfig.int8_activations` (int8 / int4
-#: experts multiply activations quantized to int8 per 32, as ggml does; its error is that of Q8(x)).
-JAX_IMPLS = ("auto", "cpu", INT8_IMPL, "xla", "gather", "ragged_dot", "dense")
+#: The impls ``--impls`` takes (besides ``hf``). Each entry is an `ExecConfig.label`: the impl
+#: name, then any ``field=value`` (``cpu,activations=int8``: int8 / int4 experts multiply
+#: activations quantized to int8 per 32, as ggml does; its error is that of Q8(x)).
+JAX_IMPLS = ("auto", "cpu", "xla", "gather", "ragged_dot", "dense")
+
+
+def parse_labels(text: str) -> list[str]:
+    """``--impls``: comma-separated `ExecConfig.label`s, a ``field=value`` token belonging to
+    the label before it (``hf,cpu,cpu,activations=int8`` -> ``hf``, ``cpu``,
+    ``cpu,activations=int8``)."""
+    labels: list[str] = []
+    for tok in (t.strip() for t in text.split(",")):
+        if "=" in tok and labels:
+            labels[-1] += "," + tok
+        elif tok:
+            labels.append(tok)
+    return labels
+
+
 #: GGUF block kinds kept as the file's block bytes (``q4_k_m``: gate/up q4_k, down q6_k, as a
 #: Q4_K_M file stores the experts).
 BLOCK_DTYPES = ("q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k_m")
@@ -96,7 +112,8 @@ def parse_args(argv=None):
     ap.add_argument(
         "--impls",
         default="hf,auto,cpu,xla,gather,ragged_dot,dense",
-        help="comma-separated: hf and any of " + ",".join(JAX_IMPLS),
+        help="comma-separated: hf and any of " + ",".join(JAX_IMPLS) + ", each with field=value "
+        "options of ExecConfig (cpu,activations=int8)",
     )
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per cell (best is shown)")
     ap.add_argument("--quick", action="store_true", help="32 experts, T in {1, 8, 64}, 2 repeats")
@@ -125,10 +142,14 @@ def parse_args(argv=None):
         a.tokens = "1,8,64" if a.tokens == ap.get_default("tokens") else a.tokens
         a.repeats = min(a.repeats, 2)
     a.tokens = [int(t) for t in a.tokens.split(",")]
-    a.impls = [i.strip() for i in a.impls.split(",") if i.strip()]
-    bad = [i for i in a.impls if i != "hf" and i not in JAX_IMPLS]
+    a.impls = parse_labels(a.impls)
+    bad = [i for i in a.impls if i != "hf" and i.split(",")[0] not in JAX_IMPLS]
     if bad:
         ap.error(f"--impls: unknown {bad}; choose from hf,{','.join(JAX_IMPLS)}")
+    try:
+        a.execs = {i: exec_of_label(i) for i in a.impls if i != "hf"}
+    except ValueError as e:
+        ap.error(f"--impls: {e}")
     a.dtype = [t.strip() for t in a.dtype.split(",") if t.strip()]
     bad = [t for t in a.dtype if t not in DTYPES]
     if bad:
@@ -308,11 +329,7 @@ def run_format(a, cfg, p, impls, bw, rbw, rate, fmt):
         f"-> read floor of one token's experts {k * expert_bytes / rbw * 1e3:.2f} ms"
     )
     hf_run = make_hf_block(p, cfg, a.threads) if "hf" in impls else None
-    jitted = {
-        i: jax.jit(lambda p, x, call=moe_call(i, cfg): jaxmoe.moe_apply(p, x, call[1], impl=call[0]))
-        for i in impls
-        if i != "hf"
-    }
+    jitted = {i: jax.jit(lambda p, x, ex=a.execs[i]: jaxmoe.moe_apply(p, x, cfg, ex)) for i in impls if i != "hf"}
     route = jax.jit(lambda p, x: jaxmoe.layer.compute_routing(p, x, cfg).expert_ids)
 
     rows = []
@@ -347,7 +364,7 @@ def run_format(a, cfg, p, impls, bw, rbw, rate, fmt):
             out = np.asarray(fn(inputs[0]))  # compiles; warms up
             if ref is not None:
                 err = np.abs(out - ref).max() / (np.abs(ref).max() + 1e-30)
-                if not err < (5e-2 if impl == INT8_IMPL else 1e-3):  # int8 activations: Q8(x)'s error
+                if not err < (5e-2 if a.execs[impl].activations == "int8" else 1e-3):  # int8: Q8(x)'s error
                     print(f"T={t} {impl}: output differs from xla (max rel err {err:.2e})", file=sys.stderr)
                     return None
             fns[impl] = fn

@@ -23,12 +23,13 @@ from jaxmoe.evaluation import metrics as M
 from jaxmoe.evaluation.config import EvalConfig, case_tolerance
 from jaxmoe.evaluation.expert_parallel import ExpertParallelConfig
 from jaxmoe.evaluation.kinds import KINDS, from_mapping, load_any
-from jaxmoe.evaluation.offload import OffloadSweepConfig
+from jaxmoe.evaluation.offload import OffloadSweepConfig, stack_config
+from jaxmoe.evaluation.presets import shrink_config
 from jaxmoe.evaluation.reference import dequantize_f64, reference_forward
 from jaxmoe.evaluation.runner import moe_apply_jit
 from jaxmoe.evaluation.schema import apply_overrides, evals_dir, list_eval_configs, parse_override
-from jaxmoe.evaluation.sources import shrink_config
 from jaxmoe.evaluation.train import TrainEvalConfig, reference_grads
+from jaxmoe.execution import ExecConfig
 from jaxmoe.experts import ExpertWeights, SharedWeights
 from jaxmoe.params import MoEParams
 
@@ -74,12 +75,21 @@ def test_shipped_configs_validate():
         cfg = load_eval_config(n)
         assert cfg.name == n
     d = load_eval_config("default")
-    assert d.model.preset == "qwen3.6-35b-a3b" and set(d.impls) == {"auto", "cpu", "xla", "gather", "dense"}
+    assert d.model.preset == "qwen3.6-35b-a3b" and {ex.label for ex in d.impls} == {
+        "auto",
+        "cpu",
+        "xla",
+        "gather",
+        "dense",
+    }
     with pytest.raises(ConfigError, match=r"gguf\.yaml: key 'model.path'.*--set model.path"):
         load_eval_config("gguf")
     # narrowing a shipped config leaves its named tolerances unused, not wrong
     q = load_eval_config("quantized", ["impls=[gather]", "dtypes=[float32]"])
-    assert q.impls == ("gather",) and case_tolerance(q, "gather", "float32", "int4") == 1e-4
+    assert q.impls == (ExecConfig(impl="gather"),) and case_tolerance(q, "gather", "float32", "int4") == 1e-4
+    int8 = load_eval_config("quantized").impls[-1]
+    assert int8 == ExecConfig(impl="cpu", activations="int8") and int8.label == "cpu,activations=int8"
+    assert case_tolerance(load_eval_config("quantized"), int8, "float32", "int8") == 3e-2
 
 
 @pytest.mark.parametrize(
@@ -93,6 +103,15 @@ def test_shipped_configs_validate():
         (lambda d: d.update(plots="yes"), "plots", "must be a bool"),
         (lambda d: d["inputs"].update(kind="video"), "inputs.kind", "must be one of"),
         (lambda d: d.update(impls=["dense", "warp"]), r"impls\[1\]", "impl 'warp' is not available"),
+        (
+            lambda d: d.update(impls=["cpu_int8"]),
+            r"impls\[0\]",
+            r"was removed; use the entry \{impl: cpu, activations: int8\}",
+        ),
+        (lambda d: d.update(impls=[{"impl": "xla", "activations": "int8"}]), r"impls\[0\]", "a mode of impl='cpu'"),
+        (lambda d: d.update(impls=[{"impl": "cpu", "int8": True}]), r"impls\[0\]", "unknown key 'int8'"),
+        (lambda d: d.update(impls=["cpu", {"impl": "cpu"}]), "impls", "has duplicates"),
+        (lambda d: d["model"].update(batch_invariant=True), "model.batch_invariant", "was removed"),
         (lambda d: d["model"].update(preset="nope-1b"), "model.preset", "unknown preset 'nope-1b'"),
         (lambda d: d.update(tolerance={"gathr": 1e-3}), "tolerance.gathr", "matches no case"),
         (lambda d: d.update(tolerance={"dense/float16": 1e-3}), "tolerance.dense/float16", "matches no case"),
@@ -180,13 +199,31 @@ def test_shrink_keeps_every_preset_valid():
     s = load_eval_config("presets-sweep").model.shrink
     for name in jaxmoe.list_presets():
         full = jaxmoe.load_config(name)
-        c = shrink_config(full, s)
+        c = shrink_config(full, **s.widths())
         assert c.d_model == 128 and c.expert_dim == 64
         assert c.num_experts == min(16, full.num_experts)
         assert c.top_k == min(full.top_k, c.num_experts)
         assert c.router.score_fn == full.router.score_fn and c.router.n_group == full.router.n_group
         if full.shared_expert_dim:
             assert c.shared_expert_dim == round(full.shared_expert_dim * 64 / full.expert_dim)
+
+
+def test_every_kind_shrinks_by_one_rule():
+    """``model.shrink`` means the same in every kind (`presets.shrink_config`): experts and
+    top-k never grow, ``shared_expert_dim: 0`` drops the shared expert (and its gate)."""
+    widths = {"d_model": 64, "expert_dim": 32, "shared_expert_dim": 0, "num_experts": 16, "top_k": 4}
+    want = shrink_config(jaxmoe.load_config("qwen3.6-35b-a3b"), **widths)
+    assert (want.d_model, want.expert_dim, want.num_experts, want.top_k) == (64, 32, 16, 4)
+    assert want.shared_expert_dim == want.num_shared_experts == 0 and not want.shared_expert_gate
+    flow = "model.shrink={" + ", ".join(f"{k}: {v}" for k, v in widths.items()) + "}"
+    assert load_any("expert-parallel", [flow]).model.config() == want
+    assert load_any("train", [flow, "hf=false"]).model.config() == want
+    off = load_any("offload", [flow, "model.num_layers=2"])
+    assert stack_config(off) == dataclasses.replace(want, num_layers=2, dense_layers=())
+    mixtral = shrink_config(jaxmoe.load_config("mixtral-8x7b"), num_experts=16, top_k=8)
+    assert (mixtral.num_experts, mixtral.top_k) == (8, 2)
+    with pytest.raises(ConfigError, match=r"expert-parallel\.yaml: key 'model\.shrink\.d_model'.*must be >= 1, got 0"):
+        load_any("expert-parallel", ["model.shrink.d_model=0"])
 
 
 # --------------------------------------------------------------------------- float64 reference
@@ -304,7 +341,7 @@ def test_reference_matches_loop_and_dense(name, rng):
     elif name == "clamp-like":
         cfg = CLAMP_LIKE
     else:
-        cfg = shrink_config(jaxmoe.load_config(name), load_eval_config("presets-sweep").model.shrink)
+        cfg = shrink_config(jaxmoe.load_config(name), **load_eval_config("presets-sweep").model.shrink.widths())
         cfg = dataclasses.replace(
             cfg,
             d_model=32,
@@ -533,32 +570,34 @@ def test_float32_case_of_a_bfloat16_model_sees_the_references_inputs(tmp_path):
 
 
 def test_eval_int8_activations_impl(tmp_path):
-    """``cpu_int8`` is ``cpu`` with int8 activations: on int8 / int4 experts its error
-    against the dequantized weights' float64 forward is the documented Q8 error (well above
-    float rounding, ~1% of the output), while ``cpu`` stays within float rounding; on float
-    experts it is ``cpu`` exactly (float weights keep float activations)."""
+    """The entry ``{impl: cpu, activations: int8}`` (label ``cpu,activations=int8``) runs
+    ``cpu`` with int8 activations: on int8 / int4 experts its error against the dequantized
+    weights' float64 forward is the documented Q8 error (well above float rounding, ~1% of the
+    output), while ``cpu`` stays within float rounding; on float experts it is ``cpu`` exactly
+    (float weights keep float activations)."""
+    int8 = "cpu,activations=int8"
     model = dict(TINY["model"], shrink={"d_model": 64, "expert_dim": 64, "num_experts": 16})
     data = dict(
         TINY,
         model=model,
-        impls=["cpu", "cpu_int8"],
+        impls=["cpu", {"impl": "cpu", "activations": "int8"}],
         tokens=[9],
         quantize=["none", "int8", "int4"],
         plots=False,
-        tolerance={"default": 1e-5, "cpu_int8": 3e-2},
+        tolerance={"default": 1e-5, int8: 3e-2},
         min_routing_agreement=0.0,
     )
     out = tmp_path / "run"
     assert cli_main([str(_write(tmp_path, data)), "--no-progress", "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
-    assert "cpu_int8" in res["environment"]["impls_available"]
+    assert res["config"]["impls"] == ["cpu", {"impl": "cpu", "activations": "int8"}]
     by = {(r["impl"], r["quantize"]): r for r in res["layers"][0]["results"]}
-    assert by[("cpu_int8", "int8")]["resolved_impl"] == "cpu"
+    assert by[(int8, "int8")]["resolved_impl"] == "cpu" and by[(int8, "int8")]["case"] == f"{int8}/float32/int8"
     for q in ("int8", "int4"):
         assert _q(by[("cpu", q)]["rel_error"]) < 1e-5
-        assert 1e-4 < _q(by[("cpu_int8", q)]["rel_error"]) < 3e-2, q
-    assert _q(by[("cpu_int8", "none")]["rel_error"]) == _q(by[("cpu", "none")]["rel_error"])
-    # the tolerance names it like any impl: a 1e-5 gate on it fails
+        assert 1e-4 < _q(by[(int8, q)]["rel_error"]) < 3e-2, q
+    assert _q(by[(int8, "none")]["rel_error"]) == _q(by[("cpu", "none")]["rel_error"])
+    # the tolerance names it by its label like any impl: a 1e-5 gate on it fails
     data["tolerance"] = {"default": 1e-5}
     assert cli_main([str(_write(tmp_path, data)), "--no-progress", "--out", str(out)]) == 1
 
@@ -569,16 +608,16 @@ def test_quantized_gate_fails_a_broken_kernel(tmp_path):
     against the dequantized weights; the float cases are untouched."""
     from jaxmoe.impls import registry
 
-    good = registry.get_impl("gather")
+    good = registry.get_impl("gather").routed
 
-    def broken(x, routing, ew, cfg):
+    def broken(x, routing, ew, cfg, ex, platform):
         def off(w):
             if isinstance(w, jaxmoe.QuantizedTensor) and w.kind == "int4":
                 assert w.scales is not None and w.biases is not None
                 return dataclasses.replace(w, biases=w.biases + w.scales)  # every code read as q + 1
             return w
 
-        return good(x, routing, dataclasses.replace(ew, w_gate=off(ew.w_gate)), cfg)
+        return good(x, routing, dataclasses.replace(ew, w_gate=off(ew.w_gate)), cfg, ex, platform)
 
     model = dict(TINY["model"], shrink={"d_model": 64, "expert_dim": 64, "num_experts": 16})
     data = dict(
@@ -606,7 +645,9 @@ def test_quantized_gate_fails_a_broken_kernel(tmp_path):
 
 
 def test_eval_reads_a_gguf_file(tmp_path, rng):
-    cfg = shrink_config(jaxmoe.load_config("qwen3.6-35b-a3b"), load_eval_config("presets-sweep").model.shrink)
+    cfg = shrink_config(
+        jaxmoe.load_config("qwen3.6-35b-a3b"), **load_eval_config("presets-sweep").model.shrink.widths()
+    )
     cfg = dataclasses.replace(cfg, d_model=64, expert_dim=32, shared_expert_dim=32)
     block = jaxmoe.MoEBlock(cfg, params=_random_params(cfg, rng))
     path = jaxmoe.save_gguf(block, tmp_path / "m.gguf", layer=0, dtype="q8_0")
@@ -683,27 +724,17 @@ def test_kind_key_picks_schema_and_runner(tmp_path, monkeypatch, capsys):
     assert cli_main([str(p), "--out", str(tmp_path / "o"), "--set", "tokens=4"]) == 0
     assert seen == [("OffloadSweepConfig", str(p), str(tmp_path / "o"), ["tokens=4"])]
     assert cli_main([str(p), "--set", "tokens=9"]) == 1
-    # older configs named the module that ran them: read as the kind it ran
-    p = _write(
-        tmp_path, {**{k: v for k, v in spec.items() if k != "kind"}, "runner": "jaxmoe.offload.sweep"}, "old.yaml"
-    )
-    assert cli_main([str(p)]) == 0 and seen[-1][0] == "OffloadSweepConfig"
-    assert len(seen) == 3
+    assert len(seen) == 2
     for bad, key, text in (
         ({**spec, "kind": "sweep"}, "kind", "unknown kind 'sweep'; known kinds: "),
         ({**spec, "kind": 3}, "kind", "must be a string"),
-        ({"runner": "os"}, "runner", "must name a module that runs eval configs"),
-        (
-            {**spec, "runner": "jaxmoe.parallel_eval"},
-            "runner",
-            "'jaxmoe.parallel_eval' runs 'expert-parallel' configs, but key 'kind' says 'offload'",
-        ),
+        ({**spec, "runner": "jaxmoe.offload.sweep"}, "runner", "unknown key"),
         ({**spec, "anything": [1, 2]}, "anything", "unknown key"),
     ):
         p = _write(tmp_path, bad, "bad.yaml")
         assert cli_main([str(p)]) == 2
         assert f"bad.yaml: key '{key}': {text}" in capsys.readouterr().err
-    assert len(seen) == 3  # nothing ran
+    assert len(seen) == 2  # nothing ran
     assert cli_main(["--list"]) == 0
     assert "default" in capsys.readouterr().out.split()
     assert cli_main(["--help"]) == 0
@@ -756,7 +787,7 @@ def test_reference_matches_transformers_deepseek_v3_moe(rng):
             sh.down_proj.weight.detach().numpy().T,
         ),
     )
-    cfg = shrink_config(jaxmoe.load_config("deepseek-v3"), load_eval_config("presets-sweep").model.shrink)
+    cfg = shrink_config(jaxmoe.load_config("deepseek-v3"), **load_eval_config("presets-sweep").model.shrink.widths())
     cfg = dataclasses.replace(
         cfg,
         d_model=d,
@@ -882,8 +913,14 @@ def test_eval_train_config_errors():
         load_any("train", ["model.preset=mixtral-8x7b"])
     with pytest.raises(ConfigError, match=r"key 'model\.preset'.*no float64 backward reference"):
         load_any("train", ["model.preset=gpt-oss-20b", "hf=false"])
-    with pytest.raises(ConfigError, match=r"key 'impl_max_tokens\.gather'.*not one of impls"):
-        load_any("train", ["impl_max_tokens={gather: 8}"])
+    with pytest.raises(ConfigError, match=r"key 'impl_max_tokens\.warp'.*is not an available impl"):
+        load_any("train", ["impl_max_tokens={warp: 8}"])
+    with pytest.raises(ConfigError, match=r"key 'tokens\[1\]'.*must be >= 1, got 0"):
+        load_any("train", ["tokens=[3, 0]"])
+    with pytest.raises(ConfigError, match=r"key 'model\.shrink'.*cannot keep the group limit"):
+        load_any("train", ["model.preset=deepseek-v3", "hf=false", "model.shrink={num_experts: 12}"])
+    cfg = load_any("train", ["impls=[xla, {impl: cpu, batch_invariant: true}]", "impl_max_tokens={cpu: 8}"])
+    assert [ex.label for ex in cfg.impls] == ["xla", "cpu,batch_invariant=True"]
     cfg = load_any("train")
     assert cfg.kind == "train" and cfg.hf and cfg.tokens == (64, 256)
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import jaxmoe
 from jaxmoe.evaluation.kinds import load_any
 from jaxmoe.evaluation.offload import OffloadSweepConfig, SweepInput, prepare_input, run_sweep
+from jaxmoe.evaluation.presets import shrink_config
 from jaxmoe.evaluation.schema import ConfigError
 from jaxmoe.offload import (
     ExpertCache,
@@ -46,17 +47,15 @@ from jaxmoe.offload.traces import load_hidden
 L, E, K, D, F = 3, 16, 4, 64, 32
 
 
-def small_cfg(preset="qwen3.6-35b-a3b", **router):
-    cfg = jaxmoe.load_config(preset)
-    fs = 32 if cfg.shared_expert_dim else 0
-    return dataclasses.replace(
-        cfg,
+def small_cfg():
+    return shrink_config(
+        jaxmoe.load_config("qwen3.6-35b-a3b"),
         d_model=D,
         expert_dim=F,
-        shared_expert_dim=fs,
+        shared_expert_dim=32,
+        num_experts=E,
+        top_k=K,
         num_layers=L,
-        dense_layers=(),
-        router=dataclasses.replace(cfg.router, num_experts=E, top_k=K, **router),
     )
 
 
@@ -589,7 +588,7 @@ def test_sweep_writes_results_and_plot(tmp_path):
     assert np.load(tmp_path / "out" / "input1_trace.npy").shape == (6, L, K)
     spec["budgets"] = [0.5, 2.0]
     p.write_text(yaml.safe_dump(spec))
-    with pytest.raises(ConfigError, match=r"s\.yaml: key 'budgets\[1\]': 2\.0: each budget is a fraction"):
+    with pytest.raises(ConfigError, match=r"s\.yaml: key 'budgets\[1\]': must lie in \[0, 1\], got 2\.0"):
         load_any(p)
     spec["budgets"], spec["cache"] = [0.5], 1
     p.write_text(yaml.safe_dump(spec))

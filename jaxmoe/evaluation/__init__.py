@@ -14,11 +14,12 @@ Each run goes to ``runs/<name>-<UTC timestamp>/`` (or ``--out DIR``). Exit codes
 (`cli`): 0 every case within tolerance, 1 some case over its tolerance or failing (the
 regression gate), 2 a bad config or command line.
 
-Modules, lowest first: `schema` (the engine every kind's YAML goes through: types,
-unknown keys, ``--set`` overrides, errors naming file and key; finding config files),
-`config` (the ``default`` kind's schema), `metrics`, `reference` (the float64 numpy
+Modules, lowest first: `presets` (the one rule for shrinking a preset), `schema` (the
+engine every kind's YAML goes through: types, unknown keys, ``--set`` overrides, the value
+checks, ``impls:`` entries as `jaxmoe.execution.ExecConfig`, errors naming file and key;
+finding config files), `config` (the ``default`` kind's schema), `metrics`, `reference` (the float64 numpy
 forward), `sources` (weights and activations), `report`, `plots`, the runners `runner`,
-`expert_parallel` and `offload`, `kinds` (kind name -> schema and runner) and `cli`.
+`expert_parallel`, `offload` and `train`, `kinds` (kind name -> schema and runner) and `cli`.
 """
 
 from jaxmoe.evaluation.cli import cli_main

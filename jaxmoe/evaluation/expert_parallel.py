@@ -31,7 +31,7 @@ Schema (`ExpertParallelConfig`; every key checked, unknown keys are errors namin
     description: ...
     model: {preset: qwen3.6-35b-a3b, shrink: {d_model, expert_dim, shared_expert_dim, num_experts, top_k}, seed: 0}
     inputs: {kind: random, seed: 0, scale: 1.0}
-    impls: [auto]
+    impls: [auto]                  # impl names or mappings of ExecConfig fields ({impl: xla, batch_invariant: true})
     tokens: [16, 256]
     mesh: [{expert: 1, data: 1}, {expert: 2}, ...]   # data defaults to 1
     capacity_factors: [null, 1.0]  # null: no drops (worst-case capacity)
@@ -42,8 +42,9 @@ Schema (`ExpertParallelConfig`; every key checked, unknown keys are errors namin
     timeout_s: 600                 # bound on the workers' wall time
     output_dir: runs
 
-``model.shrink`` replaces the preset's widths as given (``shared_expert_dim: 0`` drops
-the shared expert); unlike the ``default`` kind nothing is clamped to the preset.
+``model.shrink`` is read as every kind reads it (`jaxmoe.evaluation.presets.shrink_config`;
+``shared_expert_dim: 0`` drops the shared expert). Results name each ``impls:`` entry by
+its `jaxmoe.execution.ExecConfig.label`.
 """
 
 from __future__ import annotations
@@ -62,27 +63,18 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from rich.console import Console
 
-from jaxmoe.config import MoEConfig, list_presets, load_config
-from jaxmoe.evaluation.config import ShrinkSection
-from jaxmoe.evaluation.report import make_run_dir
-from jaxmoe.evaluation.schema import Context, RunOptions, check_impls, check_name, mapping_reader, to_plain
+from jaxmoe.config import load_config
+from jaxmoe.evaluation.presets import PresetSection
+from jaxmoe.evaluation.report import write_run
+from jaxmoe.evaluation.schema import Context, RunConfig, RunOptions, mapping_reader
+from jaxmoe.execution import ExecConfig
 from jaxmoe.impls.registry import available_impls
 from jaxmoe.layer import moe_apply
 from jaxmoe.parallel import gather_output, global_input, make_mesh, moe_apply_ep, shard_params
 from jaxmoe.params import init_params
 
 KIND = "expert-parallel"
-
-
-@dataclasses.dataclass(frozen=True)
-class EPModelSection:
-    """The preset whose layer is split, its widths (``shrink``) and the weights' seed."""
-
-    preset: str
-    shrink: ShrinkSection | None = None
-    seed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,16 +95,14 @@ class MeshSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ExpertParallelConfig:
+class ExpertParallelConfig(RunConfig):
     """One expert-parallel eval run (see the module docstring for the YAML form)."""
 
     kind: Literal["expert-parallel"] = KIND
-    model: EPModelSection
+    model: PresetSection
     mesh: tuple[MeshSection, ...]
-    name: str = ""
-    description: str = ""
     inputs: EPInputsSection = EPInputsSection()
-    impls: tuple[str, ...] = ("auto",)
+    impls: tuple[ExecConfig, ...] = (ExecConfig(),)
     tokens: tuple[int, ...] = (16,)
     capacity_factors: tuple[float | None, ...] = (None,)
     repeats: int = 3
@@ -120,63 +110,32 @@ class ExpertParallelConfig:
     processes: int = 1
     devices_per_process: int = 4
     timeout_s: float = 600.0
-    output_dir: str = "runs"
-
-    def to_dict(self) -> dict[str, Any]:
-        """The resolved config as plain YAML/JSON data."""
-        return to_plain(self)
 
 
 def check(cfg: ExpertParallelConfig, ctx: Context) -> None:
     """Checks values beyond their types: positive sizes, known preset and impls."""
-    known = list_presets()
-    if cfg.model.preset not in known:
-        ctx.fail("model.preset", f"unknown preset {cfg.model.preset!r}; available: {known}")
-    if cfg.model.shrink is not None:
-        for f in dataclasses.fields(ShrinkSection):
-            v = getattr(cfg.model.shrink, f.name)
-            if v is not None and not (v >= 1 or (f.name == "shared_expert_dim" and v == 0)):
-                ctx.fail(f"model.shrink.{f.name}", f"must be a positive int, got {v!r}")
+    ctx.check_preset("model.preset", cfg.model.preset)
+    ctx.check_shrink("model.shrink", cfg.model.shrink, load_config(cfg.model.preset))
     if not cfg.mesh:
         ctx.fail("mesh", "must be a non-empty list of {expert: n, data: m}")
     for i, m in enumerate(cfg.mesh):
-        for axis in ("expert", "data"):
-            if getattr(m, axis) < 1:
-                ctx.fail(f"mesh[{i}].{axis}", f"must be a positive int, got {getattr(m, axis)!r}")
-    check_impls(ctx, cfg.impls, available_impls())
-    if not cfg.tokens:
-        ctx.fail("tokens", "must be a non-empty list of positive ints")
-    for i, t in enumerate(cfg.tokens):
-        if t < 1:
-            ctx.fail(f"tokens[{i}]", f"must be a positive int, got {t}")
+        ctx.check_min(f"mesh[{i}].expert", m.expert)
+        ctx.check_min(f"mesh[{i}].data", m.data)
+    ctx.check_execs("impls", cfg.impls, available_impls())
+    ctx.check_list("tokens", cfg.tokens)
     if not cfg.capacity_factors:
-        ctx.fail("capacity_factors", "must be a non-empty list of null or positive numbers")
+        ctx.fail("capacity_factors", "is an empty list")
     for i, cf in enumerate(cfg.capacity_factors):
-        if cf is not None and not cf > 0:
-            ctx.fail(f"capacity_factors[{i}]", f"must be null or a positive number, got {cf!r}")
-    if cfg.repeats < 1:
-        ctx.fail("repeats", f"must be a positive int, got {cfg.repeats}")
-    if not cfg.tolerance > 0:
-        ctx.fail("tolerance", f"must be a positive number, got {cfg.tolerance!r}")
-    for key in ("processes", "devices_per_process"):
-        if getattr(cfg, key) < 1:
-            ctx.fail(key, f"must be a positive int, got {getattr(cfg, key)!r}")
-    if not cfg.timeout_s > 0:
-        ctx.fail("timeout_s", f"must be a positive number of seconds, got {cfg.timeout_s!r}")
-    check_name(ctx, cfg.name)
+        if cf is not None:
+            ctx.check_positive(f"capacity_factors[{i}]", cf)
+    for key in ("repeats", "processes", "devices_per_process"):
+        ctx.check_min(key, getattr(cfg, key))
+    for key in ("tolerance", "timeout_s"):
+        ctx.check_positive(key, getattr(cfg, key))
+    ctx.check_name(cfg.name)
 
 
 config_from_mapping = mapping_reader(ExpertParallelConfig, check, default_name=KIND)
-
-
-def model_config(cfg: ExpertParallelConfig) -> MoEConfig:
-    """The preset's `MoEConfig` with ``model.shrink``'s widths replacing its own."""
-    base = load_config(cfg.model.preset)
-    s = {k: v for k, v in to_plain(cfg.model.shrink or ShrinkSection()).items() if v is not None}
-    router = dataclasses.replace(base.router, **{k: s[k] for k in ("num_experts", "top_k") if k in s})
-    return dataclasses.replace(
-        base, router=router, **{k: s[k] for k in ("d_model", "expert_dim", "shared_expert_dim") if k in s}
-    )
 
 
 def ensure_cpu_devices(n: int) -> None:
@@ -202,20 +161,20 @@ def run_expert_parallel(cfg: ExpertParallelConfig) -> dict[str, Any]:
 def run_cases(cfg: ExpertParallelConfig) -> dict[str, Any]:
     """The cases of ``cfg`` in this process, on meshes over ``jax.devices()`` (all processes'
     devices after ``jax.distributed.initialize``)."""
-    mcfg = model_config(cfg)
+    mcfg = cfg.model.config()
     params = init_params(mcfg, jax.random.key(cfg.model.seed))
-    single = jax.jit(moe_apply, static_argnames=("cfg", "impl"))
+    single = jax.jit(moe_apply, static_argnames=("cfg", "ex"))
     ndev = len(jax.devices())
     nproc = jax.process_count()
     cases = []
     for t in cfg.tokens:
         x = jax.random.normal(jax.random.key(cfg.inputs.seed + t), (t, mcfg.d_model), jnp.float32) * cfg.inputs.scale
-        for impl in cfg.impls:
-            y1 = np.asarray(single(params, x, cfg=mcfg, impl=impl))
+        for ex in cfg.impls:
+            y1 = np.asarray(single(params, x, cfg=mcfg, ex=ex))
             for m in cfg.mesh:
                 e, d = m.expert, m.data
                 for cf in cfg.capacity_factors:
-                    case = dict(tokens=t, impl=impl, expert=e, data=d, capacity_factor=cf)
+                    case = dict(tokens=t, impl=ex.label, expert=e, data=d, capacity_factor=cf)
                     if e * d > ndev:
                         cases.append({**case, "status": "skipped", "reason": f"needs {e * d} devices, {ndev} present"})
                         continue
@@ -227,8 +186,8 @@ def run_cases(cfg: ExpertParallelConfig) -> dict[str, Any]:
                     ps = shard_params(params, mesh)
                     xg = global_input(x, mesh)
                     step = jax.jit(
-                        lambda p, x, mesh=mesh, cf=cf, impl=impl: moe_apply_ep(
-                            p, x, mcfg, mesh, impl=impl, capacity_factor=cf, return_stats=True
+                        lambda p, x, mesh=mesh, cf=cf, ex=ex: moe_apply_ep(
+                            p, x, mcfg, mesh, ex, capacity_factor=cf, return_stats=True
                         )
                     )
                     y, st = step(ps, xg)
@@ -258,10 +217,7 @@ def run_cases(cfg: ExpertParallelConfig) -> dict[str, Any]:
                     )
     passed = all(k["status"] != "fail" for k in cases)
     return dict(
-        kind=KIND,
-        name=cfg.name,
-        description=cfg.description,
-        config=cfg.to_dict(),
+        **cfg.results_head(),
         model=mcfg.to_dict(),
         platform=jax.devices()[0].platform,
         devices=ndev,
@@ -307,18 +263,8 @@ def run(cfg: ExpertParallelConfig, opts: RunOptions | None = None) -> tuple[dict
     (``out``, else ``<output_dir>/<name>-<UTC timestamp>``). Returns (results, run directory).
     ``opts.progress`` does not apply (this run prints no progress bar)."""
     opts = opts or RunOptions()
-    source, out, overrides = opts.source, opts.out, list(opts.overrides)
-    console = opts.console or Console()
     res = run_expert_parallel(cfg)
-    res["config_file"] = source
-    res["overrides"] = list(overrides or [])
-    run_dir = make_run_dir(cfg.output_dir, cfg.name, out)
-    res["run_dir"] = str(run_dir)
-    (run_dir / "results.json").write_text(json.dumps(res, indent=2))
-    (run_dir / "report.md").write_text(report_md(res))
-    console.print(report_md(res), markup=False, highlight=False, soft_wrap=True)
-    console.print(f"results: {run_dir}/ (results.json, report.md)", soft_wrap=True)
-    return res, run_dir
+    return res, write_run(cfg, opts, res, report_md)
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ The YAML (`OffloadSweepConfig`; see ``configs/evals/offload.yaml``)::
       storage: int8                 # float32 | float16 | int8 | int4 (safetensors) | gguf:Q8_0 | gguf:Q4_0 ...
       store: null                   # an existing store directory or .gguf (then preset/shrink are unused)
       seed: 0
-    impl: gather
+    impl: gather                    # an impl name or a mapping of ExecConfig fields
     tokens: 48                      # decode tokens per configuration
     train_tokens: 192               # tokens that train the learned predictor (never the measured ones)
     inputs:                         # kinds: random | hidden (path: [N, d] .npy) | trace (synthetic or path:)
@@ -51,10 +51,11 @@ from typing import Any, Literal
 import numpy as np
 from rich.console import Console
 
-from jaxmoe.config import MoEConfig, list_presets, load_config
-from jaxmoe.evaluation.config import ShrinkSection
+from jaxmoe.config import MoEConfig, load_config
+from jaxmoe.evaluation.presets import PresetSection, ShrinkSection
 from jaxmoe.evaluation.report import make_run_dir
-from jaxmoe.evaluation.schema import Context, RunOptions, check_name, mapping_reader, to_plain
+from jaxmoe.evaluation.schema import Context, RunConfig, RunOptions, mapping_reader, to_plain
+from jaxmoe.execution import ExecConfig
 from jaxmoe.impls.registry import available_impls
 from jaxmoe.offload.cache import POLICIES, SCOPES
 from jaxmoe.offload.driver import OffloadConfig, OffloadedModel
@@ -111,14 +112,12 @@ class LearnedSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OffloadSweepConfig:
+class OffloadSweepConfig(RunConfig):
     """One offload sweep (see the module docstring for the YAML form)."""
 
     kind: Literal["offload"] = KIND
     model: OffloadModelSection
-    name: str = ""
-    description: str = ""
-    impl: str = "gather"
+    impl: ExecConfig = ExecConfig(impl="gather")
     tokens: int = 48
     train_tokens: int = 192
     inputs: tuple[SweepInput, ...] = (SweepInput(kind="random"),)
@@ -132,10 +131,6 @@ class OffloadSweepConfig:
     output_dir: str = "runs/offload"
     plots: bool = True
 
-    def to_dict(self) -> dict[str, Any]:
-        """The resolved config as plain YAML/JSON data."""
-        return to_plain(self)
-
 
 def check(cfg: OffloadSweepConfig, ctx: Context) -> None:
     """Checks values beyond their types: storage kind, model source, inputs, budgets, sizes."""
@@ -147,56 +142,35 @@ def check(cfg: OffloadSweepConfig, ctx: Context) -> None:
     if m.store and not Path(m.store).exists():
         ctx.fail("model.store", f"{m.store} does not exist")
     if not m.store:
-        known = list_presets()
-        if m.preset not in known:
-            ctx.fail("model.preset", f"unknown preset {m.preset!r}; available: {known}")
-    if m.num_layers < 1:
-        ctx.fail("model.num_layers", f"must be >= 1, got {m.num_layers}")
-    if m.shrink is not None:
-        for f in dataclasses.fields(ShrinkSection):
-            v = getattr(m.shrink, f.name)
-            if v is not None and not (v >= 1 or (f.name == "shared_expert_dim" and v == 0)):
-                ctx.fail(f"model.shrink.{f.name}", f"must be a positive int, got {v!r}")
-    impls = available_impls()
-    if cfg.impl not in impls:
-        ctx.fail("impl", f"impl {cfg.impl!r} is not available here; available: {impls}")
+        ctx.check_preset("model.preset", m.preset)
+        ctx.check_shrink("model.shrink", m.shrink, load_config(m.preset))
+    ctx.check_min("model.num_layers", m.num_layers)
+    ctx.check_exec("impl", cfg.impl, available_impls())
     if not cfg.inputs:
-        ctx.fail("inputs", "must be a non-empty list of inputs ({kind: random | hidden | trace, ...})")
+        ctx.fail("inputs", "is an empty list of inputs ({kind: random | hidden | trace, ...})")
     for i, inp in enumerate(cfg.inputs):
         if inp.kind == "hidden" and not inp.path:
             ctx.fail(f"inputs[{i}].path", "is required with kind: hidden")
-    if not cfg.budgets:
-        ctx.fail("budgets", "must be a non-empty list of fractions in [0, 1]")
+    ctx.check_list("budgets", cfg.budgets, lo=None)
     for i, b in enumerate(cfg.budgets):
-        if not 0 <= b <= 1:
-            ctx.fail(f"budgets[{i}]", f"{b!r}: each budget is a fraction of all routed-expert bytes in [0, 1]")
+        ctx.check_fraction(f"budgets[{i}]", b)  # of all routed-expert bytes
     for key in ("policies", "scopes", "predictors"):
-        if not getattr(cfg, key):
-            ctx.fail(key, "is an empty list")
+        ctx.check_list(key, getattr(cfg, key), lo=None)
     for key in ("tokens", "train_tokens"):
-        if getattr(cfg, key) < 2:
-            ctx.fail(key, f"must be an int >= 2, got {getattr(cfg, key)!r}")
-    if cfg.prefetch_k is not None and cfg.prefetch_k < 0:
-        ctx.fail("prefetch_k", f"must be >= 0 (or null), got {cfg.prefetch_k}")
-    check_name(ctx, cfg.name)
+        ctx.check_min(key, getattr(cfg, key), 2)
+    if cfg.prefetch_k is not None:
+        ctx.check_min("prefetch_k", cfg.prefetch_k, 0)
+    ctx.check_name(cfg.name)
 
 
 config_from_mapping = mapping_reader(OffloadSweepConfig, check, default_name=KIND)
 
 
 def stack_config(cfg: OffloadSweepConfig) -> MoEConfig:
-    """The `MoEConfig` of the random layer stack: the preset shrunk by ``model.shrink``, with
-    ``model.num_layers`` layers, all of them MoE (a group limit the shrunk expert count
-    cannot keep is dropped)."""
+    """The `MoEConfig` of the random layer stack: the preset shrunk by ``model.shrink``
+    (`jaxmoe.evaluation.presets.shrink_config`) to ``model.num_layers`` MoE layers."""
     m = cfg.model
-    mcfg = load_config(m.preset)
-    sh = {k: v for k, v in to_plain(m.shrink or ShrinkSection()).items() if v is not None}
-    rk = {k: sh.pop(k) for k in ("num_experts", "top_k") if k in sh}
-    if rk:
-        mcfg = dataclasses.replace(mcfg, router=dataclasses.replace(mcfg.router, **rk))
-    if mcfg.router.n_group > 1 and mcfg.num_experts % mcfg.router.n_group:
-        mcfg = dataclasses.replace(mcfg, router=dataclasses.replace(mcfg.router, n_group=1, topk_group=1))
-    return dataclasses.replace(mcfg, num_layers=m.num_layers, dense_layers=(), **sh)
+    return PresetSection(m.preset, m.shrink).config(num_layers=m.num_layers)
 
 
 def build_store(cfg: OffloadSweepConfig, out: Path):
@@ -268,15 +242,12 @@ def run_sweep(cfg: OffloadSweepConfig, out: Path, log: Callable[[str], Any] = pr
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     store = build_store(cfg, out)
-    model = OffloadedModel(store, impl=cfg.impl)
+    model = OffloadedModel(store, ex=cfg.impl)
     mcfg = model.cfg
     eb = store.expert_nbytes(0)
     total = store.total_expert_bytes()
     results: dict[str, Any] = {
-        "kind": KIND,
-        "name": cfg.name,
-        "description": cfg.description,
-        "config": cfg.to_dict(),
+        **cfg.results_head(),
         "model": {
             "preset": cfg.model.preset,
             "store": str(store.path),
@@ -288,7 +259,7 @@ def run_sweep(cfg: OffloadSweepConfig, out: Path, log: Callable[[str], Any] = pr
             "top_k": mcfg.top_k,
             "expert_bytes": eb,
             "total_expert_bytes": total,
-            "impl": cfg.impl,
+            "impl": cfg.impl.label,
         },
         "inputs": [],
         "configurations": [],

@@ -4,10 +4,13 @@ reads) and the terminal summary, from a results mapping."""
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
 from rich.table import Table
 
 
@@ -24,6 +27,24 @@ def make_run_dir(output_dir: str | os.PathLike, name: str, out: str | os.PathLik
             d = Path(output_dir) / f"{name}-{stamp}-{n}"
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def write_run(cfg, opts, res: dict[str, Any], report: Callable[[dict], str]) -> Path:
+    """Writes a run of ``cfg`` (any kind's config) into its run directory (`make_run_dir`):
+    ``res`` (with ``opts``' source and overrides, and the directory, recorded in it) as
+    ``results.json`` and ``report(res)`` as ``report.md``, printed to ``opts.console``.
+    Returns the run directory."""
+    console = opts.console or Console()
+    res["config_file"] = opts.source
+    res["overrides"] = list(opts.overrides)
+    run_dir = make_run_dir(cfg.output_dir, cfg.name, opts.out)
+    res["run_dir"] = str(run_dir)
+    text = report(res)
+    (run_dir / "results.json").write_text(json.dumps(res, indent=2))
+    (run_dir / "report.md").write_text(text)
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+    console.print(f"results: {run_dir}/ (results.json, report.md)", soft_wrap=True)
+    return run_dir
 
 
 def _v(q: dict | None):
@@ -207,7 +228,7 @@ def summary_table(res: dict[str, Any]) -> Table:
         tab.add_row(f"[bold]{lay['label']}[/]")
         for r in lay["results"]:
             case = r["case"]
-            if r["resolved_impl"] != r["impl"]:
+            if r["resolved_impl"] != r["impl"].split(",")[0]:  # the label: impl[,field=value...]
                 impl, _, rest = case.partition("/")
                 case = f"{impl}({r['resolved_impl']})/{rest}"
             if r["status"] != "ok":

@@ -13,6 +13,7 @@ the PNG plots.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import importlib.metadata
 import json
@@ -32,32 +33,31 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import jaxmoe.evaluation.metrics as M
 import jaxmoe.evaluation.plots as P
 import jaxmoe.evaluation.report as R
-from jaxmoe.evaluation.config import (
-    FLOAT64_REFERENCE,
-    EvalConfig,
-    case_label,
-    case_tolerance,
-    eval_impls,
-    moe_call,
-)
+from jaxmoe.evaluation.config import FLOAT64_REFERENCE, EvalConfig, case_label, case_tolerance
 from jaxmoe.evaluation.reference import reference_forward, route_f64, router_logits_f64, to_f64
 from jaxmoe.evaluation.schema import RunOptions
 from jaxmoe.evaluation.sources import LayerSpec, case_params, layer_specs, load_inputs, load_params
+from jaxmoe.execution import ExecConfig
 from jaxmoe.host_memory import host_memory_mode
 from jaxmoe.impls.policy import resolve_impl
+from jaxmoe.impls.registry import available_impls
 from jaxmoe.layer import moe_apply
 
 SCHEMA = "jaxmoe.eval/1"
 
-#: `jaxmoe.layer.moe_apply` jitted with ``cfg``, ``impl`` and ``return_routing`` static:
-#: the function every case times.
-moe_apply_jit = jax.jit(moe_apply, static_argnames=("cfg", "impl", "return_routing"))
+#: `jaxmoe.layer.moe_apply` jitted with ``cfg``, ``ex``, ``impl`` and ``return_routing``
+#: static: the function every case times.
+moe_apply_jit = jax.jit(moe_apply, static_argnames=("cfg", "ex", "impl", "return_routing"))
 
 
-def _call(params, x, cfg, impl):
-    impl, cfg = moe_call(impl, cfg)
-    y, r = moe_apply_jit(params, x, cfg=cfg, impl=impl, return_routing=True)
+def _call(params, x, cfg, ex: ExecConfig):
+    y, r = moe_apply_jit(params, x, cfg=cfg, ex=ex, return_routing=True)
     return jax.block_until_ready((y, r))
+
+
+def _resolved(ex: ExecConfig, t: int, cfg, params, dtype) -> str:
+    """The impl the entry ``ex`` runs for ``t`` tokens of ``params`` in ``dtype``."""
+    return resolve_impl(ex.impl, t * cfg.top_k, experts=params.experts, dtype=dtype)
 
 
 def package_version() -> str:
@@ -80,7 +80,7 @@ def _environment() -> dict[str, Any]:
         "host_cpus": os.cpu_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "host_memory": host_memory_mode(),
-        "impls_available": eval_impls(),
+        "impls_available": available_impls(),
     }
 
 
@@ -135,44 +135,44 @@ def _reference(spec: LayerSpec, ecfg: EvalConfig, params, x_route: np.ndarray, n
             raise AssertionError("float64 reference routing is not deterministic")
         ids = r_all.expert_ids
     else:
-        y, r = _call(params, jnp.asarray(x_route[:n_out], ecfg.model.dtype), spec.cfg, impl)
+        y, r = _call(params, jnp.asarray(x_route[:n_out], ecfg.model.dtype), spec.cfg, ExecConfig(impl=impl))
         y, ids = np.asarray(y, np.float64), np.asarray(r.expert_ids)
     return y, ids, time.perf_counter() - t0
 
 
-def _run_case(spec, ecfg, params, wb, x_in, y_ref, ids_ref, impl, dtype, quant, t, y_float=None) -> dict[str, Any]:
-    """One measured case. ``y_ref`` is the gate's reference: for a quantized case the float64
-    forward of the DEQUANTIZED case weights (kernel correctness). ``y_float``, when given, is
-    the float64 forward of the float weights: the case's quantization error against it is
-    reported (``quantization_error``), never gated."""
+def _run_case(spec, ecfg, params, wb, x_in, y_ref, ids_ref, ex, dtype, quant, t, y_float=None) -> dict[str, Any]:
+    """One measured case of the ``impls:`` entry ``ex``. ``y_ref`` is the gate's reference:
+    for a quantized case the float64 forward of the DEQUANTIZED case weights (kernel
+    correctness). ``y_float``, when given, is the float64 forward of the float weights: the
+    case's quantization error against it is reported (``quantization_error``), never gated."""
     cfg = spec.cfg
-    resolved = resolve_impl(moe_call(impl, cfg)[0], t * cfg.top_k, experts=params.experts, dtype=dtype)
+    resolved = _resolved(ex, t, cfg, params, dtype)
     row: dict[str, Any] = {
-        "case": case_label(impl, dtype, quant),
-        "impl": impl,
+        "case": case_label(ex, dtype, quant),
+        "impl": ex.label,
         "resolved_impl": resolved,
         "dtype": dtype,
         "quantize": quant,
         "tokens": t,
     }
-    caps = [ecfg.impl_max_tokens[n] for n in {impl, resolved} if n in ecfg.impl_max_tokens]
+    caps = [ecfg.impl_max_tokens[n] for n in {ex.label, ex.impl, resolved} if n in ecfg.impl_max_tokens]
     if caps and t > min(caps):
         row.update(status="skipped", reason=f"tokens {t} > impl_max_tokens {min(caps)} for {resolved}")
         return row
     x = jnp.asarray(x_in[:t], dtype)
     try:
         t0 = time.perf_counter()
-        y, r = _call(params, x, cfg, impl)
+        y, r = _call(params, x, cfg, ex)
         first = time.perf_counter() - t0
         for _ in range(ecfg.warmup):
-            _call(params, x, cfg, impl)
+            _call(params, x, cfg, ex)
         samples: list[float] = []
         budget = ecfg.time_budget_s
         while len(samples) < ecfg.repeats:
             if budget is not None and sum(samples) > budget and len(samples) >= min(3, ecfg.repeats):
                 break
             t0 = time.perf_counter()
-            _call(params, x, cfg, impl)
+            _call(params, x, cfg, ex)
             samples.append(time.perf_counter() - t0)
     except Exception as e:  # an impl that fails on this case is a recorded failure, not a crash
         row.update(status="error", reason=f"{type(e).__name__}: {e}")
@@ -212,9 +212,10 @@ def _run_case(spec, ecfg, params, wb, x_in, y_ref, ids_ref, impl, dtype, quant, 
     return row
 
 
-def judge(row: dict[str, Any], ecfg: EvalConfig) -> dict[str, Any]:
-    """Sets ``tolerance``, ``passed`` and (when failing) ``reason`` of a measured case row."""
-    tol = case_tolerance(ecfg, row["impl"], row["dtype"], row["quantize"])
+def judge(row: dict[str, Any], ex: ExecConfig, ecfg: EvalConfig) -> dict[str, Any]:
+    """Sets ``tolerance``, ``passed`` and (when failing) ``reason`` of a measured case row
+    of the entry ``ex``."""
+    tol = case_tolerance(ecfg, ex, row["dtype"], row["quantize"])
     row["tolerance"] = M.quantity(tol, "ratio")
     if row["status"] != "ok":
         return row
@@ -282,28 +283,27 @@ def run_eval(
                 if quant != "none" and ecfg.ref.impl == FLOAT64_REFERENCE:
                     y_case, y_float = reference_forward(params, x_base[:n_ref], cfg)[0], y_ref
                 wb = M.weight_bytes(params)
-                done: dict[tuple[str, int], dict[str, Any]] = {}
-                # concrete impls first, so an `auto` that resolves to one of them reuses its measurement
-                for impl in sorted(ecfg.impls, key=lambda i: i == "auto"):
+                done: dict[tuple[ExecConfig, int], dict[str, Any]] = {}
+                # concrete impls first, so an `auto` entry that resolves to another entry (the
+                # same but for the impl) reuses its measurement
+                for ex in sorted(ecfg.impls, key=lambda e: e.impl == "auto"):
                     for t in ecfg.tokens:
-                        resolved = resolve_impl(
-                            moe_call(impl, cfg)[0], t * cfg.top_k, experts=params.experts, dtype=dtype
-                        )
-                        if impl == "auto" and (resolved, t) in done:
+                        same = dataclasses.replace(ex, impl=_resolved(ex, t, cfg, params, dtype))
+                        if ex.impl == "auto" and (same, t) in done:
                             row = dict(
-                                done[(resolved, t)],
-                                case=case_label(impl, dtype, quant),
-                                impl=impl,
-                                measured_as=case_label(resolved, dtype, quant),
+                                done[(same, t)],
+                                case=case_label(ex, dtype, quant),
+                                impl=ex.label,
+                                measured_as=case_label(same, dtype, quant),
                             )
                         else:
                             row = _run_case(
-                                spec, ecfg, params, wb, x_base, y_case, ids_ref, impl, dtype, quant, t, y_float
+                                spec, ecfg, params, wb, x_base, y_case, ids_ref, ex, dtype, quant, t, y_float
                             )
-                        done[(impl, t)] = judge(row, ecfg)
-                        progress.advance(f"{spec.label}: {case_label(impl, dtype, quant)} T={t}")
-                for impl in ecfg.impls:
-                    rows.extend(done[(impl, t)] for t in ecfg.tokens)
+                        done[(ex, t)] = judge(row, ex, ecfg)
+                        progress.advance(f"{spec.label}: {case_label(ex, dtype, quant)} T={t}")
+                for ex in ecfg.impls:
+                    rows.extend(done[(ex, t)] for t in ecfg.tokens)
                 del params
         wb_base = M.weight_bytes(base)
         del base

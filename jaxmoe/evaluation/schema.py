@@ -28,20 +28,23 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from jaxmoe.config import configs_root
+from jaxmoe.config import MoEConfig, configs_root, list_presets
+from jaxmoe.evaluation.presets import ShrinkSection, shrink_config
+from jaxmoe.execution import REMOVED, ExecConfig, exec_from_dict
 
 #: The top-level key naming a config's kind, and the kind of a config without one.
 KIND_KEY = "kind"
 DEFAULT_KIND = "default"
 
-#: ``runner:`` values of older configs (the module that used to read the file) and the
-#: kind each one means; ``runner: M`` is read as ``kind: LEGACY_RUNNERS[M]``.
-LEGACY_RUNNERS = {
-    "jaxmoe.parallel_eval": "expert-parallel",
-    "jaxmoe.evaluation.expert_parallel": "expert-parallel",
-    "jaxmoe.offload.sweep": "offload",
-    "jaxmoe.evaluation.offload": "offload",
-}
+#: Eval-only impl names that were removed, and the ``impls:`` entry that replaced each.
+REMOVED_IMPLS = {"cpu_int8": ExecConfig(impl="cpu", activations="int8")}
+
+
+def removed_impl(name: str) -> str:
+    """What replaced the removed eval-only impl ``name`` (`REMOVED_IMPLS`), in words."""
+    ex = REMOVED_IMPLS[name]
+    entry = ", ".join(f"{k}: {v}" for k, v in exec_to_plain(ex).items())
+    return f"impl {name!r} was removed; use the entry {{{entry}}} (named {ex.label!r} in results and tolerances)"
 
 
 class ConfigError(ValueError):
@@ -78,6 +81,8 @@ def type_name(tp) -> str:
     """How an error message names the type ``tp`` (``an int``, ``a list of a string``, ...)."""
     if tp is type(None):
         return "null"
+    if tp is ExecConfig:
+        return "an impl name or a mapping of ExecConfig fields"
     if isinstance(tp, type) and not dataclasses.is_dataclass(tp):
         return {"int": "an int", "float": "a number", "str": "a string", "bool": "a bool"}.get(tp.__name__, tp.__name__)
     if typing.get_origin(tp) is Literal:
@@ -93,7 +98,8 @@ def type_name(tp) -> str:
 
 class Context:
     """Where a config came from: its ``source`` (the file) and the ``--set`` overrides
-    applied to it (``{dotted key: original text}``), so `fail` can name both."""
+    applied to it (``{dotted key: original text}``), so `fail` can name both; the
+    ``check_*`` methods are the value rules every kind's cross-key check is written with."""
 
     def __init__(self, source: str, overrides: dict[str, str] | None = None):
         self.source = source
@@ -107,6 +113,84 @@ class Context:
                 where += f" (from --set {text})"
                 break
         raise ConfigError(f"{self.source}: {where}: {msg}")
+
+    # ----------------------------------------------------------------------- value checks
+    # Every kind's cross-key check is written with these, so one rule reads and fails alike
+    # in every kind: ``<file>: key '<key>': <what is wrong>, got <value>``.
+
+    def check_min(self, key: str, value, lo: int | float = 1) -> None:
+        """``value >= lo``."""
+        if not value >= lo:
+            self.fail(key, f"must be >= {lo}, got {value!r}")
+
+    def check_positive(self, key: str, value) -> None:
+        """``value > 0`` (a tolerance, a scale, a time)."""
+        if not value > 0:
+            self.fail(key, f"must be > 0, got {value!r}")
+
+    def check_fraction(self, key: str, value) -> None:
+        """``0 <= value <= 1``."""
+        if not 0 <= value <= 1:
+            self.fail(key, f"must lie in [0, 1], got {value!r}")
+
+    def check_list(self, key: str, values, lo: int | float | None = 1) -> None:
+        """A non-empty list without duplicates, each entry ``>= lo`` (unless ``lo`` is None)."""
+        if not values:
+            self.fail(key, "is an empty list")
+        if lo is not None:
+            for i, v in enumerate(values):
+                self.check_min(f"{key}[{i}]", v, lo)
+        if len(set(values)) != len(values):
+            self.fail(key, f"has duplicates: {list(values)}")
+
+    def check_name(self, name: str) -> None:
+        """A run name must be non-empty and free of path separators (it names a directory)."""
+        if not name or any(c in name for c in "/\\"):
+            self.fail("name", f"must be a non-empty name without slashes, got {name!r}")
+
+    def check_preset(self, key: str, name: str) -> None:
+        """``name`` is a shipped preset (`jaxmoe.config.list_presets`)."""
+        known = list_presets()
+        if name not in known:
+            self.fail(key, f"unknown preset {name!r}; available: {known}")
+
+    def check_shrink(self, key: str, shrink: ShrinkSection | None, base: MoEConfig | None = None) -> None:
+        """A ``shrink`` section: widths >= 1 (``shared_expert_dim`` >= 0), and, given the preset's
+        ``base`` config, widths `jaxmoe.evaluation.presets.shrink_config` can apply to it."""
+        if shrink is None:
+            return
+        for k, v in shrink.widths().items():
+            self.check_min(f"{key}.{k}", v, 0 if k == "shared_expert_dim" else 1)
+        if base is not None:
+            try:
+                shrink_config(base, **shrink.widths())
+            except ValueError as e:
+                self.fail(key, f"{base.name or 'the model'}: {e}")
+
+    def check_exec(self, key: str, ex: ExecConfig, available: list[str]) -> None:
+        """The entry ``ex`` runs an available impl."""
+        if ex.impl not in available:
+            self.fail(key, f"impl {ex.impl!r} is not available here; available: {available}")
+
+    def check_execs(self, key: str, execs, available: list[str]) -> None:
+        """``execs`` (`ExecConfig` entries) is non-empty, each of an available impl, no two
+        with the same label (`ExecConfig.label`, how reports and tolerances name them)."""
+        if not execs:
+            self.fail(key, "must be a non-empty list of impl names or mappings of ExecConfig fields")
+        for i, ex in enumerate(execs):
+            self.check_exec(f"{key}[{i}]", ex, available)
+        labels = [ex.label for ex in execs]
+        if len(set(labels)) != len(labels):
+            self.fail(key, f"has duplicates: {labels}")
+
+    def check_caps(self, key: str, caps: dict[str, int], execs, available: list[str]) -> None:
+        """``impl_max_tokens``: each key an available impl or the label of an entry of ``execs``
+        (a cap for an impl that ``--set impls=[...]`` left out is unused, not wrong), each cap >= 1."""
+        names = {*available, *(ex.label for ex in execs)}
+        for k, v in caps.items():
+            if k not in names:
+                self.fail(f"{key}.{k}", f"is not an available impl {available} nor an entry of impls {sorted(names)}")
+            self.check_min(f"{key}.{k}", v)
 
 
 def coerce(value: Any, tp: Any, key: str, ctx: Context) -> Any:
@@ -154,6 +238,8 @@ def coerce(value: Any, tp: Any, key: str, ctx: Context) -> Any:
                 ctx.fail(key, f"keys must be strings, got {k!r}")
             out[k] = coerce(v, vt, f"{key}.{k}", ctx)
         return out
+    if tp is ExecConfig:
+        return coerce_exec(value, key, ctx)
     if dataclasses.is_dataclass(tp):
         return build(tp, value, key, ctx)
     if tp is bool:
@@ -175,6 +261,40 @@ def coerce(value: Any, tp: Any, key: str, ctx: Context) -> Any:
     raise TypeError(f"eval config schema: unsupported type {tp!r} at {key}")  # a bug in a schema
 
 
+def coerce_exec(value: Any, key: str, ctx: Context) -> ExecConfig:
+    """An ``impls:`` entry: an impl name or a mapping of `jaxmoe.execution.ExecConfig` fields
+    (`jaxmoe.execution.exec_from_dict`); a removed eval-only name (`REMOVED_IMPLS`) names
+    its replacement."""
+    name = value.get("impl") if isinstance(value, dict) else value
+    if isinstance(name, str) and name in REMOVED_IMPLS:
+        ctx.fail(key, removed_impl(name))
+    try:
+        return exec_from_dict(value, source=key)
+    except ValueError as e:
+        ctx.fail(key, str(e).removeprefix(f"{key}: "))
+
+
+def exec_of_label(label: str) -> ExecConfig:
+    """The `ExecConfig` an `ExecConfig.label` names (``cpu,activations=int8``): the impl, then
+    ``field=value`` options (values read as YAML). ValueError naming a bad field or value."""
+    impl, *fields = label.split(",")
+    options = {}
+    for f in fields:
+        k, eq, v = f.partition("=")
+        if not eq:
+            raise ValueError(f"{label!r}: expected impl[,field=value...], got {f!r}")
+        options[k] = yaml_load(v)
+    return exec_from_dict({"impl": impl, **options}, source=repr(label))
+
+
+def exec_to_plain(ex: ExecConfig) -> str | dict[str, Any]:
+    """An `ExecConfig` as its YAML entry: the impl name alone, or the mapping of the impl and
+    the fields that differ from their defaults (`coerce_exec` reads it back)."""
+    d = {f.name: getattr(ex, f.name) for f in dataclasses.fields(ex) if getattr(ex, f.name) != f.default}
+    d.pop("kernel_config", None)
+    return ex.impl if not d.keys() - {"impl"} else {"impl": ex.impl, **d}
+
+
 def build(cls, data: Any, key: str, ctx: Context):
     """An instance of the dataclass ``cls`` from the mapping ``data`` (every key checked:
     unknown keys, missing required keys and wrongly typed values are `ConfigError`)."""
@@ -185,6 +305,8 @@ def build(cls, data: Any, key: str, ctx: Context):
     for k in data:
         if k not in fields:
             sub = f"{key}.{k}" if key else str(k)
+            if k in REMOVED:
+                ctx.fail(sub, f"was removed: how a layer runs is an `impls:` entry's field, {REMOVED[k]}")
             ctx.fail(sub, f"unknown key; known keys{' of ' + key if key else ''}: {sorted(fields)}")
     kw = {}
     for name, f in fields.items():
@@ -199,6 +321,8 @@ def build(cls, data: Any, key: str, ctx: Context):
 def to_plain(v: Any) -> Any:
     """A config (or any value in one) as plain YAML/JSON data: dataclasses as mappings,
     tuples as lists."""
+    if isinstance(v, ExecConfig):
+        return exec_to_plain(v)
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         return {f.name: to_plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
     if isinstance(v, (list, tuple)):
@@ -259,9 +383,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> tuple[dict, dict[str, s
 def prepare(data: Any, source: str, overrides: list[str] | None = None) -> tuple[dict, Context, str]:
     """The raw config mapping with the overrides applied, its `Context`, and its kind.
 
-    The kind is the ``kind`` key (`DEFAULT_KIND` when absent); an older config's
-    ``runner: <module>`` key is read as the kind that module ran (`LEGACY_RUNNERS`) and
-    removed. The kind is not checked against the known kinds here.
+    The kind is the ``kind`` key (`DEFAULT_KIND` when absent); it is not checked against
+    the known kinds here.
     """
     if data is None:
         data = {}
@@ -272,18 +395,6 @@ def prepare(data: Any, source: str, overrides: list[str] | None = None) -> tuple
     kind = data.get(KIND_KEY, DEFAULT_KIND)
     if not isinstance(kind, str):
         ctx.fail(KIND_KEY, f"must be a string (the kind of eval run), got {type(kind).__name__} {kind!r}")
-    if "runner" in data:
-        runner = data.pop("runner")
-        legacy = LEGACY_RUNNERS.get(runner) if isinstance(runner, str) else None
-        if legacy is None:
-            ctx.fail(
-                "runner",
-                f"must name a module that runs eval configs ({', '.join(LEGACY_RUNNERS)}), got {runner!r}; "
-                f"new configs say `{KIND_KEY}: <kind>` instead",
-            )
-        if KIND_KEY in data and kind != legacy:
-            ctx.fail("runner", f"{runner!r} runs {legacy!r} configs, but key '{KIND_KEY}' says {kind!r}")
-        kind = data[KIND_KEY] = legacy
     return data, ctx, kind
 
 
@@ -359,6 +470,24 @@ def read_config_file(path: str | os.PathLike) -> Any:
         raise ConfigError(f"{path}: cannot be read: {e}") from None
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """The keys every kind of eval config has (each kind's dataclass extends it)."""
+
+    kind: str = DEFAULT_KIND  # each kind's dataclass narrows it to its own name
+    name: str = ""  # the run's name (default: the file's stem); names its run directory
+    description: str = ""
+    output_dir: str = "runs"  # where run directories go
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain YAML/JSON data."""
+        return to_plain(self)
+
+    def results_head(self) -> dict[str, Any]:
+        """The first entries of a run's results: kind, name, description, the resolved config."""
+        return {"kind": self.kind, "name": self.name, "description": self.description, "config": self.to_dict()}
+
+
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
     """How an eval run is invoked (the same for every kind).
@@ -376,23 +505,6 @@ class RunOptions:
     overrides: tuple[str, ...] = ()
     progress: bool = True
     console: Any = None
-
-
-def check_name(ctx: Context, name: str) -> None:
-    """A run name must be non-empty and free of path separators (it names a directory)."""
-    if not name or any(c in name for c in "/\\"):
-        ctx.fail("name", f"must be a non-empty name without slashes, got {name!r}")
-
-
-def check_impls(ctx: Context, names, available: list[str], key: str = "impls") -> None:
-    """``names`` is a non-empty list of distinct impls, each one of ``available``."""
-    if not names:
-        ctx.fail(key, "must be a non-empty list of impl names")
-    for i, name in enumerate(names):
-        if name not in available:
-            ctx.fail(f"{key}[{i}]", f"impl {name!r} is not available here; available: {available}")
-    if len(set(names)) != len(names):
-        ctx.fail(key, f"has duplicates: {list(names)}")
 
 
 def mapping_reader(cls: type[C], check: Callable[[C, Context], None], default_name: str) -> Callable[..., C]:

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.config import MoEConfig, list_presets, load_config
-from jaxmoe.evaluation.config import EvalConfig, ShrinkSection
-from jaxmoe.evaluation.schema import ConfigError
+from jaxmoe.evaluation.config import EvalConfig
+from jaxmoe.evaluation.presets import shrink_config
+from jaxmoe.evaluation.schema import Context
 from jaxmoe.io import load_config as load_model_config
 from jaxmoe.params import MoEParams, params_from_sampler
 from jaxmoe.pretrained import from_pretrained
@@ -49,34 +50,6 @@ class LayerSpec:
     checkpoint: bool
 
 
-def shrink_config(cfg: MoEConfig, s: ShrinkSection) -> MoEConfig:
-    """``cfg`` at smaller widths; experts and top-k never grow, the group limit is kept
-    where the shrunk expert count still allows it.
-
-    The shared expert keeps its width ratio to a routed expert unless
-    ``s.shared_expert_dim`` is given.
-    """
-    rc = cfg.router
-    e = min(rc.num_experts, s.num_experts or rc.num_experts)
-    k = min(rc.top_k, s.top_k or rc.top_k, e)
-    n_group, topk_group = rc.n_group, rc.topk_group
-    if n_group > 1:
-        per = e // n_group if e % n_group == 0 else 0
-        if per < (2 if rc.group_score == "top2_sum" else 1) or k > topk_group * per:
-            raise ValueError(
-                f"model.shrink: num_experts={e} cannot keep the group limit of {cfg.name} "
-                f"(n_group={n_group}, topk_group={topk_group}, top_k={k})"
-            )
-    f = s.expert_dim or cfg.expert_dim
-    fs = cfg.shared_expert_dim
-    if fs:
-        fs = s.shared_expert_dim or max(1, round(fs * f / cfg.expert_dim))
-    router = dataclasses.replace(rc, num_experts=e, top_k=k)
-    return dataclasses.replace(
-        cfg, d_model=s.d_model or cfg.d_model, expert_dim=f, shared_expert_dim=fs, router=router, dense_dim=0
-    )
-
-
 def _is_checkpoint(path: str) -> bool:
     p = Path(path)
     return p.suffix not in (".yaml", ".yml")
@@ -84,9 +57,7 @@ def _is_checkpoint(path: str) -> bool:
 
 def layer_specs(ecfg: EvalConfig, source: str) -> list[LayerSpec]:
     """The layers of the run, validated (raises `ConfigError` naming ``source`` and the key)."""
-
-    def fail(key, msg):
-        raise ConfigError(f"{source}: key '{key}': {msg}")
+    fail = Context(source).fail
 
     m = ecfg.model
     models: list[tuple[str, MoEConfig, bool]] = []
@@ -112,7 +83,7 @@ def layer_specs(ecfg: EvalConfig, source: str) -> list[LayerSpec]:
     for name, cfg, ckpt in models:
         if m.shrink is not None:
             try:
-                cfg = shrink_config(cfg, m.shrink)
+                cfg = shrink_config(cfg, **m.shrink.widths())
             except ValueError as e:
                 fail("model.shrink", f"{name}: {e}")
         for layer in m.layers:

@@ -33,9 +33,9 @@ Schema (`TrainEvalConfig`; every key checked, unknown keys are errors naming the
     description: ...
     model: {preset: qwen3.6-35b-a3b, shrink: {d_model, expert_dim, ...}, seed: 0}
     inputs: {seed: 0, scale: 1.0}
-    impls: [auto, cpu]
+    impls: [auto, cpu]             # impl names or mappings of ExecConfig fields ({impl: cpu, batch_invariant: true})
     tokens: [64, 256]
-    impl_max_tokens: {gather: 8}   # cases above the cap are recorded as skipped
+    impl_max_tokens: {gather: 8}   # by impl or entry label; cases above the cap are recorded as skipped
     hf: true                       # time the HF torch block (qwen3.6-family presets)
     hf_threads: 2
     repeats: 5
@@ -52,7 +52,6 @@ or biases (gpt-oss) have no reference here (a config error).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable
@@ -64,13 +63,13 @@ import jax.numpy as jnp
 import numpy as np
 from rich.console import Console
 
-from jaxmoe.config import MoEConfig, RouterConfig, list_presets, load_config
-from jaxmoe.evaluation.config import ShrinkSection
+from jaxmoe.config import MoEConfig, RouterConfig, load_config
 from jaxmoe.evaluation.hf_block import qwen35_moe_block
+from jaxmoe.evaluation.presets import PresetSection
 from jaxmoe.evaluation.reference import RefRouting, route_f64, router_logits_f64, to_f64
-from jaxmoe.evaluation.report import make_run_dir
-from jaxmoe.evaluation.schema import Context, RunOptions, check_impls, check_name, mapping_reader, to_plain
-from jaxmoe.evaluation.sources import shrink_config
+from jaxmoe.evaluation.report import write_run
+from jaxmoe.evaluation.schema import Context, RunConfig, RunOptions, mapping_reader
+from jaxmoe.execution import ExecConfig
 from jaxmoe.host_memory import host_memory_mode
 from jaxmoe.impls.registry import available_impls
 from jaxmoe.layer import moe_apply
@@ -84,15 +83,6 @@ HF_PRESETS = ("qwen3.6-35b-a3b",)
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainModelSection:
-    """The preset whose layer is trained, its widths (``shrink``, as the ``default`` kind) and seed."""
-
-    preset: str
-    shrink: ShrinkSection | None = None
-    seed: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
 class TrainInputsSection:
     """Seeded normal activations ``scale * N(0, 1)`` and cotangent ``N(0, 1)``."""
 
@@ -101,15 +91,13 @@ class TrainInputsSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainEvalConfig:
+class TrainEvalConfig(RunConfig):
     """One ``train`` eval run (see the module docstring for the YAML form)."""
 
     kind: Literal["train"] = KIND
-    model: TrainModelSection
-    name: str = ""
-    description: str = ""
+    model: PresetSection
     inputs: TrainInputsSection = TrainInputsSection()
-    impls: tuple[str, ...] = ("auto",)
+    impls: tuple[ExecConfig, ...] = (ExecConfig(),)
     tokens: tuple[int, ...] = (64,)
     impl_max_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
     hf: bool = False
@@ -118,22 +106,13 @@ class TrainEvalConfig:
     time_budget_s: float = 10.0
     tolerance: float = 1e-4
     min_routing_agreement: float = 1.0
-    output_dir: str = "runs"
-
-    def to_dict(self) -> dict[str, Any]:
-        """The resolved config as plain YAML/JSON data."""
-        return to_plain(self)
 
 
 def check(cfg: TrainEvalConfig, ctx: Context) -> None:
     """Checks values beyond their types: known preset with a reference, sizes, impls."""
-    known = list_presets()
-    if cfg.model.preset not in known:
-        ctx.fail("model.preset", f"unknown preset {cfg.model.preset!r}; available: {known}")
-    try:
-        mcfg = model_config(cfg)
-    except ValueError as e:
-        ctx.fail("model.shrink", str(e))
+    ctx.check_preset("model.preset", cfg.model.preset)
+    ctx.check_shrink("model.shrink", cfg.model.shrink, load_config(cfg.model.preset))
+    mcfg = cfg.model.config()
     if mcfg.activation != "swiglu" or mcfg.expert_bias:
         ctx.fail(
             "model.preset",
@@ -142,37 +121,19 @@ def check(cfg: TrainEvalConfig, ctx: Context) -> None:
         )
     if cfg.hf and cfg.model.preset not in HF_PRESETS:
         ctx.fail("hf", f"the Hugging Face block is Qwen3_5MoeSparseMoeBlock: presets {HF_PRESETS} only")
-    check_impls(ctx, cfg.impls, available_impls())
-    for k, v in cfg.impl_max_tokens.items():
-        if k not in cfg.impls:
-            ctx.fail(f"impl_max_tokens.{k}", f"is not one of impls {list(cfg.impls)}")
-        if v < 1:
-            ctx.fail(f"impl_max_tokens.{k}", f"must be >= 1, got {v}")
-    if not cfg.tokens:
-        ctx.fail("tokens", "must be a non-empty list of positive ints")
-    for i, t in enumerate(cfg.tokens):
-        if t < 1:
-            ctx.fail(f"tokens[{i}]", f"must be a positive int, got {t}")
-    if len(set(cfg.tokens)) != len(cfg.tokens):
-        ctx.fail("tokens", f"has duplicates: {list(cfg.tokens)}")
+    impls = available_impls()
+    ctx.check_execs("impls", cfg.impls, impls)
+    ctx.check_caps("impl_max_tokens", cfg.impl_max_tokens, cfg.impls, impls)
+    ctx.check_list("tokens", cfg.tokens)
     for key in ("repeats", "hf_threads"):
-        if getattr(cfg, key) < 1:
-            ctx.fail(key, f"must be a positive int, got {getattr(cfg, key)!r}")
+        ctx.check_min(key, getattr(cfg, key))
     for key in ("time_budget_s", "tolerance"):
-        if not getattr(cfg, key) > 0:
-            ctx.fail(key, f"must be a positive number, got {getattr(cfg, key)!r}")
-    if not 0 <= cfg.min_routing_agreement <= 1:
-        ctx.fail("min_routing_agreement", f"must be in [0, 1], got {cfg.min_routing_agreement!r}")
-    check_name(ctx, cfg.name)
+        ctx.check_positive(key, getattr(cfg, key))
+    ctx.check_fraction("min_routing_agreement", cfg.min_routing_agreement)
+    ctx.check_name(cfg.name)
 
 
 config_from_mapping = mapping_reader(TrainEvalConfig, check, default_name=KIND)
-
-
-def model_config(cfg: TrainEvalConfig) -> MoEConfig:
-    """The preset's `MoEConfig`, shrunk by ``model.shrink`` (`jaxmoe.evaluation.sources.shrink_config`)."""
-    base = load_config(cfg.model.preset)
-    return base if cfg.model.shrink is None else shrink_config(base, cfg.model.shrink)
 
 
 # --------------------------------------------------------------------------- float64 reference
@@ -448,7 +409,7 @@ def _agreement(r: RefRouting, ids) -> float:
 
 def run_train(cfg: TrainEvalConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Runs every case of ``cfg``; returns the results mapping (no files written)."""
-    mcfg = model_config(cfg)
+    mcfg = cfg.model.config()
     params = init_params(mcfg, jax.random.key(cfg.model.seed))
     d = mcfg.d_model
     cases: list[dict] = []
@@ -473,15 +434,17 @@ def run_train(cfg: TrainEvalConfig, log: Callable[[str], None] = print) -> dict[
             cases.append(_row(t, "hf", timing, err, _agreement(r, ids), cfg))
             hf_step = timing["step"]["best_ms"]
             del small, expert
-        for impl in cfg.impls:
-            cap = cfg.impl_max_tokens.get(impl)
-            if cap is not None and t > cap:
-                cases.append({"tokens": t, "impl": impl, "status": "skipped", "reason": f"impl_max_tokens {cap}"})
+        for ex in cfg.impls:
+            impl = ex.label
+            caps = [cfg.impl_max_tokens[n] for n in {impl, ex.impl} if n in cfg.impl_max_tokens]
+            if caps and t > min(caps):
+                reason = f"impl_max_tokens {min(caps)}"
+                cases.append({"tokens": t, "impl": impl, "status": "skipped", "reason": reason})
                 continue
             log(f"T={t} {impl}")
 
-            def loss(p, x, impl=impl, g=g):
-                return jnp.sum(moe_apply(p, x, mcfg, impl=impl).astype(jnp.float32) * g)
+            def loss(p, x, ex=ex, g=g):
+                return jnp.sum(moe_apply(p, x, mcfg, ex).astype(jnp.float32) * g)
 
             try:
                 step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
@@ -494,7 +457,7 @@ def run_train(cfg: TrainEvalConfig, log: Callable[[str], None] = print) -> dict[
                 continue
             small, expert = jax_grads(gp, gx)
             err, r = grad_error(params, xs[0], g, mcfg, small, expert)
-            _, routing = moe_apply(params, xs[0], mcfg, impl=impl, return_routing=True)
+            _, routing = moe_apply(params, xs[0], mcfg, ex, return_routing=True)
             row = _row(t, impl, {"fwd": tf, "step": ts}, err, _agreement(r, routing.expert_ids), cfg)
             if hf_step is not None:
                 row["vs_hf"] = hf_step / row["step_ms"]
@@ -502,10 +465,7 @@ def run_train(cfg: TrainEvalConfig, log: Callable[[str], None] = print) -> dict[
             del gp, gx, small, expert
     passed = all(c["status"] in ("pass", "flip", "skipped") for c in cases)
     return dict(
-        kind=KIND,
-        name=cfg.name,
-        description=cfg.description,
-        config=cfg.to_dict(),
+        **cfg.results_head(),
         model=mcfg.to_dict(),
         platform=jax.devices()[0].platform,
         device_kind=jax.devices()[0].device_kind,
@@ -572,13 +532,5 @@ def run(cfg: TrainEvalConfig, opts: RunOptions | None = None) -> tuple[dict, Pat
     opts = opts or RunOptions()
     console = opts.console or Console()
     res = run_train(cfg, log=(lambda s: console.print(s, highlight=False)) if opts.progress else (lambda s: None))
-    res["config_file"] = opts.source
-    res["overrides"] = list(opts.overrides or [])
     res["host_memory"] = host_memory_mode()
-    run_dir = make_run_dir(cfg.output_dir, cfg.name, opts.out)
-    res["run_dir"] = str(run_dir)
-    (run_dir / "results.json").write_text(json.dumps(res, indent=2))
-    (run_dir / "report.md").write_text(report_md(res))
-    console.print(report_md(res), markup=False, highlight=False, soft_wrap=True)
-    console.print(f"results: {run_dir}/ (results.json, report.md)", soft_wrap=True)
-    return res, run_dir
+    return res, write_run(cfg, opts, res, report_md)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.config import MoEConfig
+from jaxmoe.execution import ExecConfig, exec_config
 from jaxmoe.layer import moe_apply
 from jaxmoe.offload.cache import POLICIES, SCOPES, make_cache
 from jaxmoe.offload.prerouter import FetchStats, Predictor, PredictQuery, Prefetcher
@@ -67,22 +68,22 @@ def route_replay(res: ResidentLayer, h: jax.Array, ids: jax.Array, cfg: MoEConfi
     return x, Routing(ids.astype(jnp.int32), s / s.sum(axis=-1, keepdims=True))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"))
+@functools.partial(jax.jit, static_argnames=("cfg", "ex"))
 def expert_step(
-    res: ResidentLayer, experts, h: jax.Array, x: jax.Array, routing: Routing, cfg: MoEConfig, impl: str
+    res: ResidentLayer, experts, h: jax.Array, x: jax.Array, routing: Routing, cfg: MoEConfig, ex: ExecConfig
 ) -> jax.Array:
     """``h + moe(x)`` with the given expert stack (full or compact) and routing into it."""
     p = MoEParams(res.w_router, experts, res.b_router, res.selection_bias, res.shared)
-    return h + moe_apply(p, x, cfg, impl=impl, routing=routing).astype(h.dtype)
+    return h + moe_apply(p, x, cfg, ex, routing=routing).astype(h.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"))
+@functools.partial(jax.jit, static_argnames=("cfg", "ex"))
 def compact_step(
-    res: ResidentLayer, experts: list, h: jax.Array, x: jax.Array, routing: Routing, cfg: MoEConfig, impl: str
+    res: ResidentLayer, experts: list, h: jax.Array, x: jax.Array, routing: Routing, cfg: MoEConfig, ex: ExecConfig
 ) -> jax.Array:
     """`expert_step` on the compact stack of ``experts`` (a list of per-expert pytrees), stacked
     inside the jitted step (one dispatch per layer)."""
-    return expert_step(res, stack_experts(list(experts), jnp), h, x, routing, cfg, impl)
+    return expert_step(res, stack_experts(list(experts), jnp), h, x, routing, cfg, ex)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,17 +194,26 @@ class OffloadedModel:
 
     Args:
       store: the `ExpertStore` (its config and layer count define the model).
-      impl: execution strategy of the routed experts (``gather`` by default: the decode path).
+      impl: execution strategy of the routed experts (``gather`` when neither ``impl`` nor
+        ``ex`` is given: the decode path); a shorthand for ``ex=ExecConfig(impl=...)``.
+      ex: how each layer runs (`jaxmoe.execution.ExecConfig`).
       num_layers: use the first ``num_layers`` layers (default all).
     """
 
-    def __init__(self, store: ExpertStore, *, impl: str = "gather", num_layers: int | None = None):
+    def __init__(
+        self,
+        store: ExpertStore,
+        *,
+        impl: str | None = None,
+        ex: ExecConfig | None = None,
+        num_layers: int | None = None,
+    ):
         self.store = store
         self.cfg = store.cfg
         self.num_layers = store.num_layers if num_layers is None else num_layers
         if not 1 <= self.num_layers <= store.num_layers:
             raise ValueError(f"OffloadedModel: num_layers={num_layers} outside [1, {store.num_layers}]")
-        self.impl = impl
+        self.ex = exec_config(ex, "gather" if impl is None and ex is None else impl)
         self.resident = [jax.device_put(jax.tree.map(jnp.asarray, store.resident(l))) for l in range(self.num_layers)]
         self._full = None
 
@@ -264,45 +274,50 @@ class OffloadedModel:
             else None
         )
         self._warmup(x, trace, full)
-        L, k, d = self.num_layers, self.cfg.top_k, self.cfg.d_model
-        outs, ids_all = np.zeros((n, d), np.float32), np.zeros((n, L, k), np.int32)
-        hid = np.zeros((n, L, d), np.float32)
+
+        def step(t, l, h, xn, r, run):
+            if not compact:
+                return expert_step(self.resident[l], full[l], h, xn, r, self.cfg, self.ex)
+            _, padded, local = self.compact(run.ids[t, l][None], self._n_pad(1))
+            experts = [dev_experts[l][e] for e in padded]
+            return compact_step(
+                self.resident[l], experts, h, xn, Routing(jnp.asarray(local), r.weights), self.cfg, self.ex
+            )
+
+        return self._decode(x, trace, step)
+
+    def _decode(self, x: np.ndarray, trace, step: Callable) -> RunResult:
+        """Decodes ``x [N, d]`` one token at a time through every layer, timed: routes each
+        layer's input (or replays ``trace``), records it in the `RunResult` being filled, and
+        takes ``h = step(t, l, h, x_normed, routing, run)`` as the next layer's input."""
+        n, L, k, d = x.shape[0], self.num_layers, self.cfg.top_k, self.cfg.d_model
+        run = RunResult(
+            np.zeros((n, d), np.float32), np.zeros((n, L, k), np.int32), np.zeros((n, L, d), np.float32), 0.0
+        )
         t0 = time.perf_counter()
         for t in range(n):
             h = jnp.asarray(x[t : t + 1])
             for l in range(L):
-                hid[t, l] = np.asarray(h[0])
+                run.hidden[t, l] = np.asarray(h[0])
                 xn, r = self._route(l, h, trace, t)
-                ids = np.asarray(r.expert_ids)
-                ids_all[t, l] = ids[0]
-                if compact:
-                    _, padded, local = self.compact(ids, self._n_pad(1))
-                    h = compact_step(
-                        self.resident[l],
-                        [dev_experts[l][e] for e in padded],
-                        h,
-                        xn,
-                        Routing(jnp.asarray(local), r.weights),
-                        self.cfg,
-                        self.impl,
-                    )
-                else:
-                    h = expert_step(self.resident[l], full[l], h, xn, r, self.cfg, self.impl)
-            outs[t] = np.asarray(h[0])
-        return RunResult(outs, ids_all, hid, time.perf_counter() - t0)
+                run.ids[t, l] = np.asarray(r.expert_ids)[0]
+                h = step(t, l, h, xn, r, run)
+            run.outputs[t] = np.asarray(h[0])
+        run.seconds = time.perf_counter() - t0
+        return run
 
     def _warmup(self, x, trace, full=None) -> None:
         """Compiles the jitted steps for the shapes of a run (outside the timed loop)."""
         h = jnp.asarray(x[:1])
         xn, r = self._route(0, h, trace, 0)
         if full is not None:
-            jax.block_until_ready(expert_step(self.resident[0], full[0], h, xn, r, self.cfg, self.impl))
+            jax.block_until_ready(expert_step(self.resident[0], full[0], h, xn, r, self.cfg, self.ex))
         n_pad = self._n_pad(1)
         ids = np.asarray(r.expert_ids)
         _, padded, local = self.compact(ids, n_pad)
         experts = [jax.device_put(self.store.load_expert(0, int(e))) for e in padded]
         jax.block_until_ready(
-            compact_step(self.resident[0], experts, h, xn, Routing(jnp.asarray(local), r.weights), self.cfg, self.impl)
+            compact_step(self.resident[0], experts, h, xn, Routing(jnp.asarray(local), r.weights), self.cfg, self.ex)
         )
 
     def run_offloaded(
@@ -321,71 +336,60 @@ class OffloadedModel:
         x = self._inputs(inputs)
         n = x.shape[0]
         trace = self._trace(trace, n)
-        L, k, d, E = self.num_layers, self.cfg.top_k, self.cfg.d_model, self.cfg.num_experts
+        L, k, E = self.num_layers, self.cfg.top_k, self.cfg.num_experts
         m = k if ocfg.prefetch_k is None else ocfg.prefetch_k
         self._warmup(x, trace)
         cache = make_cache(ocfg.budget_bytes, ocfg.policy, ocfg.scope, L)
         pf = Prefetcher(self.store, cache, asynchronous=ocfg.asynchronous)
         stats = [FetchStats() for _ in range(L)]
         preds: dict[tuple[int, int], np.ndarray] = {}
-        outs, ids_all = np.zeros((n, d), np.float32), np.zeros((n, L, k), np.int32)
-        hid = np.zeros((n, L, d), np.float32)
         n_pad = self._n_pad(1)
-        peak = 0
-        try:
-            t0 = time.perf_counter()
-            for t in range(n):
-                h = jnp.asarray(x[t : t + 1])
-                for l in range(L):
-                    hid[t, l] = np.asarray(h[0])
-                    xn, r = self._route(l, h, trace, t)
-                    ids = np.asarray(r.expert_ids)
-                    ids_all[t, l] = ids[0]
-                    p = preds.pop((t, l), None)
-                    if p is not None:
-                        stats[l].predicted += len(p)
-                        stats[l].recall_sum += len(set(p.tolist()) & set(ids[0].tolist())) / k
-                        stats[l].recall_n += 1
-                    # predict the next layer (or layer 0 of the next token) and prefetch it
-                    tl, tt = (l + 1, t) if l + 1 < L else (0, t + 1)
-                    if tt < n and m > 0:
-                        q = PredictQuery(
-                            tl,
-                            tt,
-                            m,
-                            hidden=hid[t, l] if tl > 0 else None,
-                            cur_ids=ids[0] if tl > 0 else None,
-                            prev_ids=ids_all[tt - 1, tl] if tt > 0 else None,
-                        )
-                        pred = np.asarray(predictor.predict(q), np.int32)
-                        if pred.size and (pred.min() < 0 or pred.max() >= E):
-                            raise ValueError(
-                                f"predictor {getattr(predictor, 'name', predictor)!r} returned expert "
-                                f"ids outside [0, {E}) for layer {tl}: {pred.tolist()}"
-                            )
-                        preds[(tt, tl)] = pred
-                        if tl != l:  # (a one-layer model predicts its own next step: request after release)
-                            pf.request(tl, pred)
-                    needed, padded, local = self.compact(ids, n_pad)
-                    protect = [(l, int(e)) for e in needed]
-                    dev = {int(e): pf.fetch((l, int(e)), stats[l], protect) for e in needed}
-                    h = compact_step(
-                        self.resident[l],
-                        [dev[int(e)] for e in padded],
-                        h,
-                        xn,
-                        Routing(jnp.asarray(local), r.weights),
-                        self.cfg,
-                        self.impl,
+        peak = [0]
+
+        def step(t, l, h, xn, r, run):
+            ids = run.ids[t, l]
+            p = preds.pop((t, l), None)
+            if p is not None:
+                stats[l].predicted += len(p)
+                stats[l].recall_sum += len(set(p.tolist()) & set(ids.tolist())) / k
+                stats[l].recall_n += 1
+            # predict the next layer (or layer 0 of the next token) and prefetch it
+            tl, tt = (l + 1, t) if l + 1 < L else (0, t + 1)
+            if tt < n and m > 0:
+                q = PredictQuery(
+                    tl,
+                    tt,
+                    m,
+                    hidden=run.hidden[t, l] if tl > 0 else None,
+                    cur_ids=ids if tl > 0 else None,
+                    prev_ids=run.ids[tt - 1, tl] if tt > 0 else None,
+                )
+                pred = np.asarray(predictor.predict(q), np.int32)
+                if pred.size and (pred.min() < 0 or pred.max() >= E):
+                    raise ValueError(
+                        f"predictor {getattr(predictor, 'name', predictor)!r} returned expert "
+                        f"ids outside [0, {E}) for layer {tl}: {pred.tolist()}"
                     )
-                    pf.release(l)
-                    if L == 1 and (t + 1, 0) in preds:
-                        pf.request(0, preds[(t + 1, 0)])
-                    peak = max(peak, cache.used_bytes)
-                    if on_step is not None:
-                        on_step(t, l, cache)
-                outs[t] = np.asarray(h[0])
-            seconds = time.perf_counter() - t0
+                preds[(tt, tl)] = pred
+                if tl != l:  # (a one-layer model predicts its own next step: request after release)
+                    pf.request(tl, pred)
+            needed, padded, local = self.compact(ids[None], n_pad)
+            protect = [(l, int(e)) for e in needed]
+            dev = {int(e): pf.fetch((l, int(e)), stats[l], protect) for e in needed}
+            experts = [dev[int(e)] for e in padded]
+            h = compact_step(
+                self.resident[l], experts, h, xn, Routing(jnp.asarray(local), r.weights), self.cfg, self.ex
+            )
+            pf.release(l)
+            if L == 1 and (t + 1, 0) in preds:
+                pf.request(0, preds[(t + 1, 0)])
+            peak[0] = max(peak[0], cache.used_bytes)
+            if on_step is not None:
+                on_step(t, l, cache)
+            return h
+
+        try:
+            run = self._decode(x, trace, step)
         finally:
             pf.close()
         for l in range(L):
@@ -393,11 +397,11 @@ class OffloadedModel:
         ost = OffloadStats(
             stats,
             n,
-            seconds,
+            run.seconds,
             ocfg.budget_bytes,
-            max(peak, cache.peak_bytes),
+            max(peak[0], cache.peak_bytes),
             self.store.expert_nbytes(0),
             pf.prefetch_errors,
             pf.peak_staged_bytes,
         )
-        return RunResult(outs, ids_all, hid, seconds), ost
+        return run, ost
