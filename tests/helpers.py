@@ -1,5 +1,6 @@
-"""Shared test helpers: independent float64 numpy references (written from the model
-references and docs/routing.md, not from jaxmoe's code), random inputs and shrunk configs."""
+"""Shared test helpers: the float64 numpy oracle (the eval's, `jaxmoe.evaluation.reference`:
+written from the model references and docs/routing.md, not from jaxmoe's kernels), random
+inputs and shrunk configs (`jaxmoe.evaluation.presets.shrink_config`)."""
 
 import dataclasses
 
@@ -8,122 +9,38 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoe.params import init_params
+from jaxmoe.evaluation.presets import shrink_config
+from jaxmoe.evaluation.reference import act_f64, reference_forward, route_f64, routed_f64
+from jaxmoe.experts import ExpertWeights, SharedWeights
+from jaxmoe.params import MoEParams, init_params
 from jaxmoe.quant import quantize_int4_affine, quantize_int8
+from jaxmoe.routing import Routing
 
 
-def np_route(
-    logits,
-    *,
-    k,
-    score_fn="softmax",
-    bias=None,
-    n_group=1,
-    topk_group=1,
-    group_score="top2_sum",
-    renorm="sum",
-    eps=0.0,
-    scale=1.0,
-):
-    """Per-token loop. Returns ids [T, k] (by descending selection score) and weights [T, k], float64."""
-    z = np.asarray(logits, np.float64)
-    t, e = z.shape
-    ids = np.zeros((t, k), np.int64)
-    ws = np.zeros((t, k), np.float64)
-    for i in range(t):
-        zi = z[i]
-        if score_fn == "softmax":
-            m = zi.max()
-            s = np.exp(zi - m) / np.exp(zi - m).sum()
-        elif score_fn == "sigmoid":
-            s = 1.0 / (1.0 + np.exp(-zi))
-        else:
-            s = zi.copy()
-        c = s + (0.0 if bias is None else np.asarray(bias, np.float64))
-        if n_group > 1 and topk_group < n_group:
-            per = e // n_group
-            gs = []
-            for g in range(n_group):
-                grp = np.sort(c[g * per : (g + 1) * per])[::-1]
-                gs.append(grp[0] if group_score == "max" else grp[0] + grp[1])
-            keep = sorted(range(n_group), key=lambda g: (-gs[g], g))[:topk_group]
-            c = np.array([c[j] if j // per in keep else -np.inf for j in range(e)])
-        order = sorted(range(e), key=lambda j: (-c[j], j))[:k]
-        sel = np.array(order)
-        if score_fn == "softmax_topk":
-            v = zi[sel]
-            w = np.exp(v - v.max()) / np.exp(v - v.max()).sum()
-        elif score_fn == "sigmoid_topk":
-            w = 1.0 / (1.0 + np.exp(-zi[sel]))
-        else:
-            w = s[sel]
-        if renorm == "sum":
-            w = w / w.sum()
-        elif renorm == "clamp":
-            w = w / max(w.sum(), eps)
-        elif renorm == "add":
-            w = w / (w.sum() + eps)
-        ids[i] = sel
-        ws[i] = w * scale
-    return ids, ws
+def np_route(logits, rc, bias=None):
+    """float64 routing of ``logits [T, E]`` under the `RouterConfig` ``rc`` (the eval's oracle,
+    `jaxmoe.evaluation.reference.route_f64`): ids [T, k] by descending selection score,
+    weights [T, k]."""
+    r = route_f64(logits, rc, None if bias is None else np.asarray(bias, np.float64))
+    return r.expert_ids, r.weights
 
 
-def router_kwargs(rc):
-    """np_route keyword arguments from a jaxmoe RouterConfig."""
-    return dict(
-        k=rc.top_k,
-        score_fn=rc.score_fn,
-        n_group=rc.n_group,
-        topk_group=rc.topk_group,
-        group_score=rc.group_score,
-        renorm=rc.renorm,
-        eps=rc.renorm_eps,
-        scale=rc.routed_scaling_factor,
-    )
+#: The expert activation of the oracle, for tests that loop over experts themselves.
+np_act = act_f64
 
 
-def _silu(v):
-    return v / (1.0 + np.exp(-v))
-
-
-def np_act(g, u, activation="swiglu", alpha=1.702, limit=7.0):
-    if activation == "swiglu":
-        return _silu(g) * u
-    g = np.minimum(g, limit)
-    u = np.clip(u, -limit, limit)
-    return (u + 1.0) * g / (1.0 + np.exp(-alpha * g))
+def np_params(p):
+    """A numpy parameter dict (`params_to_numpy`) as the `MoEParams` the oracle reads."""
+    ew = ExpertWeights(p["w_gate"], p["w_up"], p["w_down"], p.get("b_gate"), p.get("b_up"), p.get("b_down"))
+    sh = None if p.get("s_gate") is None else SharedWeights(p["s_gate"], p["s_up"], p["s_down"], p.get("s_sigmoid"))
+    return MoEParams(p.get("w_router"), ew, p.get("b_router"), p.get("selection_bias"), sh)
 
 
 def np_moe(x, p, cfg):
-    """float64 MoE layer on numpy params (dict of arrays in the x @ W convention), per-token loop."""
-    x = np.asarray(x, np.float64)
-    f64 = lambda a: None if a is None else np.asarray(a, np.float64)  # noqa: E731
-    z = x @ f64(p["w_router"])
-    if p.get("b_router") is not None:
-        z = z + f64(p["b_router"])
-    ids, ws = np_route(z, bias=f64(p.get("selection_bias")), **router_kwargs(cfg.router))
-    y = np.zeros_like(x)
-    for t in range(x.shape[0]):
-        for s in range(ids.shape[1]):
-            e = ids[t, s]
-            xin = x[t] * ws[t, s] if cfg.weight_on_input else x[t]
-            g = xin @ f64(p["w_gate"][e])
-            u = xin @ f64(p["w_up"][e])
-            if p.get("b_gate") is not None:
-                g = g + f64(p["b_gate"][e])
-                u = u + f64(p["b_up"][e])
-            h = np_act(g, u, cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
-            o = h @ f64(p["w_down"][e])
-            if p.get("b_down") is not None:
-                o = o + f64(p["b_down"][e])
-            y[t] += o if cfg.weight_on_input else ws[t, s] * o
-    if p.get("s_gate") is not None:
-        h = _silu(x @ f64(p["s_gate"])) * (x @ f64(p["s_up"]))
-        o = h @ f64(p["s_down"])
-        if p.get("s_sigmoid") is not None:
-            o = o / (1.0 + np.exp(-(x @ f64(p["s_sigmoid"]))))[:, None]
-        y += o
-    return y, ids, ws
+    """float64 MoE layer on numpy params (dict of arrays in the x @ W convention): the eval's
+    oracle, `jaxmoe.evaluation.reference.reference_forward`. Returns (y, ids, weights)."""
+    y, r = reference_forward(np_params(p), x, cfg)
+    return y, r.expert_ids, r.weights
 
 
 def params_to_numpy(mp):
@@ -151,17 +68,14 @@ def params_to_numpy(mp):
 
 
 def shrink(cfg, d=64, f=32, e=16):
-    """``cfg`` at test widths (d, F, E), keeping its family's routing rule valid."""
-    import dataclasses
-
+    """``cfg`` at test widths (`shrink_config`): d_model ``d``, experts of width ``f``, ``e``
+    experts (at least two per group of a group limit), top-k at most ``e // 2`` (so routing
+    chooses), each shared expert of width ``f``."""
     rc = cfg.router
     e = max(e, rc.n_group * 2) if rc.n_group > 1 else e
-    k = min(rc.top_k, e // 2)
-    if rc.n_group > 1:
-        k = min(k, rc.topk_group * (e // rc.n_group))
-    rc = dataclasses.replace(rc, num_experts=e, top_k=k)
-    fs = (f * cfg.num_shared_experts) if cfg.shared_expert_dim else 0
-    return dataclasses.replace(cfg, d_model=d, expert_dim=f, shared_expert_dim=fs, router=rc)
+    return shrink_config(
+        cfg, d_model=d, expert_dim=f, shared_expert_dim=f * cfg.num_shared_experts, num_experts=e, top_k=e // 2
+    )
 
 
 def random_params(cfg, rng, dtype=jnp.float32):
@@ -169,26 +83,9 @@ def random_params(cfg, rng, dtype=jnp.float32):
 
 
 def np_experts(x, ids, ws, p, cfg):
-    """float64 routed-expert output for a given routing (per pair loop); a pair whose id is
-    outside ``[0, E)`` adds nothing (docs/routing.md, "Invalid expert ids")."""
-    x = np.asarray(x, np.float64)
-    f = lambda a: np.asarray(a, np.float64)  # noqa: E731
-    n_experts = np.shape(p["w_gate"])[0]
-    y = np.zeros_like(x)
-    for t in range(x.shape[0]):
-        for s in range(ids.shape[1]):
-            e, w = int(ids[t, s]), np.float64(ws[t, s])
-            if not 0 <= e < n_experts:
-                continue
-            xin = x[t] * w if cfg.weight_on_input else x[t]
-            g, u = xin @ f(p["w_gate"][e]), xin @ f(p["w_up"][e])
-            if p.get("b_gate") is not None:
-                g, u = g + f(p["b_gate"][e]), u + f(p["b_up"][e])
-            o = np_act(g, u, cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit) @ f(p["w_down"][e])
-            if p.get("b_down") is not None:
-                o = o + f(p["b_down"][e])
-            y[t] += o if cfg.weight_on_input else w * o
-    return y
+    """float64 routed-expert output for a given routing (`jaxmoe.evaluation.reference.routed_f64`);
+    a pair whose id is outside ``[0, E)`` adds nothing (docs/routing.md, "Invalid expert ids")."""
+    return routed_f64(np_params(p), x, Routing(np.asarray(ids), np.asarray(ws)), cfg)
 
 
 def skewed_routing(rng, t, k, e, hot=None, share=0.8):

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import np_route, router_kwargs
+from helpers import np_route
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -47,9 +47,7 @@ def _check(rc, logits, bias):
     chex.assert_shape(r.expert_ids, (logits.shape[0], rc.top_k))
     chex.assert_type(r.expert_ids, jnp.int32)
     chex.assert_type(r.weights, jnp.float32)
-    ids, ws = np_route(
-        logits.astype(np.float32), bias=None if bias is None else bias.astype(np.float32), **router_kwargs(rc)
-    )
+    ids, ws = np_route(logits.astype(np.float32), rc, None if bias is None else bias.astype(np.float32))
     np.testing.assert_array_equal(np.asarray(r.expert_ids), ids)
     np.testing.assert_allclose(np.asarray(r.weights), ws, rtol=2e-6, atol=1e-7)
     return r

@@ -127,13 +127,19 @@ def route_f64(logits: np.ndarray, rc: RouterConfig, selection_bias: np.ndarray |
     return RefRouting(ids.astype(np.int64), w, s)
 
 
-def _act(g: np.ndarray, u: np.ndarray, cfg: MoEConfig) -> np.ndarray:
-    if cfg.activation == "swiglu":
+def act_f64(g: np.ndarray, u: np.ndarray, activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0):
+    """The expert activation of the gate and up projections: ``swiglu`` ``silu(g) * u``, or
+    ``swiglu_oai`` (gpt-oss) ``(clip(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')``
+    with ``g' = min(g, limit)``."""
+    if activation == "swiglu":
         return g * _sigmoid(g) * u
-    lim = cfg.swiglu_limit
-    g = np.minimum(g, lim)
-    u = np.clip(u, -lim, lim)
-    return (u + 1.0) * g * _sigmoid(cfg.swiglu_alpha * g)
+    g = np.minimum(g, limit)
+    u = np.clip(u, -limit, limit)
+    return (u + 1.0) * g * _sigmoid(alpha * g)
+
+
+def _act(g: np.ndarray, u: np.ndarray, cfg: MoEConfig) -> np.ndarray:
+    return act_f64(g, u, cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
 
 
 def router_logits_f64(params: MoEParams, x: np.ndarray) -> np.ndarray:
@@ -157,14 +163,20 @@ def shared_f64(params: MoEParams, x: np.ndarray, cfg: MoEConfig) -> tuple[np.nda
     return y * gate[:, None], gate
 
 
-def routed_f64(params: MoEParams, x: np.ndarray, routing: RefRouting, cfg: MoEConfig) -> np.ndarray:
-    """Routed output ``[T, d]`` float64 under ``routing``: for each expert used, its tokens."""
+def routed_f64(params: MoEParams, x: np.ndarray, routing, cfg: MoEConfig) -> np.ndarray:
+    """Routed output ``[T, d]`` float64 under ``routing`` (anything with ``expert_ids [T, k]``
+    and ``weights [T, k]``: a `RefRouting`, a `jaxmoe.routing.Routing`): for each expert
+    used, its tokens. A pair whose id lies outside ``[0, E)`` adds nothing (docs/routing.md,
+    "Invalid expert ids")."""
     x = np.asarray(x, np.float64)
+    ids = np.asarray(routing.expert_ids)
+    weights = np.asarray(routing.weights, np.float64)
     ew = params.experts
+    n_experts = ew.w_gate.shape[0]
     y = np.zeros_like(x)
-    for e in np.unique(routing.expert_ids):
-        tok, slot = np.nonzero(routing.expert_ids == e)
-        w = routing.weights[tok, slot][:, None]
+    for e in np.unique(ids[(ids >= 0) & (ids < n_experts)]):
+        tok, slot = np.nonzero(ids == e)
+        w = weights[tok, slot][:, None]
         xin = x[tok] * w if cfg.weight_on_input else x[tok]
         g = xin @ to_f64(ew.w_gate, e)
         u = xin @ to_f64(ew.w_up, e)
