@@ -28,6 +28,7 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import check_expert_ids, id_valid, replace_invalid
 from jaxmoe.execution import ExecConfig
 from jaxmoe.invariance import row_blocks, slot_sum
+from jaxmoe.platforms import host_group
 from jaxmoe.quant import QuantizedTensor, materialize
 from jaxmoe.routing import Routing
 from pallas_kernels.activation import Activation
@@ -38,22 +39,22 @@ _HI = jax.lax.Precision.HIGHEST
 Weight = jax.Array | QuantizedTensor
 
 
-def dot_f32(op, a: jax.Array, b: jax.Array, platform: str = "default") -> jax.Array:
+def dot_f32(op, a: jax.Array, b: jax.Array, platform: str | None = None) -> jax.Array:
     """``op(a, b)``, a dot that accumulates and returns float32, with operands as
     ``platform`` (a group of `jaxmoe.platforms.GROUPS`, the one the program is lowered
-    for) takes them.
+    for; None: the default device's) takes them.
 
     On the CPU low-precision operands are upcast first (exact): XLA:CPU (jax 0.10) takes
     ``bf16 x bf16 -> f32`` as a YNNPACK fusion, but its bf16 matrix-vector products are
     slower than upcasting (docs/intel.md); `jaxmoe.impls.xla_tiled.batched_mm` keeps bf16
     where rows make it faster. Other platforms accumulate in f32 from the stored dtype.
     """
-    if platform == "cpu" and not (a.dtype == jnp.float32 and b.dtype == jnp.float32):
+    if (platform or host_group()) == "cpu" and not (a.dtype == jnp.float32 and b.dtype == jnp.float32):
         return op(a.astype(jnp.float32), b.astype(jnp.float32))
     return op(a, b)
 
 
-def mm(spec: str, a: jax.Array, b: jax.Array, platform: str = "default") -> jax.Array:
+def mm(spec: str, a: jax.Array, b: jax.Array, platform: str | None = None) -> jax.Array:
     """``einsum(spec, a, b)`` accumulated and returned in float32 (`dot_f32`)."""
     return dot_f32(
         lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, precision=_HI), a, b, platform
@@ -150,7 +151,7 @@ def swiglu(x: jax.Array, wg, wu, wd, cfg: MoEConfig, matmul, bias=None, scale=No
     return y
 
 
-def swiglu_ffn(x: jax.Array, w_gate, w_up, w_down, cfg: MoEConfig, bias=None, platform: str = "default") -> jax.Array:
+def swiglu_ffn(x: jax.Array, w_gate, w_up, w_down, cfg: MoEConfig, bias=None, platform: str | None = None) -> jax.Array:
     """One SwiGLU MLP. ``x [T, d]``, ``w_gate, w_up [d, F]``, ``w_down [F, d]`` (quantized
     ones dequantized to ``x.dtype``), ``bias`` None or ``(b_gate, b_up, b_down)``
     float32 -> ``[T, d]`` float32."""
@@ -160,7 +161,7 @@ def swiglu_ffn(x: jax.Array, w_gate, w_up, w_down, cfg: MoEConfig, bias=None, pl
 
 
 def shared_expert(
-    x: jax.Array, sw: SharedWeights | None, cfg: MoEConfig, *, invariant: bool = False, platform: str = "default"
+    x: jax.Array, sw: SharedWeights | None, cfg: MoEConfig, *, invariant: bool = False, platform: str | None = None
 ) -> jax.Array:
     """Shared output ``[T, d]`` float32: ``g * shared(x)``, g = sigmoid(x . gate) or 1.
 
@@ -219,7 +220,7 @@ def experts_dense(
     ew: ExpertWeights,
     cfg: MoEConfig,
     ex: ExecConfig | None = None,
-    platform: str = "default",
+    platform: str | None = None,
 ) -> jax.Array:
     """Every expert on every token, masked: the oracle. ``x [T, d]`` -> ``[T, d]`` float32.
 
@@ -234,7 +235,7 @@ def experts_dense(
     return _dense(x, routing, ew, cfg, platform)
 
 
-def _dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, platform: str) -> jax.Array:
+def _dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, platform: str | None) -> jax.Array:
     dt = x.dtype
     e = ew.num_experts
     comb = combine_matrix(routing, e)  # [T, E]
@@ -260,7 +261,7 @@ def experts_gather(
     ew: ExpertWeights,
     cfg: MoEConfig,
     ex: ExecConfig | None = None,
-    platform: str = "default",
+    platform: str | None = None,
 ) -> jax.Array:
     """Per (token, slot) pair, its selected expert only. ``x [T, d]`` -> ``[T, d]`` float32.
 

@@ -52,7 +52,7 @@ def rows_vjp(
     cfg: MoEConfig,
     *,
     weight_grads: bool = True,
-    platform: str = "default",
+    platform: str | None = None,
 ) -> RowsGrad:
     """Reverse of ``y = wr * (act(x Wg + bg, x Wu + bu) Wd + bd)`` over rows of one expert.
 

@@ -50,6 +50,7 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import check_expert_ids, id_valid, plan_dispatch, replace_invalid
 from jaxmoe.execution import ExecConfig
 from jaxmoe.experts import ExpertWeights, experts_frozen, frozen_cotangent, zero_cotangent
+from jaxmoe.platforms import host_group
 from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
 from jaxmoe.routing import Routing
 from pallas_kernels import tuning
@@ -89,7 +90,7 @@ def experts_pallas(
     experts: ExpertWeights,
     cfg: MoEConfig,
     ex: ExecConfig | None = None,
-    platform: str = "default",
+    platform: str | None = None,
     *,
     debug: bool = False,
 ) -> jax.Array:
@@ -103,7 +104,8 @@ def experts_pallas(
       ex: ``interpret`` (default: compiled when ``platform`` is ``triton``, interpreted
         otherwise); ``kernel_config`` block sizes (default ``tuning.choose(T * k, d, F,
         x.dtype)``, or ``tuning.fixed(d, F, x.dtype)`` with ``batch_invariant``).
-      platform: the platform group the program is lowered for (`jaxmoe.platforms`).
+      platform: the platform group the program is lowered for (`jaxmoe.platforms`; None:
+        the default device's).
       debug: the Pallas ``debug`` flag (prints each kernel's jaxpr and generated code).
     """
     ex = ex or ExecConfig()
@@ -112,7 +114,7 @@ def experts_pallas(
     t, d = x.shape
     k = cfg.top_k
     check_expert_ids(routing.expert_ids, experts.num_experts, "experts_pallas", shape=(t, k), weights=routing.weights)
-    interpret = ex.interpret if ex.interpret is not None else platform != "triton"
+    interpret = ex.interpret if ex.interpret is not None else (platform or host_group()) != "triton"
     config = ex.kernel_config
     if config is None:  # batch-invariant: one tile program whatever T is, no decode switch
         config = (

@@ -29,7 +29,7 @@ def experts_ragged_dot(
     ew: ExpertWeights,
     cfg: MoEConfig,
     ex: ExecConfig | None = None,
-    platform: str = "default",
+    platform: str | None = None,
 ) -> jax.Array:
     """`jax.lax.ragged_dot` over the sorted rows (comparison only). ``x [T, d]`` -> ``[T, d]`` float32.
 

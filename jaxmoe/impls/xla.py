@@ -51,7 +51,7 @@ def experts_xla(
     ew: ExpertWeights,
     cfg: MoEConfig,
     ex: ExecConfig | None = None,
-    platform: str = "default",
+    platform: str | None = None,
 ) -> jax.Array:
     """Sorted grouped SwiGLU in plain XLA ops. ``x [T, d]`` -> ``[T, d]`` float32.
 
@@ -158,7 +158,7 @@ def experts_xla_backward(
     gy: jax.Array,
     cfg: MoEConfig,
     *,
-    platform: str = "default",
+    platform: str | None = None,
 ) -> tuple[jax.Array, jax.Array, ExpertWeights]:
     """The reverse of `experts_xla` over its dispatch plan, in the same strategy.
 

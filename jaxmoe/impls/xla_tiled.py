@@ -56,6 +56,7 @@ from jaxmoe.execution import XLA_TILED_LAYOUTS, ExecConfig
 from jaxmoe.experts import ExpertWeights, freeze, mm, swiglu
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.invariance import ROW_BLOCK, slot_sum
+from jaxmoe.platforms import host_group
 from jaxmoe.quant import materialize
 from jaxmoe.routing import Routing
 
@@ -93,7 +94,7 @@ def experts_xla_tiled(
     ew: ExpertWeights,
     cfg: MoEConfig,
     ex: ExecConfig | None = None,
-    platform: str = "default",
+    platform: str | None = None,
 ) -> jax.Array:
     """Routed experts with a bounded number of batched XLA ops. ``x [T, d]`` -> ``[T, d]`` float32.
 
@@ -117,7 +118,7 @@ def experts_xla_tiled(
         block_m = 1
     if t == 0:
         return jnp.zeros((0, x.shape[1]), jnp.float32)
-    how = _How(block_m, layout, invariant, platform)
+    how = _How(block_m, layout, invariant, platform or host_group())
     return _experts_xla_tiled(x, routing, freeze(ew), cfg, how)  # quantized experts: frozen
 
 
@@ -130,7 +131,7 @@ class _How(NamedTuple):
     platform: str
 
 
-def batched_mm(a: jax.Array, b: jax.Array, platform: str = "default") -> jax.Array:
+def batched_mm(a: jax.Array, b: jax.Array, platform: str | None = None) -> jax.Array:
     """``a [V, m, K] @ b [V, K, N]`` -> ``[V, m, N]`` float32, one product per batch entry.
 
     Off the CPU this is `jaxmoe.experts.mm` (operands as stored, float32 accumulation).
@@ -148,7 +149,7 @@ def batched_mm(a: jax.Array, b: jax.Array, platform: str = "default") -> jax.Arr
 
     The sums are float32 in every branch; only their order differs.
     """
-    if platform != "cpu":
+    if (platform or host_group()) != "cpu":
         return mm("vmk,vkn->vmn", a, b, platform)
     f32 = jnp.float32
 
