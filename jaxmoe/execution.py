@@ -17,6 +17,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from jaxmoe.platforms import GROUPS, host_group
+
 #: Activation arithmetic: ``float`` (activations as given, float32 accumulation) or
 #: ``int8`` (``impl="cpu"`` only: activations quantized to int8 per block of 32 for
 #: integer-coded experts, docs/kernels.md "int8 activations").
@@ -65,6 +67,10 @@ class ExecConfig:
       layout: ``xla_tiled``'s layout (`XLA_TILED_LAYOUTS`; None: chosen from ``block_m``).
       kernel_config: the Pallas kernels' block sizes (a `pallas_kernels.tuning.KernelConfig`;
         None: chosen from the call's size).
+      platform: the platform group the program is lowered for (`jaxmoe.platforms.GROUPS`),
+        set by `jaxmoe.impls.policy.run_experts` on each branch of its one platform switch,
+        so no strategy asks for the platform again; None (what a caller passes): the
+        default device's group when a strategy is called directly.
     """
 
     impl: str = "auto"
@@ -74,6 +80,7 @@ class ExecConfig:
     block_m: int | None = None
     layout: str | None = None
     kernel_config: Any = None
+    platform: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.impl, str) or not self.impl:
@@ -92,6 +99,8 @@ class ExecConfig:
             _fail("block_m", f"must be a positive int or null, got {self.block_m!r}")
         if self.layout is not None and self.layout not in XLA_TILED_LAYOUTS:
             _fail("layout", f"unknown {self.layout!r}; expected one of {XLA_TILED_LAYOUTS}")
+        if self.platform is not None and self.platform not in GROUPS:
+            _fail("platform", f"unknown {self.platform!r}; expected one of {GROUPS} or null")
 
     @property
     def label(self) -> str:
@@ -99,12 +108,17 @@ class ExecConfig:
         default as ``field=value`` (``cpu`` / ``cpu,activations=int8``)."""
         parts = [self.impl]
         for f in dataclasses.fields(self):
-            if f.name == "impl":
+            if f.name in ("impl", "platform"):
                 continue
             v = getattr(self, f.name)
             if v != f.default:
                 parts.append(f"{f.name}={v}")
         return ",".join(parts)
+
+    @property
+    def group(self) -> str:
+        """``platform``, or the default device's group when it is None."""
+        return self.platform or host_group()
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -150,8 +164,9 @@ def exec_from_dict(d: Mapping[str, Any] | str, *, source: str = "<dict>") -> Exe
     for k in d:
         if k in REMOVED and k not in FIELDS:
             raise ValueError(f"{source}: key {k!r} was removed; use {REMOVED[k]}")
-        if k not in FIELDS or k == "kernel_config":
-            raise ValueError(f"{source}: unknown key {k!r}; known: {[f for f in FIELDS if f != 'kernel_config']}")
+        if k not in FIELDS or k in ("kernel_config", "platform"):
+            known = [f for f in FIELDS if f not in ("kernel_config", "platform")]
+            raise ValueError(f"{source}: unknown key {k!r}; known: {known}")
     try:
         return ExecConfig(**dict(d))
     except ValueError as e:

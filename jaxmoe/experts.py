@@ -215,22 +215,19 @@ def combine_matrix(routing: Routing, num_experts: int) -> jax.Array:
 
 
 def experts_dense(
-    x: jax.Array,
-    routing: Routing,
-    ew: ExpertWeights,
-    cfg: MoEConfig,
-    ex: ExecConfig | None = None,
-    platform: str | None = None,
+    x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, ex: ExecConfig | None = None
 ) -> jax.Array:
     """Every expert on every token, masked: the oracle. ``x [T, d]`` -> ``[T, d]`` float32.
 
     Memory ``O(T * E * F)``: for tests and small shapes only. ``ex.batch_invariant``:
-    on fixed-shape token blocks. ``platform``: the lowering platform group (`dot_f32`).
+    on fixed-shape token blocks; ``ex.platform``: the lowering platform group (`dot_f32`).
     """
+    ex = ex or ExecConfig()
+    platform = ex.group
     e = ew.num_experts
     check_expert_ids(routing.expert_ids, e, "experts_dense", shape=(x.shape[0], None), weights=routing.weights)
     ew = freeze(ew)
-    if ex is not None and ex.batch_invariant:  # fixed-shape token blocks
+    if ex.batch_invariant:  # fixed-shape token blocks
         return row_blocks(lambda xr, ew: _dense(xr[0], xr[1], ew, cfg, platform), (x, routing), ew)
     return _dense(x, routing, ew, cfg, platform)
 
@@ -256,12 +253,7 @@ def _dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, pl
 
 
 def experts_gather(
-    x: jax.Array,
-    routing: Routing,
-    ew: ExpertWeights,
-    cfg: MoEConfig,
-    ex: ExecConfig | None = None,
-    platform: str | None = None,
+    x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, ex: ExecConfig | None = None
 ) -> jax.Array:
     """Per (token, slot) pair, its selected expert only. ``x [T, d]`` -> ``[T, d]`` float32.
 
@@ -274,7 +266,8 @@ def experts_gather(
     check_expert_ids(
         routing.expert_ids, ew.num_experts, "experts_gather", shape=(x.shape[0], None), weights=routing.weights
     )
-    return _experts_gather(x, routing, freeze(ew), cfg, ex is not None and ex.batch_invariant, platform)
+    ex = ex or ExecConfig()
+    return _experts_gather(x, routing, freeze(ew), cfg, ex.batch_invariant, ex.group)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "invariant", "platform"))

@@ -71,10 +71,9 @@ def test_a_token_count_dependent_switch_is_caught():
     """The check can fail: ``xla`` with its ``T``-dependent chunk size (choose_block_m)."""
     cfg, p, needle = _case("qwen3.6-35b-a3b", "float32", None)
 
-    def switching(x, routing, ew, cfg, ex, platform):
+    def switching(x, routing, ew, cfg, ex):
         t, k = routing.expert_ids.shape
-        bm = choose_block_m(t * k, ew.num_experts)
-        return experts_xla(x, routing, ew, cfg, ExecConfig(block_m=bm, batch_invariant=True), platform)
+        return experts_xla(x, routing, ew, cfg, dataclasses.replace(ex, block_m=choose_block_m(t * k, ew.num_experts)))
 
     register_impl("xla_switching", switching)
     try:

@@ -610,14 +610,14 @@ def test_quantized_gate_fails_a_broken_kernel(tmp_path):
 
     good = registry.get_impl("gather").routed
 
-    def broken(x, routing, ew, cfg, ex, platform):
+    def broken(x, routing, ew, cfg, ex):
         def off(w):
             if isinstance(w, jaxmoe.QuantizedTensor) and w.kind == "int4":
                 assert w.scales is not None and w.biases is not None
                 return dataclasses.replace(w, biases=w.biases + w.scales)  # every code read as q + 1
             return w
 
-        return good(x, routing, dataclasses.replace(ew, w_gate=off(ew.w_gate)), cfg, ex, platform)
+        return good(x, routing, dataclasses.replace(ew, w_gate=off(ew.w_gate)), cfg, ex)
 
     model = dict(TINY["model"], shrink={"d_model": 64, "expert_dim": 64, "num_experts": 16})
     data = dict(

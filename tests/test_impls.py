@@ -335,9 +335,9 @@ def test_a_user_impl_runs_through_moe_apply(rng):
     x = jnp.asarray(rng.standard_normal((5, cfg.d_model)), jnp.float32)
     calls = []
 
-    def mine(x, routing, experts, cfg, ex, platform):
-        calls.append((x.shape, ex.batch_invariant, platform))
-        return experts_dense(x, routing, experts, cfg, ex, platform)
+    def mine(x, routing, experts, cfg, ex):
+        calls.append((x.shape, ex.batch_invariant, ex.platform))
+        return experts_dense(x, routing, experts, cfg, ex)
 
     registry.register_impl("mine", mine)
     try:

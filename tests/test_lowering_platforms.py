@@ -170,11 +170,11 @@ def test_pallas_interpret_follows_the_lowering_platform(rng):
 
 def test_exec_config_interpret_forces_the_mode(rng):
     cfg, ew, x, r = _pallas_inputs(rng, t=20)
-    f = jax.jit(lambda x, r, ew: experts_pallas(x, r, ew, cfg, ExecConfig(interpret=True), "triton"))
+    f = jax.jit(lambda x, r, ew: experts_pallas(x, r, ew, cfg, ExecConfig(interpret=True, platform="triton")))
     # interpret mode: no GPU target needed (and none wanted: an abstract mesh makes the
     # interpreted kernel's updates explicitly sharded on jax 0.11)
     assert not TRITON_CALL.search(f.trace(x, r, ew).lower(lowering_platforms=("cuda",)).as_text())
-    g = jax.jit(lambda x, r, ew: experts_pallas(x, r, ew, cfg, ExecConfig(interpret=False), "cpu"))
+    g = jax.jit(lambda x, r, ew: experts_pallas(x, r, ew, cfg, ExecConfig(interpret=False, platform="cpu")))
     with pytest.raises(Exception, match="interpret"):  # compiled kernels do not lower for the CPU
         g.trace(x, r, ew).lower(lowering_platforms=("cpu",))
 

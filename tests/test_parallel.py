@@ -475,10 +475,10 @@ def test_padding_rows_are_not_computed(exchange, rng, monkeypatch):
         monkeypatch.setattr(parallel, "_ragged_all_to_all", _ragged_emulated)
     counts = []
 
-    def counting(x, routing, ew, cfg, ex, platform):
+    def counting(x, routing, ew, cfg, ex):
         plan = plan_dispatch(routing.expert_ids, ew.num_experts, 1)
         jax.debug.callback(lambda v, r: counts.append((int(v), int(r))), plan.num_valid, routing.expert_ids.shape[0])
-        return experts_xla(x, routing, ew, cfg, ex, platform)
+        return experts_xla(x, routing, ew, cfg, ex)
 
     register_impl("count_rows_test", counting)
     try:

@@ -13,8 +13,8 @@ kernels run over it, then `pallas_kernels.down.combine` sums each token's slots.
 are a ValueError when concrete; under ``jit`` such a pair adds exactly zero (the decode
 kernels read expert 0 for it and the result is masked; the plan drops it).
 
-Interpret mode follows the platform group the branch is lowered for (the ``platform``
-argument, from `jaxmoe.impls.policy.run_experts`): lowered for CUDA / ROCm the kernels are
+Interpret mode follows the platform group the branch is lowered for (``ex.platform``,
+set by `jaxmoe.impls.policy.run_experts`): lowered for CUDA / ROCm the kernels are
 compiled Triton kernels, even when the program is traced on a CPU host
 (``jax.jit(f).lower(lowering_platforms=("cuda",))``, ``jax.export``); lowered anywhere
 else they run in Pallas interpret mode (same kernel bodies, slow).
@@ -50,7 +50,6 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import check_expert_ids, id_valid, plan_dispatch, replace_invalid
 from jaxmoe.execution import ExecConfig
 from jaxmoe.experts import ExpertWeights, experts_frozen, frozen_cotangent, zero_cotangent
-from jaxmoe.platforms import host_group
 from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
 from jaxmoe.routing import Routing
 from pallas_kernels import tuning
@@ -90,7 +89,6 @@ def experts_pallas(
     experts: ExpertWeights,
     cfg: MoEConfig,
     ex: ExecConfig | None = None,
-    platform: str | None = None,
     *,
     debug: bool = False,
 ) -> jax.Array:
@@ -101,11 +99,10 @@ def experts_pallas(
       routing: `jaxmoe.routing.Routing` with ``expert_ids, weights [T, k]``.
       experts: `jaxmoe.experts.ExpertWeights` (arrays or `QuantizedTensor`s).
       cfg: the `jaxmoe.config.MoEConfig`.
-      ex: ``interpret`` (default: compiled when ``platform`` is ``triton``, interpreted
-        otherwise); ``kernel_config`` block sizes (default ``tuning.choose(T * k, d, F,
-        x.dtype)``, or ``tuning.fixed(d, F, x.dtype)`` with ``batch_invariant``).
-      platform: the platform group the program is lowered for (`jaxmoe.platforms`; None:
-        the default device's).
+      ex: ``interpret`` (default: compiled when ``ex.platform``, the lowering platform
+        group, is ``triton``, interpreted otherwise); ``kernel_config`` block sizes
+        (default ``tuning.choose(T * k, d, F, x.dtype)``, or ``tuning.fixed(d, F,
+        x.dtype)`` with ``batch_invariant``).
       debug: the Pallas ``debug`` flag (prints each kernel's jaxpr and generated code).
     """
     ex = ex or ExecConfig()
@@ -114,7 +111,7 @@ def experts_pallas(
     t, d = x.shape
     k = cfg.top_k
     check_expert_ids(routing.expert_ids, experts.num_experts, "experts_pallas", shape=(t, k), weights=routing.weights)
-    interpret = ex.interpret if ex.interpret is not None else (platform or host_group()) != "triton"
+    interpret = ex.interpret if ex.interpret is not None else ex.group != "triton"
     config = ex.kernel_config
     if config is None:  # batch-invariant: one tile program whatever T is, no decode switch
         config = (

@@ -12,6 +12,7 @@ and the same jitted function still runs on the CPU. `jaxmoe.moe_apply` and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -139,18 +140,19 @@ def _fallback(num_pairs: int) -> str:
 
 
 def _branch(name: str, platform: str, cfg: MoEConfig, ex: ExecConfig, x, routing, experts, shared) -> jax.Array:
+    ex = dataclasses.replace(ex, platform=platform)  # the branch's platform group, static
     with jax.named_scope(f"experts_{name}"):
         if name == "cpu" and ex.impl == "auto":  # the kernel where it built (asked at lowering), else the fallback
             fallback = get_impl(_fallback(x.shape[0] * routing.expert_ids.shape[1]))
 
             def kernel(x, routing, experts, shared):
-                return cpu_layer(x, routing, experts, shared, cfg, ex, platform, check=False)
+                return cpu_layer(x, routing, experts, shared, cfg, ex, check=False)
 
             def other(x, routing, experts, shared):
-                return fallback.run_layer(x, routing, experts, shared, cfg, ex, platform)
+                return fallback.run_layer(x, routing, experts, shared, cfg, ex)
 
             return jax.lax.cond(kernel_ready(), kernel, other, x, routing, experts, shared)
-        return get_impl(name).run_layer(x, routing, experts, shared, cfg, ex, platform)
+        return get_impl(name).run_layer(x, routing, experts, shared, cfg, ex)
 
 
 # Always staged: an eager (op-by-op) platform switch dispatches with the wrong argument

@@ -24,20 +24,15 @@ _HI = jax.lax.Precision.HIGHEST
 
 
 def experts_ragged_dot(
-    x: jax.Array,
-    routing: Routing,
-    ew: ExpertWeights,
-    cfg: MoEConfig,
-    ex: ExecConfig | None = None,
-    platform: str | None = None,
+    x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, ex: ExecConfig | None = None
 ) -> jax.Array:
     """`jax.lax.ragged_dot` over the sorted rows (comparison only). ``x [T, d]`` -> ``[T, d]`` float32.
 
-    ``ex.batch_invariant``: fixed-shape blocks of sorted rows; ``platform``: the lowering
+    ``ex.batch_invariant``: fixed-shape blocks of sorted rows; ``ex.platform``: the lowering
     platform group (`jaxmoe.experts.dot_f32`)."""
+    ex = ex or ExecConfig()
     check_inputs(x, routing, ew, "experts_ragged_dot")
-    invariant = ex is not None and ex.batch_invariant
-    return _experts_ragged_dot(x, routing, freeze(ew), cfg, invariant, platform)  # quantized experts: frozen
+    return _experts_ragged_dot(x, routing, freeze(ew), cfg, ex.batch_invariant, ex.group)  # quantized: frozen
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))

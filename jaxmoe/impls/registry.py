@@ -2,17 +2,17 @@
 
 An `Impl` is the contract of one strategy:
 
-- ``routed(x [T, d], routing, experts, cfg, ex, platform) -> [T, d]`` float32: the routed
+- ``routed(x [T, d], routing, experts, cfg, ex) -> [T, d]`` float32: the routed
   experts, weighted and summed over each token's slots;
-- ``layer(x, routing, experts, shared, cfg, ex, platform) -> [T, d]`` float32, optional:
+- ``layer(x, routing, experts, shared, cfg, ex) -> [T, d]`` float32, optional:
   routed plus shared expert in one go (``cpu`` runs both in one C++ call); without it the
   layer is ``routed`` plus the XLA shared expert (`jaxmoe.experts.shared_expert`);
 - ``platforms``: the platform groups (`jaxmoe.platforms.PLATFORM_GROUPS`) whose code
   differs; every other group is traced once as ``"default"``.
 
-``ex`` is the call's `jaxmoe.execution.ExecConfig` and ``platform`` the platform group the
-program is lowered for, a static value: nothing below the one platform switch of
-`jaxmoe.impls.policy.run_experts` asks for the platform again.
+``ex`` is the call's `jaxmoe.execution.ExecConfig`, whose ``platform`` is the platform
+group the program is lowered for, a static value: nothing below the one platform switch
+of `jaxmoe.impls.policy.run_experts` asks for the platform again.
 
 `BUILTIN` is the explicit table of the strategies jaxmoe ships; `register_impl` adds a
 user's own under a new name (a name that is taken is an error, ``auto`` is reserved).
@@ -34,7 +34,6 @@ from jaxmoe.impls.pallas import experts_pallas
 from jaxmoe.impls.ragged import experts_ragged_dot
 from jaxmoe.impls.xla import experts_xla
 from jaxmoe.impls.xla_tiled import experts_xla_tiled
-from jaxmoe.platforms import host_group
 from jaxmoe.routing import Routing
 
 RoutedFn = Callable[..., jax.Array]
@@ -43,7 +42,7 @@ RoutedFn = Callable[..., jax.Array]
 @dataclasses.dataclass(frozen=True)
 class Impl:
     """One strategy (module docstring). Calling it runs ``routed`` (``ex`` default
-    ``ExecConfig()``, ``platform`` default the host's group)."""
+    ``ExecConfig()``: the default device's platform group)."""
 
     routed: RoutedFn
     layer: Callable[..., jax.Array] | None = None
@@ -57,9 +56,8 @@ class Impl:
         experts: ExpertWeights,
         cfg: MoEConfig,
         ex: ExecConfig | None = None,
-        platform: str | None = None,
     ) -> jax.Array:
-        return self.routed(x, routing, experts, cfg, ex or ExecConfig(), platform or host_group())
+        return self.routed(x, routing, experts, cfg, ex or ExecConfig())
 
     def run_layer(
         self,
@@ -69,16 +67,15 @@ class Impl:
         shared: SharedWeights | None,
         cfg: MoEConfig,
         ex: ExecConfig,
-        platform: str,
     ) -> jax.Array:
-        """Routed plus shared expert on ``platform``: ``layer`` when the strategy has one,
-        else ``routed`` plus the XLA shared expert (batch-invariant when ``ex`` asks)."""
+        """Routed plus shared expert: ``layer`` when the strategy has one, else ``routed``
+        plus the XLA shared expert (batch-invariant when ``ex`` asks)."""
         if self.layer is not None:
-            return self.layer(x, routing, experts, shared, cfg, ex, platform)
-        y = self.routed(x, routing, experts, cfg, ex, platform)
+            return self.layer(x, routing, experts, shared, cfg, ex)
+        y = self.routed(x, routing, experts, cfg, ex)
         if shared is None:
             return y
-        return y + shared_expert(x, shared, cfg, invariant=ex.batch_invariant, platform=platform)
+        return y + shared_expert(x, shared, cfg, invariant=ex.batch_invariant, platform=ex.group)
 
 
 #: The shipped strategies (read only).
@@ -111,9 +108,10 @@ def register_impl(
     layer: Callable[..., jax.Array] | None = None,
     platforms: tuple[str, ...] = (),
 ) -> None:
-    """Adds a user strategy under ``name``: ``routed(x [T, d], routing, experts, cfg, ex,
-    platform) -> [T, d]`` float32, optionally its ``layer`` (routed + shared) and the
-    platform groups it tells apart (`Impl`).
+    """Adds a user strategy under ``name``: ``routed(x [T, d], routing, experts, cfg, ex)
+    -> [T, d]`` float32, optionally its ``layer`` (routed + shared) and the platform groups
+    it tells apart (`Impl`; each other group is traced once with ``ex.platform ==
+    "default"``).
 
     Raises ValueError when ``name`` is ``auto``, already taken (shipped or registered
     before), or ``routed`` is not callable.

@@ -46,12 +46,7 @@ def choose_block_m(num_pairs: int, num_experts: int) -> int:
 
 
 def experts_xla(
-    x: jax.Array,
-    routing: Routing,
-    ew: ExpertWeights,
-    cfg: MoEConfig,
-    ex: ExecConfig | None = None,
-    platform: str | None = None,
+    x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, ex: ExecConfig | None = None
 ) -> jax.Array:
     """Sorted grouped SwiGLU in plain XLA ops. ``x [T, d]`` -> ``[T, d]`` float32.
 
@@ -61,8 +56,8 @@ def experts_xla(
       ew: `ExpertWeights` ``[E, ...]``, arrays or `QuantizedTensor`.
       cfg: the layer config (activation, biases, ``weight_on_input``).
       ex: ``block_m`` rows per expert dot (default `choose_block_m`;
-        `jaxmoe.invariance.ROW_BLOCK` with ``batch_invariant``), ``batch_invariant``.
-      platform: the lowering platform group (`jaxmoe.experts.dot_f32`).
+        `jaxmoe.invariance.ROW_BLOCK` with ``batch_invariant``), ``batch_invariant``,
+        ``platform`` the lowering platform group (`jaxmoe.experts.dot_f32`).
     """
     ex = ex or ExecConfig()
     check_inputs(x, routing, ew, "experts_xla")
@@ -70,7 +65,7 @@ def experts_xla(
     block_m = ex.block_m
     if block_m is None:  # batch-invariant: one chunk shape whatever T is (jaxmoe.invariance)
         block_m = ROW_BLOCK if ex.batch_invariant else choose_block_m(t * k, ew.num_experts)
-    return _xla_jit(x, routing, ew, cfg, (block_m, ex.batch_invariant, platform))
+    return _xla_jit(x, routing, ew, cfg, (block_m, ex.batch_invariant, ex.group))
 
 
 def loop_take(ew: ExpertWeights, ex: jax.Array) -> ExpertWeights:

@@ -89,12 +89,7 @@ def choose_block_m(num_pairs: int, num_experts: int) -> int:
 
 
 def experts_xla_tiled(
-    x: jax.Array,
-    routing: Routing,
-    ew: ExpertWeights,
-    cfg: MoEConfig,
-    ex: ExecConfig | None = None,
-    platform: str | None = None,
+    x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, ex: ExecConfig | None = None
 ) -> jax.Array:
     """Routed experts with a bounded number of batched XLA ops. ``x [T, d]`` -> ``[T, d]`` float32.
 
@@ -102,7 +97,7 @@ def experts_xla_tiled(
     rows per tile or per capacity block (default `choose_block_m`; 1 takes the pairs
     layout unless ``ex.layout`` says otherwise) and ``ex.layout`` one of `LAYOUTS`
     (default: ``pairs`` for ``block_m == 1``, else ``tiles`` when batch-invariant, else
-    ``capacity``). ``platform``: the lowering platform group (`batched_mm`).
+    ``capacity``). ``ex.platform``: the lowering platform group (`batched_mm`).
     """
     ex = ex or ExecConfig()
     check_inputs(x, routing, ew, "experts_xla_tiled")
@@ -118,7 +113,7 @@ def experts_xla_tiled(
         block_m = 1
     if t == 0:
         return jnp.zeros((0, x.shape[1]), jnp.float32)
-    how = _How(block_m, layout, invariant, platform or host_group())
+    how = _How(block_m, layout, invariant, ex.group)
     return _experts_xla_tiled(x, routing, freeze(ew), cfg, how)  # quantized experts: frozen
 
 

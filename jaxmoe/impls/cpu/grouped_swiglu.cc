@@ -1,7 +1,7 @@
 // Grouped SwiGLU experts for XLA:CPU, as an XLA FFI custom call (impl="cpu").
 //
 // Why: XLA:CPU never feeds a dot from a slice of a larger array in place; every
-// expert `W[e]` becomes a copy before its dot (benchmarks/README.md), and quantized
+// expert `W[e]` becomes a copy before its dot (docs/log/2026-11-29-xla-path.md), and quantized
 // experts become a float copy of every touched expert. This kernel reads each selected
 // expert's weights where they lie, in their stored format, once per call.
 //
@@ -51,35 +51,14 @@
 // inside the tile (or, for Q4_K / Q5_K / Q6_K with AVX-512 and Q6_K with AVX2, into
 // registers), bit-exact
 // with gguf.quants.dequantize, then take the float tile's order of operations.
-// With the int_dot attribute (MoEConfig.int8_activations, opt-in), int8 / int4 / Q4_K /
+// With the int_dot attribute (ExecConfig(activations="int8"), opt-in), int8 / int4 / Q4_K /
 // Q6_K weights instead multiply their input rows quantized to int8 per block of 32 (done
 // once per call before each phase) with integer dot products: int_dot.h.
 //
 // Vector width is picked at build time from what the compiler targets (-march=native):
 // 16 float lanes with AVX-512, else 8 (AVX2). Tasks run on XLA's intra-op thread pool;
 // the calling thread takes tasks too. Rows no expert owns are zeroed.
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
-#include <memory>
-#include <new>
-#include <string>
-#include <thread>
-#include <type_traits>
-#include <vector>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "kernel_prelude.h"  // system and FFI headers, namespace ffi
 
 namespace {
 
@@ -107,15 +86,9 @@ inline void tile(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K
         __builtin_prefetch((const char*)(bk + ahead * ldb) + j);
         __builtin_prefetch((const char*)(bk + far * ldb) + j, 0, 2);
       }
-    vf bv[NV];
-    for (int j = 0; j < NV; ++j) bv[j] = load(bk + j * kLanes);
-    for (int i = 0; i < MR; ++i) {
-      const vf av = splat(a[i * lda + k]);
-      for (int j = 0; j < NV; ++j) acc[i][j] = fmadd(av, bv[j], acc[i][j]);
-    }
+    tile_step(acc, a + k, lda, bk);
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NV; ++j) store(c + i * ldc + j * kLanes, acc[i][j]);
+  store_tile(acc, c, ldc);
 }
 
 // How far ahead the quantized few-row tiles (qtile) prefetch the columns to come into L2
@@ -157,21 +130,12 @@ template <typename W>
 void block_matmul(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K, int64_t m, int64_t ncols,
                   float* c, int64_t ldc) {
   const int64_t vec_cols = (ncols / kLanes) * kLanes;
-  for (int64_t i0 = 0; i0 < m;) {
-    const int64_t mr = std::min<int64_t>(6, m - i0);
-    const float* ai = a + i0 * lda;
-    float* ci = c + i0 * ldc;
-    switch (mr) {
-      case 1: row_tile<1, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      case 2: row_tile<2, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      case 3: row_tile<3, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      case 4: row_tile<4, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      case 5: row_tile<5, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-      default: row_tile<6, false>(ai, lda, b, ldb, K, vec_cols, ci, ldc); break;
-    }
-    if (vec_cols < ncols) tile_scalar(ai, lda, b + vec_cols, ldb, K, mr, ncols - vec_cols, ci + vec_cols, ldc);
-    i0 += mr;
-  }
+  for_row_tiles<6>(m, [&](auto rows, int64_t i0) {
+    constexpr int R = decltype(rows)::value;
+    row_tile<R, false>(a + i0 * lda, lda, b, ldb, K, vec_cols, c + i0 * ldc, ldc);
+    if (vec_cols < ncols)
+      tile_scalar(a + i0 * lda, lda, b + vec_cols, ldb, K, R, ncols - vec_cols, c + i0 * ldc + vec_cols, ldc);
+  });
 }
 
 // Rows at or above which a task first packs (float) or dequantizes (quantized) its
@@ -197,19 +161,10 @@ void stream_strips(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t
     const int64_t n = std::min<int64_t>(kc, K - k0);
     const int64_t ahead = k0 + kc < K ? kc : 0;  // prefetch the next chunk's rows of the same columns
     const int64_t far = k0 + 3 * kc < K ? 3 * kc : 0;  // 3 chunks (~48 KiB of these columns) ahead, into L2
-    for (int64_t i0 = 0; i0 < m;) {
-      const int64_t mr = std::min<int64_t>(4, m - i0);
-      const float* ai = a + i0 * lda + k0;
-      const W* bk = b + k0 * ldb;
-      float* ci = c + i0 * ldc;
-      switch (mr) {
-        case 1: row_tile<1, true>(ai, lda, bk, ldb, n, vec_cols, ci, ldc, ahead, far); break;
-        case 2: row_tile<2, true>(ai, lda, bk, ldb, n, vec_cols, ci, ldc, ahead, far); break;
-        case 3: row_tile<3, true>(ai, lda, bk, ldb, n, vec_cols, ci, ldc, ahead, far); break;
-        default: row_tile<4, true>(ai, lda, bk, ldb, n, vec_cols, ci, ldc, ahead, far); break;
-      }
-      i0 += mr;
-    }
+    for_row_tiles<4>(m, [&](auto rows, int64_t i0) {
+      constexpr int R = decltype(rows)::value;
+      row_tile<R, true>(a + i0 * lda + k0, lda, b + k0 * ldb, ldb, n, vec_cols, c + i0 * ldc, ldc, ahead, far);
+    });
   }
 }
 
@@ -253,11 +208,10 @@ void stream_rows(const float* a, int64_t lda, const W* b, int64_t ldb, int64_t K
   const int64_t vec_cols = (ncols / kLanes) * kLanes;
   for (int64_t k = 0; k < K; ++k) {
     const W* bk = b + k * ldb;
-    switch (m) {
-      case 1: stream_row<1>(a + k, lda, bk, vec_cols, c, ldc); break;
-      case 2: stream_row<2>(a + k, lda, bk, vec_cols, c, ldc); break;
-      default: stream_row<3>(a + k, lda, bk, vec_cols, c, ldc); break;
-    }
+    with_rows<3>(m, [&](auto rows) {
+      constexpr int R = decltype(rows)::value;
+      stream_row<R>(a + k, lda, bk, vec_cols, c, ldc);
+    });
   }
 }
 
@@ -587,18 +541,10 @@ void qrow_tile(const float* a, int64_t lda, const QCols& w, int64_t ncols, int64
 
 template <int Q>
 void qblock(const float* a, int64_t lda, const QCols& w, int64_t m, int64_t ncols, int64_t K, float* c, int64_t ldc) {
-  for (int64_t i0 = 0; i0 < m;) {
-    const int64_t mr = std::min<int64_t>(4, m - i0);
-    const float* ai = a + i0 * lda;
-    float* ci = c + i0 * ldc;
-    switch (mr) {
-      case 1: qrow_tile<1, Q>(ai, lda, w, ncols, K, ci, ldc); break;
-      case 2: qrow_tile<2, Q>(ai, lda, w, ncols, K, ci, ldc); break;
-      case 3: qrow_tile<3, Q>(ai, lda, w, ncols, K, ci, ldc); break;
-      default: qrow_tile<4, Q>(ai, lda, w, ncols, K, ci, ldc); break;
-    }
-    i0 += mr;
-  }
+  for_row_tiles<4>(m, [&](auto rows, int64_t i0) {
+    constexpr int R = decltype(rows)::value;
+    qrow_tile<R, Q>(a + i0 * lda, lda, w, ncols, K, c + i0 * ldc, ldc);
+  });
 }
 
 // The packed path's row tiles: nt_tile (kernel_common.h, the backward's tile) over the
@@ -624,14 +570,10 @@ inline void pblock(const float* a, int64_t lda, const float* pack, int64_t m, in
     const int64_t mr = (m - i0) / (tiles - t) + ((m - i0) % (tiles - t) != 0);
     const float* ai = a + i0 * lda;
     float* ci = c + i0 * ldc;
-    switch (mr) {
-      case 1: prow_tile<1>(ai, lda, pack, K, ncols, ci, ldc); break;
-      case 2: prow_tile<2>(ai, lda, pack, K, ncols, ci, ldc); break;
-      case 3: prow_tile<3>(ai, lda, pack, K, ncols, ci, ldc); break;
-      case 4: prow_tile<4>(ai, lda, pack, K, ncols, ci, ldc); break;
-      case 5: prow_tile<5>(ai, lda, pack, K, ncols, ci, ldc); break;
-      default: prow_tile<6>(ai, lda, pack, K, ncols, ci, ldc); break;
-    }
+    with_rows<6>(mr, [&](auto rows) {
+      constexpr int R = decltype(rows)::value;
+      prow_tile<R>(ai, lda, pack, K, ncols, ci, ldc);
+    });
     i0 += mr;
   }
 }
@@ -682,7 +624,7 @@ inline void scales_to_float(const void* src, int stype, int64_t n, float* __rest
 
 // The block's scales (and biases) as float32 [ncols, ng]: float32 ones as they are, others
 // converted into `buf` (one conversion per group and column, outside the tiles, which
-// then read plain floats; a scalar copy of float32 ones took ~20% of an MLX int4 T = 1 call).
+// then read plain floats; a scalar copy of float32 ones was slower).
 inline QCols float_scales(const QCols& w, int64_t ncols, fvec& buf) {
   if (w.stype == kSF32) return w;
   const int64_t n = ncols * w.ng;
@@ -794,24 +736,15 @@ void matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t ld
 }
 
 // ---------------------------------------------------------------------------------
-struct Problem {
+struct Problem : Experts {
   const float* xs;
-  const int32_t* offsets;
-  const int32_t* sizes;
-  Weight wg, wu, wd;
-  const float* bg;
-  const float* bu;
-  const float* bd;
   float* h;   // [P, F] scratch (an XLA-allocated result)
   float* gu;  // [P, 2F] gate | up residual, or null
   float* ys;  // [P, d]
   const float* sgate;  // the shared expert's gate vector [d] (ys[r] *= sigmoid(xs[r] . sgate)), or null
   float* glogit;       // [P] scratch for those logits when sgate is set
-  int64_t E, d, F;
+  int64_t E;
   int64_t rows;  // P
-  int act;
-  float alpha, limit;
-  bool round_h;
   QRows qx[kOrders], qh[kOrders];  // int8 activations (int_dot.h): xs and h in the orders used
 };
 
@@ -932,30 +865,10 @@ std::vector<Task> make_tasks(const Problem& p, int64_t ncols, int64_t block, int
   return tasks;
 }
 
-// Runs fn(task) for every task on the intra-op pool plus the calling thread; returns
-// when all are done. The caller claims tasks until none is left, then waits for the
-// claimed ones; a worker that starts after that finds no task and touches only `state`
-// (its references to `tasks` and `fn` are used only for a claimed task).
+// Runs fn(task) for every task on the intra-op pool plus the calling thread (parallel_for).
 template <typename Fn>
 void parallel_tasks(ffi::ThreadPool& pool, const std::vector<Task>& tasks, Fn fn) {
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto state = std::make_shared<State>();
-  const int64_t n = int64_t(tasks.size());
-  auto work = [state, n, &tasks, &fn]() {
-    for (;;) {
-      const int64_t i = state->next.fetch_add(1, std::memory_order_relaxed);
-      if (i >= n) return;
-      fn(tasks[size_t(i)]);
-      state->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t workers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), n) - 1;
-  for (int64_t w = 0; w < workers; ++w) pool.Schedule(decltype(work)(work));  // a copy per worker
-  work();
-  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  parallel_for(pool, int64_t(tasks.size()), [&tasks, &fn](int64_t i) { fn(tasks[size_t(i)]); });
 }
 
 // Quantizes the rows the experts own of a [P, K] matrix (stride K) into `out`, for
@@ -969,54 +882,12 @@ void quantize_owned_rows(ffi::ThreadPool& pool, const Problem& p, int64_t E, con
   parallel_tasks(pool, tasks, [&](const Task& t) { quantize_rows(a, K, t.row0, t.row0 + t.rows, K, order, out); });
 }
 
-// Checks one weight operand against its logical [E, in, out] shape; fills `w`.
+// Checks one weight operand against its logical [E, in, out] shape; fills `w` (check_weight;
+// a quantized kind's groups fill whole vectors of 32 codes).
 ffi::Error bind_weight(const char* name, ffi::AnyBuffer data, ffi::AnyBuffer scales, ffi::AnyBuffer qbias, int32_t kind,
                        int32_t group, int64_t E, int64_t in, int64_t out, Weight& w) {
-  auto fail = [name](const std::string& why) {
-    return ffi::Error::InvalidArgument(std::string("jaxmoe_grouped_swiglu: ") + name + ": " + why);
-  };
-  const auto dd = data.dimensions();
-  w = Weight{};
-  w.kind = kind;
-  w.in = in;
-  w.out = out;
-  w.data = data.untyped_data();
-  if (kind == kFloat) {
-    const auto t = data.element_type();
-    if (t != ffi::DataType::F32 && t != ffi::DataType::BF16) return fail("float weights must be float32 or bfloat16");
-    if (dd.size() != 3 || dd[0] != E || dd[1] != in || dd[2] != out) return fail("float weights must be [E, in, out]");
-    w.bf16 = t == ffi::DataType::BF16;
-    return ffi::Error::Success();
-  }
-  if (is_gguf(kind)) {
-    const std::string why = gguf_operand_problem(kind, group, data, scales, qbias, E, in, out);
-    if (!why.empty()) return fail(why);
-    w.group = block_elems(kind);
-    return ffi::Error::Success();
-  }
-  if (kind != kInt8 && kind != kInt4) return fail("unknown weight kind " + std::to_string(kind));
-  if (group < 2 * kLanes || group % 32 != 0 || in % group != 0)
-    return fail("group size " + std::to_string(group) + " must be a multiple of 32 dividing in=" + std::to_string(in));
-  const int64_t per_byte = kind == kInt4 ? 2 : 1;
-  const auto want_t = kind == kInt4 ? ffi::DataType::U8 : ffi::DataType::S8;
-  if (data.element_type() != want_t || dd.size() != 3 || dd[0] != E || dd[1] != out || dd[2] * per_byte != in)
-    return fail(kind == kInt4 ? "int4 codes must be uint8 [E, out, in/2]" : "int8 codes must be int8 [E, out, in]");
-  const auto st = scales.element_type();
-  if (st != ffi::DataType::F32 && st != ffi::DataType::F16 && st != ffi::DataType::BF16)
-    return fail("scales must be float32, float16 or bfloat16");
-  const auto sd = scales.dimensions();
-  if (sd.size() != 3 || sd[0] != E || sd[1] != out || sd[2] != in / group) return fail("scales must be [E, out, in/g]");
-  w.stype = st == ffi::DataType::F32 ? kSF32 : st == ffi::DataType::F16 ? kSF16 : kSBF16;
-  w.scales = scales.untyped_data();
-  w.group = group;
-  if (qbias.element_count() != 0) {
-    if (qbias.element_type() != st || qbias.element_count() != scales.element_count())
-      return fail("quantization biases must match the scales' shape and dtype");
-    w.qbias = qbias.untyped_data();
-  } else if (kind == kInt4) {
-    return fail("int4 weights need quantization biases");
-  }
-  return ffi::Error::Success();
+  return check_weight("jaxmoe_grouped_swiglu", 32, "a multiple of 32 dividing", name, data, scales, qbias, kind, group,
+                      E, in, out, w);
 }
 
 // The weight formats and constants of one call's experts (the FFI attributes).
@@ -1077,13 +948,8 @@ ffi::Error bind_problem(const std::string& what, const float* xs, int64_t P, int
   p.h = hbuf->typed_data();
   p.gu = gu;
   p.E = E;
-  p.d = d;
-  p.F = F;
   p.rows = P;
-  p.act = at.act;
-  p.alpha = at.alpha;
-  p.limit = at.limit;
-  p.round_h = at.round_h != 0;
+  set_expert_attrs(p, d, F, at.act, at.alpha, at.limit, at.round_h);
   advise_huge_pages(p.ys, sizeof(float) * size_t(P) * d);
   advise_huge_pages(p.h, sizeof(float) * size_t(P) * F);
   advise_huge_pages(p.gu, sizeof(float) * size_t(P) * 2 * F);
@@ -1233,87 +1099,29 @@ ffi::Error GroupedSwigluSharedImpl(
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeGroupedSwiglu, GroupedSwigluImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // xs
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // offsets
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // sizes
-                                  .Arg<ffi::AnyBuffer>()         // w_gate data
-                                  .Arg<ffi::AnyBuffer>()         // w_gate scales
-                                  .Arg<ffi::AnyBuffer>()         // w_gate qbias
-                                  .Arg<ffi::AnyBuffer>()         // w_up data
-                                  .Arg<ffi::AnyBuffer>()         // w_up scales
-                                  .Arg<ffi::AnyBuffer>()         // w_up qbias
-                                  .Arg<ffi::AnyBuffer>()         // w_down data
-                                  .Arg<ffi::AnyBuffer>()         // w_down scales
-                                  .Arg<ffi::AnyBuffer>()         // w_down qbias
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // b_gate
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // b_up
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // b_down
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // ys
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // h (scratch)
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // gu (residual, or empty)
-                                  .Attr<int32_t>("act")
-                                  .Attr<float>("alpha")
-                                  .Attr<float>("limit")
-                                  .Attr<int32_t>("round_h")
-                                  .Attr<int32_t>("kind_gate")
-                                  .Attr<int32_t>("kind_up")
-                                  .Attr<int32_t>("kind_down")
-                                  .Attr<int32_t>("group_gate")
-                                  .Attr<int32_t>("group_up")
-                                  .Attr<int32_t>("group_down")
+                              bind_expert_attrs(bind_experts(ffi::Ffi::Bind()
+                                                                 .Ctx<ffi::ThreadPool>()
+                                                                 .Arg<ffi::Buffer<ffi::F32>>())  // xs
+                                                    .Ret<ffi::Buffer<ffi::F32>>()                // ys
+                                                    .Ret<ffi::Buffer<ffi::F32>>()                // h (scratch)
+                                                    .Ret<ffi::Buffer<ffi::F32>>())  // gu (residual, or empty)
                                   .Attr<int32_t>("up_block")
                                   .Attr<int32_t>("down_block")
                                   .Attr<int32_t>("int_dot"));
 
+// The routed experts' operands, then the shared expert's: its rows x, weights, biases and
+// gate vector; the shared expert's results after the routed ones' (ys, h: gated, scratch).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeGroupedSwigluShared, GroupedSwigluSharedImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // xs
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // offsets
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // sizes
-                                  .Arg<ffi::AnyBuffer>()         // w_gate data
-                                  .Arg<ffi::AnyBuffer>()         // w_gate scales
-                                  .Arg<ffi::AnyBuffer>()         // w_gate qbias
-                                  .Arg<ffi::AnyBuffer>()         // w_up data
-                                  .Arg<ffi::AnyBuffer>()         // w_up scales
-                                  .Arg<ffi::AnyBuffer>()         // w_up qbias
-                                  .Arg<ffi::AnyBuffer>()         // w_down data
-                                  .Arg<ffi::AnyBuffer>()         // w_down scales
-                                  .Arg<ffi::AnyBuffer>()         // w_down qbias
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // b_gate
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // b_up
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // b_down
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x (the shared expert's rows)
-                                  .Arg<ffi::AnyBuffer>()         // shared w_gate data
-                                  .Arg<ffi::AnyBuffer>()         // shared w_gate scales
-                                  .Arg<ffi::AnyBuffer>()         // shared w_gate qbias
-                                  .Arg<ffi::AnyBuffer>()         // shared w_up data
-                                  .Arg<ffi::AnyBuffer>()         // shared w_up scales
-                                  .Arg<ffi::AnyBuffer>()         // shared w_up qbias
-                                  .Arg<ffi::AnyBuffer>()         // shared w_down data
-                                  .Arg<ffi::AnyBuffer>()         // shared w_down scales
-                                  .Arg<ffi::AnyBuffer>()         // shared w_down qbias
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // shared b_gate
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // shared b_up
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // shared b_down
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // shared gate [d] | [0]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // ys
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // h (scratch)
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // gu (residual, or empty)
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // ys of the shared expert (gated)
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // h of the shared expert (scratch)
-                                  .Attr<int32_t>("act")
-                                  .Attr<float>("alpha")
-                                  .Attr<float>("limit")
-                                  .Attr<int32_t>("round_h")
-                                  .Attr<int32_t>("kind_gate")
-                                  .Attr<int32_t>("kind_up")
-                                  .Attr<int32_t>("kind_down")
-                                  .Attr<int32_t>("group_gate")
-                                  .Attr<int32_t>("group_up")
-                                  .Attr<int32_t>("group_down")
+                              bind_expert_attrs(bind_weights(bind_experts(ffi::Ffi::Bind()
+                                                                              .Ctx<ffi::ThreadPool>()
+                                                                              .Arg<ffi::Buffer<ffi::F32>>())  // xs
+                                                                 .Arg<ffi::Buffer<ffi::F32>>())  // x (shared rows)
+                                                    .Arg<ffi::Buffer<ffi::F32>>()  // shared gate [d] | [0]
+                                                    .Ret<ffi::Buffer<ffi::F32>>()  // ys
+                                                    .Ret<ffi::Buffer<ffi::F32>>()  // h (scratch)
+                                                    .Ret<ffi::Buffer<ffi::F32>>()  // gu (residual, or empty)
+                                                    .Ret<ffi::Buffer<ffi::F32>>()  // ys of the shared expert
+                                                    .Ret<ffi::Buffer<ffi::F32>>())  // h of the shared expert
                                   .Attr<int32_t>("skind_gate")
                                   .Attr<int32_t>("skind_up")
                                   .Attr<int32_t>("skind_down")

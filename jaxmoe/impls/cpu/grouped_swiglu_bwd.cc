@@ -44,28 +44,7 @@
 // W_g, W_u when it recomputes gate/up), phase B reads W_g, W_u. With the forward's gu the
 // backward does six matmul-sized products (dh0, the three weight gradients, dxs against
 // W_g and W_u), eight when it recomputes gate/up (dgu is this call's own scratch).
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
-#include <memory>
-#include <new>
-#include <string>
-#include <thread>
-#include <type_traits>
-#include <utility>
-#include <vector>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "kernel_prelude.h"  // system and FFI headers, namespace ffi
 
 namespace {
 
@@ -82,15 +61,9 @@ inline void tile(const float* a, int64_t sa, int64_t sk, const float* b, int64_t
     for (int j = 0; j < NV; ++j) acc[i][j] = vf{};
   for (int64_t k = 0; k < K; ++k) {
     const float* bk = b + k * ldb;
-    vf bv[NV];
-    for (int j = 0; j < NV; ++j) bv[j] = load(bk + j * kLanes);
-    for (int i = 0; i < MR; ++i) {
-      const vf av = splat(a[i * sa + k * sk]);
-      for (int j = 0; j < NV; ++j) acc[i][j] = fmadd(av, bv[j], acc[i][j]);
-    }
+    tile_step(acc, a + k * sk, sa, bk);
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NV; ++j) store(c + i * ldc + j * kLanes, acc[i][j]);
+  store_tile(acc, c, ldc);
 }
 
 template <int MR>
@@ -108,26 +81,18 @@ void row_tile(const float* a, int64_t sa, int64_t sk, const float* b, int64_t ld
 void matmul(const float* a, int64_t sa, int64_t sk, const float* b, int64_t ldb, int64_t K, int64_t m, int64_t n,
             float* c, int64_t ldc) {
   const int64_t vec_cols = (n / kLanes) * kLanes;
-  for (int64_t i0 = 0; i0 < m;) {
-    const int64_t mr = std::min<int64_t>(6, m - i0);
+  for_row_tiles<6>(m, [&](auto rows, int64_t i0) {
+    constexpr int R = decltype(rows)::value;
     const float* ai = a + i0 * sa;
     float* ci = c + i0 * ldc;
-    switch (mr) {
-      case 1: row_tile<1>(ai, sa, sk, b, ldb, K, vec_cols, ci, ldc); break;
-      case 2: row_tile<2>(ai, sa, sk, b, ldb, K, vec_cols, ci, ldc); break;
-      case 3: row_tile<3>(ai, sa, sk, b, ldb, K, vec_cols, ci, ldc); break;
-      case 4: row_tile<4>(ai, sa, sk, b, ldb, K, vec_cols, ci, ldc); break;
-      case 5: row_tile<5>(ai, sa, sk, b, ldb, K, vec_cols, ci, ldc); break;
-      default: row_tile<6>(ai, sa, sk, b, ldb, K, vec_cols, ci, ldc); break;
-    }
-    for (int64_t i = 0; i < mr; ++i)  // tail columns: the same sequential chain per element
+    row_tile<R>(ai, sa, sk, b, ldb, K, vec_cols, ci, ldc);
+    for (int64_t i = 0; i < R; ++i)  // tail columns: the same sequential chain per element
       for (int64_t j = vec_cols; j < n; ++j) {
         float s = 0.f;
         for (int64_t k = 0; k < K; ++k) s = fmadd(ai[i * sa + k * sk], b[k * ldb + j], s);
         ci[i * ldc + j] = s;
       }
-    i0 += mr;
-  }
+  });
 }
 
 // C[m, n] = A[m, K] @ W[n, K]^T (and the second pair a2, w2) on nt_tile (kernel_common.h):
@@ -506,16 +471,10 @@ void zero_grad(const Grad& g, int64_t at, int64_t count) {
 }
 
 // ---------------------------------------------------------------------------------
-struct Problem {
+struct Problem : Experts {
   const float* xs;
   const float* gs;
   const float* scale;  // null: 1
-  const int32_t* offsets;
-  const int32_t* sizes;
-  Weight wg, wu, wd;
-  const float* bg;
-  const float* bu;
-  const float* bd;
   const float* gu;  // [P, 2F] the forward's gate | up products, or null (recompute)
   float* dxs;
   float* dot;
@@ -525,10 +484,7 @@ struct Problem {
   float* dbd;
   float* dgu;    // [P, 2F]
   float* parts;  // [nb, P]
-  int64_t P, d, F, up_block;
-  int act;
-  float alpha, limit;
-  bool round_h;
+  int64_t P, up_block;
 };
 
 struct Task {
@@ -731,74 +687,11 @@ void run_bias_down(const Problem& p, int64_t e) {
   }
 }
 
-template <typename Fn>
-void parallel_tasks(ffi::ThreadPool& pool, int64_t n, Fn fn) {
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto state = std::make_shared<State>();
-  auto work = [state, n, &fn]() {
-    for (;;) {
-      const int64_t i = state->next.fetch_add(1, std::memory_order_relaxed);
-      if (i >= n) return;
-      fn(i);
-      state->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t workers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), n) - 1;
-  for (int64_t w = 0; w < workers; ++w) pool.Schedule(decltype(work)(work));
-  work();
-  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
-}
-
+// Checks one weight operand against its logical [E, in, out] shape; fills `w` (check_weight).
 ffi::Error bind_weight(const char* name, ffi::AnyBuffer data, ffi::AnyBuffer scales, ffi::AnyBuffer qbias, int32_t kind,
                        int32_t group, int64_t E, int64_t in, int64_t out, Weight& w) {
-  auto fail = [name](const std::string& why) {
-    return ffi::Error::InvalidArgument(std::string("jaxmoe_grouped_swiglu_bwd: ") + name + ": " + why);
-  };
-  const auto dd = data.dimensions();
-  w = Weight{};
-  w.kind = kind;
-  w.in = in;
-  w.out = out;
-  w.data = data.untyped_data();
-  if (kind == kFloat) {
-    const auto t = data.element_type();
-    if (t != ffi::DataType::F32 && t != ffi::DataType::BF16) return fail("float weights must be float32 or bfloat16");
-    if (dd.size() != 3 || dd[0] != E || dd[1] != in || dd[2] != out) return fail("float weights must be [E, in, out]");
-    w.bf16 = t == ffi::DataType::BF16;
-    return ffi::Error::Success();
-  }
-  if (is_gguf(kind)) {
-    const std::string why = gguf_operand_problem(kind, group, data, scales, qbias, E, in, out);
-    if (!why.empty()) return fail(why);
-    w.group = block_elems(kind);
-    return ffi::Error::Success();
-  }
-  if (kind != kInt8 && kind != kInt4) return fail("unknown weight kind " + std::to_string(kind));
-  if (group < 2 || group % 2 != 0 || in % group != 0)
-    return fail("group size " + std::to_string(group) + " must be even and divide in=" + std::to_string(in));
-  const int64_t per_byte = kind == kInt4 ? 2 : 1;
-  const auto want_t = kind == kInt4 ? ffi::DataType::U8 : ffi::DataType::S8;
-  if (data.element_type() != want_t || dd.size() != 3 || dd[0] != E || dd[1] != out || dd[2] * per_byte != in)
-    return fail(kind == kInt4 ? "int4 codes must be uint8 [E, out, in/2]" : "int8 codes must be int8 [E, out, in]");
-  const auto st = scales.element_type();
-  if (st != ffi::DataType::F32 && st != ffi::DataType::F16 && st != ffi::DataType::BF16)
-    return fail("scales must be float32, float16 or bfloat16");
-  const auto sd = scales.dimensions();
-  if (sd.size() != 3 || sd[0] != E || sd[1] != out || sd[2] != in / group) return fail("scales must be [E, out, in/g]");
-  w.stype = st == ffi::DataType::F32 ? kSF32 : st == ffi::DataType::F16 ? kSF16 : kSBF16;
-  w.scales = scales.untyped_data();
-  w.group = group;
-  if (qbias.element_count() != 0) {
-    if (qbias.element_type() != st || qbias.element_count() != scales.element_count())
-      return fail("quantization biases must match the scales' shape and dtype");
-    w.qbias = qbias.untyped_data();
-  } else if (kind == kInt4) {
-    return fail("int4 weights need quantization biases");
-  }
-  return ffi::Error::Success();
+  return check_weight("jaxmoe_grouped_swiglu_bwd", 2, "even and divide", name, data, scales, qbias, kind, group, E, in,
+                      out, w);
 }
 
 // A weight-gradient result: empty (frozen), or [E, in, out] in the weight's float dtype.
@@ -890,13 +783,8 @@ ffi::Error GroupedSwigluBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, 
   p.dgu = dgu->typed_data();
   p.parts = parts->typed_data();
   p.P = P;
-  p.d = d;
-  p.F = F;
   p.up_block = up_block;
-  p.act = act;
-  p.alpha = alpha;
-  p.limit = limit;
-  p.round_h = round_h != 0;
+  set_expert_attrs(p, d, F, act, alpha, limit, round_h);
   advise_huge_pages(p.dwg, E * d * F);
   advise_huge_pages(p.dwu, E * d * F);
   advise_huge_pages(p.dwd, E * F * d);
@@ -921,7 +809,7 @@ ffi::Error GroupedSwigluBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, 
     else
       expert_tasks(e, o, n, F, d, up_block, down_block, a_tasks, b_tasks);
   }
-  parallel_tasks(pool, int64_t(a_tasks.size()), [&](int64_t i) {
+  parallel_for(pool, int64_t(a_tasks.size()), [&](int64_t i) {
     const Task& t = a_tasks[size_t(i)];
     if (!t.whole) return run_a(p, t);
     thread_local std::vector<Task> a, b;  // the expert's phase A tasks, then its phase B ones
@@ -931,53 +819,29 @@ ffi::Error GroupedSwigluBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, 
     for (const Task& ta : a) run_a(p, ta);
     for (const Task& tb : b) run_b(p, tb);
   });
-  parallel_tasks(pool, int64_t(b_tasks.size()), [&](int64_t i) { run_b(p, b_tasks[size_t(i)]); });
-  if (p.dbd) parallel_tasks(pool, E, [&](int64_t e) { run_bias_down(p, e); });
+  parallel_for(pool, int64_t(b_tasks.size()), [&](int64_t i) { run_b(p, b_tasks[size_t(i)]); });
+  if (p.dbd) parallel_for(pool, E, [&](int64_t e) { run_bias_down(p, e); });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeGroupedSwigluBwd, GroupedSwigluBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // xs
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // gs
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // offsets
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // sizes
-                                  .Arg<ffi::AnyBuffer>()         // w_gate data
-                                  .Arg<ffi::AnyBuffer>()         // w_gate scales
-                                  .Arg<ffi::AnyBuffer>()         // w_gate qbias
-                                  .Arg<ffi::AnyBuffer>()         // w_up data
-                                  .Arg<ffi::AnyBuffer>()         // w_up scales
-                                  .Arg<ffi::AnyBuffer>()         // w_up qbias
-                                  .Arg<ffi::AnyBuffer>()         // w_down data
-                                  .Arg<ffi::AnyBuffer>()         // w_down scales
-                                  .Arg<ffi::AnyBuffer>()         // w_down qbias
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // b_gate
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // b_up
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // b_down
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // gu (the forward's residual, or empty)
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // dxs
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // dot
-                                  .Ret<ffi::AnyBuffer>()         // dw_gate
-                                  .Ret<ffi::AnyBuffer>()         // dw_up
-                                  .Ret<ffi::AnyBuffer>()         // dw_down
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // db_gate
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // db_up
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // db_down
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // dgu (scratch)
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // parts (scratch)
-                                  .Attr<int32_t>("act")
-                                  .Attr<float>("alpha")
-                                  .Attr<float>("limit")
-                                  .Attr<int32_t>("round_h")
-                                  .Attr<int32_t>("kind_gate")
-                                  .Attr<int32_t>("kind_up")
-                                  .Attr<int32_t>("kind_down")
-                                  .Attr<int32_t>("group_gate")
-                                  .Attr<int32_t>("group_up")
-                                  .Attr<int32_t>("group_down")
+                              bind_expert_attrs(bind_experts(ffi::Ffi::Bind()
+                                                                 .Ctx<ffi::ThreadPool>()
+                                                                 .Arg<ffi::Buffer<ffi::F32>>()    // xs
+                                                                 .Arg<ffi::Buffer<ffi::F32>>()    // gs
+                                                                 .Arg<ffi::Buffer<ffi::F32>>())   // scale
+                                                    .Arg<ffi::Buffer<ffi::F32>>()  // gu (the forward's residual, or empty)
+                                                    .Ret<ffi::Buffer<ffi::F32>>()  // dxs
+                                                    .Ret<ffi::Buffer<ffi::F32>>()  // dot
+                                                    .Ret<ffi::AnyBuffer>()         // dw_gate
+                                                    .Ret<ffi::AnyBuffer>()         // dw_up
+                                                    .Ret<ffi::AnyBuffer>()         // dw_down
+                                                    .Ret<ffi::Buffer<ffi::F32>>()  // db_gate
+                                                    .Ret<ffi::Buffer<ffi::F32>>()  // db_up
+                                                    .Ret<ffi::Buffer<ffi::F32>>()  // db_down
+                                                    .Ret<ffi::Buffer<ffi::F32>>()  // dgu (scratch)
+                                                    .Ret<ffi::Buffer<ffi::F32>>())  // parts (scratch)
                                   .Attr<int32_t>("up_block")
                                   .Attr<int32_t>("down_block"));

@@ -1,5 +1,5 @@
 // Integer dot products over activations quantized to int8 per block of 32 (the opt-in
-// `MoEConfig.int8_activations`, docs/design.md "int8 activations"): what ggml does
+// `ExecConfig(activations="int8")`, docs/kernels.md "int8 activations"): what ggml does
 // for its quantized types, here for the int8 (GGUF Q8_0) and int4 (MLX affine, GGUF Q4_0)
 // kinds and the GGUF Q4_K and Q6_K blocks (ktile; without AVX2 the float path on Q8(x)).
 // Included by grouped_swiglu.cc inside its anonymous namespace, after the quantized tiles,

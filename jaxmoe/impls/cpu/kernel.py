@@ -144,12 +144,7 @@ def _weights_problem(ws: dict, dtype) -> str | None:
 
 
 def experts_cpu(
-    x: jax.Array,
-    routing: Routing,
-    ew: ExpertWeights,
-    cfg: MoEConfig,
-    ex: ExecConfig | None = None,
-    platform: str = "cpu",
+    x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, ex: ExecConfig | None = None
 ) -> jax.Array:
     """Routed experts through the C++ kernel. ``x [T, d]`` -> ``[T, d]`` float32.
 
@@ -180,7 +175,6 @@ def cpu_layer(
     sw: SharedWeights | None,
     cfg: MoEConfig,
     ex: ExecConfig,
-    platform: str = "cpu",
     *,
     check: bool = True,
 ) -> jax.Array:
@@ -200,7 +194,7 @@ def cpu_layer(
         _check_call(x, routing, ew, "experts_shared_cpu", check)
         return _experts_shared_cpu(x, routing, ew, sw, cfg, _mode(ex))
     y = _routed_cpu(x, routing, ew, cfg, ex, check)
-    return y + shared_expert(x, sw, cfg, invariant=ex.batch_invariant, platform=platform)
+    return y + shared_expert(x, sw, cfg, invariant=ex.batch_invariant, platform=ex.group)
 
 
 def _check_call(x: jax.Array, routing: Routing, ew: ExpertWeights, name: str, built: bool = True) -> None:

@@ -1,11 +1,10 @@
 // Shared by grouped_swiglu.cc (forward) and grouped_swiglu_bwd.cc (backward) of impl="cpu":
 // float vectors of the build's width, bfloat16 / float16 conversions, explicit fused
 // multiply-adds, 64-byte aligned scratch vectors, the weight kinds of the custom calls, the
-// GGUF block decoders and the dot-product tile along both operands' rows (nt_tile).
-// Included inside each library's anonymous namespace, after the system headers
-// (<cstdint>, <cstring>, <new>, <string>, <type_traits>, <vector>, <immintrin.h> where the
-// target has AVX2 / AVX-512 / F16C, <sys/mman.h> on Linux) and xla/ffi/api/ffi.h with
-// `namespace ffi = xla::ffi`.
+// GGUF block decoders, the dot-product tile along both operands' rows (nt_tile), the
+// register-tile steps, the thread-pool loop, and the expert operands' checks and FFI bindings.
+// Included inside each library's anonymous namespace, after kernel_prelude.h (the system
+// headers and xla/ffi/api/ffi.h with `namespace ffi = xla::ffi`).
 // Both libraries are built with -ffp-contract=off (jaxmoe/impls/cpu/build.py): every
 // product and sum here rounds as written.
 #pragma once
@@ -578,4 +577,199 @@ inline void nt_tile(const float* a, int64_t lda, const T* w, int64_t ldw, int64_
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) c[i * ldc + j] = hsum(acc[i][j]) + tail[i][j];
+}
+
+// ---------------------------------------------------------------------------------
+// Register tiles: one k step of an MR x NV tile, acc[i][j] += a[i * sa] * b[j-th vector]
+// (a rounded multiply, then a rounded add: fmadd), and the tile's store to C[MR, NV vectors].
+template <int MR, int NV, typename W>
+__attribute__((always_inline)) inline void tile_step(vf (&acc)[MR][NV], const float* a, int64_t sa, const W* b) {
+  vf bv[NV];
+  for (int j = 0; j < NV; ++j) bv[j] = load(b + j * kLanes);
+  for (int i = 0; i < MR; ++i) {
+    const vf av = splat(a[i * sa]);
+    for (int j = 0; j < NV; ++j) acc[i][j] = fmadd(av, bv[j], acc[i][j]);
+  }
+}
+
+template <int MR, int NV>
+__attribute__((always_inline)) inline void store_tile(const vf (&acc)[MR][NV], float* c, int64_t ldc) {
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) store(c + i * ldc + j * kLanes, acc[i][j]);
+}
+
+// Calls fn(std::integral_constant<int, R>{}) with R = rows for rows 1 .. Max - 1, else
+// R = Max: a tile's row count as a template argument (a switch with `Max` as its default).
+template <int Max, int R = 1, typename Fn>
+__attribute__((always_inline)) inline void with_rows(int64_t rows, Fn&& fn) {
+  if constexpr (R == Max) {
+    fn(std::integral_constant<int, R>{});
+  } else if (rows == R) {
+    fn(std::integral_constant<int, R>{});
+  } else {
+    with_rows<Max, R + 1>(rows, fn);
+  }
+}
+
+// The row tiles of an m-row product, Max rows each but the last: fn(rows, i0) for each,
+// first to last, with `rows` a std::integral_constant of the tile's row count (with_rows)
+// and i0 its first row.
+template <int Max, typename Fn>
+__attribute__((always_inline)) inline void for_row_tiles(int64_t m, Fn&& fn) {
+  for (int64_t i0 = 0; i0 < m;) {
+    const int64_t mr = std::min<int64_t>(Max, m - i0);
+    with_rows<Max>(mr, [&](auto rows) { fn(rows, i0); });
+    i0 += mr;
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// Runs fn(i) for every i < n on the intra-op pool plus the calling thread; returns when
+// all are done. The caller claims indices until none is left, then waits for the claimed
+// ones; a worker that starts after that finds no index and touches only `state` (its
+// reference to `fn` is used only for a claimed index).
+template <typename Fn>
+void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, n, &fn]() {
+    for (;;) {
+      const int64_t i = state->next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= n) return;
+      fn(i);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t workers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), n) - 1;
+  for (int64_t w = 0; w < workers; ++w) pool.Schedule(decltype(work)(work));  // a copy per worker
+  work();
+  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+// ---------------------------------------------------------------------------------
+// The operands of one set of experts, as both custom calls take them: expert e owns the
+// sorted rows offsets[e] .. + sizes[e]; the gate / up / down weights ([d, F], [d, F],
+// [F, d]); their float32 biases [E, F] / [E, F] / [E, d] (null: none); the activation
+// (act, alpha, limit) and whether h is rounded to bfloat16 (round_h).
+struct Experts {
+  const int32_t* offsets;
+  const int32_t* sizes;
+  Weight wg, wu, wd;
+  const float* bg;
+  const float* bu;
+  const float* bd;
+  int64_t d, F;
+  int act;
+  float alpha, limit;
+  bool round_h;
+};
+
+// Sets the widths and the activation attributes of `p`.
+inline void set_expert_attrs(Experts& p, int64_t d, int64_t F, int act, float alpha, float limit, int32_t round_h) {
+  p.d = d;
+  p.F = F;
+  p.act = act;
+  p.alpha = alpha;
+  p.limit = limit;
+  p.round_h = round_h != 0;
+}
+
+// Checks one weight operand against its logical [E, in, out] shape; fills `w`. Errors
+// name the custom call `op` and the operand `name`; a quantized (int8 / int4) kind's group
+// size must be a positive multiple of `group_step` dividing `in` (`group_rule`: how the
+// error says so).
+inline ffi::Error check_weight(const char* op, int32_t group_step, const char* group_rule, const char* name,
+                               ffi::AnyBuffer data, ffi::AnyBuffer scales, ffi::AnyBuffer qbias, int32_t kind,
+                               int32_t group, int64_t E, int64_t in, int64_t out, Weight& w) {
+  auto fail = [op, name](const std::string& why) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + name + ": " + why);
+  };
+  const auto dd = data.dimensions();
+  w = Weight{};
+  w.kind = kind;
+  w.in = in;
+  w.out = out;
+  w.data = data.untyped_data();
+  if (kind == kFloat) {
+    const auto t = data.element_type();
+    if (t != ffi::DataType::F32 && t != ffi::DataType::BF16) return fail("float weights must be float32 or bfloat16");
+    if (dd.size() != 3 || dd[0] != E || dd[1] != in || dd[2] != out) return fail("float weights must be [E, in, out]");
+    w.bf16 = t == ffi::DataType::BF16;
+    return ffi::Error::Success();
+  }
+  if (is_gguf(kind)) {
+    const std::string why = gguf_operand_problem(kind, group, data, scales, qbias, E, in, out);
+    if (!why.empty()) return fail(why);
+    w.group = block_elems(kind);
+    return ffi::Error::Success();
+  }
+  if (kind != kInt8 && kind != kInt4) return fail("unknown weight kind " + std::to_string(kind));
+  if (group < group_step || group % group_step != 0 || in % group != 0)
+    return fail("group size " + std::to_string(group) + " must be " + group_rule + " in=" + std::to_string(in));
+  const int64_t per_byte = kind == kInt4 ? 2 : 1;
+  const auto want_t = kind == kInt4 ? ffi::DataType::U8 : ffi::DataType::S8;
+  if (data.element_type() != want_t || dd.size() != 3 || dd[0] != E || dd[1] != out || dd[2] * per_byte != in)
+    return fail(kind == kInt4 ? "int4 codes must be uint8 [E, out, in/2]" : "int8 codes must be int8 [E, out, in]");
+  const auto st = scales.element_type();
+  if (st != ffi::DataType::F32 && st != ffi::DataType::F16 && st != ffi::DataType::BF16)
+    return fail("scales must be float32, float16 or bfloat16");
+  const auto sd = scales.dimensions();
+  if (sd.size() != 3 || sd[0] != E || sd[1] != out || sd[2] != in / group) return fail("scales must be [E, out, in/g]");
+  w.stype = st == ffi::DataType::F32 ? kSF32 : st == ffi::DataType::F16 ? kSF16 : kSBF16;
+  w.scales = scales.untyped_data();
+  w.group = group;
+  if (qbias.element_count() != 0) {
+    if (qbias.element_type() != st || qbias.element_count() != scales.element_count())
+      return fail("quantization biases must match the scales' shape and dtype");
+    w.qbias = qbias.untyped_data();
+  } else if (kind == kInt4) {
+    return fail("int4 weights need quantization biases");
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------
+// FFI bindings of the operands and attributes both custom calls share, appended to `b`:
+// one set of expert weights (per weight: data, scales, quantization biases; then the three
+// float32 biases), the routing plan before them (offsets, sizes), and the expert attributes.
+template <typename B>
+auto bind_weights(B&& b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()         // w_gate data
+      .template Arg<ffi::AnyBuffer>()         // w_gate scales
+      .template Arg<ffi::AnyBuffer>()         // w_gate qbias
+      .template Arg<ffi::AnyBuffer>()         // w_up data
+      .template Arg<ffi::AnyBuffer>()         // w_up scales
+      .template Arg<ffi::AnyBuffer>()         // w_up qbias
+      .template Arg<ffi::AnyBuffer>()         // w_down data
+      .template Arg<ffi::AnyBuffer>()         // w_down scales
+      .template Arg<ffi::AnyBuffer>()         // w_down qbias
+      .template Arg<ffi::Buffer<ffi::F32>>()  // b_gate
+      .template Arg<ffi::Buffer<ffi::F32>>()  // b_up
+      .template Arg<ffi::Buffer<ffi::F32>>();  // b_down
+}
+
+template <typename B>
+auto bind_experts(B&& b) {
+  return bind_weights(std::move(b)
+                          .template Arg<ffi::Buffer<ffi::S32>>()    // offsets
+                          .template Arg<ffi::Buffer<ffi::S32>>());  // sizes
+}
+
+template <typename B>
+auto bind_expert_attrs(B&& b) {
+  return std::move(b)
+      .template Attr<int32_t>("act")
+      .template Attr<float>("alpha")
+      .template Attr<float>("limit")
+      .template Attr<int32_t>("round_h")
+      .template Attr<int32_t>("kind_gate")
+      .template Attr<int32_t>("kind_up")
+      .template Attr<int32_t>("kind_down")
+      .template Attr<int32_t>("group_gate")
+      .template Attr<int32_t>("group_up")
+      .template Attr<int32_t>("group_down");
 }
