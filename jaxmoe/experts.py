@@ -115,7 +115,8 @@ class ExpertWeights:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SharedWeights:
-    """Shared expert: ``w_gate, w_up [d, Fs]``, ``w_down [Fs, d]``, gate ``[d]`` or None."""
+    """Shared expert: ``w_gate, w_up [d, Fs]``, ``w_down [Fs, d]``, gate ``[d]`` or None:
+    one SwiGLU of width ``Fs = num_shared_experts * f``, no leading expert axis."""
 
     w_gate: Weight
     w_up: Weight

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from types import MappingProxyType
 
 import jax
+from jax import Array
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.execution import ACTIVATION_MODES, ExecConfig
@@ -50,32 +51,21 @@ class Impl:
     activations: tuple[str, ...] = ("float",)
 
     def __call__(
-        self,
-        x: jax.Array,
-        routing: Routing,
-        experts: ExpertWeights,
-        cfg: MoEConfig,
-        ex: ExecConfig | None = None,
+        self, x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, ex: ExecConfig | None = None
     ) -> jax.Array:
-        return self.routed(x, routing, experts, cfg, ex or ExecConfig())
+        return self.routed(x, routing, ew, cfg, ex or ExecConfig())
 
     def run_layer(
-        self,
-        x: jax.Array,
-        routing: Routing,
-        experts: ExpertWeights,
-        shared: SharedWeights | None,
-        cfg: MoEConfig,
-        ex: ExecConfig,
-    ) -> jax.Array:
+        self, x: Array, routing: Routing, ew: ExpertWeights, sw: SharedWeights | None, cfg: MoEConfig, ex: ExecConfig
+    ) -> Array:
         """Routed plus shared expert: ``layer`` when the strategy has one, else ``routed``
         plus the XLA shared expert (batch-invariant when ``ex`` asks)."""
         if self.layer is not None:
-            return self.layer(x, routing, experts, shared, cfg, ex)
-        y = self.routed(x, routing, experts, cfg, ex)
-        if shared is None:
+            return self.layer(x, routing, ew, sw, cfg, ex)
+        y = self.routed(x, routing, ew, cfg, ex)
+        if sw is None:
             return y
-        return y + shared_expert(x, shared, cfg, invariant=ex.batch_invariant, platform=ex.group)
+        return y + shared_expert(x, sw, cfg, invariant=ex.batch_invariant, platform=ex.group)
 
 
 #: The shipped strategies (read only).

@@ -39,6 +39,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import Array
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import plan_dispatch
@@ -169,15 +170,15 @@ def _mode(ex: ExecConfig | None) -> tuple[bool, bool]:
 
 
 def cpu_layer(
-    x: jax.Array,
+    x: Array,
     routing: Routing,
     ew: ExpertWeights,
     sw: SharedWeights | None,
     cfg: MoEConfig,
     ex: ExecConfig,
     *,
-    check: bool = True,
-) -> jax.Array:
+    check=True,
+) -> Array:
     """``impl="cpu"``'s layer: routed plus shared expert, ``[T, d]`` float32.
 
     The shared expert runs in the same C++ call (`experts_shared_cpu`) when batch
@@ -235,42 +236,26 @@ _experts_cpu.defvjp(_fwd, _bwd)
 #: thread), which stream their weight rows contiguously.
 UP_BLOCK = 128
 DOWN_BLOCK = 256
+BLOCKS = (UP_BLOCK, DOWN_BLOCK)
 
 
 def grouped_swiglu(
-    xs: jax.Array,
-    offsets: jax.Array,
-    sizes: jax.Array,
-    ew: ExpertWeights,
-    cfg: MoEConfig,
-    *,
-    round_h: bool = False,
-    up_block: int = UP_BLOCK,
-    down_block: int = DOWN_BLOCK,
-    int_dot: bool = False,
-) -> jax.Array:
+    xs, offsets, sizes, ew: ExpertWeights, cfg: MoEConfig, *, round_h=False, int_dot=False, blocks=BLOCKS
+):
     """The custom call itself: ``xs [P, d]`` float32 rows sorted by expert -> ``[P, d]`` float32.
 
     Expert ``e`` owns rows ``[offsets[e], offsets[e] + sizes[e])`` (``[E]`` int32 each);
     the non-empty ranges must be sorted by expert, disjoint and inside ``[0, P)``, else the
     call fails with an error naming the expert (checked in C++ when it runs). Rows no
-    expert owns come back zero. ``round_h`` rounds the hidden activations to bfloat16;
-    ``int_dot``: integer-coded weights multiply int8-quantized activations
-    (``ExecConfig(activations="int8")``).
+    expert owns come back zero. ``round_h`` (bool) rounds the hidden activations to
+    bfloat16; ``int_dot`` (bool): integer-coded weights multiply int8-quantized
+    activations (``ExecConfig(activations="int8")``); ``blocks``: the columns of a gate/up
+    and of a down task (`BLOCKS`).
     """
-    return _call(xs, offsets, sizes, ew, cfg, round_h, up_block, down_block, save=False, int_dot=int_dot)[0]
+    return _call(xs, offsets, sizes, ew, cfg, round_h, *blocks, save=False, int_dot=int_dot)[0]
 
 
-def grouped_swiglu_saving(
-    xs: jax.Array,
-    offsets: jax.Array,
-    sizes: jax.Array,
-    ew: ExpertWeights,
-    cfg: MoEConfig,
-    *,
-    round_h: bool = False,
-    int_dot: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+def grouped_swiglu_saving(xs, offsets, sizes, ew: ExpertWeights, cfg: MoEConfig, *, round_h=False, int_dot=False):
     """`grouped_swiglu` that also returns ``gu [P, 2F]`` float32: each row's gate | up
     products before the biases (``xs W_g``, ``xs W_u``), the residual the backward reads
     instead of recomputing them (rows no expert owns are unspecified)."""
