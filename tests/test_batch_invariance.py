@@ -67,6 +67,7 @@ def _needle_mismatches(cfg, p, needle, impl, sizes, rng) -> list[tuple[int, int]
     return bad
 
 
+@pytest.mark.slow
 def test_a_token_count_dependent_switch_is_caught():
     """The check can fail: ``xla`` with its ``T``-dependent chunk size (choose_block_m)."""
     cfg, p, needle = _case("qwen3.6-35b-a3b", "float32", None)
@@ -87,6 +88,7 @@ def test_a_token_count_dependent_switch_is_caught():
 @pytest.mark.parametrize("impl", IMPLS)
 @SETTINGS
 @given(sizes=st.lists(st.integers(1, 300), min_size=2, max_size=2), seed=st.integers(0, 2**31 - 1))
+@pytest.mark.slow
 def test_needle_every_strategy(impl, dtype, sizes, seed):
     cfg, p, needle = _case("qwen3.6-35b-a3b", dtype, None)
     assert _needle_mismatches(cfg, p, needle, impl, sizes, np.random.default_rng(seed)) == []
@@ -96,6 +98,7 @@ def test_needle_every_strategy(impl, dtype, sizes, seed):
 @pytest.mark.parametrize("impl", ["auto", "xla", "gather"])
 @settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
 @given(sizes=st.lists(st.integers(2, 300), min_size=2, max_size=2), seed=st.integers(0, 2**31 - 1))
+@pytest.mark.slow
 def test_needle_families(preset, impl, sizes, seed):
     """Biases and the clamped gpt-oss activation, sigmoid + group-limited routing with a
     shared expert and scaling (DeepSeek-V3), no shared expert (Mixtral), a gated shared
@@ -108,6 +111,7 @@ def test_needle_families(preset, impl, sizes, seed):
 @pytest.mark.parametrize("impl", ["cpu", "xla"])
 @settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
 @given(sizes=st.lists(st.integers(2, 300), min_size=2, max_size=2), seed=st.integers(0, 2**31 - 1))
+@pytest.mark.slow
 def test_needle_quantized(quant, impl, sizes, seed):
     """Plus a batch of 257 tokens every time (about 128 rows per expert: the C++ kernel's
     packed path, where the needle alone takes the few-row tiles)."""
@@ -134,6 +138,7 @@ def _block_case(up_kind: str, down_kind: str, seed: int = 0):
 
 
 @pytest.mark.parametrize("kinds", [("q4_k", "q6_k"), ("q5_k", "q5_0")])
+@pytest.mark.slow
 def test_needle_gguf_block_kinds(kinds):
     """GGUF block kinds in the C++ kernel: an expert with few rows decodes its blocks inside
     the tiles (Q4_K and Q6_K straight into registers), one with 8 or more into the float32
@@ -162,6 +167,7 @@ def test_the_default_is_the_fast_layer_and_true_adds_loops_only_where_asked(plat
 
 
 @pytest.mark.parametrize("impl", ["cpu", "xla", "gather", "dense"])
+@pytest.mark.slow
 def test_invariant_mode_computes_the_same_layer(impl):
     """Invariance changes only the order of float operations: the output stays within
     float32 rounding of the fast mode's."""
@@ -174,6 +180,7 @@ def test_invariant_mode_computes_the_same_layer(impl):
 
 @settings(max_examples=8, deadline=None)
 @given(n=st.integers(1, 300), t=st.integers(0, 11), seed=st.integers(0, 2**31 - 1))
+@pytest.mark.slow
 def test_fixed_sum_and_softmax_against_float64(n, t, seed):
     v = np.random.default_rng(seed).standard_normal((t, n)).astype(np.float32)
     np.testing.assert_allclose(
@@ -198,6 +205,7 @@ def test_row_blocks_matches_the_plain_call(t):
 
 
 @pytest.mark.parametrize("impl", ["auto", "dense"])
+@pytest.mark.slow
 def test_gradients_through_the_invariant_layer(impl):
     """The invariant forms' loops have no reverse mode of their own (their trip count is
     hidden from XLA); their VJP is that of the plain computation: same gradients."""

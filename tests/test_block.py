@@ -95,6 +95,7 @@ def test_bad_moe_config(kw, field):
 
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("impl", ["dense", "gather"])
+@pytest.mark.slow
 def test_block_matches_float64_numpy(preset, impl, rng):
     cfg = shrink(jaxmoe.load_config(preset))
     block = MoEBlock(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))), impl=impl)
@@ -230,6 +231,7 @@ def test_return_aux_gives_the_router_losses(rng):
         block(x, return_routing=True, return_aux=True)
 
 
+@pytest.mark.slow
 def test_router_losses_train_the_router_and_bias_is_state(rng):
     cfg = shrink(jaxmoe.load_config("deepseek-v3"))
     block = MoEBlock(cfg, rngs=nnx.Rngs(4))
@@ -251,6 +253,7 @@ def test_router_losses_train_the_router_and_bias_is_state(rng):
         plain.update_selection_bias(ids, gamma=0.01)
 
 
+@pytest.mark.slow
 def test_docs_training_loop_runs():
     """docs/training.md's fine-tuning loop runs as written and its loss falls."""
     import re

@@ -89,6 +89,7 @@ def routings(draw):
 
 
 @given(routings())
+@pytest.mark.slow
 def test_plan_matches_reference(case):
     ids, e, bm = case
     check_plan(plan_dispatch(jnp.asarray(ids), e, bm), ids, e, bm)

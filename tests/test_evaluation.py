@@ -335,6 +335,7 @@ CLAMP_LIKE = MoEConfig(
 
 
 @pytest.mark.parametrize("name", [*jaxmoe.list_presets(), "llama4-like", "clamp-like"])
+@pytest.mark.slow
 def test_reference_matches_loop_and_dense(name, rng):
     if name == "llama4-like":
         cfg = LLAMA4_LIKE
@@ -569,6 +570,7 @@ def test_float32_case_of_a_bfloat16_model_sees_the_references_inputs(tmp_path):
     assert row["passed"] and _q(row["rel_error"]) < 1e-5
 
 
+@pytest.mark.slow
 def test_eval_int8_activations_impl(tmp_path):
     """The entry ``{impl: cpu, activations: int8}`` (label ``cpu,activations=int8``) runs
     ``cpu`` with int8 activations: on int8 / int4 experts its error against the dequantized
@@ -881,6 +883,7 @@ def test_train_reference_grads_match_finite_differences(router, weight_on_input,
             assert grads[name][idx] == pytest.approx(fd, rel=1e-5, abs=1e-7), (name, idx)
 
 
+@pytest.mark.slow
 def test_eval_train_end_to_end(tmp_path, capsys):
     """`jaxmoe eval train` at tiny shapes: each impl's gradients within 1e-5 of float64, the
     Hugging Face block's too; an impossible tolerance fails the gate (exit code 1)."""
@@ -925,6 +928,7 @@ def test_eval_train_config_errors():
     assert cfg.kind == "train" and cfg.hf and cfg.tokens == (64, 256)
 
 
+@pytest.mark.slow
 def test_eval_keep_freed_memory_recorded(tmp_path):
     """``jaxmoe eval --keep-freed-memory`` in a fresh process sets the glibc options before
     JAX starts, runs, and records it in results.json and report.md; in a process whose JAX

@@ -51,6 +51,7 @@ def dry_run(tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.slow
 def test_dry_run_phases_files_and_timeouts(dry_run):
     out, proc = dry_run
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -66,6 +67,7 @@ def test_dry_run_phases_files_and_timeouts(dry_run):
     assert log.index("kernel checks:") < log.index("ceilings:") < log.index("# jaxmoe GPU check")
 
 
+@pytest.mark.slow
 def test_dry_run_kernel_checks(dry_run):
     out, _ = dry_run
     check = _module("gpu_kernels_check")
@@ -78,6 +80,7 @@ def test_dry_run_kernel_checks(dry_run):
     assert env["dry_run"] and env["backend"] == "cpu"
 
 
+@pytest.mark.slow
 def test_dry_run_timing_rows(dry_run):
     out, _ = dry_run
     rows = _rows(out / "bench.jsonl")
@@ -102,6 +105,7 @@ def test_dry_run_timing_rows(dry_run):
     assert pallas[1]["R"] == 2 and 0 <= pallas[1]["reuse_prev"] <= 1
 
 
+@pytest.mark.slow
 def test_dry_run_summary(dry_run):
     out, proc = dry_run
     md = (out / "bench.md").read_text()
@@ -149,6 +153,7 @@ def test_summary_counts_missing_and_torn_rows(tmp_path):
     assert problems == 2  # the timed-out phase and the missing row
 
 
+@pytest.mark.slow
 def test_timing_phase_deadline_skips_rows_in_plan_order(tmp_path):
     """Past its deadline the timing phase still writes every planned row, as skipped."""
     bench = _module("gpu_bench")

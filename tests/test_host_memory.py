@@ -40,6 +40,7 @@ def child(mode: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_freed_memory_is_reused():
     if not glibc_malloc_available():  # macOS, musl: the call changes nothing and says so
         assert child("keep")["applied"] is False

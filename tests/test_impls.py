@@ -34,6 +34,7 @@ F32 = dict(rtol=2e-5, atol=2e-5)
 
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("impl", GROUPED)
+@pytest.mark.slow
 def test_presets_match_float64_and_dense(preset, impl, rng):
     cfg = shrink(jaxmoe.load_config(preset))
     p = random_params(cfg, rng)
@@ -48,6 +49,7 @@ def test_presets_match_float64_and_dense(preset, impl, rng):
 
 @pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "gpt-oss-20b"])
 @pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.slow
 def test_quantized_experts(preset, quant, rng):
     cfg = shrink(jaxmoe.load_config(preset))
     p = random_params(cfg, rng)
@@ -61,6 +63,7 @@ def test_quantized_experts(preset, quant, rng):
 
 
 @pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "gpt-oss-20b"])
+@pytest.mark.slow
 def test_bf16_matches_dense(preset, rng):
     cfg = shrink(jaxmoe.load_config(preset))
     p = random_params(cfg, rng, jnp.bfloat16)
@@ -78,6 +81,7 @@ def test_bf16_matches_dense(preset, rng):
 @pytest.mark.parametrize(
     "t, block_m", [(1, None), (1, 1), (1, 16), (5, 4), (13, 8), (37, 1), (37, 4), (37, 16), (37, 64)]
 )
+@pytest.mark.slow
 def test_uneven_routing_block_sizes(fn, t, block_m, rng):
     """One expert takes most pairs, half the experts are empty, T*k not a multiple of block_m."""
     cfg = shrink(jaxmoe.load_config("qwen3-30b-a3b"), e=12)
@@ -92,6 +96,7 @@ def test_uneven_routing_block_sizes(fn, t, block_m, rng):
 
 
 @pytest.mark.parametrize("impl", GROUPED + ["gather"])
+@pytest.mark.slow
 def test_forced_routing_through_moe_apply(impl, rng):
     cfg = shrink(jaxmoe.load_config("qwen3.6-35b-a3b"))
     p = random_params(cfg, rng)
@@ -108,6 +113,7 @@ def test_forced_routing_through_moe_apply(impl, rng):
     np.testing.assert_allclose(np.asarray(y), np_experts(x, ids, ws, pn, cfg) + shared, **F32)
 
 
+@pytest.mark.slow
 def test_every_pair_on_one_expert(rng):
     """k = 1, every token on the same expert: one group spanning many chunks."""
     cfg = MoEConfig(d_model=32, expert_dim=16, router=RouterConfig(num_experts=8, top_k=1))
@@ -142,6 +148,7 @@ XLA_CFG = MoEConfig(d_model=16, expert_dim=8, router=RouterConfig(num_experts=12
 
 
 @given(routings(), st.sampled_from([None, 1, 5]))
+@pytest.mark.slow
 def test_xla_hypothesis(case, block_m):
     ids, ws, seed = case
     rng = np.random.default_rng(seed)
@@ -153,6 +160,7 @@ def test_xla_hypothesis(case, block_m):
     np.testing.assert_allclose(np.asarray(y), np_experts(x, ids, ws, params_to_numpy(p), XLA_CFG), **F32)
 
 
+@pytest.mark.slow
 def test_weight_on_input(rng):
     cfg = MoEConfig(
         d_model=32,
@@ -185,6 +193,7 @@ def test_nan_token_isolated(impl, rng):
     np.testing.assert_allclose(y[rest], ref, **F32)
 
 
+@pytest.mark.slow
 def test_single_token(rng):
     cfg = shrink(jaxmoe.load_config("deepseek-v3"))
     p = random_params(cfg, rng)
@@ -214,6 +223,7 @@ def _all_shapes(jaxpr):
             yield from _all_shapes(sub)
 
 
+@pytest.mark.slow
 def test_xla_has_no_tokens_by_experts_intermediate(rng):
     """Work grows with T*k: no array in the traced program has both a T and an E axis."""
     t, e, k = 41, 23, 2
@@ -329,6 +339,7 @@ def test_registry_is_an_explicit_table():
         registry.register_impl("auto", experts_dense)
 
 
+@pytest.mark.slow
 def test_a_user_impl_runs_through_moe_apply(rng):
     cfg = shrink(jaxmoe.load_config("mixtral-8x7b"))
     p = random_params(cfg, rng)
@@ -354,6 +365,7 @@ def test_a_user_impl_runs_through_moe_apply(rng):
 
 
 @pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.slow
 def test_xla_bf16_converts_only_the_selected_experts(grad):
     """The compiled CPU program of ``xla`` over bfloat16 experts holds no float32 copy of a
     whole ``[E, ...]`` weight: XLA:CPU used to rewrite each expert's upcast into one of all

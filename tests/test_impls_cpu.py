@@ -58,6 +58,7 @@ def test_kernel_is_built():
 
 @pytest.mark.parametrize("d, f", [(64, 32), (40, 24), (16, 8), (33, 7), (160, 144)])
 @pytest.mark.parametrize("t", [1, 6, 37])
+@pytest.mark.slow
 def test_column_tails_and_tiles(d, f, t, rng):
     """Widths that fill 1-8 vectors of 16 lanes, leave scalar tails, or are under one vector."""
     cfg = cfg_of(d, f, 12, 3)
@@ -65,6 +66,7 @@ def test_column_tails_and_tiles(d, f, t, rng):
 
 
 @pytest.mark.parametrize("t", [1, 7, 8, 9, 130, 300])
+@pytest.mark.slow
 def test_one_expert_takes_every_token(t, rng):
     """k = 1 onto one expert: the unpacked (< 8 rows), packed (>= 8) and row-chunked (> 128) paths."""
     cfg = cfg_of(48, 40, 8, 1)
@@ -80,6 +82,7 @@ def test_skewed_routing_with_empty_experts(t, rng):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.slow
 def test_few_row_orders_give_the_same_bits(dtype, rng):
     """Experts with 1, 2, 3, 5 and 9 rows at d = 1536: the kernel streams 1-2 rows of the
     down projection row by row, 3 (their 18 KiB of outputs past its L1 bound) and 5 in
@@ -101,6 +104,7 @@ def test_few_row_orders_give_the_same_bits(dtype, rng):
         np.testing.assert_array_equal(y[r], alone[0], err_msg=f"row {r} (expert {ids[r, 0]})")
 
 
+@pytest.mark.slow
 def test_biases_and_clamped_activation(rng):
     cfg = shrink(jaxmoe.load_config("gpt-oss-20b"), d=48, f=40)
     p = random_params(cfg, rng)
@@ -122,6 +126,7 @@ def test_biases_and_clamped_activation(rng):
 
 @settings(max_examples=20, deadline=None)
 @given(st.sampled_from([(16, 8), (24, 40), (64, 17)]), st.integers(1, 40), st.integers(1, 4), st.integers(0, 2**31 - 1))
+@pytest.mark.slow
 def test_hypothesis_shapes_and_routings(df, t, k, seed):
     d, f = df
     rng = np.random.default_rng(seed)
@@ -134,6 +139,7 @@ def test_hypothesis_shapes_and_routings(df, t, k, seed):
     check(cfg, ids, ws, rng)
 
 
+@pytest.mark.slow
 def test_bf16_experts_match_xla(rng):
     """bf16 weights and activations: both paths upcast exactly and round h to bf16."""
     cfg = shrink(jaxmoe.load_config("qwen3.6-35b-a3b"), d=96, f=48)
@@ -150,6 +156,7 @@ def test_bf16_experts_match_xla(rng):
     np.testing.assert_allclose(yc, ref, rtol=0, atol=2e-2 * scale)
 
 
+@pytest.mark.slow
 def test_gradients_equal_the_dense_path(rng):
     cfg = shrink(jaxmoe.load_config("gpt-oss-20b"), d=32, f=24)
     p = random_params(cfg, rng)
@@ -296,6 +303,7 @@ def check_quantized(cfg, ew, ref, ids, ws, rng, dtype=jnp.float32, tol=1e-5):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("d, f", [(128, 96), (256, 384)])
+@pytest.mark.slow
 def test_quantized_formats_match_float64(fmt, d, f, rng):
     """Every format read in place: the result is within float rounding of the float64
     forward of the dequantized weights (widths leaving partial column blocks)."""
@@ -309,6 +317,7 @@ def test_quantized_formats_match_float64(fmt, d, f, rng):
 
 @pytest.mark.parametrize("t", [1, 7, 8, 9, 130])
 @pytest.mark.parametrize("fmts", [("q4_0", "q4_0", "q8_0"), ("mlx4_g64", "mlx4_g64", "mlx4_g64"), ("q8_0",) * 3])
+@pytest.mark.slow
 def test_quantized_one_expert_takes_every_token(t, fmts, rng):
     """k = 1 onto one expert: register dequantization (< 8 rows), the dequantized tile
     buffer (>= 8 rows) and row chunks (> 128 rows); gate/up Q4_0 with down Q8_0 mixes kinds."""
@@ -372,6 +381,7 @@ def test_column_tails_of_quantized_blocks(rng):
     st.sampled_from(FORMATS[:5]),
     st.integers(0, 2**31 - 1),
 )
+@pytest.mark.slow
 def test_hypothesis_quantized_shapes_and_routings(df, t, k, fmt_up, fmt_down, seed):
     d, f = df
     rng = np.random.default_rng(seed)
@@ -667,6 +677,7 @@ def np_shared(x, ref, gate):
 
 @pytest.mark.parametrize("fmts", [("q8_0", "q4_0", "mlx4_g64"), Q4_K_M, ("q5_0", "q5_k", "q4_1"), ("bf16",) * 3])
 @pytest.mark.parametrize("t", [1, 11])
+@pytest.mark.slow
 def test_quantized_shared_expert_in_the_kernel(fmts, t, rng):
     """A quantized (a GGUF file's ``ffn_*_shexp``) or bfloat16-stored shared expert runs in
     the C++ kernel, read in its stored format, within float rounding of the float64 forward
@@ -696,6 +707,7 @@ def test_quantized_shared_expert_in_the_kernel(fmts, t, rng):
 
 
 @pytest.mark.parametrize("fmts", [("q8_0", "q4_0", "mlx4_g64"), ("bf16",) * 3])
+@pytest.mark.slow
 def test_shared_expert_in_the_routed_call_gradients(fmts, rng):
     """``jax.grad`` through ``moe_apply(impl="cpu")`` with the shared expert in the routed
     experts' kernel call (`experts_shared_cpu`): the gradients of x, the router, the shared
@@ -758,6 +770,7 @@ def test_routed_and_shared_call_names_bad_shared_operands(rng):
             run(x_bad, sw_bad, offs)
 
 
+@pytest.mark.slow
 def test_quantized_shared_expert_outside_the_kernel_stays_xla(rng):
     """Reference impls keep the XLA shared expert (no kernel call), with the same result;
     a kind the kernel does not read is refused by ``shared_supported`` (XLA takes it)."""

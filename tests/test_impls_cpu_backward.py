@@ -77,6 +77,7 @@ def test_backward_kernel_is_built():
         (130, 50, 45, 6, 2),
     ],
 )
+@pytest.mark.slow
 def test_equals_dense_vjp(t, d, f, e, k, rng):
     """Random shapes with column tails (d, F not multiples of the vector or the blocks); T = 130
     puts more than 16 rows on each expert (the packed, transposed weights and their tails)."""
@@ -131,6 +132,7 @@ def test_weight_on_input(rng):
 
 
 @pytest.mark.parametrize("t", [1, 7, 130])
+@pytest.mark.slow
 def test_one_expert_takes_every_token_and_empty_experts(t, rng):
     """Slot 0 of every token on expert 3; experts 0 and 7 never chosen: zero weight gradients."""
     cfg = cfg_of(32, 40, 8, 2, expert_bias=True)
@@ -143,6 +145,7 @@ def test_one_expert_takes_every_token_and_empty_experts(t, rng):
         assert np.asarray(leaf)[3].any()
 
 
+@pytest.mark.slow
 def test_bfloat16_weights_and_activations(rng):
     cfg = cfg_of(48, 40, 6, 2)
     x, r, ew, g = problem(rng, 13, cfg, dtype=jnp.bfloat16)
@@ -153,6 +156,7 @@ def test_bfloat16_weights_and_activations(rng):
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.slow
 def test_quantized_experts_are_frozen(quant, rng):
     """Input and routing gradients equal those of the dequantized float weights; the
     experts get zero cotangents."""
@@ -189,6 +193,7 @@ def test_deterministic(rng):
 
 @pytest.mark.parametrize("fmts", [("q4_k", "q4_k", "q6_k"), ("q5_k", "q6_k", "q4_k"), ("q5_0", "q5_1", "q4_1")])
 @pytest.mark.parametrize("t", [3, 20])
+@pytest.mark.slow
 def test_gguf_block_experts_are_frozen_in_the_kernel(fmts, t, rng):
     """GGUF block kinds (Q4_K_M's q4_k gate/up with q6_k down, ...) in the C++ backward:
     input and routing gradients equal those of the float weights gguf.quants decodes from
@@ -218,6 +223,7 @@ def test_gguf_block_experts_are_frozen_in_the_kernel(fmts, t, rng):
     assert backward.BWD_TARGET in grad.lower(x).compile().as_text()
 
 
+@pytest.mark.slow
 def test_kinds_the_backward_does_not_read_fall_back_to_gather(rng, monkeypatch):
     """A quantized kind outside `BWD_KINDS` (every kind the forward reads is in it; here
     int8 is taken out): `backward_supports` names it and `cpu_vjp` returns gather's VJP
@@ -265,6 +271,7 @@ def test_forward_saves_gate_up_products(rng):
 
 
 @pytest.mark.parametrize("case", ["float", "gpt_oss_bias", "bf16", "q4_k_m"])
+@pytest.mark.slow
 def test_saved_and_recomputed_gate_up_agree(case, rng):
     """The backward reading the forward's gate | up residual (what `jax.vjp` runs) and the
     one recomputing them (`cpu_vjp` without it) give the same gradients, and those equal
@@ -331,6 +338,7 @@ def np_shared_grads(x, g, wg, wu, wd, gate):
 
 @pytest.mark.parametrize("case", ["f32", "f32_no_gate", "bf16_weights", "bf16_x", "int8", "int4", "q4_k_m"])
 @pytest.mark.parametrize("t", [1, 7, 33])
+@pytest.mark.slow
 def test_shared_expert_backward_in_the_kernel(case, t, rng):
     """The shared expert's backward (`shared_expert_cpu`'s VJP) runs in the C++ backward
     kernel as one expert owning every row: input, gate and (float) weight gradients equal
@@ -390,6 +398,7 @@ def test_shared_expert_backward_in_the_kernel(case, t, rng):
     assert backward.BWD_TARGET in grad.lower(x).compile().as_text()
 
 
+@pytest.mark.slow
 def test_xla_shared_expert_freezes_quantized_matrices(rng):
     """`jaxmoe.experts.shared_expert` (every strategy's shared expert outside the C++
     kernel) gives a quantized shared expert's scales no gradient, as the kernel's backward

@@ -106,6 +106,7 @@ def pad_width(f: int, fmts) -> int:
 
 @pytest.mark.parametrize("fmt", INT_FORMATS)
 @pytest.mark.parametrize("d, f", [(128, 96), (96, 160), (256, 384)])
+@pytest.mark.slow
 def test_int_formats_match_float64_of_q8_activations(fmt, d, f, rng):
     """Every integer kind, widths with an odd number of 32-blocks (a half pair at the end)."""
     fmts = (fmt,) * 3
@@ -125,6 +126,7 @@ def test_k_quants_match_float64_of_q8_activations(fmts, t, rng):
 
 @pytest.mark.parametrize("t", [1, 7, 8, 9, 130])
 @pytest.mark.parametrize("fmts", [("q4_0", "q4_0", "q8_0"), ("mlx4_g64",) * 3, ("q8_0",) * 3, ("q4_k", "q4_k", "q6_k")])
+@pytest.mark.slow
 def test_one_expert_takes_every_token(t, fmts, rng):
     """k = 1 onto one expert: row tiles of 1..4 and row chunks (> 128 rows)."""
     cfg = cfg_of(256, 256, 6, 1)
@@ -169,6 +171,7 @@ def test_biases_and_clamped_activation(rng):
     st.sampled_from(("q8_0", "q4_0", "mlx4_g32", "int8_f32")),
     st.integers(0, 2**31 - 1),
 )
+@pytest.mark.slow
 def test_hypothesis_shapes_and_routings(df, t, k, fmt_up, fmt_down, seed):
     d, f = df
     rng = np.random.default_rng(seed)
@@ -239,6 +242,7 @@ def test_a_mutated_nibble_is_caught(rng):
 
 
 @pytest.mark.parametrize("fmts", [("q4_0", "q4_0", "q8_0"), ("mlx4_g64",) * 3, ("q4_k", "q4_k", "q6_k")])
+@pytest.mark.slow
 def test_batch_invariant(fmts, rng):
     """A token's output is the same bits alone and inside batches of other sizes (every row
     takes the same integer path whatever its expert's row count)."""

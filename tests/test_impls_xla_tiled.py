@@ -38,6 +38,7 @@ F32 = dict(rtol=2e-5, atol=2e-5)
 
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("t", [1, 11])
+@pytest.mark.slow
 def test_presets_match_float64(preset, t, rng):
     cfg = shrink(jaxmoe.load_config(preset))
     p = random_params(cfg, rng)
@@ -50,6 +51,7 @@ def test_presets_match_float64(preset, t, rng):
 @pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "gpt-oss-20b"])
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 @pytest.mark.parametrize("t", [1, 9])
+@pytest.mark.slow
 def test_quantized_experts(preset, quant, t, rng):
     cfg = shrink(jaxmoe.load_config(preset))
     p = random_params(cfg, rng)
@@ -82,6 +84,7 @@ def with_random_biases(p, rng):
 
 @pytest.mark.parametrize("layout", ["capacity", "tiles"])
 @pytest.mark.parametrize("block_m", [None, 1, 8, 64])
+@pytest.mark.slow
 def test_one_expert_takes_every_token(block_m, layout, rng):
     """At block_m 8 the capacity layout's overflow bound is reached: 29 rows of one expert
     make cdiv(29, 8) - 1 = 3 = overflow_visits(29, 8) overflow blocks."""
@@ -99,6 +102,7 @@ def test_one_expert_takes_every_token(block_m, layout, rng):
 
 @pytest.mark.parametrize("cap", [1, 2, 3, 8])
 @pytest.mark.parametrize("quant", [None, "int4"])
+@pytest.mark.slow
 def test_capacity_overflow(cap, quant, rng):
     """Hot experts far over the capacity, others at or just over it, several empty; biases."""
     cfg = MoEConfig(d_model=64, expert_dim=32, router=RouterConfig(num_experts=12, top_k=3), expert_bias=True)
@@ -146,6 +150,7 @@ def test_overflow_branch_picks_the_smallest_count_holding_the_visits(p, cap):
 
 
 @pytest.mark.parametrize("visits", [0, 1, 2, 3, 8, 9, 30, 31])
+@pytest.mark.slow
 def test_capacity_takes_the_branch_holding_its_visits(visits, rng):
     """Calls whose overflow visits land on, just past and just under each compiled count
     (0, 2, 8, 31 for P = 256, C = 8): every row gets its own expert's result."""
@@ -228,6 +233,7 @@ def test_batched_mm_bf16_weights_stay_bf16_on_the_cpu(m, rng):
     assert upcast == (m == 1), hlo
 
 
+@pytest.mark.slow
 def test_weight_on_input_and_bf16(rng):
     cfg = MoEConfig(
         d_model=32,
@@ -276,6 +282,7 @@ XLA_CFG = MoEConfig(d_model=16, expert_dim=8, router=RouterConfig(num_experts=12
     st.sampled_from([None, 1, 2, 3, 16]),
     st.sampled_from([None, *LAYOUTS]),
 )
+@pytest.mark.slow
 def test_hypothesis(seed, mode, block_m, layout):
     r = np.random.default_rng(seed)
     t, k, e = 24, 3, 12
@@ -333,6 +340,7 @@ def test_choose_block_m():
     assert choose_block_m(10**7, 8) == MAX_BLOCK_M
 
 
+@pytest.mark.slow
 def test_matches_dense_at_every_layout(rng):
     cfg = shrink(jaxmoe.load_config("mixtral-8x7b"))
     p = random_params(cfg, rng)
@@ -363,6 +371,7 @@ def test_bad_input(rng):
 
 
 @pytest.mark.parametrize("visits", [0, 1, 3])
+@pytest.mark.slow
 def test_capacity_gradients_through_the_overflow_branch(visits, rng):
     """Reverse and forward mode through the `lax.switch` of the overflow visits (finite
     differences in float64; the dots accumulate in float32): x, routing weights, expert

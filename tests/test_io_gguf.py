@@ -377,6 +377,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_gguf_layer_matches_llama_cpp_reference(name, rng, tmp_path):
     c = CASES[name]
     path = tmp_path / f"{name}.gguf"
@@ -402,6 +403,7 @@ def test_gguf_layer_matches_llama_cpp_reference(name, rng, tmp_path):
 @pytest.mark.parametrize(
     "qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.MXFP4, QT.BF16, QT.F16, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 )
+@pytest.mark.slow
 def test_weight_conversion_bit_exact_with_gguf_dequantize(qtype, rng):
     shape = (3, 4, 256)  # [E, out, in]
     data, raw = encode(rng, rng.standard_normal(shape).astype(np.float32), qtype)
@@ -431,6 +433,7 @@ Q4_K_M = Case(  # llama.cpp's Q4_K_M mix: gate/up Q4_K, down Q6_K; fallbacks Q5_
 )
 
 
+@pytest.mark.slow
 def test_q4_k_m_layer_stays_quantized(rng, tmp_path):
     """A Q4_K_M-style layer written by gguf's writer loads with no float copy of its experts:
     QuantizedTensor leaves of the file's types, resident bytes = the file's bytes for the layer;

@@ -274,6 +274,7 @@ def _check_block(block, mlp, rng):
 
 
 @pytest.mark.parametrize("family", sorted(BUILDERS))
+@pytest.mark.slow
 def test_hf_layer_matches_transformers(family, tmp_path, rng):
     torch.manual_seed(int(rng.integers(2**31)))
     model = BUILDERS[family]().eval()

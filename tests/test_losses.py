@@ -49,6 +49,7 @@ def np_sequence(z, ids):
 
 
 @given(t=st.integers(1, 40), e=st.integers(2, 12), seed=st.integers(0, 2**31 - 1))
+@pytest.mark.slow
 def test_switch_and_z_loss_match_numpy(t, e, seed):
     rng = np.random.default_rng(seed)
     k = int(rng.integers(1, e + 1))

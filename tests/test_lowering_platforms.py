@@ -127,6 +127,7 @@ def test_export_for_cuda_and_multiplatform_cpu_intel(block, x):
     np.testing.assert_allclose(np.asarray(intel.call(x)), ref, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_grad_through_auto_on_cpu(block, x):
     """auto's gradient on the CPU (its platform switch differentiated through the CPU branch's
     own reverse mode) equals dense's."""

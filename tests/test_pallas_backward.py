@@ -61,6 +61,7 @@ def _weights(rng, e, d, f, kind, group=32):
     "scale,act,bias,kind",
     [("output", "swiglu", False, "f32"), ("input", "swiglu_oai", True, "f32"), ("output", "swiglu", True, "int8")],
 )
+@pytest.mark.slow
 def test_gate_up_backward_matches_reference(rng, scale, act, bias, kind):
     """dg, du, h and the input-scale gradient of every valid sorted row (skewed routing:
     one hot expert, empty experts, tiles straddling experts)."""
@@ -86,6 +87,7 @@ def test_gate_up_backward_matches_reference(rng, scale, act, bias, kind):
             _close(np.asarray(a)[valid], np.asarray(b)[valid], what=name)
 
 
+@pytest.mark.slow
 def test_gmm_transposed_tgmm_group_sum(rng):
     """Input gradient with int4 weights read transposed; per-expert weight / bias sums:
     an empty expert gets exact zeros, one expert takes every token."""
@@ -123,6 +125,7 @@ def _grads(fn, x, routing, ew, cfg, ct, experts=True):
 @pytest.mark.parametrize(
     "variant,t", [("plain", 1), ("plain", 130), ("oai_bias", 7), ("weight_on_input", 7)], ids=lambda v: str(v)
 )
+@pytest.mark.slow
 def test_vjp_matches_dense(rng, variant, t):
     """``jax.grad`` through ``impl="pallas"`` (interpret) equals that through `experts_dense`
     for x, the routing weights and every expert weight and bias. T = 1 runs the decode
@@ -146,6 +149,7 @@ def test_vjp_matches_dense(rng, variant, t):
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4", "q4_k_m"])
+@pytest.mark.slow
 def test_frozen_quantized_experts(rng, quant):
     """Quantized experts: the input and routing-weight gradients equal those of the
     dequantized float weights; the experts get zero (float0 for the codes). GGUF Q4_K_M
@@ -180,6 +184,7 @@ def _lower(f, *args) -> str:
 
 
 @pytest.mark.parametrize("kind,t", [("bf16", 2), ("bf16", 40), ("int4", 40)])
+@pytest.mark.slow
 def test_backward_lowers_to_triton(rng, kind, t):
     """The gradient program lowered for CUDA holds the backward kernels as Triton calls
     (float experts: the weight gradient's tgmm too; frozen int4: no tgmm)."""

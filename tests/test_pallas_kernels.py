@@ -149,6 +149,7 @@ GGUF_KINDS = ("q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 
 
 @pytest.mark.parametrize("kind", GGUF_KINDS)
+@pytest.mark.slow
 def test_gguf_block_tiles_every_kind(rng, kind):
     """A GGUF block weight reaches the kernels as the file's bytes and is decoded per tile:
     the plain gmm at K steps of 32 (part of a scale group's super-block), 64, 256 (one
@@ -211,6 +212,7 @@ GROUPED_CASES = [  # (scenario, T, k, E, weight kind): every kind and every scen
 
 
 @pytest.mark.parametrize("scenario,t,k,e,kind", GROUPED_CASES)
+@pytest.mark.slow
 def test_gate_up_and_down_grouped(rng, scenario, t, k, e, kind):
     """Ragged everywhere: T*k rows vs block_m 16, d = F = 192 vs blocks of 128."""
     d, f, bm = 192, 192, 16
@@ -302,6 +304,7 @@ def test_gate_up_biases_and_input_scale(rng, act):
 
 
 @pytest.mark.parametrize("kind", ["f32", "int8", "int4_mlx64"])
+@pytest.mark.slow
 def test_plain_gmm(rng, kind):
     e, k_in, n, bm = 6, 128, 80, 32
     sizes = np.array([0, 45, 3, 0, 70, 1])
@@ -327,6 +330,7 @@ def test_plain_gmm(rng, kind):
 @pytest.mark.parametrize(
     "t,k,kind", [(1, 1, "f32"), (1, 8, "int8"), (5, 4, "bf16"), (5, 4, "q4_0"), (1, 8, "int4_mlx64")]
 )
+@pytest.mark.slow
 def test_decode_kernels(rng, t, k, kind):
     e, d, f = 16, 192, 64
     dt = compute_dtype(kind)
@@ -357,6 +361,7 @@ def test_decode_kernels(rng, t, k, kind):
 
 @pytest.mark.parametrize("mma,split_k", [(True, 1), (True, 3), (False, 1), (False, 2)])
 @pytest.mark.parametrize("kind", ["bf16", "int4_mlx64", "q4_k"])
+@pytest.mark.slow
 def test_decode_mma_and_split_k(rng, mma, split_k, kind):
     """Both ways to multiply (the row padded to 16 for a tensor-core dot, or a float32
     matvec) with K unsplit and split (3 splits of 8 K steps: the last one short; int4's
@@ -445,6 +450,7 @@ def _table_cases():
 
 
 @pytest.mark.parametrize("kc,kind", _table_cases())
+@pytest.mark.slow
 def test_every_table_config(rng, kc, kind):
     """Each table entry's blocks on a shape that is not a multiple of them (ragged edges)."""
     gu, dn = kc.gate_up, kc.down
@@ -579,6 +585,7 @@ DECODE_TOO = ("gpt-oss-20b", "deepseek-v3", "qwen3.6-35b-a3b")
 
 
 @pytest.mark.parametrize("name", jaxmoe.list_presets())
+@pytest.mark.slow
 def test_block_pallas_equals_dense(rng, name):
     """Every preset family (shrunk), quantized or not: grouped kernels (T * k = 96) and,
     for three families, the decode kernels (T * k = 24); one jit per path."""
@@ -630,6 +637,7 @@ def _loop64(x, ids, wts, wg, wu, wd, cfg, bg=None, bu=None, bd=None):
         ("qwen3.6-35b-a3b", True, 33),
     ],
 )
+@pytest.mark.slow
 def test_pallas_impl_matches_float64_loop(rng, name, woi, t):
     cfg = dataclasses.replace(shrink(jaxmoe.load_config(name)), weight_on_input=woi)
     ew = jaxmoe.init_params(cfg, jax.random.key(int(rng.integers(1 << 30)))).experts
@@ -648,6 +656,7 @@ def test_pallas_impl_matches_float64_loop(rng, name, woi, t):
 
 @pytest.mark.parametrize("fmts", [("q4_k", "q4_k", "q6_k"), ("q5_0", "q4_1", "q5_1")])
 @pytest.mark.parametrize("t", [3, 40])
+@pytest.mark.slow
 def test_pallas_gguf_block_kinds_match_float64_loop(rng, fmts, t):
     """GGUF block kinds through the Pallas impl (interpret mode), decode (T k <= 64) and
     grouped paths, against the float64 loop over gguf.quants' decoding of the same bytes.
@@ -767,6 +776,7 @@ def test_weight_operand_errors(rng):
 
 
 @pytest.mark.parametrize("kind", ["int8", "q4_0", "int4_mlx64"])
+@pytest.mark.slow
 def test_word_loads_match_byte_loads(rng, kind):
     """Codes loaded as int32 words (what code arrays of >= 2^31 elements get, forced here
     at a small size) give the references' values, and exactly the byte loads' results in

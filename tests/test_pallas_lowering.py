@@ -97,6 +97,7 @@ def test_impl_variants_lower(rng, variant, t):
 
 
 @pytest.mark.parametrize("kind", ["f32", "bf16", "f16", "int8", "int4", "q5_1", "q4_k_m"])
+@pytest.mark.slow
 def test_each_kernel_lowers(rng, kind):
     """gmm, gate_up_swiglu, down_project, decode_gate_up, decode_down, one call each (GGUF
     block kinds: Q5_1, and Q4_K_M's Q4_K / Q6_K at widths of whole super-blocks)."""

@@ -124,6 +124,7 @@ PARITY = [
 
 
 @pytest.mark.parametrize("preset,mesh_shape", PARITY, ids=[f"{p}-{m[0]}x{m[1]}" for p, m in PARITY])
+@pytest.mark.slow
 def test_ep_matches_single_device(preset, mesh_shape, rng):
     e = 8 if preset.startswith("mixtral") else 16
     cfg = shrunk(preset, e=e)
@@ -161,6 +162,7 @@ def test_uneven_routing_one_expert_takes_most(rng):
 
 
 @pytest.mark.parametrize("mesh_shape", [(8, 1), (4, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.slow
 def test_worst_case_all_pairs_to_one_device(mesh_shape, rng):
     """Given routing sends every pair to the experts of device 0 (and 70% to expert 1)."""
     cfg = shrunk("gpt-oss-20b", e=16)  # k = 4
@@ -228,6 +230,7 @@ def skewed(rng, t=45):
 @pytest.mark.parametrize(
     "mesh_shape,cf", [((8, 1), 1.0), ((4, 2), 0.6), ((2, 4), 1.0)], ids=["8x1-cf1.0", "4x2-cf0.6", "2x4-cf1.0"]
 )
+@pytest.mark.slow
 def test_capacity_factor_drops_are_counted_exactly(mesh_shape, cf, rng):
     cfg, p, x = skewed(rng)
     t = x.shape[0]
@@ -317,6 +320,7 @@ def test_ragged_exchange_lowers_for_gpu_and_tpu(rng):
     assert parallel.resolve_exchange("auto", "cpu") == "padded"
 
 
+@pytest.mark.slow
 def test_block_with_mesh_and_explicit_mesh(rng):
     cfg = shrunk("qwen3.6-35b-a3b")
     p = rand_params(cfg, rng)
@@ -428,6 +432,7 @@ def test_plan_matches_numpy(t, k, n, el, c, seed):
     assert int(dropped) == int((fill - np.minimum(fill, c)).sum())
 
 
+@pytest.mark.slow
 def test_eval_runner_meshes_vs_single_device(tmp_path, rng):
     """`jaxmoe eval <yaml>` runs a `kind: expert-parallel` config with this runner."""
     seed = int(rng.integers(1000))
@@ -463,6 +468,7 @@ tolerance: 1.0e-5
 
 
 @pytest.mark.parametrize("exchange", ["padded", "ragged"])
+@pytest.mark.slow
 def test_padding_rows_are_not_computed(exchange, rng, monkeypatch):
     """The unused rows of the [n, C] exchange buffers carry an id the plan drops: the
     grouped path computes exactly the T * k real pairs (before: all n * n * C rows, up to

@@ -34,6 +34,7 @@ def _mapping(seed, **kw):
     }
 
 
+@pytest.mark.slow
 def test_two_processes_match_single_device(tmp_path, rng):
     seed = int(rng.integers(1000))
     path = tmp_path / "ep.json"  # JSON is YAML

@@ -51,6 +51,7 @@ def test_block_table_matches_ggml():
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_realistic_blocks_bit_exact(kind, rng):
     block, size = GGUF_BLOCKS[kind]
     raw = gguf_block_bytes(rng, qtype(kind), (3, 5, 2 * block))  # [E, out, in]
@@ -86,6 +87,7 @@ def block_buffers(draw):
 
 
 @given(block_buffers())
+@pytest.mark.slow
 def test_random_bytes_bit_exact(case):
     """Any bytes, including inf / nan / subnormal / max scales: the jnp decode equals gguf-py's
     bit for bit (NaN where gguf-py gives NaN)."""
@@ -95,6 +97,7 @@ def test_random_bytes_bit_exact(case):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_one_mutation_changes_the_output(kind, rng):
     """A flipped code nibble and a changed scale byte each change the decoded weights where
     gguf-py says they should (so the test above can fail)."""
@@ -113,6 +116,7 @@ def test_one_mutation_changes_the_output(kind, rng):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_getitem_over_experts(kind, rng):
     block, _ = GGUF_BLOCKS[kind]
     raw = gguf_block_bytes(rng, qtype(kind), (4, 3, block))
@@ -174,6 +178,7 @@ def layer(rng, kinds: tuple[str, str, str], e: int, d: int, f: int):
     [(("q4_k", "q4_k", "q6_k"), 256, 256), (("q5_k", "q4_k", "q5_k"), 256, 256), (("q4_1", "q5_0", "q5_1"), 64, 96)],
 )
 @pytest.mark.parametrize("impl", ["xla", "gather", "dense", "auto"])
+@pytest.mark.slow
 def test_reference_impls_on_block_experts(kinds, d, f, impl, rng):
     """Mixed block kinds in one layer, one hot expert, empty experts, T = 1, 7, 9, against a
     float64 numpy loop over weights dequantized by gguf-py."""
@@ -196,6 +201,7 @@ def test_rows_decode_matches_block_decode(rng):
 
 
 @pytest.mark.parametrize("t", [16, 64])
+@pytest.mark.slow
 def test_jitted_layer_with_block_shared_expert_matches_eager(t, rng):
     """A jitted layer whose shared expert is Q5_0 (gate/up) and Q8_0 (down) beside float routed
     experts equals the eager layer: XLA:CPU miscompiled the fused dequantization here (4%

@@ -82,6 +82,7 @@ def test_negative_selection_bias_with_groups(rng):
 
 
 @given(t=st.integers(1, 40), e_pow=st.integers(2, 5), data=st.data())
+@pytest.mark.slow
 def test_route_properties(t, e_pow, data):
     e = 2**e_pow
     k = data.draw(st.integers(1, e))

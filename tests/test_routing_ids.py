@@ -51,6 +51,7 @@ def _routing(rng, t, k, n_bad):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.slow
 def test_eager_out_of_range_ids_raise(impl, rng):
     cfg = _cfg()
     p = random_params(cfg, rng)
@@ -75,6 +76,7 @@ def test_eager_out_of_range_ids_raise(impl, rng):
 @settings(max_examples=8)  # each example compiles every impl afresh
 @given(seed=st.integers(0, 2**31 - 1), t=st.integers(1, 12), n_bad=st.integers(1, 6), variant=st.integers(0, 2))
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.slow
 def test_jit_invalid_pairs_add_zero(impl, seed, t, n_bad, variant):
     """Under jit every impl gives the float64 sum over the valid pairs only (no OOB read)."""
     rng = np.random.default_rng(seed)

@@ -63,6 +63,7 @@ def _close(got, want, rtol, what):
 
 @pytest.mark.parametrize("impl", [i for i in CPU_IMPLS if i != "cpu"])
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "gpt-oss-20b"])
+@pytest.mark.slow
 def test_check_grads_float64(impl, preset, rng):
     """x, routing weights, expert weights (and gpt-oss's biases, clamped activation)."""
     with jax.enable_x64(True):
@@ -116,6 +117,7 @@ def _layer_grads(impl, p, x, cfg, c):
 
 
 @pytest.mark.parametrize("preset", jaxmoe.list_presets())
+@pytest.mark.slow
 def test_layer_grads_equal_dense(preset, rng):
     """Through `moe_apply` (router weights and bias, experts, shared expert, x), float32,
     every strategy against ``dense``; the selection bias gets exactly zero."""
@@ -150,6 +152,7 @@ def _q5_0(rng, w):
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4", "q5_0"])
+@pytest.mark.slow
 def test_frozen_quantized_experts(quant, rng):
     """Input and routing-weight gradients equal those of the dequantized float weights; the
     experts get zero cotangents (float0 for the integer codes)."""
@@ -177,6 +180,7 @@ def test_frozen_quantized_experts(quant, rng):
 
 
 @pytest.mark.parametrize("impl", cpu_impls([*CPU_IMPLS, "pallas"]))
+@pytest.mark.slow
 def test_empty_experts_get_zero_gradient(impl, rng):
     cfg = _cfg("gpt-oss-20b", d=16, f=16, e=8)  # biases too
     p = random_params(cfg, rng)
@@ -194,6 +198,7 @@ def test_empty_experts_get_zero_gradient(impl, rng):
 
 
 @pytest.mark.parametrize("impl", cpu_impls([*CPU_IMPLS, "pallas"]))  # pallas: interpret mode
+@pytest.mark.slow
 def test_nan_weights_stay_in_their_row(impl, rng):
     """A token whose routing weights are NaN: NaN in its own row of dx only."""
     cfg = _cfg(d=16, f=16, e=4)
