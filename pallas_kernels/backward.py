@@ -47,6 +47,20 @@ from pallas_kernels import common, gguf
 from pallas_kernels.common import Activation
 from pallas_kernels.gguf import GGUF_BLOCKS
 from pallas_kernels.gmm import check_plan, row_experts
+from pallas_kernels.launch import (
+    ACT_STATIC,
+    EpilogueSpec,
+    RowTileSpec,
+    TileVisit,
+    activation_of,
+    check_row_scale,
+    epilogue_fields,
+    gate_up_operands,
+    kernel_jit,
+    launch,
+    on_tile_visit,
+    plan_operands,
+)
 from pallas_kernels.quant import WeightLayout, dequantize_reference, load_tile, tile_matmul, weight_operands
 
 _HI = jax.lax.Precision.HIGHEST
@@ -106,24 +120,13 @@ def _t_tile(lay: WeightLayout, refs, e, n0, k0, bn: int, bk: int, cdt):
 # ----------------------------------------------------------------------------- gate/up backward
 
 
-@dataclasses.dataclass(frozen=True)
-class BackwardSpec:
-    """Static description of a `gate_up_backward` launch (fields as `gmm.GroupedSpec`)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BackwardSpec(EpilogueSpec, RowTileSpec):
+    """Static description of a `gate_up_backward` launch (fields as `gmm.GroupedSpec`;
+    ``k``: d, ``n``: F; ``layouts``: gate, up, down; ``out_dtype``: the gradients';
+    ``want_h``: also write ``h``)."""
 
-    rows: int
-    d: int
-    f: int
-    block_m: int
-    block_n: int
-    block_k: int
-    layouts: tuple[WeightLayout, WeightLayout, WeightLayout]  # gate, up, down
-    scale: str
-    has_bias: bool
-    act: Activation
     want_h: bool
-    compute_dtype: str
-    grad_dtype: str
-    num_warps: int = 4
     num_stages: int = 2
 
 
@@ -131,7 +134,8 @@ def _gate_up_bwd_kernel(*refs, spec: BackwardSpec):
     # refs: tile_group, tile_row, group_offsets, num_tiles, token_idx, (row_scale), x, dy,
     #       gate / up / down weight arrays, (b_gate, b_up), dg, du, (h), (dscale_part).
     it = iter(refs)
-    tg_ref, tr_ref, off_ref, nt_ref, map_ref = (next(it) for _ in range(5))
+    plan_refs = [next(it) for _ in range(4)]
+    map_ref = next(it)
     scale_ref = _opt(it, spec.scale != "none")
     x_ref, dy_ref = next(it), next(it)
     lg, lu, ld = spec.layouts
@@ -142,26 +146,17 @@ def _gate_up_bwd_kernel(*refs, spec: BackwardSpec):
     dg_ref, du_ref = next(it), next(it)
     h_ref = _opt(it, spec.want_h)
     ds_ref = _opt(it, spec.scale == "input")
-
-    bm, bn, bk = spec.block_m, spec.block_n, spec.block_k
+    bk = spec.block_k
     cdt = jnp.dtype(spec.compute_dtype)
-    v, j = common.grouped_order(tg_ref.shape[0], pl.cdiv(spec.f, bn))
 
-    @pl.when(v < nt_ref[0])
-    def _():
-        e = tg_ref[v]
-        start = tr_ref[v] * bm
-        rows = start + jnp.arange(bm, dtype=jnp.int32)
-        valid = (rows >= off_ref[e]) & (rows < off_ref[e + 1])
-        src = plgpu.load(map_ref.at[rows], mask=valid, other=0)
-        n0 = j * bn
-        ns = n0 + jnp.arange(bn, dtype=jnp.int32)
+    def visit(t: TileVisit):
+        e, rows, valid, src, n0, ns, bn = t.e, t.rows, t.valid, t.src, t.n0, t.ns, t.bn
 
         def step(i, accs):
             ag, au, ad = accs
             k0 = i * bk
             ks = k0 + jnp.arange(bk, dtype=jnp.int32)
-            m = valid[:, None] & (ks < spec.d)[None, :]
+            m = valid[:, None] & (ks < spec.k)[None, :]
             xt = plgpu.load(x_ref.at[src[:, None], ks[None, :]], mask=m, other=0).astype(cdt)
             dt = plgpu.load(dy_ref.at[src[:, None], ks[None, :]], mask=m, other=0).astype(cdt)
             ag = ag + tile_matmul(xt, *load_tile(lg, wg, e, k0, n0, bk, bn, cdt))
@@ -169,8 +164,8 @@ def _gate_up_bwd_kernel(*refs, spec: BackwardSpec):
             ad = ad + tile_matmul(dt, *_t_tile(ld, wd, e, k0, n0, bk, bn, cdt))
             return ag, au, ad
 
-        zero = jnp.zeros((bm, bn), jnp.float32)
-        gx, ux, dh = jax.lax.fori_loop(0, pl.cdiv(spec.d, bk), step, (zero, zero, zero))
+        zero = jnp.zeros((t.bm, bn), jnp.float32)
+        gx, ux, dh = jax.lax.fori_loop(0, pl.cdiv(spec.k, bk), step, (zero, zero, zero))
         g, u = gx, ux
         if spec.scale != "none":
             rs = plgpu.load(scale_ref.at[rows], mask=valid, other=0).astype(jnp.float32)[:, None]
@@ -178,7 +173,7 @@ def _gate_up_bwd_kernel(*refs, spec: BackwardSpec):
                 g, u = g * rs, u * rs
             else:
                 dh = dh * rs
-        nm = ns < spec.f
+        nm = ns < spec.n
         if spec.has_bias:
             g = g + plgpu.load(bg_ref.at[e, pl.ds(n0, bn)], mask=nm, other=0).astype(jnp.float32)[None, :]
             u = u + plgpu.load(bu_ref.at[e, pl.ds(n0, bn)], mask=nm, other=0).astype(jnp.float32)[None, :]
@@ -186,14 +181,15 @@ def _gate_up_bwd_kernel(*refs, spec: BackwardSpec):
         dg = dh * dadg
         du = dh * dadu
         om = valid[:, None] & nm[None, :]
-        out = (pl.ds(start, bm), pl.ds(n0, bn))
-        plgpu.store(dg_ref.at[out], dg.astype(dg_ref.dtype), mask=om)
-        plgpu.store(du_ref.at[out], du.astype(du_ref.dtype), mask=om)
+        t.store(dg_ref, dg, om)
+        t.store(du_ref, du, om)
         if spec.want_h:
-            plgpu.store(h_ref.at[out], h.astype(h_ref.dtype), mask=om)
+            t.store(h_ref, h, om)
         if spec.scale == "input":
             part = jnp.sum(jnp.where(nm[None, :], dg * gx + du * ux, 0.0), axis=1)  # [bm]
-            plgpu.store(ds_ref.at[rows, j], part, mask=valid)
+            plgpu.store(ds_ref.at[rows, t.j], part, mask=valid)
+
+    on_tile_visit(plan_refs, spec.n, spec.block_m, spec.block_n, visit, map_ref)
 
 
 def _check_bwd(where, x, dy, token_idx, w_gate, w_up, w_down, b_gate, b_up, row_scale, scale):
@@ -201,40 +197,17 @@ def _check_bwd(where, x, dy, token_idx, w_gate, w_up, w_down, b_gate, b_up, row_
     t, d = x.shape
     common.check_array(f"{where}: dy", dy, (t, d), kinds="float")
     common.check_array(f"{where}: token_idx", token_idx, (None,), kinds="int")
-    lg, ag = weight_operands(w_gate, f"{where}: w_gate", k=d)
-    lu, au = weight_operands(w_up, f"{where}: w_up", lg.num_experts, d, lg.n)
+    (lg, ag), (lu, au) = gate_up_operands(where, d, w_gate, w_up, b_gate, b_up)
     ld, ad = weight_operands(w_down, f"{where}: w_down", lg.num_experts, lg.n, d)
-    if (b_gate is None) != (b_up is None):
-        raise ValueError(f"{where}: give both b_gate and b_up or neither")
-    if b_gate is not None:
-        common.check_array(f"{where}: b_gate", b_gate, (lg.num_experts, lg.n))
-        common.check_array(f"{where}: b_up", b_up, (lg.num_experts, lg.n))
     if scale not in SCALES:
         raise ValueError(f"{where}: scale must be one of {SCALES}, got {scale!r}")
     if (scale == "none") != (row_scale is None):
         raise ValueError(f"{where}: row_scale is required exactly when scale != 'none' (scale={scale!r})")
-    if row_scale is not None:
-        common.check_array(f"{where}: row_scale", row_scale, (token_idx.shape[0],), kinds="float")
+    check_row_scale(where, row_scale, token_idx.shape[0])
     return (lg, ag), (lu, au), (ld, ad)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "scale",
-        "activation",
-        "alpha",
-        "limit",
-        "want_h",
-        "block_m",
-        "block_n",
-        "block_k",
-        "num_warps",
-        "num_stages",
-        "interpret",
-        "debug",
-    ),
-)
+@kernel_jit("scale", *ACT_STATIC, "want_h", "block_m", "block_n", "block_k")
 def gate_up_backward(
     x,
     dy,
@@ -287,31 +260,31 @@ def gate_up_backward(
     f = lg.n
     check_plan("gate_up_backward", lg.num_experts, tile_group, tile_row, group_offsets, num_tiles)
     common.check_blocks("gate_up_backward", block_m=block_m, block_n=block_n, block_k=block_k)
+    layouts = (lg, lu, ld)
+    biases = None if b_gate is None else (b_gate, b_up)
+    fields = epilogue_fields(
+        x,
+        layouts,
+        True,
+        scale,
+        row_scale,
+        biases,
+        Activation(activation, alpha, limit),
+        x.dtype,
+        num_warps,
+        num_stages,
+        False,
+    )
     spec = BackwardSpec(
         rows=p,
-        d=x.shape[1],
-        f=f,
         block_m=block_m,
-        block_n=_raise_block(_gguf_cap(block_n, (lg, lu, ld)), ld),  # F is the down weight's K
-        block_k=max(_raise_block(_gguf_cap(block_k, (lg, lu, ld)), lg), lu.min_block_k()),
-        layouts=(lg, lu, ld),
-        scale=scale,
-        has_bias=b_gate is not None,
-        act=Activation(activation, alpha, limit),
+        block_n=_raise_block(_gguf_cap(block_n, layouts), ld),  # F is the down weight's K
+        block_k=max(_raise_block(_gguf_cap(block_k, layouts), lg), lu.min_block_k()),
         want_h=want_h,
-        compute_dtype=x.dtype.name,
-        grad_dtype=x.dtype.name,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        **fields,
     )
     nb = pl.cdiv(f, spec.block_n)
-    args = [
-        tile_group.astype(jnp.int32),
-        tile_row.astype(jnp.int32),
-        group_offsets.astype(jnp.int32),
-        jnp.reshape(num_tiles, (1,)).astype(jnp.int32),
-        token_idx.astype(jnp.int32),
-    ]
+    args = [*plan_operands(tile_group, tile_row, group_offsets, num_tiles), token_idx.astype(jnp.int32)]
     if row_scale is not None:
         args.append(row_scale.astype(jnp.float32))
     args += [x, dy, *ag, *au, *ad]
@@ -322,15 +295,9 @@ def gate_up_backward(
         shapes.append(jax.ShapeDtypeStruct((p, f), x.dtype))
     if scale == "input":
         shapes.append(jax.ShapeDtypeStruct((p, nb), jnp.float32))
-    outs = pl.pallas_call(
-        functools.partial(_gate_up_bwd_kernel, spec=spec),
-        out_shape=tuple(shapes),
-        grid=(tile_group.shape[0] * nb,),  # common.grouped_order
-        compiler_params=common.compiler_params(num_warps, num_stages),
-        interpret=interpret,
-        debug=debug,
-        name="moe_gate_up_bwd",
-    )(*args)
+    kernel = functools.partial(_gate_up_bwd_kernel, spec=spec)
+    grid = (tile_group.shape[0] * nb,)  # common.grouped_order
+    outs = launch("moe_gate_up_bwd", kernel, tuple(shapes), grid, args, (num_warps, num_stages, interpret, debug))
     dg, du = outs[0], outs[1]
     h = outs[2] if want_h else None
     ds = jnp.sum(outs[-1], axis=1) if scale == "input" else None  # fixed order: deterministic
@@ -349,13 +316,12 @@ def gate_up_backward_reference(
     b_up=None,
     row_scale=None,
     *,
-    scale: str = "output",
-    activation: str = "swiglu",
-    alpha: float = 1.702,
-    limit: float = 7.0,
+    scale="output",
+    **act,
 ):
     """Pure-jnp reference of `gate_up_backward` (``jax.vjp`` of the activation; materializes
-    ``[P, d, F]``). Returns ``(dg, du, h, dscale or None)``, all float32."""
+    ``[P, d, F]``; ``act``: the ``activation`` / ``alpha`` / ``limit`` keywords,
+    `launch.activation_of`). Returns ``(dg, du, h, dscale or None)``, all float32."""
     (lg, ag), (lu, au), (ld, ad) = _check_bwd(
         "gate_up_backward_reference", x, dy, token_idx, w_gate, w_up, w_down, b_gate, b_up, row_scale, scale
     )
@@ -370,7 +336,7 @@ def gate_up_backward_reference(
     rs = jnp.ones((xs.shape[0], 1), f32) if row_scale is None else row_scale.astype(f32)[:, None]
     if scale == "output":
         dh = dh * rs
-    act = Activation(activation, alpha, limit)
+    act = activation_of(**act)
 
     bias = None if b_gate is None or b_up is None else (b_gate.astype(f32)[ex], b_up.astype(f32)[ex])
 
@@ -393,67 +359,46 @@ def gate_up_backward_reference(
 # ----------------------------------------------------------------------------- transposed GMM
 
 
-@dataclasses.dataclass(frozen=True)
-class TransposedSpec:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransposedSpec(RowTileSpec):
     """Static description of a `gmm_transposed` launch: ``out [P, N]`` with N the
     weights' K, reduction over their N (``k`` here)."""
 
-    rows: int
-    k: int
-    n: int
-    block_m: int
-    block_n: int
-    block_k: int
     layouts: tuple[WeightLayout, ...]
     scaled: bool
-    compute_dtype: str
-    num_warps: int = 4
-    num_stages: int = 3
 
 
 def _gmm_t_kernel(*refs, spec: TransposedSpec):
     # refs: tile_group, tile_row, group_offsets, num_tiles, (row_scale), lhs_i [P, K] each,
     #       weight arrays of each W_i (logical [E, N, K]), out [P, N] f32.
     it = iter(refs)
-    tg_ref, tr_ref, off_ref, nt_ref = (next(it) for _ in range(4))
+    plan_refs = [next(it) for _ in range(4)]
     scale_ref = _opt(it, spec.scaled)
     lhs_refs = [next(it) for _ in spec.layouts]
     w_refs = [tuple(next(it) for _ in range(lay.num_arrays)) for lay in spec.layouts]
     out_ref = next(it)
-
-    bm, bn, bk = spec.block_m, spec.block_n, spec.block_k
+    bk = spec.block_k
     cdt = jnp.dtype(spec.compute_dtype)
-    v, j = common.grouped_order(tg_ref.shape[0], pl.cdiv(spec.n, bn))
 
-    @pl.when(v < nt_ref[0])
-    def _():
-        e = tg_ref[v]
-        start = tr_ref[v] * bm
-        rows = start + jnp.arange(bm, dtype=jnp.int32)
-        valid = (rows >= off_ref[e]) & (rows < off_ref[e + 1])
-        n0 = j * bn
-        ns = n0 + jnp.arange(bn, dtype=jnp.int32)
-
+    def visit(t: TileVisit):
         def step(i, acc):
             k0 = i * bk
             ks = k0 + jnp.arange(bk, dtype=jnp.int32)
-            m = valid[:, None] & (ks < spec.k)[None, :]
+            m = t.valid[:, None] & (ks < spec.k)[None, :]
             for lay, lr, wr in zip(spec.layouts, lhs_refs, w_refs):
-                lt = plgpu.load(lr.at[pl.ds(start, bm), pl.ds(k0, bk)], mask=m, other=0).astype(cdt)
-                acc = acc + tile_matmul(lt, *_t_tile(lay, wr, e, k0, n0, bk, bn, cdt))
+                lt = plgpu.load(lr.at[pl.ds(t.start, t.bm), pl.ds(k0, bk)], mask=m, other=0).astype(cdt)
+                acc = acc + tile_matmul(lt, *_t_tile(lay, wr, t.e, k0, t.n0, bk, t.bn, cdt))
             return acc
 
-        acc = jax.lax.fori_loop(0, pl.cdiv(spec.k, bk), step, jnp.zeros((bm, bn), jnp.float32))
+        acc = jax.lax.fori_loop(0, pl.cdiv(spec.k, bk), step, jnp.zeros((t.bm, t.bn), jnp.float32))
         if spec.scaled:
-            acc = acc * plgpu.load(scale_ref.at[rows], mask=valid, other=0).astype(jnp.float32)[:, None]
-        om = valid[:, None] & (ns < spec.n)[None, :]
-        plgpu.store(out_ref.at[pl.ds(start, bm), pl.ds(n0, bn)], acc.astype(out_ref.dtype), mask=om)
+            acc = acc * plgpu.load(scale_ref.at[t.rows], mask=t.valid, other=0).astype(jnp.float32)[:, None]
+        t.store(out_ref, acc, t.mask(spec.n))
+
+    on_tile_visit(plan_refs, spec.n, spec.block_m, spec.block_n, visit)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages", "interpret", "debug"),
-)
+@kernel_jit("block_m", "block_n", "block_k")
 def gmm_transposed(
     lhs,
     weights,
@@ -496,8 +441,7 @@ def gmm_transposed(
             raise ValueError(f"gmm_transposed: weights[{i}] has D={lay.k}, weights[0] D={lays[0].k}")
         lays.append(lay)
         arrs.append(ar)
-    if row_scale is not None:
-        common.check_array("gmm_transposed: row_scale", row_scale, (p,), kinds="float")
+    check_row_scale("gmm_transposed", row_scale, p)
     check_plan("gmm_transposed", lays[0].num_experts, tile_group, tile_row, group_offsets, num_tiles)
     common.check_blocks("gmm_transposed", block_m=block_m, block_n=block_n, block_k=block_k)
     bn = max(_raise_block(block_n, lay) for lay in lays)  # D is the weights' K
@@ -514,26 +458,16 @@ def gmm_transposed(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    args = [
-        tile_group.astype(jnp.int32),
-        tile_row.astype(jnp.int32),
-        group_offsets.astype(jnp.int32),
-        jnp.reshape(num_tiles, (1,)).astype(jnp.int32),
-    ]
+    args = plan_operands(tile_group, tile_row, group_offsets, num_tiles)
     if row_scale is not None:
         args.append(row_scale.astype(jnp.float32))
     args += list(lhs)
     for ar in arrs:
         args += list(ar)
-    return pl.pallas_call(
-        functools.partial(_gmm_t_kernel, spec=spec),
-        out_shape=jax.ShapeDtypeStruct((p, spec.n), jnp.float32),
-        grid=(tile_group.shape[0] * pl.cdiv(spec.n, bn),),  # common.grouped_order
-        compiler_params=common.compiler_params(num_warps, num_stages),
-        interpret=interpret,
-        debug=debug,
-        name="moe_gmm_t",
-    )(*args)
+    kernel = functools.partial(_gmm_t_kernel, spec=spec)
+    grid = (tile_group.shape[0] * pl.cdiv(spec.n, bn),)  # common.grouped_order
+    out_shape = jax.ShapeDtypeStruct((p, spec.n), jnp.float32)
+    return launch("moe_gmm_t", kernel, out_shape, grid, args, (num_warps, num_stages, interpret, debug))
 
 
 def gmm_transposed_reference(lhs, weights, group_offsets, row_scale=None):
@@ -552,21 +486,14 @@ def gmm_transposed_reference(lhs, weights, group_offsets, row_scale=None):
 # ----------------------------------------------------------------------------- tgmm / group sums
 
 
-@dataclasses.dataclass(frozen=True)
-class TgmmSpec:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TgmmSpec(RowTileSpec):
     """Static description of a `tgmm` (``k > 0``) or `group_sum` (``k == 0``) launch."""
 
     num_experts: int
-    k: int
-    n: int
-    block_m: int
-    block_k: int
-    block_n: int
     lhs_gather: bool
     rhs_gather: bool
     scaled: bool
-    compute_dtype: str
-    num_warps: int = 4
     num_stages: int = 2
 
 
@@ -615,11 +542,25 @@ def _tgmm_kernel(*refs, spec: TgmmSpec):
         plgpu.store(out_ref.at[e, pl.ds(n0, bn)], acc.astype(out_ref.dtype), mask=ns < spec.n)
 
 
-def _tgmm_call(lhs, rhs, group_offsets, lhs_map, rhs_map, row_scale, block_m, block_k, block_n, nw, ns, interp, dbg):
+def _tgmm_call(where, lhs, rhs, group_offsets, lhs_map, rhs_map, row_scale, knobs):
+    """Checks the operands and launches `_tgmm_kernel`: `tgmm`, or `group_sum` with
+    ``lhs=None``. ``knobs``: ``(block_m, block_k, block_n, num_warps, num_stages,
+    interpret, debug)``."""
+    block_m, block_k, block_n, nw, ns, interp, dbg = knobs
+    for name, a in (("lhs", lhs), ("rhs", rhs)):
+        if a is not None:
+            common.check_array(f"{where}: {name}", a, (None, None), kinds="float")
+    rows = _sorted_rows(where, lhs, rhs, lhs_map, rhs_map)
+    _check_rows(where, group_offsets, rows, lhs_map, rhs_map, row_scale)
+    blocks = {"block_m": block_m, "block_k": block_k, "block_n": block_n}
+    if lhs is None:
+        del blocks["block_k"]  # unused
+    common.check_blocks(where, **blocks)
     e = group_offsets.shape[0] - 1
     kdim = 0 if lhs is None else lhs.shape[1]
     n = rhs.shape[1]
     spec = TgmmSpec(
+        rows=rows,
         num_experts=e,
         k=kdim,
         n=n,
@@ -642,15 +583,9 @@ def _tgmm_call(lhs, rhs, group_offsets, lhs_map, rhs_map, row_scale, block_m, bl
     args.append(rhs)
     shape = (e, kdim, n) if kdim else (e, n)
     grid = (e, pl.cdiv(kdim, block_k) if kdim else 1, pl.cdiv(n, block_n))
-    return pl.pallas_call(
-        functools.partial(_tgmm_kernel, spec=spec),
-        out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
-        grid=grid,
-        compiler_params=common.compiler_params(nw, ns),
-        interpret=interp,
-        debug=dbg,
-        name="moe_tgmm" if kdim else "moe_group_sum",
-    )(*args)
+    name = "moe_tgmm" if kdim else "moe_group_sum"
+    out_shape = jax.ShapeDtypeStruct(shape, jnp.float32)
+    return launch(name, functools.partial(_tgmm_kernel, spec=spec), out_shape, grid, args, (nw, ns, interp, dbg))
 
 
 def _check_rows(where, group_offsets, rows, lhs_map, rhs_map, row_scale):
@@ -660,14 +595,10 @@ def _check_rows(where, group_offsets, rows, lhs_map, rhs_map, row_scale):
     for name, a in (("lhs_map", lhs_map), ("rhs_map", rhs_map)):
         if a is not None:
             common.check_array(f"{where}: {name}", a, (rows,), kinds="int")
-    if row_scale is not None:
-        common.check_array(f"{where}: row_scale", row_scale, (rows,), kinds="float")
+    check_row_scale(where, row_scale, rows)
 
 
-_TGMM_STATIC = ("block_m", "block_k", "block_n", "num_warps", "num_stages", "interpret", "debug")
-
-
-@functools.partial(jax.jit, static_argnames=_TGMM_STATIC)
+@kernel_jit("block_m", "block_k", "block_n")
 def tgmm(
     lhs,
     rhs,
@@ -698,26 +629,8 @@ def tgmm(
       operands multiply at the dot's default precision (TensorFloat-32 on the GPU; the
       forward's and the input gradient's tiles use full float32, `quant.tile_matmul`).
     """
-    common.check_array("tgmm: lhs", lhs, (None, None), kinds="float")
-    common.check_array("tgmm: rhs", rhs, (None, None), kinds="float")
-    rows = _sorted_rows("tgmm", lhs, rhs, lhs_map, rhs_map)
-    _check_rows("tgmm", group_offsets, rows, lhs_map, rhs_map, row_scale)
-    common.check_blocks("tgmm", block_m=block_m, block_k=block_k, block_n=block_n)
-    return _tgmm_call(
-        lhs,
-        rhs,
-        group_offsets,
-        lhs_map,
-        rhs_map,
-        row_scale,
-        block_m,
-        block_k,
-        block_n,
-        num_warps,
-        num_stages,
-        interpret,
-        debug,
-    )
+    knobs = (block_m, block_k, block_n, num_warps, num_stages, interpret, debug)
+    return _tgmm_call("tgmm", lhs, rhs, group_offsets, lhs_map, rhs_map, row_scale, knobs)
 
 
 def _sorted_rows(where, lhs, rhs, lhs_map, rhs_map) -> int:
@@ -731,7 +644,7 @@ def _sorted_rows(where, lhs, rhs, lhs_map, rhs_map) -> int:
     return sizes[0]
 
 
-@functools.partial(jax.jit, static_argnames=_TGMM_STATIC)
+@kernel_jit("block_m", "block_k", "block_n")
 def group_sum(
     rhs,
     group_offsets,
@@ -748,25 +661,8 @@ def group_sum(
 ):
     """``out[e] = sum_{r in group e} s[r] * rhs[rm[r]]`` -> ``[E, N]`` float32 (bias
     gradients; same deterministic loop as `tgmm`; ``block_k`` is unused)."""
-    common.check_array("group_sum: rhs", rhs, (None, None), kinds="float")
-    rows = _sorted_rows("group_sum", None, rhs, None, rhs_map)
-    _check_rows("group_sum", group_offsets, rows, None, rhs_map, row_scale)
-    common.check_blocks("group_sum", block_m=block_m, block_n=block_n)
-    return _tgmm_call(
-        None,
-        rhs,
-        group_offsets,
-        None,
-        rhs_map,
-        row_scale,
-        block_m,
-        block_k,
-        block_n,
-        num_warps,
-        num_stages,
-        interpret,
-        debug,
-    )
+    knobs = (block_m, block_k, block_n, num_warps, num_stages, interpret, debug)
+    return _tgmm_call("group_sum", None, rhs, group_offsets, None, rhs_map, row_scale, knobs)
 
 
 def tgmm_reference(lhs, rhs, group_offsets, lhs_map=None, rhs_map=None, row_scale=None):

@@ -44,12 +44,24 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common, gguf, tuning
 from pallas_kernels.common import Activation
+from pallas_kernels.down import down_rows_reference
 from pallas_kernels.gguf import GGUF_BLOCKS
 from pallas_kernels.gmm import fit_block_k
+from pallas_kernels.launch import (
+    ACT_STATIC,
+    EpilogueSpec,
+    activation_of,
+    check_row_scale,
+    down_operands,
+    epilogue_fields,
+    epilogue_operands,
+    gate_up_operands,
+    kernel_jit,
+    launch,
+    weight_refs,
+)
 from pallas_kernels.quant import (
     PLANE_KINDS,
-    WeightLayout,
-    dequantize_reference,
     load_tile,
     planes_of,
     quant_matvec,
@@ -57,32 +69,21 @@ from pallas_kernels.quant import (
     tile_matvec,
     weight_operands,
 )
+from pallas_kernels.swiglu import gate_up_rows_reference
 
-_HI = jax.lax.Precision.HIGHEST
+#: Static arguments of both decode wrappers (with `launch.LAUNCH_STATIC`).
+_DECODE_STATIC = ("block_n", "block_k", "word_loads", "mma", "split_k", "tf32")
 
 
-@dataclasses.dataclass(frozen=True)
-class PairSpec:
-    """Static description of one decode launch (see `GroupedSpec` for the fields)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PairSpec(EpilogueSpec):
+    """Static description of one decode launch (the fields of `launch.EpilogueSpec`, and
+    ``pairs``: P = T * k; ``top_k``: k; ``mma`` and ``split_k``: see the module doc)."""
 
     pairs: int
     top_k: int
-    k: int
-    n: int
-    block_n: int
-    block_k: int
-    layouts: tuple[WeightLayout, ...]
-    gather: bool
-    scale: str
-    has_bias: bool
-    act: Activation | None
-    compute_dtype: str
-    out_dtype: str
-    num_warps: int = 4
-    num_stages: int = 3
     mma: bool = True
     split_k: int = 1
-    tf32: bool = False
 
     @property
     def steps(self) -> int:
@@ -106,11 +107,7 @@ def _pair_kernel(*refs, spec: PairSpec, aliased: bool):
     ids_ref = next(it)
     scale_ref = next(it) if spec.scale != "none" else None
     lhs_ref = next(it)
-    w_refs = [tuple(next(it) for _ in range(lay.num_arrays)) for lay in spec.layouts]
-    b_refs = [next(it) for _ in spec.layouts] if spec.has_bias else None
-    if aliased:
-        next(it)
-    out_ref = next(it)
+    w_refs, b_refs, out_ref = weight_refs(it, spec, aliased)
 
     bn, bk = spec.block_n, spec.block_k
     cdt = jnp.dtype(spec.compute_dtype)
@@ -196,24 +193,30 @@ def _epilogue(spec: PairSpec, accs, rs, biases, ok):
     return jnp.where(ok, y, 0.0)
 
 
-def _pair_call(spec: PairSpec, ids, row_scale, lhs, weight_arrays, biases, out, interpret, debug):
-    """The decode launch: ``[P, N]`` in ``spec.out_dtype`` (with ``split_k > 1`` the
-    kernel's ``[layouts, splits, P, N]`` partial sums finished by `_finish`; ``out`` is then
-    not aliased: every row is written either way)."""
+def _pair_call(where, ids, lhs, weights, biases, row_scale, out, *, gather, scale, act, out_dtype, knobs):
+    """Checks the tile sizes, ``out`` and ``split_k``, then launches `_pair_kernel` (the
+    other arguments already checked by the public wrappers): ``[P, N]`` in ``out_dtype``
+    (with ``split_k > 1`` the kernel's ``[layouts, splits, P, N]`` partial sums finished by
+    `_finish`; ``out`` is then not aliased: every row is written either way).
+
+    ``weights``: ``(layout, arrays)`` per weight; ``scale``: where a given ``row_scale``
+    applies; ``knobs``: ``(block_n, block_k, num_warps, num_stages, mma, split_k, tf32,
+    interpret, debug)``."""
+    block_n, block_k, num_warps, num_stages, mma, split_k, tf32, interpret, debug = knobs
+    t, k = ids.shape
+    layouts = tuple(lay for lay, _ in weights)
+    common.check_blocks(where, block_n=block_n, block_k=block_k)
+    odt = jnp.dtype(out_dtype)
+    common.check_out(where, out, (t * k, layouts[0].n), odt)
+    bk = fit_block_k(block_k, layouts)
+    splits = _splits(where, split_k, t * k, layouts[0].n, block_n, lhs.shape[1], bk)
+    fields = epilogue_fields(lhs, layouts, gather, scale, row_scale, biases, act, odt, num_warps, num_stages, tf32)
+    spec = PairSpec(pairs=t * k, top_k=k, block_n=block_n, block_k=bk, mma=mma, split_k=splits, **fields)
     if spec.split_k > 1:
         out = None
-    args = [ids.reshape(-1).astype(jnp.int32)]
-    if spec.scale != "none":
-        args.append(row_scale.astype(jnp.float32))
-    args.append(lhs)
-    for arrs in weight_arrays:
-        args.extend(arrs)
-    if spec.has_bias:
-        args.extend(biases)
-    aliases = {}
-    if out is not None:
-        aliases = {len(args): 0}
-        args.append(out)
+    args, aliases = epilogue_operands(
+        [ids.reshape(-1).astype(jnp.int32)], spec, row_scale, lhs, [arrs for _, arrs in weights], biases, out
+    )
     kernel = functools.partial(_pair_kernel, spec=spec, aliased=out is not None)
     if spec.split_k > 1:
         shape = (len(spec.layouts), spec.split_k, spec.pairs, spec.n)
@@ -221,16 +224,7 @@ def _pair_call(spec: PairSpec, ids, row_scale, lhs, weight_arrays, biases, out, 
     else:
         out_shape = jax.ShapeDtypeStruct((spec.pairs, spec.n), jnp.dtype(spec.out_dtype))
     grid = (spec.pairs, pl.cdiv(spec.n, spec.block_n)) + ((spec.split_k,) if spec.split_k > 1 else ())
-    res = pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=grid,
-        input_output_aliases=aliases,
-        compiler_params=common.compiler_params(spec.num_warps, spec.num_stages),
-        interpret=interpret,
-        debug=debug,
-        name="moe_decode",
-    )(*args)
+    res = launch("moe_decode", kernel, out_shape, grid, args, (num_warps, num_stages, interpret, debug), aliases)
     if spec.split_k == 1:
         return res
     return _finish(spec, res, ids, row_scale, biases)
@@ -295,24 +289,7 @@ def decode_down(h, expert_ids, w_down, *args, **kwargs):
     return decode_down_jit(h, expert_ids, w_down, *args, **kwargs)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "activation",
-        "alpha",
-        "limit",
-        "block_n",
-        "block_k",
-        "num_warps",
-        "num_stages",
-        "word_loads",
-        "mma",
-        "split_k",
-        "tf32",
-        "interpret",
-        "debug",
-    ),
-)
+@kernel_jit(*ACT_STATIC, *_DECODE_STATIC)
 def decode_gate_up_jit(
     x,
     expert_ids,
@@ -345,8 +322,7 @@ def decode_gate_up_jit(
       row_scale: ``[T * k]`` float32 (pair order) multiplying both projections before the
         bias, or None.
       out: optional ``[T * k, F]`` buffer of ``x.dtype`` aliased to the output.
-      word_loads: quantized codes loaded as int32 words (`quant.as_words`); None: only
-        for a code array of >= 2^31 elements, which 32-bit offsets cannot address.
+      word_loads: as in `gmm.gmm`.
       mma: the row padded to 16 and multiplied on the tensor cores (default), or a float32
         broadcast-multiply and reduction (see the module doc).
       split_k: K splits (None: `tuning.decode_splits`; lowered so that none is empty,
@@ -358,61 +334,25 @@ def decode_gate_up_jit(
     """
     common.check_array("decode_gate_up: x", x, (None, None), kinds="float")
     common.check_array("decode_gate_up: expert_ids", expert_ids, (x.shape[0], None), kinds="int")
-    t, k = expert_ids.shape
-    lg, ag = weight_operands(w_gate, "decode_gate_up: w_gate", k=x.shape[1], word_loads=word_loads)
-    lu, au = weight_operands(w_up, "decode_gate_up: w_up", lg.num_experts, x.shape[1], lg.n, word_loads=word_loads)
-    if (b_gate is None) != (b_up is None):
-        raise ValueError("decode_gate_up: give both b_gate and b_up or neither")
-    if b_gate is not None:
-        common.check_array("decode_gate_up: b_gate", b_gate, (lg.num_experts, lg.n))
-        common.check_array("decode_gate_up: b_up", b_up, (lg.num_experts, lg.n))
-    if row_scale is not None:
-        common.check_array("decode_gate_up: row_scale", row_scale, (t * k,), kinds="float")
-    common.check_blocks("decode_gate_up", block_n=block_n, block_k=block_k)
-    common.check_out("decode_gate_up", out, (t * k, lg.n), x.dtype)
-    bk = fit_block_k(block_k, [lg, lu])
-    splits = _splits("decode_gate_up", split_k, t * k, lg.n, block_n, x.shape[1], bk)
-    spec = PairSpec(
-        pairs=t * k,
-        top_k=k,
-        k=x.shape[1],
-        n=lg.n,
-        block_n=block_n,
-        block_k=bk,
-        layouts=(lg, lu),
-        gather=True,
-        scale="input" if row_scale is not None else "none",
-        has_bias=b_gate is not None,
-        act=Activation(activation, alpha, limit),
-        compute_dtype=x.dtype.name,
-        out_dtype=x.dtype.name,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        mma=mma,
-        split_k=splits,
-        tf32=tf32,
-    )
+    weights = gate_up_operands("decode_gate_up", x.shape[1], w_gate, w_up, b_gate, b_up, word_loads)
+    check_row_scale("decode_gate_up", row_scale, expert_ids.size)
     return _pair_call(
-        spec, expert_ids, row_scale, x, [ag, au], None if b_gate is None else [b_gate, b_up], out, interpret, debug
+        "decode_gate_up",
+        expert_ids,
+        x,
+        weights,
+        None if b_gate is None else [b_gate, b_up],
+        row_scale,
+        out,
+        gather=True,
+        scale="input",
+        act=Activation(activation, alpha, limit),
+        out_dtype=x.dtype,
+        knobs=(block_n, block_k, num_warps, num_stages, mma, split_k, tf32, interpret, debug),
     )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "block_n",
-        "block_k",
-        "num_warps",
-        "num_stages",
-        "out_dtype",
-        "word_loads",
-        "mma",
-        "split_k",
-        "tf32",
-        "interpret",
-        "debug",
-    ),
-)
+@kernel_jit("out_dtype", *_DECODE_STATIC)
 def decode_down_jit(
     h,
     expert_ids,
@@ -440,8 +380,7 @@ def decode_down_jit(
       w_down: ``[E, F, d]`` array or `quant.QuantWeight`; b_down: ``[E, d]`` or None.
       row_scale: ``[T * k]`` float32 routing weights (pair order) or None.
       out: optional ``[T * k, d]`` buffer of ``out_dtype`` aliased to the output.
-      word_loads: quantized codes loaded as int32 words (`quant.as_words`); None: only
-        for a code array of >= 2^31 elements, which 32-bit offsets cannot address.
+      word_loads: as in `gmm.gmm`.
       mma, split_k, tf32: as in `decode_gate_up_jit`.
     Returns:
       ``[T * k, d]`` in ``out_dtype``, pair order.
@@ -453,38 +392,23 @@ def decode_down_jit(
         raise ValueError(
             f"decode_down: h has {h.shape[0]} rows, expected T*k = {t * k} (expert_ids {expert_ids.shape})"
         )
-    lay, arrs = weight_operands(w_down, "decode_down: w_down", k=h.shape[1], word_loads=word_loads)
-    if b_down is not None:
-        common.check_array("decode_down: b_down", b_down, (lay.num_experts, lay.n))
-    if row_scale is not None:
-        common.check_array("decode_down: row_scale", row_scale, (t * k,), kinds="float")
-    common.check_blocks("decode_down", block_n=block_n, block_k=block_k)
-    odt = jnp.dtype(out_dtype)
-    common.check_out("decode_down", out, (t * k, lay.n), odt)
-    bk = fit_block_k(block_k, [lay])
-    splits = _splits("decode_down", split_k, t * k, lay.n, block_n, h.shape[1], bk)
-    spec = PairSpec(
-        pairs=t * k,
-        top_k=k,
-        k=h.shape[1],
-        n=lay.n,
-        block_n=block_n,
-        block_k=bk,
-        layouts=(lay,),
-        gather=False,
-        scale="output" if row_scale is not None else "none",
-        has_bias=b_down is not None,
-        act=None,
-        compute_dtype=h.dtype.name,
-        out_dtype=odt.name,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        mma=mma,
-        split_k=splits,
-        tf32=tf32,
-    )
+    weight = down_operands("decode_down", h.shape[1], w_down, b_down, word_loads)
+    check_row_scale("decode_down", row_scale, t * k)
+    knobs = (block_n, block_k, num_warps, num_stages, mma, split_k, tf32, interpret, debug)
+    biases = None if b_down is None else [b_down]
     return _pair_call(
-        spec, expert_ids, row_scale, h, [arrs], None if b_down is None else [b_down], out, interpret, debug
+        "decode_down",
+        expert_ids,
+        h,
+        [weight],
+        biases,
+        row_scale,
+        out,
+        gather=False,
+        scale="output",
+        act=None,
+        out_dtype=out_dtype,
+        knobs=knobs,
     )
 
 
@@ -495,50 +419,19 @@ def combine_pairs(y: jax.Array, top_k: int) -> jax.Array:
     return common.slot_sum(y.astype(jnp.float32).reshape(-1, top_k, y.shape[1]))
 
 
-def decode_gate_up_reference(
-    x,
-    expert_ids,
-    w_gate,
-    w_up,
-    b_gate=None,
-    b_up=None,
-    row_scale=None,
-    *,
-    activation: str = "swiglu",
-    alpha: float = 1.702,
-    limit: float = 7.0,
-):
-    """Pure-jnp reference of `decode_gate_up`."""
+def decode_gate_up_reference(x, expert_ids, w_gate, w_up, b_gate=None, b_up=None, row_scale=None, **act):
+    """Pure-jnp reference of `decode_gate_up` (``act``: the ``activation`` / ``alpha`` /
+    ``limit`` keywords, `launch.activation_of`)."""
     lg, ag = weight_operands(w_gate, "decode_gate_up_reference: w_gate", k=x.shape[1])
     lu, au = weight_operands(w_up, "decode_gate_up_reference: w_up", lg.num_experts, x.shape[1], lg.n)
-    ids = expert_ids.reshape(-1)
     xs = jnp.repeat(x, expert_ids.shape[1], axis=0)  # [P, d]
-    g = jnp.einsum(
-        "pd,pdf->pf", xs, dequantize_reference(lg, ag, x.dtype)[ids], preferred_element_type=jnp.float32, precision=_HI
+    weights = ((lg, ag), (lu, au))
+    return gate_up_rows_reference(
+        xs, expert_ids.reshape(-1), weights, b_gate, b_up, row_scale, activation_of(**act), x.dtype
     )
-    u = jnp.einsum(
-        "pd,pdf->pf", xs, dequantize_reference(lu, au, x.dtype)[ids], preferred_element_type=jnp.float32, precision=_HI
-    )
-    if row_scale is not None:
-        g, u = g * row_scale[:, None], u * row_scale[:, None]
-    if b_gate is not None:
-        g, u = g + b_gate.astype(jnp.float32)[ids], u + b_up.astype(jnp.float32)[ids]
-    return Activation(activation, alpha, limit)(g, u).astype(x.dtype)
 
 
 def decode_down_reference(h, expert_ids, w_down, b_down=None, row_scale=None, out_dtype=jnp.float32):
     """Pure-jnp reference of `decode_down`."""
-    lay, arrs = weight_operands(w_down, "decode_down_reference: w_down", k=h.shape[1])
-    ids = expert_ids.reshape(-1)
-    y = jnp.einsum(
-        "pf,pfd->pd",
-        h,
-        dequantize_reference(lay, arrs, h.dtype)[ids],
-        preferred_element_type=jnp.float32,
-        precision=_HI,
-    )
-    if b_down is not None:
-        y = y + b_down.astype(jnp.float32)[ids]
-    if row_scale is not None:
-        y = y * row_scale[:, None]
-    return y.astype(out_dtype)
+    weight = weight_operands(w_down, "decode_down_reference: w_down", k=h.shape[1])
+    return down_rows_reference(h, expert_ids.reshape(-1), weight, b_down, row_scale, out_dtype)

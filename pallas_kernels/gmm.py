@@ -26,46 +26,27 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
-from pallas_kernels.common import Activation
-from pallas_kernels.quant import WeightLayout, dequantize_reference, load_tile, tile_matmul, weight_operands
+from pallas_kernels.launch import (
+    EpilogueSpec,
+    RowTileSpec,
+    TileVisit,
+    epilogue_fields,
+    epilogue_operands,
+    kernel_jit,
+    launch,
+    on_tile_visit,
+    plan_operands,
+    weight_refs,
+)
+from pallas_kernels.quant import dequantize_reference, load_tile, tile_matmul, weight_operands
 
 SCALES = ("none", "input", "output")
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupedSpec:
-    """Static description of one grouped launch.
-
-    Attributes:
-      rows: P, rows of the sorted order (and of the output).
-      k, n: reduction and output widths.
-      block_m, block_n, block_k: tile sizes (powers of two).
-      layouts: one weight (plain / down) or two (gate, up: SwiGLU epilogue).
-      gather: lhs rows are read through ``row_map`` (token of each sorted row).
-      scale: ``input`` multiplies the accumulators by the row's scale before the bias
-        (routing weight on the expert input), ``output`` after bias and activation.
-      has_bias: per-expert biases ``[E, N]`` (one per weight).
-      act: the epilogue activation of two weights.
-      compute_dtype, out_dtype: dtype the tiles are multiplied in, dtype written.
-      tf32: float32 tiles multiplied as one TensorFloat-32 dot (else 3xTF32, float32-accurate).
-    """
-
-    rows: int
-    k: int
-    n: int
-    block_m: int
-    block_n: int
-    block_k: int
-    layouts: tuple[WeightLayout, ...]
-    gather: bool
-    scale: str
-    has_bias: bool
-    act: Activation | None
-    compute_dtype: str
-    out_dtype: str
-    num_warps: int = 4
-    num_stages: int = 3
-    tf32: bool = False
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupedSpec(EpilogueSpec, RowTileSpec):
+    """Static description of one grouped launch (the fields of `launch.EpilogueSpec` and
+    `launch.RowTileSpec`)."""
 
 
 def _grouped_kernel(*refs, spec: GroupedSpec, aliased: bool):
@@ -74,31 +55,16 @@ def _grouped_kernel(*refs, spec: GroupedSpec, aliased: bool):
     #       weight arrays (see quant.WeightLayout), (biases [E, N] per weight),
     #       (aliased out buffer, unused), out [P, N].
     it = iter(refs)
-    tg_ref, tr_ref, off_ref, nt_ref = next(it), next(it), next(it), next(it)
+    plan_refs = [next(it) for _ in range(4)]
     map_ref = next(it) if spec.gather else None
     scale_ref = next(it) if spec.scale != "none" else None
     lhs_ref = next(it)
-    w_refs = [tuple(next(it) for _ in range(lay.num_arrays)) for lay in spec.layouts]
-    b_refs = [next(it) for _ in spec.layouts] if spec.has_bias else None
-    if aliased:
-        next(it)
-    out_ref = next(it)
-
-    bm, bn, bk = spec.block_m, spec.block_n, spec.block_k
+    w_refs, b_refs, out_ref = weight_refs(it, spec, aliased)
+    bk = spec.block_k
     cdt = jnp.dtype(spec.compute_dtype)
-    v, j = common.grouped_order(tg_ref.shape[0], pl.cdiv(spec.n, bn))
 
-    @pl.when(v < nt_ref[0])
-    def _():
-        e = tg_ref[v]
-        start = tr_ref[v] * bm
-        lo = off_ref[e]
-        hi = off_ref[e + 1]
-        rows = start + jnp.arange(bm, dtype=jnp.int32)
-        valid = (rows >= lo) & (rows < hi)  # [bm] rows of this expert in this tile
-        src = plgpu.load(map_ref.at[rows], mask=valid, other=0) if spec.gather else rows
-        n0 = j * bn
-        ns = n0 + jnp.arange(bn, dtype=jnp.int32)
+    def visit(t: TileVisit):
+        e, rows, valid, src, n0, ns = t.e, t.rows, t.valid, t.src, t.n0, t.ns
 
         def step(i, accs):
             k0 = i * bk
@@ -106,11 +72,11 @@ def _grouped_kernel(*refs, spec: GroupedSpec, aliased: bool):
             xm = valid[:, None] & (ks < spec.k)[None, :]
             xt = plgpu.load(lhs_ref.at[src[:, None], ks[None, :]], mask=xm, other=0).astype(cdt)  # [bm, bk]
             return tuple(
-                acc + tile_matmul(xt, *load_tile(lay, wr, e, k0, n0, bk, bn, cdt), tf32=spec.tf32)
+                acc + tile_matmul(xt, *load_tile(lay, wr, e, k0, n0, bk, t.bn, cdt), tf32=spec.tf32)
                 for acc, lay, wr in zip(accs, spec.layouts, w_refs)
             )
 
-        zero = jnp.zeros((bm, bn), jnp.float32)
+        zero = jnp.zeros((t.bm, t.bn), jnp.float32)
         accs = jax.lax.fori_loop(0, pl.cdiv(spec.k, bk), step, tuple(zero for _ in spec.layouts))
         if spec.scale != "none":
             rs = plgpu.load(scale_ref.at[rows], mask=valid, other=0).astype(jnp.float32)[:, None]
@@ -118,65 +84,62 @@ def _grouped_kernel(*refs, spec: GroupedSpec, aliased: bool):
             accs = tuple(a * rs for a in accs)
         if spec.has_bias:
             accs = tuple(
-                a + plgpu.load(b.at[e, pl.ds(n0, bn)], mask=ns < spec.n, other=0).astype(jnp.float32)[None, :]
+                a + plgpu.load(b.at[e, pl.ds(n0, t.bn)], mask=ns < spec.n, other=0).astype(jnp.float32)[None, :]
                 for a, b in zip(accs, b_refs)
             )
         y = spec.act(*accs) if len(accs) == 2 else accs[0]
         if spec.scale == "output":
             y = y * rs
-        om = valid[:, None] & (ns < spec.n)[None, :]
-        plgpu.store(out_ref.at[pl.ds(start, bm), pl.ds(n0, bn)], y.astype(out_ref.dtype), mask=om)
+        t.store(out_ref, y, t.mask(spec.n))
+
+    on_tile_visit(plan_refs, spec.n, spec.block_m, spec.block_n, visit, map_ref)
 
 
 def grouped_call(
-    spec: GroupedSpec,
-    tile_group,
-    tile_row,
-    group_offsets,
-    num_tiles,
-    row_map,
-    row_scale,
+    where,
+    plan,
+    knobs,
     lhs,
-    weight_arrays,
-    biases,
-    out=None,
+    weights,
+    out,
+    out_dtype,
     *,
-    interpret: bool = False,
-    debug: bool = False,
+    row_map=None,
+    row_scale=None,
+    scale="none",
+    biases=None,
+    act=None,
 ):
-    """Launches `_grouped_kernel` (arguments already checked by the public wrappers).
+    """Checks the plan, tile sizes and ``out``, then launches `_grouped_kernel` (the other
+    arguments already checked by the public wrappers).
 
-    Returns ``[P, N]`` in ``spec.out_dtype``; ``out`` (same shape and dtype) is aliased
-    to the result, so rows the kernel never writes keep ``out``'s values.
+    ``plan``: ``(tile_group, tile_row, group_offsets, num_tiles)``; ``weights``: ``(layout,
+    arrays)`` per weight; ``row_map``: rows gathered from ``lhs`` (else ``lhs`` is sorted);
+    ``scale``: where a given ``row_scale`` applies (`SCALES`); ``knobs``: ``(block_m, block_n,
+    block_k, num_warps, num_stages, tf32, interpret, debug)``. Returns ``[P, N]`` in
+    ``out_dtype``; ``out`` (same shape and dtype) is aliased to the result, so rows the
+    kernel never writes keep ``out``'s values.
     """
-    num_tiles = jnp.reshape(num_tiles, (1,)).astype(jnp.int32)
-    args = [tile_group.astype(jnp.int32), tile_row.astype(jnp.int32), group_offsets.astype(jnp.int32), num_tiles]
+    block_m, block_n, block_k, num_warps, num_stages, tf32, interpret, debug = knobs
+    tile_group, tile_row, group_offsets, num_tiles = plan
+    layouts = tuple(lay for lay, _ in weights)
+    check_plan(where, layouts[0].num_experts, tile_group, tile_row, group_offsets, num_tiles)
+    common.check_blocks(where, block_m=block_m, block_n=block_n, block_k=block_k)
+    rows = lhs.shape[0] if row_map is None else row_map.shape[0]
+    odt = jnp.dtype(out_dtype)
+    common.check_out(where, out, (rows, layouts[0].n), odt)
+    fields = epilogue_fields(
+        lhs, layouts, row_map is not None, scale, row_scale, biases, act, odt, num_warps, num_stages, tf32
+    )
+    spec = GroupedSpec(rows=rows, block_m=block_m, block_n=block_n, block_k=fit_block_k(block_k, layouts), **fields)
+    args = plan_operands(tile_group, tile_row, group_offsets, num_tiles)
     if spec.gather:
         args.append(row_map.astype(jnp.int32))
-    if spec.scale != "none":
-        args.append(row_scale.astype(jnp.float32))
-    args.append(lhs)
-    for arrs in weight_arrays:
-        args.extend(arrs)
-    if spec.has_bias:
-        args.extend(biases)
-    out_shape = jax.ShapeDtypeStruct((spec.rows, spec.n), jnp.dtype(spec.out_dtype))
-    aliases = {}
-    if out is not None:
-        aliases = {len(args): 0}
-        args.append(out)
-    grid = (tile_group.shape[0] * pl.cdiv(spec.n, spec.block_n),)  # common.grouped_order
+    args, aliases = epilogue_operands(args, spec, row_scale, lhs, [arrs for _, arrs in weights], biases, out)
     kernel = functools.partial(_grouped_kernel, spec=spec, aliased=out is not None)
-    return pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=grid,
-        input_output_aliases=aliases,
-        compiler_params=common.compiler_params(spec.num_warps, spec.num_stages),
-        interpret=interpret,
-        debug=debug,
-        name="moe_gmm",
-    )(*args)
+    grid = (tile_group.shape[0] * pl.cdiv(spec.n, spec.block_n),)  # common.grouped_order
+    out_shape = jax.ShapeDtypeStruct((spec.rows, spec.n), odt)
+    return launch("moe_gmm", kernel, out_shape, grid, args, (num_warps, num_stages, interpret, debug), aliases)
 
 
 def check_plan(where: str, num_experts: int, tile_group, tile_row, group_offsets, num_tiles) -> None:
@@ -194,21 +157,7 @@ def fit_block_k(block_k: int, layouts) -> int:
     return max(block_k, need)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "block_m",
-        "block_n",
-        "block_k",
-        "num_warps",
-        "num_stages",
-        "out_dtype",
-        "word_loads",
-        "tf32",
-        "interpret",
-        "debug",
-    ),
-)
+@kernel_jit("block_m", "block_n", "block_k", "out_dtype", "word_loads", "tf32")
 def gmm(
     lhs,
     rhs,
@@ -248,45 +197,10 @@ def gmm(
       ``[P, N]`` in ``out_dtype`` (default ``lhs.dtype``), float32 accumulation.
     """
     common.check_array("gmm: lhs", lhs, (None, None), kinds="float")
-    p, k = lhs.shape
-    lay, arrs = weight_operands(rhs, "gmm: rhs", k=k, word_loads=word_loads)
-    check_plan("gmm", lay.num_experts, tile_group, tile_row, group_offsets, num_tiles)
-    common.check_blocks("gmm", block_m=block_m, block_n=block_n, block_k=block_k)
-    odt = jnp.dtype(out_dtype or lhs.dtype)
-    common.check_out("gmm", out, (p, lay.n), odt)
-    spec = GroupedSpec(
-        rows=p,
-        k=k,
-        n=lay.n,
-        block_m=block_m,
-        block_n=block_n,
-        block_k=fit_block_k(block_k, [lay]),
-        layouts=(lay,),
-        gather=False,
-        scale="none",
-        has_bias=False,
-        act=None,
-        compute_dtype=lhs.dtype.name,
-        out_dtype=odt.name,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        tf32=tf32,
-    )
-    return grouped_call(
-        spec,
-        tile_group,
-        tile_row,
-        group_offsets,
-        num_tiles,
-        None,
-        None,
-        lhs,
-        [arrs],
-        None,
-        out,
-        interpret=interpret,
-        debug=debug,
-    )
+    weight = weight_operands(rhs, "gmm: rhs", k=lhs.shape[1], word_loads=word_loads)
+    plan = (tile_group, tile_row, group_offsets, num_tiles)
+    knobs = (block_m, block_n, block_k, num_warps, num_stages, tf32, interpret, debug)
+    return grouped_call("gmm", plan, knobs, lhs, [weight], out, out_dtype or lhs.dtype)
 
 
 def row_experts(group_offsets: jax.Array, rows: int) -> jax.Array:

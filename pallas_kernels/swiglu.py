@@ -10,15 +10,14 @@ projections before the biases.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
 from pallas_kernels.common import Activation
-from pallas_kernels.gmm import GroupedSpec, check_plan, fit_block_k, grouped_call, row_experts
-from pallas_kernels.quant import dequantize_reference, weight_operands
+from pallas_kernels.gmm import grouped_call, row_experts
+from pallas_kernels.launch import ACT_STATIC, activation_of, check_row_scale, gate_up_operands, kernel_jit
+from pallas_kernels.quant import dequantize_reference
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -26,36 +25,12 @@ _HI = jax.lax.Precision.HIGHEST
 def _check(where, x, token_idx, w_gate, w_up, b_gate, b_up, row_scale, word_loads=False):
     common.check_array(f"{where}: x", x, (None, None), kinds="float")
     common.check_array(f"{where}: token_idx", token_idx, (None,), kinds="int")
-    d = x.shape[1]
-    lg, ag = weight_operands(w_gate, f"{where}: w_gate", k=d, word_loads=word_loads)
-    lu, au = weight_operands(w_up, f"{where}: w_up", lg.num_experts, d, lg.n, word_loads=word_loads)
-    if (b_gate is None) != (b_up is None):
-        raise ValueError(f"{where}: give both b_gate and b_up or neither")
-    if b_gate is not None:
-        common.check_array(f"{where}: b_gate", b_gate, (lg.num_experts, lg.n))
-        common.check_array(f"{where}: b_up", b_up, (lg.num_experts, lg.n))
-    if row_scale is not None:
-        common.check_array(f"{where}: row_scale", row_scale, (token_idx.shape[0],), kinds="float")
-    return (lg, ag), (lu, au)
+    weights = gate_up_operands(where, x.shape[1], w_gate, w_up, b_gate, b_up, word_loads)
+    check_row_scale(where, row_scale, token_idx.shape[0])
+    return weights
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "activation",
-        "alpha",
-        "limit",
-        "block_m",
-        "block_n",
-        "block_k",
-        "num_warps",
-        "num_stages",
-        "word_loads",
-        "tf32",
-        "interpret",
-        "debug",
-    ),
-)
+@kernel_jit(*ACT_STATIC, "block_m", "block_n", "block_k", "word_loads", "tf32")
 def gate_up_swiglu(
     x,
     token_idx,
@@ -93,77 +68,52 @@ def gate_up_swiglu(
       b_gate, b_up: ``[E, F]`` or None.
       row_scale: ``[P]`` float32 or None: multiplies both projections before the bias.
       out: optional ``[P, F]`` buffer of ``x.dtype`` aliased to the output.
-      word_loads: quantized codes loaded as int32 words (`quant.as_words`); None: only
-        for a code array of >= 2^31 elements, which 32-bit offsets cannot address.
-      tf32: float32 inputs multiplied as one TensorFloat-32 dot on the tensor cores (faster,
-        10-bit mantissas); default False: 3xTF32, float32-accurate (`quant.tile_matmul`).
-        16-bit inputs are unaffected.
+      word_loads, tf32: as in `gmm.gmm`.
     Returns:
       ``h [P, F]`` in ``x.dtype`` (sorted rows), float32 accumulation and epilogue.
     """
-    (lg, ag), (lu, au) = _check("gate_up_swiglu", x, token_idx, w_gate, w_up, b_gate, b_up, row_scale, word_loads)
-    p = token_idx.shape[0]
-    check_plan("gate_up_swiglu", lg.num_experts, tile_group, tile_row, group_offsets, num_tiles)
-    common.check_blocks("gate_up_swiglu", block_m=block_m, block_n=block_n, block_k=block_k)
-    common.check_out("gate_up_swiglu", out, (p, lg.n), x.dtype)
-    spec = GroupedSpec(
-        rows=p,
-        k=x.shape[1],
-        n=lg.n,
-        block_m=block_m,
-        block_n=block_n,
-        block_k=fit_block_k(block_k, [lg, lu]),
-        layouts=(lg, lu),
-        gather=True,
-        scale="input" if row_scale is not None else "none",
-        has_bias=b_gate is not None,
-        act=Activation(activation, alpha, limit),
-        compute_dtype=x.dtype.name,
-        out_dtype=x.dtype.name,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        tf32=tf32,
-    )
+    weights = _check("gate_up_swiglu", x, token_idx, w_gate, w_up, b_gate, b_up, row_scale, word_loads)
+    plan = (tile_group, tile_row, group_offsets, num_tiles)
+    knobs = (block_m, block_n, block_k, num_warps, num_stages, tf32, interpret, debug)
+    biases = None if b_gate is None else [b_gate, b_up]
+    act = Activation(activation, alpha, limit)
     return grouped_call(
-        spec,
-        tile_group,
-        tile_row,
-        group_offsets,
-        num_tiles,
-        token_idx,
-        row_scale,
+        "gate_up_swiglu",
+        plan,
+        knobs,
         x,
-        [ag, au],
-        None if b_gate is None else [b_gate, b_up],
+        weights,
         out,
-        interpret=interpret,
-        debug=debug,
+        x.dtype,
+        row_map=token_idx,
+        row_scale=row_scale,
+        scale="input",
+        biases=biases,
+        act=act,
     )
 
 
-def gate_up_swiglu_reference(
-    x,
-    token_idx,
-    group_offsets,
-    w_gate,
-    w_up,
-    b_gate=None,
-    b_up=None,
-    row_scale=None,
-    *,
-    activation: str = "swiglu",
-    alpha: float = 1.702,
-    limit: float = 7.0,
-):
-    """Pure-jnp reference of `gate_up_swiglu` (materializes ``[P, d]`` and ``[P, d, F]``)."""
-    (lg, ag), (lu, au) = _check("gate_up_swiglu_reference", x, token_idx, w_gate, w_up, b_gate, b_up, row_scale)
+def gate_up_swiglu_reference(x, token_idx, group_offsets, w_gate, w_up, b_gate=None, b_up=None, row_scale=None, **act):
+    """Pure-jnp reference of `gate_up_swiglu` (materializes ``[P, d]`` and ``[P, d, F]``;
+    ``act``: the ``activation`` / ``alpha`` / ``limit`` keywords, `launch.activation_of`)."""
+    weights = _check("gate_up_swiglu_reference", x, token_idx, w_gate, w_up, b_gate, b_up, row_scale)
     ex = row_experts(group_offsets, token_idx.shape[0])
-    xs = x[token_idx]
-    g = jnp.einsum(
-        "pd,pdf->pf", xs, dequantize_reference(lg, ag, x.dtype)[ex], preferred_element_type=jnp.float32, precision=_HI
-    )
-    u = jnp.einsum(
-        "pd,pdf->pf", xs, dequantize_reference(lu, au, x.dtype)[ex], preferred_element_type=jnp.float32, precision=_HI
+    return gate_up_rows_reference(x[token_idx], ex, weights, b_gate, b_up, row_scale, activation_of(**act), x.dtype)
+
+
+def gate_up_rows_reference(xs, ex, weights, b_gate, b_up, row_scale, act: Activation, dtype):
+    """``act(xs @ Wg[ex] (+ bg[ex]), xs @ Wu[ex] (+ bu[ex]))`` row by row, the projections
+    scaled by ``row_scale`` before the biases (``xs [P, d]``, ``ex [P]`` expert of each row;
+    ``weights``: the gate's and the up's ``(layout, arrays)``) -> ``[P, F]`` in ``dtype``."""
+    g, u = (
+        jnp.einsum(
+            "pd,pdf->pf",
+            xs,
+            dequantize_reference(lay, arrs, xs.dtype)[ex],
+            preferred_element_type=jnp.float32,
+            precision=_HI,
+        )
+        for lay, arrs in weights
     )
     if row_scale is not None:
         g = g * row_scale[:, None]
@@ -171,4 +121,4 @@ def gate_up_swiglu_reference(
     if b_gate is not None:
         g = g + b_gate.astype(jnp.float32)[ex]
         u = u + b_up.astype(jnp.float32)[ex]
-    return Activation(activation, alpha, limit)(g, u).astype(x.dtype)
+    return act(g, u).astype(dtype)
