@@ -224,3 +224,22 @@ def test_matches_hf_module(family, impl, rng):
     y = np.asarray(y).reshape(-1, D)
     rel = np.abs(y - ref).max() / np.abs(ref).max()
     assert rel < 1e-5, f"{family}: relative error {rel:.2e}"
+
+
+def test_qwen35_moe_block_computes_the_jaxmoe_layer(rng):
+    """`jaxmoe.evaluation.hf_block.qwen35_moe_block` (the HF peer that ``jaxmoe eval train``
+    and the CPU benchmarks time against): transformers' block filled from a jaxmoe layer's
+    params computes that layer, against the float64 reference."""
+    from helpers import np_moe, params_to_numpy, random_params, shrink
+
+    from jaxmoe.evaluation.hf_block import qwen35_moe_block
+
+    cfg = shrink(jaxmoe.load_config("qwen3.6-35b-a3b"), d=32, f=16, e=8)
+    p = random_params(cfg, rng)
+    blk = qwen35_moe_block(p, cfg, threads=torch.get_num_threads()).eval()
+    x = rng.standard_normal((7, cfg.d_model)).astype(np.float32)
+    with torch.no_grad():
+        out = blk(torch.from_numpy(x[None]))
+    y = _np(out[0] if isinstance(out, tuple) else out).reshape(-1, cfg.d_model)
+    ref, _, _ = np_moe(x, params_to_numpy(p), cfg)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
