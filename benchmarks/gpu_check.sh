@@ -44,12 +44,11 @@ WHEELS="${WHEELS:-.whl}"  # the carried wheels (benchmarks/gpu_wheels.txt)
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if ((DRY)); then
-  export JAX_PLATFORMS=cpu JAXMOE_PALLAS_INTERPRET=1
+  export JAX_PLATFORMS=cpu  # the scripts take --dry-run: interpret-mode kernels
   # the dry run checks plumbing, not CPU speed: XLA:CPU compiles faster unoptimized
   export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
   FLAG=(--dry-run)
 else
-  export JAXMOE_PALLAS_INTERPRET=0
   FLAG=()
 fi
 if ((UNTIMED)); then FLAG+=(--no-deadline); fi

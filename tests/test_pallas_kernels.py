@@ -19,6 +19,7 @@ from helpers import gguf_block_weight, shrink
 
 import jaxmoe
 from jaxmoe.dispatch import plan_dispatch
+from jaxmoe.execution import ExecConfig
 from jaxmoe.impls.pallas import experts_pallas, kernel_weight
 from jaxmoe.quant import QuantizedTensor, pack_int4, quantize_int4_affine, quantize_int8
 from pallas_kernels import tuning
@@ -681,7 +682,7 @@ def test_pallas_gguf_block_kinds_match_float64_loop(rng, fmts, t):
     ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
     wts = rng.uniform(0.05, 1, ids.shape).astype(np.float32)
     r = jaxmoe.Routing(jnp.asarray(ids), jnp.asarray(wts))
-    run = jax.jit(lambda x, r, ew: experts_pallas(x, r, ew, cfg, interpret=True))
+    run = jax.jit(lambda x, r, ew: experts_pallas(x, r, ew, cfg, ExecConfig(interpret=True)))
     want = _loop64(x, ids, wts, a["w_gate"], a["w_up"], a["w_down"], cfg)
     np.testing.assert_allclose(np.asarray(run(x, r, ew)), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     hlo = run.lower(x, r, ew).as_text()

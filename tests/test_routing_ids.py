@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import jaxmoe
 from jaxmoe import parallel
 from jaxmoe.dispatch import check_expert_ids, plan_dispatch
+from jaxmoe.execution import ExecConfig
 from jaxmoe.impls.pallas import experts_pallas
 from jaxmoe.impls.registry import BUILTIN, get_impl
 from jaxmoe.routing import Routing
@@ -29,7 +30,7 @@ E = 8
 
 def _impl(name):
     if name == "pallas":
-        return lambda x, r, ew, cfg: experts_pallas(x, r, ew, cfg, interpret=True)
+        return lambda x, r, ew, cfg: experts_pallas(x, r, ew, cfg, ExecConfig(interpret=True))
     return get_impl(name)
 
 
