@@ -336,6 +336,7 @@ def test_block_with_mesh_and_explicit_mesh(rng):
     np.testing.assert_allclose(np.asarray(y2), np.asarray(y1), **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["auto", "xla", "gather"])
 def test_batch_invariance_holds_on_the_mesh(impl, rng):
     """ExecConfig(batch_invariant=True) reaches each device's share (moe_apply_ep runs the
