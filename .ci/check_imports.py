@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     "jaxmoe.experts": 0,
     "jaxmoe.dispatch": 0,
     "jaxmoe.params": 0,
+    "jaxmoe.placement": 0,
     "jaxmoe.losses": 0,
     "jaxmoe.impls": 1,
     "jaxmoe.layer": 2,

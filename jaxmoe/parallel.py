@@ -35,6 +35,15 @@ under ``jit`` such a pair is not sent and adds exactly zero (not counted as drop
 its ``kept`` entry is False), as in `jaxmoe.moe_apply` (docs/routing.md, "Invalid
 expert ids").
 
+Redundant experts (``placement=``, a `jaxmoe.placement.Placement` of ``P`` slots): the
+experts are then the ``[P, ...]`` physical weights (`jaxmoe.placement.physical_experts`),
+device ``i`` holds slots ``[i*P/n, (i+1)*P/n)``, and in step 2 each pair of logical
+expert ``e`` goes to slot ``log2phy[e, j mod replica_count[e]]``, ``j`` its rank among
+the pairs of ``e`` in the flattened batch (token order, then slot order; the devices
+before this one in token order count first: an ``all_gather`` of ``[E]`` counts), then
+``dest = slot // (P/n)`` and the local id ``slot % (P/n)``. The placement's arrays are
+traced arguments: a new placement with the same ``P`` does not recompile.
+
 Exchange: XLA:CPU has no ``ragged-all-to-all`` thunk (jax 0.10.2: "HLO opcode
 `ragged-all-to-all` is not supported by XLA:CPU"), so ``exchange="auto"`` takes the
 padded ``all_to_all`` on CPU and ``ragged_all_to_all`` on GPU / TPU. Both use the same
@@ -69,6 +78,7 @@ from jaxmoe.experts import shared_expert
 from jaxmoe.impls.policy import resolve_impl, run_experts
 from jaxmoe.invariance import slot_sum
 from jaxmoe.params import MoEParams, compute_routing
+from jaxmoe.placement import Placement, PlacementError, replica_slots
 from jaxmoe.platforms import RAGGED_PLATFORMS, default_platform
 from jaxmoe.routing import Routing
 
@@ -88,7 +98,8 @@ class EPStats:
       dropped_pairs: ``[]`` int32, (token, slot) pairs dropped for lack of capacity,
         summed over the mesh (always 0 with ``capacity_factor=None``).
       kept: ``[T, k]`` bool over the flattened tokens: the pair reached its expert.
-      expert_load: ``[E]`` int32, pairs each expert computed (kept pairs only).
+      expert_load: ``[E]`` int32, pairs each expert computed (kept pairs only); with a
+        placement ``[P]``, pairs each physical slot computed.
       capacity: ``C``, rows per (sender, receiver) device pair.
       exchange: ``padded`` or ``ragged``.
     """
@@ -198,13 +209,19 @@ def gather_output(a) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(a, tiled=True))
 
 
-def capacity(tokens_per_device: int, cfg: MoEConfig, n_expert: int, capacity_factor: float | None = None) -> int:
+def capacity(
+    tokens_per_device: int,
+    cfg: MoEConfig,
+    n_expert: int,
+    capacity_factor: float | None = None,
+    num_slots: int | None = None,
+) -> int:
     """Rows ``C`` per (sender, receiver) device pair.
 
-    ``None``: the no-drop worst case ``T_local * min(k, E/n)``; else
-    ``min(worst, max(1, ceil(capacity_factor * T_local * k / n)))``.
+    ``None``: the no-drop worst case ``T_local * min(k, E/n)`` (``P/n`` for ``num_slots=P``
+    physical slots); else ``min(worst, max(1, ceil(capacity_factor * T_local * k / n)))``.
     """
-    k, el = cfg.top_k, cfg.num_experts // n_expert
+    k, el = cfg.top_k, (num_slots or cfg.num_experts) // n_expert
     worst = tokens_per_device * min(k, el)
     if capacity_factor is None:
         return max(1, worst)
@@ -277,6 +294,7 @@ def _ep_body(
     router,
     experts,
     shared,
+    placement,
     *,
     cfg: MoEConfig,
     n: int,
@@ -286,20 +304,25 @@ def _ep_body(
     tok_axes: tuple[str, ...],
     all_axes: tuple[str, ...],
 ):
-    """One device. ``x [Tl, d]``, ``valid [Tl]``, ``ids, w [Tl, k]`` or None (routed here)."""
-    el = cfg.num_experts // n
+    """One device. ``x [Tl, d]``, ``valid [Tl]``, ``ids, w [Tl, k]`` or None (routed here);
+    ``placement`` None or ``(log2phy, replica_count)`` (replicated)."""
+    el = (cfg.num_experts if placement is None else placement[0].shape[1] + cfg.num_experts - 1) // n
     tl, d = x.shape
     k = cfg.top_k
     if ids is None:
         with jax.named_scope("ep_route"):
             r = compute_routing(router, x, cfg, invariant=ex.batch_invariant)
         ids, w = r.expert_ids, r.weights
+    pids = ids  # the slot ids the exchange plans by: logical ids, or physical slots
+    if placement is not None:
+        with jax.named_scope("ep_replicas"):
+            pids = _replica_ids(ids, valid, placement, tok_axes, cfg.num_experts)
     with jax.named_scope("ep_dispatch"):
-        slot, kept, sizes, dropped = _plan(ids, valid, n, el, c)
+        slot, kept, sizes, dropped = _plan(pids, valid, n, el, c)
         tok = jnp.repeat(jnp.arange(tl), k)
         send_x = jnp.zeros((n * c, d), x.dtype).at[slot].set(x[tok], mode="drop")
         # unused rows carry the local id ``el``, which the dispatch plan drops: never computed
-        send_id = jnp.full((n * c,), el, jnp.int32).at[slot].set((ids % el).reshape(-1).astype(jnp.int32), mode="drop")
+        send_id = jnp.full((n * c,), el, jnp.int32).at[slot].set((pids % el).reshape(-1).astype(jnp.int32), mode="drop")
         send_w = jnp.zeros((n * c,), jnp.float32).at[slot].set(w.reshape(-1).astype(jnp.float32), mode="drop")
     with jax.named_scope("ep_exchange"):
         recv_sizes = jax.lax.all_to_all(sizes, EXPERT_AXIS, 0, 0, tiled=True)
@@ -325,8 +348,20 @@ def _ep_body(
     return y.astype(x.dtype), ids, w, kept.reshape(tl, k), dropped, load
 
 
+def _replica_ids(ids, valid, placement, tok_axes, num_experts):
+    """Physical slot ``[Tl, k]`` of each local pair by the replica rule, numbered over the
+    whole flattened batch (the earlier devices' pairs of each expert come first)."""
+    log2phy, count = placement
+    live = jnp.where(valid[:, None], ids, num_experts)  # padding tokens: not counted, not sent
+    mine = jnp.zeros((num_experts,), jnp.int32).at[live.reshape(-1)].add(1, mode="drop")
+    every = jax.lax.all_gather(mine, tok_axes)  # [n_tok, E] in token-shard order
+    me = jax.lax.axis_index(tok_axes)
+    start = jnp.where((jnp.arange(every.shape[0]) < me)[:, None], every, 0).sum(0)
+    return replica_slots(live, log2phy, count, start)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh", "ex", "c", "kind", "given"))
-def _ep_jit(params: MoEParams, x2: jax.Array, ids, w, *, cfg, mesh, ex, c, kind, given):
+def _ep_jit(params: MoEParams, x2: jax.Array, ids, w, placement=None, *, cfg, mesh, ex, c, kind, given):
     n, tok_axes = _axes(mesh)
     all_axes = tuple(mesh.axis_names)
     n_tok = math.prod(int(mesh.shape[a]) for a in tok_axes)
@@ -355,8 +390,8 @@ def _ep_jit(params: MoEParams, x2: jax.Array, ids, w, *, cfg, mesh, ex, c, kind,
             lambda a, s: move(a, NamedSharding(mesh, s)), tree, spec, is_leaf=lambda z: isinstance(z, P)
         )
 
-    args = (x2, valid, ids, w, router, params.experts, params.shared)
-    specs = (tspec, tspec, tspec, tspec, rep(router), ex_spec, P())
+    args = (x2, valid, ids, w, router, params.experts, params.shared, placement)
+    specs = (tspec, tspec, tspec, tspec, rep(router), ex_spec, P(), P())
     args = tuple(put(a, s) for a, s in zip(args, specs))
     body = functools.partial(_ep_body, cfg=cfg, n=n, c=c, ex=ex, kind=kind, tok_axes=tok_axes, all_axes=all_axes)
     out_specs = (tspec, tspec, tspec, tspec, P(), P(EXPERT_AXIS))
@@ -389,6 +424,7 @@ def moe_apply_ep(
     routing: Routing | None = None,
     exchange: str = "auto",
     return_stats: bool = False,
+    placement: Placement | None = None,
     **removed,
 ):
     """One MoE layer, expert-parallel over ``mesh``. ``x [..., d]`` -> ``y [..., d]`` in ``x.dtype``.
@@ -413,6 +449,10 @@ def moe_apply_ep(
       routing: use this routing (``[T, k]`` over the flattened tokens) instead of routing.
       exchange: ``auto``, ``padded`` (``all_to_all``) or ``ragged`` (``ragged_all_to_all``).
       return_stats: also return the `EPStats`.
+      placement: redundant experts (`jaxmoe.placement.Placement` over the ``expert``
+        axis): ``params.experts`` then holds its ``P`` physical slots
+        (`jaxmoe.placement.physical_experts`); see the module docstring for the replica
+        rule. Its arrays are traced: another placement of the same ``P`` reuses the compile.
 
     Returns:
       ``y``, followed by the `Routing` if ``return_routing`` and the `EPStats` if
@@ -423,17 +463,20 @@ def moe_apply_ep(
     if x.shape[-1] != cfg.d_model:
         raise ValueError(f"moe_apply_ep: x has width {x.shape[-1]} but d_model is {cfg.d_model} (shape {x.shape})")
     n, tok_axes = _axes(mesh)
-    check_divisible(cfg, mesh)
-    if params.experts.num_experts != cfg.num_experts:
-        raise ValueError(
-            f"moe_apply_ep: params hold {params.experts.num_experts} experts, cfg.num_experts is {cfg.num_experts}"
-        )
+    if placement is None:
+        check_divisible(cfg, mesh)
+        if params.experts.num_experts != cfg.num_experts:
+            raise ValueError(
+                f"moe_apply_ep: params hold {params.experts.num_experts} experts, cfg.num_experts is {cfg.num_experts}"
+            )
+    else:
+        _check_placement_args(params, cfg, placement, n)
     kind = resolve_exchange(exchange, mesh.devices.flat[0].platform)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cfg.d_model)
     t = x2.shape[0]
     n_tok = math.prod(int(mesh.shape[a]) for a in tok_axes)
-    c = capacity(-(-t // n_tok), cfg, n, capacity_factor)
+    c = capacity(-(-t // n_tok), cfg, n, capacity_factor, None if placement is None else placement.num_slots)
     given = routing is not None
     ids = w = None
     if given:
@@ -442,10 +485,30 @@ def moe_apply_ep(
         ids = replace_invalid(ids, cfg.num_experts, cfg.num_experts)  # before the int32 cast
         ids, w = ids.astype(jnp.int32), w.astype(jnp.float32)
     resolve_impl(ex.impl, n * c, experts=params.experts, dtype=x2.dtype)  # ValueError for unknown names, before tracing
-    y, r, stats = _ep_jit(params, x2, ids, w, cfg=cfg, mesh=mesh, ex=ex, c=c, kind=kind, given=given)
+    pl = None if placement is None else (jnp.asarray(placement.log2phy), jnp.asarray(placement.replica_count))
+    y, r, stats = _ep_jit(params, x2, ids, w, pl, cfg=cfg, mesh=mesh, ex=ex, c=c, kind=kind, given=given)
     out = [y.reshape(*lead, cfg.d_model)]
     if return_routing:
         out.append(r)
     if return_stats or capacity_factor is not None:
         out.append(stats)
     return out[0] if len(out) == 1 else tuple(out)
+
+
+def _check_placement_args(params: MoEParams, cfg: MoEConfig, placement: Placement, n: int) -> None:
+    """PlacementError unless ``placement`` fits ``cfg``, the ``expert`` axis and ``params.experts``."""
+    if not isinstance(placement, Placement):
+        raise PlacementError(f"moe_apply_ep: placement must be a jaxmoe.placement.Placement, got {type(placement)}")
+    if placement.num_experts != cfg.num_experts:
+        raise PlacementError(
+            f"moe_apply_ep: the placement has {placement.num_experts} logical experts, cfg.num_experts is {cfg.num_experts}"
+        )
+    if placement.num_devices != n:
+        raise PlacementError(
+            f"moe_apply_ep: the placement is for {placement.num_devices} devices, the mesh's {EXPERT_AXIS!r} axis has {n}"
+        )
+    if params.experts.num_experts != placement.num_slots:
+        raise PlacementError(
+            f"moe_apply_ep: params hold {params.experts.num_experts} experts but the placement has "
+            f"{placement.num_slots} physical slots (build them with jaxmoe.placement.physical_experts)"
+        )
