@@ -11,8 +11,9 @@ way GGUF, MLX and torch store it:
   order of MLX's uint32 words on a little-endian machine), ``scales``/``biases``
   ``[..., out, in/g]``, ``W[i, o] = scales[o, i//g] * q[o, i] + biases[o, i//g]``.
   Q4_0 is ``scale = d, bias = -8 d``.
-- GGUF block kinds ``"q4_1"``, ``"q5_0"``, ``"q5_1"`` (blocks of 32) and ``"q4_k"``,
-  ``"q5_k"``, ``"q6_k"`` (super-blocks of 256): ``qdata [..., out, n_blocks * block_bytes]``
+- GGUF block kinds ``"q4_1"``, ``"q5_0"``, ``"q5_1"``, ``"iq4_nl"``, ``"mxfp4"`` (blocks of
+  32) and ``"q2_k"``, ``"q3_k"``, ``"q4_k"``, ``"q5_k"``, ``"q6_k"``, ``"iq4_xs"``
+  (super-blocks of 256): ``qdata [..., out, n_blocks * block_bytes]``
   uint8 holds the file's block bytes of each output row unchanged, ``scales`` and ``biases``
   are None and ``group_size`` is the block size (`GGUF_BLOCKS`). `dequantize` decodes the
   blocks in jnp, bit-exact with ``gguf.quants.dequantize`` (the same float32 operations in

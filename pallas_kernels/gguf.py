@@ -37,9 +37,22 @@ GGUF_BLOCKS: dict[str, tuple[int, int]] = {
     "q4_k": (256, 144),
     "q5_k": (256, 176),
     "q6_k": (256, 210),
+    "q2_k": (256, 84),
+    "q3_k": (256, 110),
+    "iq4_nl": (32, 18),
+    "iq4_xs": (256, 136),
+    "mxfp4": (32, 17),
 }
-#: Elements sharing one scale (and min) inside a block: the granularity of `load_tile`.
+#: Elements sharing one scale (and min) inside a block: the granularity of `load_tile`, for
+#: the kinds it decodes in-kernel (`TILE_KINDS`). The other `GGUF_BLOCKS` kinds are decoded
+#: by `dequantize_gguf_blocks` only (the Pallas impl decodes them with XLA before its kernels).
 SCALE_GROUP: dict[str, int] = {"q4_1": 32, "q5_0": 32, "q5_1": 32, "q4_k": 32, "q5_k": 32, "q6_k": 16}
+#: GGUF block kinds `load_tile` decodes in-kernel.
+TILE_KINDS: tuple[str, ...] = tuple(SCALE_GROUP)
+#: IQ4_NL / IQ4_XS code -> value (ggml's ``kvalues_iq4nl``).
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+#: MXFP4 code -> twice its E2M1 value (ggml's ``kvalues_mxfp4``; the block scale is halved to match).
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 #: Smallest K step of a tile (a multiple of every `SCALE_GROUP`).
 MIN_BLOCK_K = 32
 
@@ -152,7 +165,60 @@ def dequantize_gguf_blocks(b: jax.Array, kind: str) -> jax.Array:
         q = (ql | (qh << 4)).astype(jnp.int8) - jnp.int8(32)
         q = q.reshape(*b.shape[:-1], 16, 16).astype(f32)
         return (ds * q).reshape(*b.shape[:-1], 256)
+    if kind == "q2_k":  # scales 16 bytes (low nibble: scale, high: min), qs 64, d, dmin
+        sc = b[..., 0:16]
+        d = _f16(b[..., 80:82])[..., None]
+        dmin = _f16(b[..., 82:84])[..., None]
+        dl = (d * (sc & 0x0F).astype(f32))[..., None]  # [..., 16, 1]
+        ml = (dmin * (sc >> 4).astype(f32))[..., None]
+        q = (_bits(b[..., 16:80], 4, 32, step=2) & 0x03).reshape(*b.shape[:-1], 16, 16).astype(f32)
+        return (dl * q - ml).reshape(*b.shape[:-1], 256)
+    if kind == "q3_k":  # hmask 32 bytes, qs 64, 12 packed 6-bit scales, d
+        s = b[..., 96:108]
+        sc = (_nibbles(s[..., 0:8], 8) & 0x0F) | ((_bits(s[..., 8:12], 4, 4, step=2) & 0x03) << 4)
+        sc = (sc.astype(jnp.int8) - jnp.int8(32)).astype(f32)  # [..., 16]
+        dl = (_f16(b[..., 108:110])[..., None] * sc)[..., None]  # [..., 16, 1]
+        ql = _bits(b[..., 32:96], 4, 32, step=2) & 0x03
+        qh = (_bits(b[..., 0:32], 8, 32) & 0x01) ^ 0x01  # the offset 4 applies where the mask bit is 0
+        q = (ql.astype(jnp.int8) - (qh << 2).astype(jnp.int8)).astype(f32).reshape(*b.shape[:-1], 16, 16)
+        return (dl * q).reshape(*b.shape[:-1], 256)
+    if kind == "iq4_nl":  # d, 16 bytes of nibbles (low then high) indexing the non-linear table
+        d = _f16(b[..., 0:2])[..., None]
+        q = jnp.asarray(IQ4_VALUES, jnp.int8)[_nibbles(b[..., 2:18], 16)].astype(f32)
+        return d * q
+    if kind == "iq4_xs":  # d, scales_h u16, scales_l 4 bytes, qs 128: 8 sub-blocks of 32, 6-bit scales
+        d = _f16(b[..., 0:2])[..., None]
+        sh = jax.lax.bitcast_convert_type(b[..., 2:4], jnp.uint16)[..., None]
+        sh = ((sh >> jnp.arange(0, 16, 2, dtype=jnp.uint16)).astype(jnp.uint8)) & 0x03
+        sl = (b[..., 4:8, None] >> jnp.array([0, 4], jnp.uint8)).reshape(*b.shape[:-1], 8) & 0x0F
+        sc = (sl | (sh << 4)).astype(jnp.int8) - jnp.int8(32)
+        dl = (d * sc.astype(f32))[..., None]  # [..., 8, 1]
+        q = jnp.asarray(IQ4_VALUES, jnp.int8)[_nibbles(b[..., 8:136], 16)].astype(f32)
+        return (dl * q.reshape(*b.shape[:-1], 8, 32)).reshape(*b.shape[:-1], 256)
+    if kind == "mxfp4":
+        return _mxfp4(b)
     raise ValueError(f"dequantize_gguf_blocks: unknown GGUF block kind {kind!r}; expected one of {sorted(GGUF_BLOCKS)}")
+
+
+def _mxfp4(b) -> jax.Array:
+    """MXFP4 blocks ``[..., 17]`` (an E8M0 exponent ``e``, 16 bytes of E2M1 nibbles, low then
+    high) -> float32 ``[..., 32]``: ``v * 2^(e - 128)`` with ``v`` the doubled E2M1 value.
+
+    Every such product is exact in float32 (two significant bits) or overflows to
+    infinity, but for small ``e`` it is subnormal, which XLA:CPU flushes to zero in float
+    arithmetic; so the float32 bits are assembled with integer ops: ``v``'s own exponent
+    field moved by ``e - 128``, a subnormal result shifted into place, an overflow infinity.
+    Bit-exact with ``gguf.quants.dequantize``'s ``d * v`` (``d`` = ggml's
+    ``e8m0_to_fp32_half``).
+    """
+    v = jnp.asarray(MXFP4_VALUES, jnp.float32)[_nibbles(b[..., 1:17], 16)]
+    bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+    sign, mant = bits & jnp.uint32(0x80000000), bits & jnp.uint32(0x007FFFFF)
+    ex = (bits >> 23 & 0xFF).astype(jnp.int32) + b[..., 0:1].astype(jnp.int32) - 128  # the product's exponent field
+    sub = (mant | jnp.uint32(0x00800000)) >> jnp.clip(1 - ex, 0, 31).astype(jnp.uint32)  # exact: low bits are 0
+    mag = jnp.where(ex >= 255, jnp.uint32(0x7F800000), jnp.where(ex >= 1, ex.astype(jnp.uint32) << 23 | mant, sub))
+    out = jax.lax.bitcast_convert_type(sign | mag, jnp.float32)
+    return jnp.where(v == 0, jnp.float32(0), out)
 
 
 def dequantize_gguf_rows(raw: jax.Array, kind: str) -> jax.Array:

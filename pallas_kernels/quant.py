@@ -9,8 +9,8 @@ kernel as one of these layouts (`WeightLayout.kind`):
   ``q[e, n0:, k0:] * s`` per group of g along K, transposed (``[bn, bk]``).
 - ``int4`` (MLX affine, Q4_0 as scale d / bias -8d): ``p [E, N, K/2]`` uint8 (low nibble
   = even element), ``s, b [E, N, K/g]``; a tile is ``s * q + b``.
-- a GGUF block kind (``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q5_k``, ``q6_k``;
-  `gguf.GGUF_BLOCKS`): the file's block bytes ``[E, N, n_blocks * block_bytes]`` uint8,
+- a GGUF block kind decoded in-kernel (``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q5_k``,
+  ``q6_k``; `gguf.TILE_KINDS`): the file's block bytes ``[E, N, n_blocks * block_bytes]`` uint8,
   scales and mins inside the blocks, read as uint16 words and decoded per tile by
   `gguf.load_tile`.
 
@@ -44,7 +44,7 @@ from pallas_kernels.tuning import is_pow2
 #: Quantized kinds with separate scale (and bias) arrays, decoded by code planes.
 PLANE_KINDS = ("int8", "int4")
 #: Kinds of a `QuantWeight`.
-QUANT_KINDS = (*PLANE_KINDS, *GGUF_BLOCKS)
+QUANT_KINDS = (*PLANE_KINDS, *gguf.TILE_KINDS)
 KINDS = ("dense", *QUANT_KINDS)
 #: Code arrays with at least this many elements are loaded as int32 words (see the module doc).
 WORD_MIN_ELEMENTS = 2**31
@@ -66,7 +66,7 @@ class QuantWeight:
       scales: ``[E, N, K/g]`` floating point; None for a GGUF block kind.
       biases: ``int4``: ``[E, N, K/g]`` floating point (``W = scales * q + biases``);
         ``int8`` and GGUF block kinds: None (``W = scales * q``).
-      kind: ``"int8"``, ``"int4"`` or a `gguf.GGUF_BLOCKS` key.
+      kind: ``"int8"``, ``"int4"`` or a `gguf.TILE_KINDS` key.
       group_size: ``g``, the quantization group along K (a power of two >= 2); for a GGUF
         block kind the block size (32 or 256).
     """
@@ -79,7 +79,12 @@ class QuantWeight:
 
     def __post_init__(self):
         if self.kind not in QUANT_KINDS:
-            raise ValueError(f"QuantWeight.kind: unknown {self.kind!r}; expected one of {QUANT_KINDS}")
+            why = (
+                " (a GGUF block kind without an in-kernel decode: pass it dequantized)"
+                if self.kind in GGUF_BLOCKS
+                else ""
+            )
+            raise ValueError(f"QuantWeight.kind: unknown {self.kind!r}{why}; expected one of {QUANT_KINDS}")
 
     @property
     def shape(self) -> tuple[int, ...]:

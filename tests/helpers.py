@@ -118,22 +118,35 @@ def assert_same_params(expected, *others):
 def gguf_block_bytes(rng, qtype, shape, d_range=(1e-3, 4e-3)):
     """Random, valid GGUF block bytes for a logical numpy ``shape`` ``[..., out, in]`` of the
     block type ``qtype``: random codes and packed scales, finite float16 super-block scales
-    drawn from ``d_range`` (Q4_1 / Q5_0 / Q5_1 through ``gguf.quants.quantize`` of random
-    floats). Returns uint8 ``[..., out, in / block * block_bytes]``."""
+    drawn from ``d_range`` (Q4_1 / Q5_0 / Q5_1 / MXFP4 through ``gguf.quants.quantize`` of
+    random floats). Returns uint8 ``[..., out, in / block * block_bytes]``."""
     import gguf
     from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as QT
 
     block, size = GGML_QUANT_SIZES[qtype]
-    if qtype in (QT.Q4_1, QT.Q5_0, QT.Q5_1):
+    if qtype in (QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.MXFP4):
         return gguf.quants.quantize((rng.standard_normal(shape) * 0.1).astype(np.float32), qtype)
     n_blocks = int(np.prod(shape)) // block
     b = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
+
+    def f16(at: int, div: float = 1.0) -> None:
+        b[:, at : at + 2] = (rng.uniform(*d_range, (n_blocks, 1)) / div).astype(np.float16).view(np.uint8)
+
     if qtype in (QT.Q4_K, QT.Q5_K):  # d, dmin at bytes 0:4
-        b[:, 0:2] = rng.uniform(*d_range, (n_blocks, 1)).astype(np.float16).view(np.uint8)
-        b[:, 2:4] = rng.uniform(*d_range, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+        f16(0)
+        f16(2)
     elif qtype == QT.Q6_K:  # d at the end
-        b[:, size - 2 :] = (rng.uniform(*d_range, (n_blocks, 1)) / 10).astype(np.float16).view(np.uint8)
+        f16(size - 2, 10)
+    elif qtype == QT.Q2_K:  # d, dmin at the end
+        f16(size - 4, 0.5)
+        f16(size - 2, 0.5)
+    elif qtype == QT.Q3_K:  # d at the end
+        f16(size - 2)
+    elif qtype == QT.IQ4_NL:  # d first
+        f16(0, 10)
+    elif qtype == QT.IQ4_XS:  # d first, then 6-bit signed sub-block scales
+        f16(0, 100)
     else:
         raise ValueError(f"gguf_block_bytes: {qtype!r} is not a GGUF block type")
     return b.reshape(*shape[:-1], shape[-1] // block * size)

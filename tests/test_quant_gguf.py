@@ -1,4 +1,5 @@
-"""GGUF block kinds of `QuantizedTensor` (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): the raw block
+"""GGUF block kinds of `QuantizedTensor` (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_NL,
+IQ4_XS, MXFP4): the raw block
 bytes kept as stored, decoded in jnp bit-exact with ``gguf.quants.dequantize``, validated with
 named errors, and run by the reference impls against a float64 numpy forward."""
 
@@ -76,11 +77,17 @@ def block_buffers(draw):
     nb = draw(st.integers(1, 3))
     seed = draw(st.integers(0, 2**32 - 1))
     raw = np.random.default_rng(seed).integers(0, 256, (*lead, out, nb * size), dtype=np.uint8)
-    # float16 scale fields: random bits, or forced extreme (max finite, subnormal, inf, nan, -0)
+    # float16 scale fields: random bits, or forced extreme (max finite, subnormal, inf, nan, -0);
+    # MXFP4's E8M0 exponent byte: random, or the extremes (subnormal, overflowing and largest scales)
     extreme = draw(st.sampled_from([None, 0x7BFF, 0xFBFF, 0x0001, 0x8001, 0x7C00, 0xFC00, 0x7E00, 0x8000]))
-    if extreme is not None:
-        blocks = raw.reshape(-1, size)
-        at = [size - 2] if kind == "q6_k" else [0, 2] if kind in ("q4_1", "q5_1", "q4_k", "q5_k") else [0]
+    blocks = raw.reshape(-1, size)
+    if kind == "mxfp4":
+        e = draw(st.sampled_from([None, 0, 1, 2, 3, 126, 127, 128, 253, 254, 255]))
+        if e is not None:
+            blocks[:, 0] = e
+    elif extreme is not None:
+        at = {"q6_k": [size - 2], "q3_k": [size - 2], "q2_k": [size - 4, size - 2]}.get(kind)
+        at = at or ([0, 2] if kind in ("q4_1", "q5_1", "q4_k", "q5_k") else [0])
         for o in at:
             blocks[:, o : o + 2] = np.array([extreme], np.uint16).view(np.uint8)
     return kind, raw
@@ -104,8 +111,11 @@ def test_one_mutation_changes_the_output(kind, rng):
     block, size = GGUF_BLOCKS[kind]
     raw = gguf_block_bytes(rng, qtype(kind), (2, block))
     base = np.asarray(gguf_block_tensor(raw, kind).dequantize())
-    code_at = {"q4_1": 10, "q5_0": 12, "q5_1": 14, "q4_k": 50, "q5_k": 90, "q6_k": 20}[kind]
-    scale_at = {"q4_1": 1, "q5_0": 1, "q5_1": 3, "q4_k": 6, "q5_k": 6, "q6_k": 195}[kind]
+    code_at = {"q4_1": 10, "q5_0": 12, "q5_1": 14, "q4_k": 50, "q5_k": 90, "q6_k": 20, "q2_k": 30, "q3_k": 50}
+    code_at = code_at.get(kind) or {"iq4_nl": 10, "iq4_xs": 50, "mxfp4": 10}[kind]
+    scale_at = {"q4_1": 1, "q5_0": 1, "q5_1": 3, "q4_k": 6, "q5_k": 6, "q6_k": 195, "q2_k": 3, "q3_k": 100}
+    scale_at = scale_at.get(kind, {"iq4_nl": 1, "iq4_xs": 5, "mxfp4": 0}.get(kind))
+    assert scale_at is not None, kind
     for at, flip in ((code_at, 0x0F), (scale_at, 0x05)):
         bad = raw.copy()
         bad[1, at] ^= flip
@@ -150,10 +160,18 @@ def test_bad_buffers_are_named_errors(rng):
         QuantizedTensor(raw, raw[:, :1], None, "q4_k", 256)
     with pytest.raises(ValueError, match=r"group_size must be the block size 256, got 32"):
         QuantizedTensor(raw, None, None, "q4_k", 32)
-    with pytest.raises(ValueError, match=r"unknown 'q3_k'"):
-        QuantizedTensor(raw, None, None, "q3_k", 256)
+    with pytest.raises(ValueError, match=r"unknown 'iq2_xxs'"):
+        QuantizedTensor(raw, None, None, "iq2_xxs", 256)
     with pytest.raises(ValueError, match=r"keeps raw GGUF blocks"):
         gguf_block_tensor(raw, "q4_k").codes()
+    mx = gguf_block_bytes(rng, QT.MXFP4, (2, 64))  # odd 17-byte blocks
+    with pytest.raises(ValueError, match=r"w_up \(MXFP4, block 32 in 17 bytes\).*\(2, 33\).*truncated"):
+        gguf_block_tensor(mx[:, :-1], "mxfp4", name="w_up")
+    xs = gguf_block_bytes(rng, QT.IQ4_XS, (3, 256))
+    with pytest.raises(ValueError, match=r"w_gate \(IQ4_XS\).*\(3, 136\).*width 512.*272 bytes"):
+        gguf_block_tensor(xs, "iq4_xs", n_in=512, name="w_gate")
+    with pytest.raises(ValueError, match=r"Q3_K.*uint8.*float32"):
+        QuantizedTensor(np.zeros((2, 110), np.float32), None, None, "q3_k", 256)
 
 
 # ----------------------------------------------------------------------------- the reference impls
@@ -175,7 +193,13 @@ def layer(rng, kinds: tuple[str, str, str], e: int, d: int, f: int):
 
 @pytest.mark.parametrize(
     "kinds,d,f",
-    [(("q4_k", "q4_k", "q6_k"), 256, 256), (("q5_k", "q4_k", "q5_k"), 256, 256), (("q4_1", "q5_0", "q5_1"), 64, 96)],
+    [
+        (("q4_k", "q4_k", "q6_k"), 256, 256),
+        (("q5_k", "q4_k", "q5_k"), 256, 256),
+        (("q4_1", "q5_0", "q5_1"), 64, 96),
+        (("q2_k", "q3_k", "iq4_xs"), 256, 256),
+        (("iq4_nl", "mxfp4", "mxfp4"), 64, 96),
+    ],
 )
 @pytest.mark.parametrize("impl", ["xla", "gather", "dense", "auto"])
 @pytest.mark.slow

@@ -48,7 +48,7 @@ from jaxmoe.experts import ExpertWeights, SharedWeights, shared_expert, shared_f
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.impls.cpu.backward import backward_kernel_status, backward_supports, cpu_vjp, grouped_swiglu_bwd
 from jaxmoe.impls.cpu.build import TARGET, TARGET_SHARED, cpu_kernel_status
-from jaxmoe.impls.cpu.kinds import GGUF_KINDS, INT4, INT8, operands
+from jaxmoe.impls.cpu.kinds import GGUF_KINDS, INT4, INT8, NOT_IN_KERNEL, operands
 from jaxmoe.invariance import row_blocks
 from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
 from jaxmoe.routing import Routing
@@ -86,6 +86,8 @@ def _weight_problem(name: str, w, n_in: int | None = None) -> str | None:
         return None
     if w.kind in GGUF_KINDS:
         return _block_problem(name, w, n_in)
+    if w.kind in NOT_IN_KERNEL:
+        return f"impl='cpu': {name}: {NOT_IN_KERNEL[w.kind]}; use impl='xla'"
     if w.kind not in _QKINDS:
         return (
             f"impl='cpu' reads QuantizedTensor kinds {sorted(_QKINDS) + sorted(GGUF_KINDS)}; {name} is "
