@@ -3,7 +3,8 @@
 The module only holds variables and calls the pure `jaxmoe.layer.moe_apply`; its
 `params()` method returns the `MoEParams` pytree the functional API takes. For training,
 ``block(x, return_aux=True)`` also returns the router's logits, routing and losses
-(`jaxmoe.losses.RouterAux`).
+(`jaxmoe.losses.RouterAux`). With ``track_load=True`` the block counts the pairs routed
+to each expert over its calls (`ExpertLoad`, `jaxmoe.stats.expert_counts`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jaxmoe.losses import RouterAux, router_aux, update_selection_bias
 from jaxmoe.parallel import moe_apply_ep
 from jaxmoe.params import MoEParams, init_params
 from jaxmoe.routing import Routing, router_logits
+from jaxmoe.stats import expert_counts
 
 
 class SelectionBias(nnx.Variable):
@@ -29,6 +31,12 @@ class SelectionBias(nnx.Variable):
     `MoEBlock.update_selection_bias` (DeepSeek-V3's loss-free balancing), not the optimizer:
     ``nnx.Optimizer(block, tx, wrt=nnx.Param)`` and ``nnx.grad`` with an ``nnx.Param``
     filter leave it alone."""
+
+
+class ExpertLoad(nnx.Variable):
+    """Pairs routed to each expert ``[E]`` int32, accumulated over the calls of a
+    `MoEBlock` made with ``track_load=True``: state, neither a parameter nor trained
+    (``nnx.Optimizer(block, tx, wrt=nnx.Param)`` leaves it alone)."""
 
 
 def _var(v):
@@ -68,6 +76,12 @@ class MoEBlock(nnx.Module):
       dtype: parameter and compute dtype (routing is float32 always).
       params: ready `MoEParams` (e.g. from a loader) instead of a random init.
       mesh: a `jax.sharding.Mesh` with an ``expert`` axis for expert parallelism.
+      track_load: count the (token, slot) pairs each expert receives over the block's
+        calls into ``block.expert_load`` (an `ExpertLoad` ``[E]`` int32; ids outside
+        ``[0, E)`` do not count), computed inside the layer's own jitted call (no host
+        sync). Reset with `reset_expert_load`. The counter is NNX state: under a
+        transform use ``nnx.jit`` / ``nnx.grad`` (or ``nnx.split`` / ``nnx.merge``), not
+        a ``jax.jit`` closing over the block, which cannot update it.
     """
 
     def __init__(
@@ -80,6 +94,7 @@ class MoEBlock(nnx.Module):
         dtype=jnp.float32,
         params: MoEParams | None = None,
         mesh=None,
+        track_load: bool = False,
         **removed,
     ):
         self.cfg = cfg
@@ -92,6 +107,9 @@ class MoEBlock(nnx.Module):
             params = init_params(cfg, rngs.params(), dtype=self.dtype)
         params.check(cfg)
         self._set(params)
+        if not isinstance(track_load, bool):
+            raise ValueError(f"MoEBlock: track_load must be a bool, got {track_load!r}")
+        self.expert_load = ExpertLoad(jnp.zeros((cfg.num_experts,), jnp.int32)) if track_load else None
 
     def _set(self, p: MoEParams) -> None:
         self.w_router = nnx.Param(p.w_router)
@@ -127,6 +145,15 @@ class MoEBlock(nnx.Module):
             )
         self.selection_bias.set_value(update_selection_bias(self.selection_bias.get_value(), expert_ids, gamma))
 
+    def reset_expert_load(self) -> None:
+        """Sets ``block.expert_load`` back to zeros. ValueError unless the block was built
+        with ``track_load=True``."""
+        if self.expert_load is None:
+            raise ValueError(
+                "MoEBlock.reset_expert_load: the block does not count its load (build it with track_load=True)"
+            )
+        self.expert_load.set_value(jnp.zeros_like(self.expert_load.get_value()))
+
     @property
     def impl(self) -> str:
         """The strategy name of the block's `ExecConfig`."""
@@ -151,10 +178,19 @@ class MoEBlock(nnx.Module):
         run = exec_config(ex or self.ex, impl) if (ex is not None or impl is not None) else self.ex
         p = self.params()
         x = x.astype(self.dtype)
+        load = None if self.expert_load is None else self.expert_load.get_value()
         if self.mesh is not None:
-            out = moe_apply_ep(p, x, self.cfg, self.mesh, run, return_routing=return_routing or return_aux)
+            want = return_routing or return_aux
+            out = moe_apply_ep(p, x, self.cfg, self.mesh, run, return_routing=want or load is not None)
+            if load is not None:
+                load = _add_counts_jit(load, out[1].expert_ids)
+                out = out if want else out[0]
+        elif load is not None:
+            out, load = _moe_apply_load_jit(p, x, self.cfg, run, return_routing or return_aux, load)
         else:
             out = _moe_apply_jit(p, x, self.cfg, run, return_routing or return_aux)
+        if self.expert_load is not None:
+            self.expert_load.set_value(load)
         if not return_aux:
             return out
         y, routing = out
@@ -166,6 +202,20 @@ def _moe_apply_jit(p: MoEParams, x: jax.Array, cfg: MoEConfig, ex: ExecConfig, r
     # One jitted function per (config, ExecConfig): eager calls of the block run compiled,
     # and inside a user's jit this nests at no cost.
     return moe_apply(p, x, cfg, ex, return_routing=return_routing)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _moe_apply_load_jit(p: MoEParams, x: jax.Array, cfg: MoEConfig, ex: ExecConfig, return_routing: bool, load):
+    """`_moe_apply_jit` that also adds the call's `expert_counts` to ``load [E]``, in the same
+    compiled program; returns ``(out, load)``."""
+    y, routing = moe_apply(p, x, cfg, ex, return_routing=True)
+    load = load + expert_counts(routing, cfg.num_experts)
+    return ((y, routing) if return_routing else y), load
+
+
+@jax.jit
+def _add_counts_jit(load: jax.Array, expert_ids: jax.Array) -> jax.Array:
+    return load + expert_counts(expert_ids, load.shape[0])
 
 
 @functools.partial(jax.jit, static_argnums=(3,))

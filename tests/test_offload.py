@@ -43,6 +43,7 @@ from jaxmoe.offload import (
 from jaxmoe.offload.prerouter import PredictQuery
 from jaxmoe.offload.store import ResidentLayer
 from jaxmoe.offload.traces import load_hidden
+from jaxmoe.traces import load_routing_trace
 
 L, E, K, D, F = 3, 16, 4, 64, 32
 
@@ -590,7 +591,9 @@ def test_sweep_writes_results_and_plot(tmp_path):
         if r["budget_fraction"] == 0.0 and r["predictor"] == "none":
             assert r["hit_rate"] == 0.0
     assert (tmp_path / "out" / "offload.png").stat().st_size > 10_000 and res["plot"]
-    assert np.load(tmp_path / "out" / "input1_trace.npy").shape == (6, L, K)
+    saved_trace = load_trace(tmp_path / "out" / "input1_trace.safetensors", L, E, K)
+    assert saved_trace.shape == (6, L, K)
+    assert load_routing_trace(tmp_path / "out" / "input1_trace.safetensors").preset == "qwen3.6-35b-a3b"
     spec["budgets"] = [0.5, 2.0]
     p.write_text(yaml.safe_dump(spec))
     with pytest.raises(ConfigError, match=r"s\.yaml: key 'budgets\[1\]': must lie in \[0, 1\], got 2\.0"):

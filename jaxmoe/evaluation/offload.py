@@ -18,7 +18,7 @@ The YAML (`OffloadSweepConfig`; see ``configs/evals/offload.yaml``)::
     impl: gather                    # an impl name or a mapping of ExecConfig fields
     tokens: 48                      # decode tokens per configuration
     train_tokens: 192               # tokens that train the learned predictor (never the measured ones)
-    inputs:                         # kinds: random | hidden (path: [N, d] .npy) | trace (synthetic or path:)
+    inputs:                         # kinds: random | hidden (path: [N, d] .npy) | trace (synthetic, or path: .safetensors / .npy)
       - {kind: random, seed: 1}
       - {kind: trace, locality: 0.8, layer_corr: 0.1, zipf: 0.5, seed: 2}
     budgets: [0.0, 0.1, 0.25, 0.5, 1.0]   # fractions of all routed-expert bytes
@@ -35,8 +35,10 @@ Every configuration records which kind of input produced it (``input``: ``random
 ``hidden:<file>``, ``synthetic(locality=p, ...)``, ``trace:<file>``), the hit rate,
 prediction recall, bytes loaded per token, time waiting on loads, tokens/s against the
 fully resident run, and whether the outputs were bit-identical to it. The resident
-run's routing (and, for hidden-state inputs, its hidden states) is saved as ``.npy``
-next to ``results.json`` so it can be replayed or used to train a predictor.
+run's routing is saved as a safetensors routing trace (``input<i>_trace.safetensors``,
+`jaxmoe.traces`; ids only) and, for hidden-state inputs, its hidden states as ``.npy``,
+next to ``results.json``, so either can be replayed (``{kind: trace, path: ...}``) or
+used to train a predictor.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ from jaxmoe.offload.cache import POLICIES, SCOPES
 from jaxmoe.offload.driver import OffloadConfig, OffloadedModel
 from jaxmoe.offload.prerouter import PREDICTORS, make_predictor, train_learned
 from jaxmoe.offload.store import STORE_KINDS, open_store, random_layers, write_gguf_store, write_safetensors_store
-from jaxmoe.offload.traces import load_hidden, load_trace, reuse_rate, synthetic_trace
+from jaxmoe.offload.traces import load_hidden, load_trace, reuse_rate, save_trace, synthetic_trace
 
 KIND = "offload"
 
@@ -235,7 +237,7 @@ def prepare_input(inp: SweepInput, model, n: int, n_train: int):
 
 def run_sweep(cfg: OffloadSweepConfig, out: Path, log: Callable[[str], Any] = print) -> dict[str, Any]:
     """Runs every configuration of ``cfg``; writes ``results.json`` (and ``offload.png``,
-    the routing traces and hidden states as ``.npy``) into ``out``. Returns the results;
+    the routing traces as safetensors, hidden states as ``.npy``) into ``out``. Returns the results;
     ``results["gate"]["passed"]`` (= ``all_identical``) says whether every streamed run was
     bit-identical to the resident run."""
     out = Path(out)
@@ -269,7 +271,7 @@ def run_sweep(cfg: OffloadSweepConfig, out: Path, log: Callable[[str], Any] = pr
         label, x_train, x, tr_train, tr = prepare_input(inp, model, n, n_train)
         ref = model.run_resident(x, trace=tr)
         ref = model.run_resident(x, trace=tr)  # timed again after the first run's compiles
-        np.save(out / f"input{ii}_trace.npy", ref.ids)
+        save_trace(out / f"input{ii}_trace.safetensors", ref.ids, mcfg.num_experts, preset=cfg.model.preset or "")
         if inp.kind != "trace":
             np.save(out / f"input{ii}_hidden.npy", ref.hidden[:, 0])
         learned = None

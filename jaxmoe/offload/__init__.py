@@ -6,7 +6,8 @@ that prefetch, a multi-layer decode driver, and routing traces.
 - `jaxmoe.offload.prerouter`: predictors (``prev_token``, ``next_router``, ``learned``,
   ``oracle``) and the background `Prefetcher`.
 - `jaxmoe.offload.driver`: `OffloadedModel` (resident and streamed decode runs, metrics).
-- `jaxmoe.offload.traces`: synthetic traces with tunable locality; ``.npy`` load / save.
+- `jaxmoe.offload.traces`: synthetic traces with tunable locality; load / save as safetensors
+  routing traces (`jaxmoe.traces`) or ``.npy``.
 
 The sweep over budgets and predictors is the eval kind `jaxmoe.evaluation.offload`
 (``jaxmoe eval offload``).

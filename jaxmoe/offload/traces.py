@@ -1,7 +1,10 @@
-"""Routing traces: a synthetic generator with tunable locality, and ``.npy`` load / save.
+"""Routing traces: a synthetic generator with tunable locality, and load / save.
 
-A routing trace is ``ids [tokens, layers, k]`` int32: the experts each decode token
-selected at each layer. Random weights route with almost no temporal locality, real
+A routing trace is ``ids [tokens, layers, k]`` int32 here: the experts each decode token
+selected at each layer. On disk it is the safetensors routing trace of `jaxmoe.traces`
+(uint8 / uint16 ids ``[layers, tokens, k]``, a header naming the model, ``E`` and ``k``;
+`save_trace` writes it id-only, `load_trace` reads one with or without weights) or an
+``.npy`` of the int32 array. Random weights route with almost no temporal locality, real
 models route with a lot; the generator lets the predictors be compared on a known
 amount of it:
 
@@ -23,6 +26,8 @@ from __future__ import annotations
 import os
 
 import numpy as np
+
+from jaxmoe.traces import RoutingTrace, load_routing_trace, save_routing_trace
 
 
 def synthetic_trace(
@@ -132,18 +137,34 @@ def check_trace(
     return a.astype(np.int32)
 
 
-def save_trace(path: str | os.PathLike, ids) -> None:
-    """Saves a routing trace ``[tokens, layers, k]`` as ``.npy``."""
-    np.save(path, check_trace(ids, source=str(path)))
+def save_trace(
+    path: str | os.PathLike, ids, num_experts: int | None = None, *, model: str = "", preset: str = ""
+) -> None:
+    """Saves a routing trace ``[tokens, layers, k]``: a ``.npy`` path gets the int32 array,
+    any other path an id-only safetensors routing trace (`jaxmoe.traces`; it needs
+    ``num_experts``, and ``model`` / ``preset`` go into its header)."""
+    a = check_trace(ids, num_experts=num_experts, source=str(path))
+    if str(path).endswith(".npy"):
+        np.save(path, a)
+        return
+    if num_experts is None:
+        raise ValueError(f"{path}: a safetensors routing trace needs num_experts (its header and id dtype)")
+    save_routing_trace(path, RoutingTrace(a.transpose(1, 0, 2), None, num_experts, model=model, preset=preset))
 
 
 def load_trace(
     path: str | os.PathLike, num_layers: int | None = None, num_experts: int | None = None, top_k: int | None = None
 ) -> np.ndarray:
-    """Loads and validates a routing trace ``.npy`` ``[tokens, layers, k]``."""
+    """Loads and validates a routing trace ``[tokens, layers, k]`` int32 from a ``.npy``
+    or a safetensors routing trace (`jaxmoe.traces.load_routing_trace`; its weights, if
+    any, are not used here)."""
     if not os.path.isfile(path):
         raise ValueError(f"routing trace {path} not found")
-    return check_trace(np.load(path), num_layers, num_experts, top_k, source=str(path))
+    if str(path).endswith(".npy"):
+        a = np.load(path)
+    else:
+        a = load_routing_trace(path, num_experts=num_experts, top_k=top_k).expert_ids.transpose(1, 0, 2)
+    return check_trace(a, num_layers, num_experts, top_k, source=str(path))
 
 
 def load_hidden(path: str | os.PathLike, d_model: int) -> np.ndarray:
