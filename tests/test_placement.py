@@ -8,6 +8,7 @@ layer on 8 forced host CPU devices (tests/conftest.py).
 """
 
 import dataclasses
+import json
 
 import chex
 import jax
@@ -21,6 +22,9 @@ from test_parallel import TOL, rand_params, shrunk, single
 import jaxmoe
 from jaxmoe import parallel
 from jaxmoe import placement as pm
+from jaxmoe.evaluation.cli import cli_main as eval_cli_main
+from jaxmoe.evaluation.kinds import load_any
+from jaxmoe.evaluation.schema import ConfigError
 from jaxmoe.execution import ExecConfig
 from jaxmoe.quant import quantize_int4_affine, quantize_int8
 
@@ -313,3 +317,33 @@ def test_ep_placement_errors(rng):
         parallel.moe_apply_ep(with_slots(p, pl), x, cfg, mesh, placement=random_placement(rng, 8, 2, 4))
     with pytest.raises(pm.PlacementError, match="16 logical experts"):
         parallel.moe_apply_ep(with_slots(p, pl), x, cfg, mesh, placement=random_placement(rng, 16, 4, 0))
+
+
+@pytest.mark.slow
+def test_eval_reports_device_loads_before_and_after(tmp_path):
+    """`jaxmoe eval` with ``load_balance``: device loads before / after, the plot, and a
+    replica count the mesh cannot split is a config error naming the key."""
+    cfg_text = """
+kind: expert-parallel
+name: ep-lb
+model: {preset: qwen3.6-35b-a3b, shrink: {d_model: 32, expert_dim: 16, shared_expert_dim: 16, num_experts: 16}}
+impls: [gather]
+tokens: [8]
+mesh: [{expert: 4}]
+repeats: 1
+load_balance: {expert: 4, tokens: 64, zipf: 1.2, replicas: [0, 4], seed: 3}
+"""
+    path = tmp_path / "ep.yaml"
+    path.write_text(cfg_text)
+    assert eval_cli_main([str(path), "--out", str(tmp_path / "out")]) == 0
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    r0, r4 = res["load_balance"]
+    for k in (r0, r4):
+        assert k["status"] == "pass" and k["max_rel_err"] <= 1e-5
+        assert sum(k["device_load_before"]) == sum(k["device_load_after"]) == 64 * 8
+    assert r4["max_over_mean_after"] < r4["max_over_mean_before"]
+    assert (tmp_path / "out" / "device_load.png").stat().st_size > 0
+    assert "| 4 | 20 |" in (tmp_path / "out" / "report.md").read_text()
+    path.write_text(cfg_text.replace("replicas: [0, 4]", "replicas: [0, 3]"))
+    with pytest.raises(ConfigError, match=r"key 'load_balance.replicas\[1\]'"):
+        load_any(path)

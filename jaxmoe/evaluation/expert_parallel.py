@@ -42,6 +42,18 @@ Schema (`ExpertParallelConfig`; every key checked, unknown keys are errors namin
     timeout_s: 600                 # bound on the workers' wall time
     output_dir: runs
 
+Redundant experts (``load_balance:``, optional; the shipped config sets it): on the mesh
+``{expert: expert}`` a Zipf(``zipf``) routing over the experts (each token's top-k
+distinct experts drawn with probability ``1 / rank^zipf``, `zipf_routing`) is drawn
+twice; the first batch's per-expert pair counts feed `jaxmoe.placement.rebalance` for
+each ``replicas`` count, and the second is run through `moe_apply_ep` without and with
+each placement. Each case records the pairs each device computed (before: static
+placement; after: with the placement), max / mean device load, the max relative
+difference from the one-device layer (gated by ``tolerance``) and the step time;
+``device_load.png`` plots the device loads (``plot: false`` skips it)::
+
+    load_balance: {expert: 8, tokens: 256, zipf: 1.2, replicas: [0, 8, 16], seed: 0, plot: true}
+
 ``model.shrink`` is read as every kind reads it (`jaxmoe.evaluation.presets.shrink_config`;
 ``shared_expert_dim: 0`` drops the shared expert). Results name each ``impls:`` entry by
 its `jaxmoe.execution.ExecConfig.label`.
@@ -73,6 +85,8 @@ from jaxmoe.impls.registry import available_impls
 from jaxmoe.layer import moe_apply
 from jaxmoe.parallel import gather_output, global_input, make_mesh, moe_apply_ep, shard_params
 from jaxmoe.params import init_params
+from jaxmoe.placement import device_loads, physical_experts, rebalance
+from jaxmoe.routing import Routing
 
 KIND = "expert-parallel"
 
@@ -94,6 +108,19 @@ class MeshSection:
     data: int = 1
 
 
+@dataclasses.dataclass(frozen=True)
+class LoadBalanceSection:
+    """Device loads before / after `jaxmoe.placement.rebalance` under a Zipf routing (see the
+    module docstring)."""
+
+    expert: int = 8
+    tokens: int = 256
+    zipf: float = 1.2
+    replicas: tuple[int, ...] = (0, 8, 16)
+    seed: int = 0
+    plot: bool = True
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExpertParallelConfig(RunConfig):
     """One expert-parallel eval run (see the module docstring for the YAML form)."""
@@ -110,6 +137,7 @@ class ExpertParallelConfig(RunConfig):
     processes: int = 1
     devices_per_process: int = 4
     timeout_s: float = 600.0
+    load_balance: LoadBalanceSection | None = None
 
 
 def check(cfg: ExpertParallelConfig, ctx: Context) -> None:
@@ -133,6 +161,18 @@ def check(cfg: ExpertParallelConfig, ctx: Context) -> None:
     for key in ("tolerance", "timeout_s"):
         ctx.check_positive(key, getattr(cfg, key))
     ctx.check_name(cfg.name)
+    lb = cfg.load_balance
+    if lb is not None:
+        for key in ("expert", "tokens"):
+            ctx.check_min(f"load_balance.{key}", getattr(lb, key))
+        ctx.check_positive("load_balance.zipf", lb.zipf)
+        e = cfg.model.config().num_experts  # preset and shrink checked above
+        for i, r in enumerate(lb.replicas):
+            if r < 0 or (e + r) % lb.expert or e % lb.expert:
+                ctx.fail(
+                    f"load_balance.replicas[{i}]",
+                    f"{r}: needs r >= 0 and num_experts={e} and num_experts + r divisible by expert={lb.expert}",
+                )
 
 
 config_from_mapping = mapping_reader(ExpertParallelConfig, check, default_name=KIND)
@@ -215,7 +255,8 @@ def run_cases(cfg: ExpertParallelConfig) -> dict[str, Any]:
                             "step_ms": 1e3 * float(np.median(ts)),
                         }
                     )
-    passed = all(k["status"] != "fail" for k in cases)
+    balance = load_balance_cases(cfg, mcfg, params) if cfg.load_balance is not None else []
+    passed = all(k["status"] != "fail" for k in [*cases, *balance])
     return dict(
         **cfg.results_head(),
         model=mcfg.to_dict(),
@@ -223,8 +264,77 @@ def run_cases(cfg: ExpertParallelConfig) -> dict[str, Any]:
         devices=ndev,
         processes=nproc,
         cases=cases,
+        load_balance=balance,
         gate=dict(passed=passed),
     )
+
+
+def zipf_routing(rng: np.random.Generator, tokens: int, num_experts: int, top_k: int, s: float, order=None) -> Routing:
+    """A skewed routing ``[tokens, top_k]``: each token's ``top_k`` distinct experts drawn
+    without replacement with probability ``1 / rank^s`` (``order[i]`` has rank ``i + 1``;
+    default a random permutation), weights a softmax of normal draws (float32)."""
+    order = rng.permutation(num_experts) if order is None else np.asarray(order)
+    logp = np.empty(num_experts)
+    logp[order] = -s * np.log(np.arange(1, num_experts + 1))
+    gumbel = -np.log(-np.log(rng.uniform(1e-12, 1.0, (tokens, num_experts))))
+    ids = np.argsort(-(logp + gumbel), axis=1)[:, :top_k]  # Gumbel top-k: sampling without replacement
+    z = rng.standard_normal((tokens, top_k))
+    w = np.exp(z) / np.exp(z).sum(1, keepdims=True)
+    return Routing(jnp.asarray(ids, jnp.int32), jnp.asarray(w, jnp.float32))
+
+
+def load_balance_cases(cfg: ExpertParallelConfig, mcfg, params) -> list[dict[str, Any]]:
+    """The ``load_balance`` cases of ``cfg`` (see the module docstring)."""
+    lb = cfg.load_balance
+    assert lb is not None
+    n, ndev, e = lb.expert, len(jax.devices()), mcfg.num_experts
+    if n > ndev or (jax.process_count() > 1 and n != ndev):
+        return [dict(replicas=r, status="skipped", reason=f"mesh expert={n}, {ndev} devices") for r in lb.replicas]
+    rng = np.random.default_rng(lb.seed)
+    order = rng.permutation(e)
+    cal = zipf_routing(rng, lb.tokens, e, mcfg.top_k, lb.zipf, order)
+    fresh = zipf_routing(rng, lb.tokens, e, mcfg.top_k, lb.zipf, order)
+    x = jax.random.normal(jax.random.key(lb.seed), (lb.tokens, mcfg.d_model), jnp.float32) * cfg.inputs.scale
+    load = np.bincount(np.asarray(cal.expert_ids).reshape(-1), minlength=e)
+    ex = cfg.impls[0]
+    y1 = np.asarray(jax.jit(moe_apply, static_argnames=("cfg", "ex"))(params, x, mcfg, ex, routing=fresh))
+    mesh = make_mesh(n)
+    step = jax.jit(lambda p, x, r, pl: moe_apply_ep(p, x, mcfg, mesh, ex, routing=r, placement=pl, return_stats=True))
+    xg, rg = global_input(x, mesh), global_input(fresh, mesh)
+    before = None
+    out = []
+    for r in (None, *lb.replicas):
+        pl = None if r is None else rebalance(load, e + r, n)
+        ps = shard_params(
+            params if pl is None else dataclasses.replace(params, experts=physical_experts(params.experts, pl)), mesh
+        )
+        y, st = step(ps, xg, rg, pl)
+        ts = []
+        for _ in range(cfg.repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(step(ps, xg, rg, pl))
+            ts.append(time.perf_counter() - t0)
+        dev = gather_output(st.expert_load).reshape(n, -1).sum(1)
+        if pl is None:
+            before = dev
+            continue
+        err = float(np.abs(gather_output(y) - y1).max() / max(np.abs(y1).max(), 1e-30))
+        assert before is not None
+        out.append(
+            dict(
+                replicas=r,
+                status="pass" if err <= cfg.tolerance else "fail",
+                slots=e + r,
+                device_load_before=before.tolist(),
+                device_load_after=dev.tolist(),
+                max_over_mean_before=float(before.max() / before.mean()),
+                max_over_mean_after=float(dev.max() / dev.mean()),
+                expected_max_over_mean=float(device_loads(load, pl).max() / device_loads(load, pl).mean()),
+                max_rel_err=err,
+                step_ms=1e3 * float(np.median(ts)),
+            )
+        )
+    return out
 
 
 def report_md(res: dict) -> str:
@@ -254,6 +364,25 @@ def report_md(res: dict) -> str:
             f"{k['capacity']} | {k['dropped_pairs']} / {k['pairs']} | {k['max_rel_err']:.2e} | "
             f"{k['buffer_bytes_per_token']:.0f} | {k['step_ms']:.2f} | {k['status']} |"
         )
+    lb = res.get("load_balance") or []
+    if lb:
+        c = res["config"]["load_balance"]
+        lines += [
+            "",
+            f"Redundant experts: mesh expert={c['expert']}, {c['tokens']} tokens, Zipf({c['zipf']}) routing; "
+            "placement from a first batch's loads, device loads (pairs computed) on a second batch.",
+            "",
+            "| replicas | slots | max/mean before | max/mean after | expected after | max rel err | step ms | status |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for k in lb:
+            if k["status"] == "skipped":
+                lines.append(f"| {k['replicas']} | | | | | | | skipped: {k['reason']} |")
+                continue
+            lines.append(
+                f"| {k['replicas']} | {k['slots']} | {k['max_over_mean_before']:.3f} | {k['max_over_mean_after']:.3f} | "
+                f"{k['expected_max_over_mean']:.3f} | {k['max_rel_err']:.2e} | {k['step_ms']:.2f} | {k['status']} |"
+            )
     lines += ["", f"gate: {'passed' if res['gate']['passed'] else 'FAILED'}", ""]
     return "\n".join(lines)
 
@@ -264,7 +393,17 @@ def run(cfg: ExpertParallelConfig, opts: RunOptions | None = None) -> tuple[dict
     ``opts.progress`` does not apply (this run prints no progress bar)."""
     opts = opts or RunOptions()
     res = run_expert_parallel(cfg)
-    return res, write_run(cfg, opts, res, report_md)
+    run_dir = write_run(cfg, opts, res, report_md)
+    if (
+        cfg.load_balance is not None
+        and cfg.load_balance.plot
+        and any(k["status"] != "skipped" for k in res["load_balance"])
+    ):
+        from jaxmoe.evaluation.plots import plot_device_loads
+
+        res["plot"] = str(plot_device_loads(res, run_dir / "device_load.png"))
+        (run_dir / "results.json").write_text(json.dumps(res, indent=2))
+    return res, run_dir
 
 
 def free_port() -> int:

@@ -3,7 +3,9 @@
 - ``expert_load.png``: expert load histogram, one panel per layer;
 - ``routing_heatmap.png``: token x expert combine weights for the sample tokens, per layer;
 - ``time_vs_tokens.png``: median time (with min-max bars) against token count per case,
-  log-log, one panel per layer.
+  log-log, one panel per layer;
+- ``device_load.png`` (``expert-parallel`` runs with ``load_balance``): pairs per device
+  with static placement and with each replica count.
 """
 
 from __future__ import annotations
@@ -119,3 +121,30 @@ def write_plots(res: dict[str, Any], run_dir: Path) -> list[str]:
     if plot_time_vs_tokens(res, run_dir / "time_vs_tokens.png"):
         out.append("time_vs_tokens.png")
     return out
+
+
+def plot_device_loads(res: dict[str, Any], path: Path) -> Path:
+    """Grouped bars: pairs each device computed, static placement first, then each replica
+    count of ``res["load_balance"]``; the mean as a line. Returns ``path``."""
+    cases = [k for k in res["load_balance"] if k["status"] != "skipped"]
+    before = np.asarray(cases[0]["device_load_before"], float)
+    series = [("static", before)] + [(f"R={k['replicas']}", np.asarray(k["device_load_after"], float)) for k in cases]
+    n, width = before.size, 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(6.4, 0.9 * n + 2), 4.0))
+    for i, (label, v) in enumerate(series):
+        ax.bar(
+            np.arange(n) + (i - (len(series) - 1) / 2) * width,
+            v,
+            width,
+            label=f"{label}: max/mean {v.max() / v.mean():.2f}",
+        )
+    ax.axhline(before.mean(), color="black", lw=1, ls="--", label="mean")
+    ax.set_xlabel("device (expert axis)")
+    ax.set_ylabel("(token, slot) pairs computed")
+    c = res["config"]["load_balance"]
+    ax.set_title(f"{res['name']}: device load, Zipf({c['zipf']}) routing, {c['tokens']} tokens", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
