@@ -165,6 +165,7 @@ def _cases() -> list[Case]:
     from pallas_kernels.decode import decode_down, decode_gate_up
     from pallas_kernels.down import down_project
     from pallas_kernels.gmm import gmm
+    from pallas_kernels.launch import DecodeLaunch, Launch, Plan
     from pallas_kernels.swiglu import gate_up_swiglu
 
     S = jax.ShapeDtypeStruct
@@ -256,16 +257,17 @@ def _cases() -> list[Case]:
         def fn(x, h, lhs, ws, ids, wg, wu, wd):
             wg, wu, wd = (kernel_weight(a) for a in (wg, wu, wd))
             plan = plan_dispatch(ids, e, 16)
-            meta = (plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
+            kp = Plan(plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
+            grouped, dec = Launch(block_m=16, block_n=32, block_k=64), DecodeLaunch(block_n=32, block_k=64)
             if which == "gmm":
-                return gmm(lhs, wg, *meta, block_m=16, block_n=32, block_k=64)
+                return gmm(lhs, wg, kp, launch=grouped)
             if which == "gate_up_swiglu":
-                return gate_up_swiglu(x, plan.token_idx, *meta, wg, wu, block_m=16, block_n=32, block_k=64)
+                return gate_up_swiglu(x, plan.token_idx, kp, wg, wu, launch=grouped)
             if which == "down_project":
-                return down_project(h, *meta, wd, row_scale=ws, block_m=16, block_n=64, block_k=64)
+                return down_project(h, kp, wd, row_scale=ws, launch=dataclasses.replace(grouped, block_n=64))
             if which == "decode_gate_up":
-                return decode_gate_up(x, ids, wg, wu, block_n=32, block_k=64)
-            return decode_down(h, ids, wd, row_scale=ws, block_n=32, block_k=64)
+                return decode_gate_up(x, ids, wg, wu, launch=dec)
+            return decode_down(h, ids, wd, row_scale=ws, launch=dec)
 
         args = (S((t, d), dt), S((t * k, f), dt), S((t * k, d), dt), S((t * k,), jnp.float32), S((t, k), jnp.int32))
         return fn, (*args, *w)

@@ -50,6 +50,8 @@ from jaxmoe.execution import ExecConfig  # noqa: E402
 from jaxmoe.impls.pallas import experts_pallas, kernel_weight  # noqa: E402
 from jaxmoe.quant import quantize_int4_affine, quantize_int8  # noqa: E402
 from pallas_kernels import decode, swiglu  # noqa: E402
+from pallas_kernels.common import Activation  # noqa: E402
+from pallas_kernels.launch import DecodeLaunch, Launch, Plan  # noqa: E402
 
 TOL = {"bf16": 4e-2, "q8_0": 4e-2, "int4": 4e-2, "q4_k_m": 4e-2, "q5_0": 4e-2, "f32": 1e-4}
 TRITON_CALL = re.compile(r"__gpu\$xla\.gpu\.triton|triton_kernel_call")
@@ -178,17 +180,17 @@ def case_experts(ew: jaxmoe.ExpertWeights, kind: str) -> jaxmoe.ExpertWeights:
 def kernel_diagnosis(x, r, ew, cfg, interpret: bool) -> float:
     """The gate/up kernel alone (decode or grouped) against its pure-jnp reference."""
     wg, wu = kernel_weight(ew.w_gate), kernel_weight(ew.w_up)
-    akw = dict(activation=cfg.activation, alpha=float(cfg.swiglu_alpha), limit=float(cfg.swiglu_limit))
+    act = Activation(cfg.activation, float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
     if x.shape[0] * cfg.top_k <= 64:
-        h = decode.decode_gate_up(x, r.expert_ids, wg, wu, ew.b_gate, ew.b_up, interpret=interpret, **akw)
-        ref = decode.decode_gate_up_reference(x, r.expert_ids, wg, wu, ew.b_gate, ew.b_up, **akw)
+        lc = DecodeLaunch(interpret=interpret)
+        h = decode.decode_gate_up(x, r.expert_ids, wg, wu, ew.b_gate, ew.b_up, act=act, launch=lc)
+        ref = decode.decode_gate_up_reference(x, r.expert_ids, wg, wu, ew.b_gate, ew.b_up, act=act)
         return common.rel_err(h, ref)
     plan = plan_dispatch(r.expert_ids, cfg.num_experts, 32)
-    meta = (plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
-    h = swiglu.gate_up_swiglu(
-        x, plan.token_idx, *meta, wg, wu, ew.b_gate, ew.b_up, block_m=32, interpret=interpret, **akw
-    )
-    ref = swiglu.gate_up_swiglu_reference(x, plan.token_idx, plan.group_offsets, wg, wu, ew.b_gate, ew.b_up, **akw)
+    kp = Plan(plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
+    lc = Launch(block_m=32, interpret=interpret)
+    h = swiglu.gate_up_swiglu(x, plan.token_idx, kp, wg, wu, ew.b_gate, ew.b_up, act=act, launch=lc)
+    ref = swiglu.gate_up_swiglu_reference(x, plan.token_idx, plan.group_offsets, wg, wu, ew.b_gate, ew.b_up, act=act)
     return common.rel_err(h, ref)
 
 

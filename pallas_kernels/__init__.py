@@ -14,9 +14,11 @@ weights into kernel operands (float arrays or `quant.QuantWeight`).
 - `quant`: weight operands (`quant.QuantWeight` for Q8_0 int8, MLX / Q4_0 4-bit) and
   in-kernel dequantization.
 - `tuning`: the block-size table; `common`: Triton compiler params, activation, checks.
-- `launch`: what the wrappers share: jit static arguments, spec fields, plan operands and
-  tile visits, weight checks, the ``pallas_call`` launch.
+- `launch`: what the wrappers share: how to launch (`launch.Launch`, `launch.DecodeLaunch`:
+  block sizes, Triton knobs, the ``interpret`` / ``debug`` flags), the dispatch plan
+  (`launch.Plan`), spec fields, plan operands and tile visits, weight checks, the
+  ``pallas_call`` launch.
 
-Each kernel has its pure-jnp reference beside it; every wrapper takes ``interpret`` and
-``debug`` flags and static block sizes.
+Each kernel has its pure-jnp reference beside it; every wrapper takes its launch as one
+static `launch.Launch`.
 """

@@ -46,20 +46,21 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import common, gguf
 from pallas_kernels.common import Activation
 from pallas_kernels.gguf import GGUF_BLOCKS
-from pallas_kernels.gmm import check_plan, row_experts
+from pallas_kernels.gmm import row_experts
 from pallas_kernels.launch import (
-    ACT_STATIC,
     EpilogueSpec,
+    Launch,
     RowTileSpec,
     TileVisit,
-    activation_of,
+    call,
+    check_plan,
     check_row_scale,
     epilogue_fields,
     gate_up_operands,
     kernel_jit,
-    launch,
     on_tile_visit,
     plan_operands,
+    row_tile,
 )
 from pallas_kernels.quant import WeightLayout, dequantize_reference, load_tile, tile_matmul, weight_operands
 
@@ -159,9 +160,9 @@ def _gate_up_bwd_kernel(*refs, spec: BackwardSpec):
             m = valid[:, None] & (ks < spec.k)[None, :]
             xt = plgpu.load(x_ref.at[src[:, None], ks[None, :]], mask=m, other=0).astype(cdt)
             dt = plgpu.load(dy_ref.at[src[:, None], ks[None, :]], mask=m, other=0).astype(cdt)
-            ag = ag + tile_matmul(xt, *load_tile(lg, wg, e, k0, n0, bk, bn, cdt))
-            au = au + tile_matmul(xt, *load_tile(lu, wu, e, k0, n0, bk, bn, cdt))
-            ad = ad + tile_matmul(dt, *_t_tile(ld, wd, e, k0, n0, bk, bn, cdt))
+            ag = ag + tile_matmul(xt, *load_tile(lg, wg, e, k0, n0, bk, bn, cdt), tf32=spec.tf32)
+            au = au + tile_matmul(xt, *load_tile(lu, wu, e, k0, n0, bk, bn, cdt), tf32=spec.tf32)
+            ad = ad + tile_matmul(dt, *_t_tile(ld, wd, e, k0, n0, bk, bn, cdt), tf32=spec.tf32)
             return ag, au, ad
 
         zero = jnp.zeros((t.bm, bn), jnp.float32)
@@ -192,99 +193,84 @@ def _gate_up_bwd_kernel(*refs, spec: BackwardSpec):
     on_tile_visit(plan_refs, spec.n, spec.block_m, spec.block_n, visit, map_ref)
 
 
-def _check_bwd(where, x, dy, token_idx, w_gate, w_up, w_down, b_gate, b_up, row_scale, scale):
+def _check_bwd(where, x, dy, token_idx, weights, biases, row_scale, scale, word_loads=False):
+    """The operands checked: ``((gate, up, down) as (layout, arrays), (b_gate, b_up))``."""
+    if not isinstance(weights, tuple | list) or len(weights) != 3:
+        raise ValueError(f"{where}: weights must be (w_gate, w_up, w_down), got {type(weights).__name__}")
+    if biases is not None and (not isinstance(biases, tuple | list) or len(biases) != 2):
+        raise ValueError(f"{where}: biases must be (b_gate, b_up) or None, got {type(biases).__name__}")
+    w_gate, w_up, w_down = weights
+    b_gate, b_up = (None, None) if biases is None else biases
     common.check_array(f"{where}: x", x, (None, None), kinds="float")
     t, d = x.shape
     common.check_array(f"{where}: dy", dy, (t, d), kinds="float")
     common.check_array(f"{where}: token_idx", token_idx, (None,), kinds="int")
-    (lg, ag), (lu, au) = gate_up_operands(where, d, w_gate, w_up, b_gate, b_up)
-    ld, ad = weight_operands(w_down, f"{where}: w_down", lg.num_experts, lg.n, d)
+    (lg, ag), (lu, au) = gate_up_operands(where, d, w_gate, w_up, b_gate, b_up, word_loads)
+    ld, ad = weight_operands(w_down, f"{where}: w_down", lg.num_experts, lg.n, d, word_loads=word_loads)
     if scale not in SCALES:
         raise ValueError(f"{where}: scale must be one of {SCALES}, got {scale!r}")
     if (scale == "none") != (row_scale is None):
         raise ValueError(f"{where}: row_scale is required exactly when scale != 'none' (scale={scale!r})")
     check_row_scale(where, row_scale, token_idx.shape[0])
-    return (lg, ag), (lu, au), (ld, ad)
+    return ((lg, ag), (lu, au), (ld, ad)), (b_gate, b_up)
 
 
-@kernel_jit("scale", *ACT_STATIC, "want_h", "block_m", "block_n", "block_k")
+@kernel_jit("scale", "act", "want_h")
 def gate_up_backward(
     x,
     dy,
     token_idx,
-    group_offsets,
-    tile_group,
-    tile_row,
-    num_tiles,
-    w_gate,
-    w_up,
-    w_down,
-    b_gate=None,
-    b_up=None,
+    plan,
+    weights,
+    biases=None,
     row_scale=None,
     *,
-    scale: str = "output",
-    activation: str = "swiglu",
-    alpha: float = 1.702,
-    limit: float = 7.0,
-    want_h: bool = False,
-    block_m: int,
-    block_n: int = 64,
-    block_k: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    interpret: bool = False,
-    debug: bool = False,
+    scale="output",
+    act=Activation(),
+    want_h=False,
+    launch,
 ):
     """Cotangents of the SwiGLU pre-activations of every sorted row.
 
     Args:
       x: ``[T, d]`` forward input (its dtype is the compute dtype).
       dy: ``[T, d]`` cotangent of the combined output (any float dtype).
-      token_idx: ``[P]`` int32 token of each sorted row; the plan (built with ``block_m``).
-      w_gate, w_up: ``[E, d, F]``; w_down: ``[E, F, d]``; arrays or `quant.QuantWeight`.
-      b_gate, b_up: ``[E, F]`` or None (``b_down`` does not enter).
+      token_idx: ``[P]`` int32 token of each sorted row.
+      plan: the `launch.Plan`, built with ``launch.block_m``.
+      weights: ``(w_gate, w_up, w_down)``: ``[E, d, F]``, ``[E, d, F]``, ``[E, F, d]``
+        arrays or `quant.QuantWeight`.
+      biases: ``(b_gate, b_up)`` ``[E, F]`` each, or None (``b_down`` does not enter).
       row_scale: ``[P]`` float32 routing weight of each sorted row; ``scale``: where the
         forward applied it (``input``: on both projections; ``output``: on ``z``; ``none``).
+      act: the forward's `common.Activation`.
       want_h: also return ``h = act(g, u)`` (``x.dtype``) for the down weight's gradient.
+      launch: the `launch.Launch` (``block_m`` required).
     Returns:
       ``(dg, du, h or None, dscale or None)``: ``dg, du [P, F]`` in ``x.dtype`` (cotangents
       of ``g, u`` after bias and scale); ``dscale [P]`` float32 with ``scale="input"``:
       the row scale's gradient through ``g`` and ``u``. Rows outside every group are
       unspecified.
     """
-    (lg, ag), (lu, au), (ld, ad) = _check_bwd(
-        "gate_up_backward", x, dy, token_idx, w_gate, w_up, w_down, b_gate, b_up, row_scale, scale
-    )
+    where = "gate_up_backward"
+    checked, (b_gate, b_up) = _check_bwd(where, x, dy, token_idx, weights, biases, row_scale, scale, launch.word_loads)
+    (lg, ag), (lu, au), (ld, ad) = checked
     p = token_idx.shape[0]
     f = lg.n
-    check_plan("gate_up_backward", lg.num_experts, tile_group, tile_row, group_offsets, num_tiles)
-    common.check_blocks("gate_up_backward", block_m=block_m, block_n=block_n, block_k=block_k)
+    check_plan(where, lg.num_experts, plan)
+    block_m = row_tile(where, launch)
     layouts = (lg, lu, ld)
-    biases = None if b_gate is None else (b_gate, b_up)
-    fields = epilogue_fields(
-        x,
-        layouts,
-        True,
-        scale,
-        row_scale,
-        biases,
-        Activation(activation, alpha, limit),
-        x.dtype,
-        num_warps,
-        num_stages,
-        False,
-    )
+    biases = None if b_gate is None else (b_gate, b_up)  # both or neither (gate_up_operands)
+    fields = epilogue_fields(x, layouts, True, scale, row_scale, biases, act, x.dtype, launch)
     spec = BackwardSpec(
         rows=p,
         block_m=block_m,
-        block_n=_raise_block(_gguf_cap(block_n, layouts), ld),  # F is the down weight's K
-        block_k=max(_raise_block(_gguf_cap(block_k, layouts), lg), lu.min_block_k()),
+        block_n=_raise_block(_gguf_cap(launch.block_n, layouts), ld),  # F is the down weight's K
+        block_k=max(_raise_block(_gguf_cap(launch.block_k, layouts), lg), lu.min_block_k()),
         want_h=want_h,
         **fields,
     )
     nb = pl.cdiv(f, spec.block_n)
-    args = [*plan_operands(tile_group, tile_row, group_offsets, num_tiles), token_idx.astype(jnp.int32)]
+    args = [*plan_operands(plan), token_idx.astype(jnp.int32)]
     if row_scale is not None:
         args.append(row_scale.astype(jnp.float32))
     args += [x, dy, *ag, *au, *ad]
@@ -296,8 +282,8 @@ def gate_up_backward(
     if scale == "input":
         shapes.append(jax.ShapeDtypeStruct((p, nb), jnp.float32))
     kernel = functools.partial(_gate_up_bwd_kernel, spec=spec)
-    grid = (tile_group.shape[0] * nb,)  # common.grouped_order
-    outs = launch("moe_gate_up_bwd", kernel, tuple(shapes), grid, args, (num_warps, num_stages, interpret, debug))
+    grid = (plan.tile_group.shape[0] * nb,)  # common.grouped_order
+    outs = call("moe_gate_up_bwd", kernel, tuple(shapes), grid, args, launch)
     dg, du = outs[0], outs[1]
     h = outs[2] if want_h else None
     ds = jnp.sum(outs[-1], axis=1) if scale == "input" else None  # fixed order: deterministic
@@ -305,38 +291,23 @@ def gate_up_backward(
 
 
 def gate_up_backward_reference(
-    x,
-    dy,
-    token_idx,
-    group_offsets,
-    w_gate,
-    w_up,
-    w_down,
-    b_gate=None,
-    b_up=None,
-    row_scale=None,
-    *,
-    scale="output",
-    **act,
+    x, dy, token_idx, group_offsets, weights, biases=None, row_scale=None, *, scale="output", act=Activation()
 ):
     """Pure-jnp reference of `gate_up_backward` (``jax.vjp`` of the activation; materializes
-    ``[P, d, F]``; ``act``: the ``activation`` / ``alpha`` / ``limit`` keywords,
-    `launch.activation_of`). Returns ``(dg, du, h, dscale or None)``, all float32."""
-    (lg, ag), (lu, au), (ld, ad) = _check_bwd(
-        "gate_up_backward_reference", x, dy, token_idx, w_gate, w_up, w_down, b_gate, b_up, row_scale, scale
-    )
+    ``[P, d, F]``). Returns ``(dg, du, h, dscale or None)``, all float32."""
+    where = "gate_up_backward_reference"
+    checked, (b_gate, b_up) = _check_bwd(where, x, dy, token_idx, weights, biases, row_scale, scale)
     ex = row_experts(group_offsets, token_idx.shape[0])
     f32 = jnp.float32
     xs = x[token_idx].astype(f32)
     dys = dy[token_idx].astype(f32)
-    wg, wu, wd = (dequantize_reference(lay, a, f32)[ex] for lay, a in ((lg, ag), (lu, au), (ld, ad)))
+    wg, wu, wd = (dequantize_reference(lay, a, f32)[ex] for lay, a in checked)
     gx = jnp.einsum("pd,pdf->pf", xs, wg, precision=_HI)
     ux = jnp.einsum("pd,pdf->pf", xs, wu, precision=_HI)
     dh = jnp.einsum("pd,pfd->pf", dys, wd, precision=_HI)
     rs = jnp.ones((xs.shape[0], 1), f32) if row_scale is None else row_scale.astype(f32)[:, None]
     if scale == "output":
         dh = dh * rs
-    act = activation_of(**act)
 
     bias = None if b_gate is None or b_up is None else (b_gate.astype(f32)[ex], b_up.astype(f32)[ex])
 
@@ -366,6 +337,7 @@ class TransposedSpec(RowTileSpec):
 
     layouts: tuple[WeightLayout, ...]
     scaled: bool
+    tf32: bool = False
 
 
 def _gmm_t_kernel(*refs, spec: TransposedSpec):
@@ -387,7 +359,7 @@ def _gmm_t_kernel(*refs, spec: TransposedSpec):
             m = t.valid[:, None] & (ks < spec.k)[None, :]
             for lay, lr, wr in zip(spec.layouts, lhs_refs, w_refs):
                 lt = plgpu.load(lr.at[pl.ds(t.start, t.bm), pl.ds(k0, bk)], mask=m, other=0).astype(cdt)
-                acc = acc + tile_matmul(lt, *_t_tile(lay, wr, t.e, k0, t.n0, bk, t.bn, cdt))
+                acc = acc + tile_matmul(lt, *_t_tile(lay, wr, t.e, k0, t.n0, bk, t.bn, cdt), tf32=spec.tf32)
             return acc
 
         acc = jax.lax.fori_loop(0, pl.cdiv(spec.k, bk), step, jnp.zeros((t.bm, t.bn), jnp.float32))
@@ -398,32 +370,17 @@ def _gmm_t_kernel(*refs, spec: TransposedSpec):
     on_tile_visit(plan_refs, spec.n, spec.block_m, spec.block_n, visit)
 
 
-@kernel_jit("block_m", "block_n", "block_k")
-def gmm_transposed(
-    lhs,
-    weights,
-    group_offsets,
-    tile_group,
-    tile_row,
-    num_tiles,
-    row_scale=None,
-    *,
-    block_m: int,
-    block_n: int = 64,
-    block_k: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 3,
-    interpret: bool = False,
-    debug: bool = False,
-):
+@kernel_jit()
+def gmm_transposed(lhs, weights, plan, row_scale=None, *, launch):
     """``out[r] = s[r] * sum_i lhs_i[r] @ W_i[e]^T`` over sorted rows, float32.
 
     Args:
       lhs: tuple of ``[P, F]`` sorted rows (one per weight; same dtype: the compute dtype).
       weights: tuple of ``[E, D, F]`` arrays or `quant.QuantWeight`s, read transposed in
         place (``D`` is the output width).
-      group_offsets, tile_group, tile_row, num_tiles: the plan (built with ``block_m``).
+      plan: the `launch.Plan`, built with ``launch.block_m``.
       row_scale: ``[P]`` float or None, multiplies each output row.
+      launch: the `launch.Launch` (``block_m`` required).
     Returns:
       ``[P, D]`` float32 (rows outside every group unspecified).
     """
@@ -436,38 +393,40 @@ def gmm_transposed(
     lays, arrs = [], []
     for i, (a, w) in enumerate(zip(lhs, weights)):
         common.check_array(f"gmm_transposed: lhs[{i}]", a, (p, f), dtype=lhs[0].dtype)
-        lay, ar = weight_operands(w, f"gmm_transposed: weights[{i}]", lays[0].num_experts if lays else None, n=f)
+        e = lays[0].num_experts if lays else None
+        lay, ar = weight_operands(w, f"gmm_transposed: weights[{i}]", e, n=f, word_loads=launch.word_loads)
         if lays and lay.k != lays[0].k:
             raise ValueError(f"gmm_transposed: weights[{i}] has D={lay.k}, weights[0] D={lays[0].k}")
         lays.append(lay)
         arrs.append(ar)
     check_row_scale("gmm_transposed", row_scale, p)
-    check_plan("gmm_transposed", lays[0].num_experts, tile_group, tile_row, group_offsets, num_tiles)
-    common.check_blocks("gmm_transposed", block_m=block_m, block_n=block_n, block_k=block_k)
-    bn = max(_raise_block(block_n, lay) for lay in lays)  # D is the weights' K
+    check_plan("gmm_transposed", lays[0].num_experts, plan)
+    block_m = row_tile("gmm_transposed", launch)
+    bn = max(_raise_block(launch.block_n, lay) for lay in lays)  # D is the weights' K
     spec = TransposedSpec(
         rows=p,
         k=f,
         n=lays[0].k,
         block_m=block_m,
         block_n=bn,
-        block_k=block_k,
+        block_k=launch.block_k,
         layouts=tuple(lays),
         scaled=row_scale is not None,
         compute_dtype=lhs[0].dtype.name,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+        tf32=launch.tf32,
     )
-    args = plan_operands(tile_group, tile_row, group_offsets, num_tiles)
+    args = plan_operands(plan)
     if row_scale is not None:
         args.append(row_scale.astype(jnp.float32))
     args += list(lhs)
     for ar in arrs:
         args += list(ar)
     kernel = functools.partial(_gmm_t_kernel, spec=spec)
-    grid = (tile_group.shape[0] * pl.cdiv(spec.n, bn),)  # common.grouped_order
+    grid = (plan.tile_group.shape[0] * pl.cdiv(spec.n, bn),)  # common.grouped_order
     out_shape = jax.ShapeDtypeStruct((p, spec.n), jnp.float32)
-    return launch("moe_gmm_t", kernel, out_shape, grid, args, (num_warps, num_stages, interpret, debug))
+    return call("moe_gmm_t", kernel, out_shape, grid, args, launch)
 
 
 def gmm_transposed_reference(lhs, weights, group_offsets, row_scale=None):
@@ -542,20 +501,15 @@ def _tgmm_kernel(*refs, spec: TgmmSpec):
         plgpu.store(out_ref.at[e, pl.ds(n0, bn)], acc.astype(out_ref.dtype), mask=ns < spec.n)
 
 
-def _tgmm_call(where, lhs, rhs, group_offsets, lhs_map, rhs_map, row_scale, knobs):
+def _tgmm_call(where, launch: Launch, lhs, rhs, group_offsets, lhs_map, rhs_map, row_scale):
     """Checks the operands and launches `_tgmm_kernel`: `tgmm`, or `group_sum` with
-    ``lhs=None``. ``knobs``: ``(block_m, block_k, block_n, num_warps, num_stages,
-    interpret, debug)``."""
-    block_m, block_k, block_n, nw, ns, interp, dbg = knobs
+    ``lhs=None``."""
     for name, a in (("lhs", lhs), ("rhs", rhs)):
         if a is not None:
             common.check_array(f"{where}: {name}", a, (None, None), kinds="float")
     rows = _sorted_rows(where, lhs, rhs, lhs_map, rhs_map)
     _check_rows(where, group_offsets, rows, lhs_map, rhs_map, row_scale)
-    blocks = {"block_m": block_m, "block_k": block_k, "block_n": block_n}
-    if lhs is None:
-        del blocks["block_k"]  # unused
-    common.check_blocks(where, **blocks)
+    block_m, block_k, block_n = row_tile(where, launch), launch.block_k, launch.block_n
     e = group_offsets.shape[0] - 1
     kdim = 0 if lhs is None else lhs.shape[1]
     n = rhs.shape[1]
@@ -571,8 +525,8 @@ def _tgmm_call(where, lhs, rhs, group_offsets, lhs_map, rhs_map, row_scale, knob
         rhs_gather=rhs_map is not None,
         scaled=row_scale is not None,
         compute_dtype=(rhs if lhs is None else lhs).dtype.name,
-        num_warps=nw,
-        num_stages=ns,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     args = [group_offsets.astype(jnp.int32)]
     args += [a.astype(jnp.int32) for a in (lhs_map, rhs_map) if a is not None]
@@ -585,7 +539,7 @@ def _tgmm_call(where, lhs, rhs, group_offsets, lhs_map, rhs_map, row_scale, knob
     grid = (e, pl.cdiv(kdim, block_k) if kdim else 1, pl.cdiv(n, block_n))
     name = "moe_tgmm" if kdim else "moe_group_sum"
     out_shape = jax.ShapeDtypeStruct(shape, jnp.float32)
-    return launch(name, functools.partial(_tgmm_kernel, spec=spec), out_shape, grid, args, (nw, ns, interp, dbg))
+    return call(name, functools.partial(_tgmm_kernel, spec=spec), out_shape, grid, args, launch)
 
 
 def _check_rows(where, group_offsets, rows, lhs_map, rhs_map, row_scale):
@@ -598,23 +552,8 @@ def _check_rows(where, group_offsets, rows, lhs_map, rhs_map, row_scale):
     check_row_scale(where, row_scale, rows)
 
 
-@kernel_jit("block_m", "block_k", "block_n")
-def tgmm(
-    lhs,
-    rhs,
-    group_offsets,
-    lhs_map=None,
-    rhs_map=None,
-    row_scale=None,
-    *,
-    block_m: int = 32,
-    block_k: int = 64,
-    block_n: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    interpret: bool = False,
-    debug: bool = False,
-):
+@kernel_jit()
+def tgmm(lhs, rhs, group_offsets, lhs_map=None, rhs_map=None, row_scale=None, *, launch):
     """Transposed grouped matmul: ``out[e] = sum_{r in group e} lhs[lm[r]]^T (s[r] * rhs[rm[r]])``.
 
     Args:
@@ -623,14 +562,16 @@ def tgmm(
       group_offsets: ``[E + 1]`` int32 row ranges of the sorted rows (``P`` of them).
       lhs_map, rhs_map: ``[P]`` int32 source row of each sorted row, or None.
       row_scale: ``[P]`` float or None, multiplies the rhs rows (in float32).
+      launch: the `launch.Launch`: ``block_m`` rows per step of an expert's loop (any
+        power of two >= 16, not tied to a plan), ``block_k``, ``block_n`` the output tile
+        (``word_loads`` and ``tf32`` unused: no quantized operand, the dot's default precision).
     Returns:
       ``[E, K, N]`` float32; an expert with no rows gets zeros. Each (expert, K block,
       N block) program adds its expert's row tiles in order: deterministic. float32
       operands multiply at the dot's default precision (TensorFloat-32 on the GPU; the
       forward's and the input gradient's tiles use full float32, `quant.tile_matmul`).
     """
-    knobs = (block_m, block_k, block_n, num_warps, num_stages, interpret, debug)
-    return _tgmm_call("tgmm", lhs, rhs, group_offsets, lhs_map, rhs_map, row_scale, knobs)
+    return _tgmm_call("tgmm", launch, lhs, rhs, group_offsets, lhs_map, rhs_map, row_scale)
 
 
 def _sorted_rows(where, lhs, rhs, lhs_map, rhs_map) -> int:
@@ -644,25 +585,11 @@ def _sorted_rows(where, lhs, rhs, lhs_map, rhs_map) -> int:
     return sizes[0]
 
 
-@kernel_jit("block_m", "block_k", "block_n")
-def group_sum(
-    rhs,
-    group_offsets,
-    rhs_map=None,
-    row_scale=None,
-    *,
-    block_m: int = 32,
-    block_k: int = 16,
-    block_n: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    interpret: bool = False,
-    debug: bool = False,
-):
+@kernel_jit()
+def group_sum(rhs, group_offsets, rhs_map=None, row_scale=None, *, launch):
     """``out[e] = sum_{r in group e} s[r] * rhs[rm[r]]`` -> ``[E, N]`` float32 (bias
-    gradients; same deterministic loop as `tgmm`; ``block_k`` is unused)."""
-    knobs = (block_m, block_k, block_n, num_warps, num_stages, interpret, debug)
-    return _tgmm_call("group_sum", None, rhs, group_offsets, None, rhs_map, row_scale, knobs)
+    gradients; the arguments and the deterministic loop of `tgmm`; ``launch.block_k`` is unused)."""
+    return _tgmm_call("group_sum", launch, None, rhs, group_offsets, None, rhs_map, row_scale)
 
 
 def tgmm_reference(lhs, rhs, group_offsets, lhs_map=None, rhs_map=None, row_scale=None):

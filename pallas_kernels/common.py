@@ -53,7 +53,7 @@ def check_array(name: str, a, shape: tuple, dtype=None, kinds: str | None = None
         raise ValueError(f"{name}: must be a floating-point array, got {a.dtype}")
 
 
-def check_blocks(where: str, **blocks: int) -> None:
+def check_blocks(where: str, **blocks: int | None) -> None:
     for k, v in blocks.items():
         if not isinstance(v, int) or v < 16 or v & (v - 1):
             raise ValueError(f"{where}: {k} must be a power of two >= 16, got {v!r}")

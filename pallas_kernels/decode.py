@@ -6,7 +6,7 @@ column block ``j`` of its expert's weights once, the analogue of llama.cpp's
 selected-expert ``MUL_MAT_ID`` matrix-vector path. No dispatch plan is needed: the pairs
 stay in token order ``p = t * k + slot``.
 
-Two ways to multiply (``mma``):
+Two ways to multiply (``mma`` of the `launch.DecodeLaunch`):
 
 - ``mma=True`` (default): the pair's activation row is padded to the 16 rows a
   tensor-core ``dot`` needs (15 zero rows) and multiplied with each weight tile as the
@@ -48,16 +48,15 @@ from pallas_kernels.down import down_rows_reference
 from pallas_kernels.gguf import GGUF_BLOCKS
 from pallas_kernels.gmm import fit_block_k
 from pallas_kernels.launch import (
-    ACT_STATIC,
+    DecodeLaunch,
     EpilogueSpec,
-    activation_of,
+    call,
     check_row_scale,
     down_operands,
     epilogue_fields,
     epilogue_operands,
     gate_up_operands,
     kernel_jit,
-    launch,
     weight_refs,
 )
 from pallas_kernels.quant import (
@@ -70,9 +69,6 @@ from pallas_kernels.quant import (
     weight_operands,
 )
 from pallas_kernels.swiglu import gate_up_rows_reference
-
-#: Static arguments of both decode wrappers (with `launch.LAUNCH_STATIC`).
-_DECODE_STATIC = ("block_n", "block_k", "word_loads", "mma", "split_k", "tf32")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -193,25 +189,27 @@ def _epilogue(spec: PairSpec, accs, rs, biases, ok):
     return jnp.where(ok, y, 0.0)
 
 
-def _pair_call(where, ids, lhs, weights, biases, row_scale, out, *, gather, scale, act, out_dtype, knobs):
-    """Checks the tile sizes, ``out`` and ``split_k``, then launches `_pair_kernel` (the
-    other arguments already checked by the public wrappers): ``[P, N]`` in ``out_dtype``
-    (with ``split_k > 1`` the kernel's ``[layouts, splits, P, N]`` partial sums finished by
-    `_finish`; ``out`` is then not aliased: every row is written either way).
+def _pair_call(
+    where, launch: DecodeLaunch, ids, lhs, weights, biases, row_scale, out, *, gather, scale, act, out_dtype
+):
+    """Checks ``launch``, its tile sizes and split count, and ``out``, then launches
+    `_pair_kernel` (the other arguments already checked by the public wrappers): ``[P, N]``
+    in ``out_dtype`` (with ``split_k > 1`` the kernel's ``[layouts, splits, P, N]`` partial
+    sums finished by `_finish`; ``out`` is then not aliased: every row is written either way).
 
     ``weights``: ``(layout, arrays)`` per weight; ``scale``: where a given ``row_scale``
-    applies; ``knobs``: ``(block_n, block_k, num_warps, num_stages, mma, split_k, tf32,
-    interpret, debug)``."""
-    block_n, block_k, num_warps, num_stages, mma, split_k, tf32, interpret, debug = knobs
+    applies."""
+    if not isinstance(launch, DecodeLaunch):
+        raise ValueError(f"{where}: launch must be a pallas_kernels.launch.DecodeLaunch, got {type(launch).__name__}")
     t, k = ids.shape
     layouts = tuple(lay for lay, _ in weights)
-    common.check_blocks(where, block_n=block_n, block_k=block_k)
+    common.check_blocks(where, block_n=launch.block_n, block_k=launch.block_k)
     odt = jnp.dtype(out_dtype)
     common.check_out(where, out, (t * k, layouts[0].n), odt)
-    bk = fit_block_k(block_k, layouts)
-    splits = _splits(where, split_k, t * k, layouts[0].n, block_n, lhs.shape[1], bk)
-    fields = epilogue_fields(lhs, layouts, gather, scale, row_scale, biases, act, odt, num_warps, num_stages, tf32)
-    spec = PairSpec(pairs=t * k, top_k=k, block_n=block_n, block_k=bk, mma=mma, split_k=splits, **fields)
+    bk = fit_block_k(launch.block_k, layouts)
+    splits = _splits(where, launch.split_k, t * k, layouts[0].n, launch.block_n, lhs.shape[1], bk)
+    fields = epilogue_fields(lhs, layouts, gather, scale, row_scale, biases, act, odt, launch)
+    spec = PairSpec(pairs=t * k, top_k=k, block_n=launch.block_n, block_k=bk, mma=launch.mma, split_k=splits, **fields)
     if spec.split_k > 1:
         out = None
     args, aliases = epilogue_operands(
@@ -224,7 +222,7 @@ def _pair_call(where, ids, lhs, weights, biases, row_scale, out, *, gather, scal
     else:
         out_shape = jax.ShapeDtypeStruct((spec.pairs, spec.n), jnp.dtype(spec.out_dtype))
     grid = (spec.pairs, pl.cdiv(spec.n, spec.block_n)) + ((spec.split_k,) if spec.split_k > 1 else ())
-    res = launch("moe_decode", kernel, out_shape, grid, args, (num_warps, num_stages, interpret, debug), aliases)
+    res = call("moe_decode", kernel, out_shape, grid, args, launch, aliases)
     if spec.split_k == 1:
         return res
     return _finish(spec, res, ids, row_scale, biases)
@@ -289,7 +287,7 @@ def decode_down(h, expert_ids, w_down, *args, **kwargs):
     return decode_down_jit(h, expert_ids, w_down, *args, **kwargs)
 
 
-@kernel_jit(*ACT_STATIC, *_DECODE_STATIC)
+@kernel_jit("act")
 def decode_gate_up_jit(
     x,
     expert_ids,
@@ -300,19 +298,8 @@ def decode_gate_up_jit(
     row_scale=None,
     out=None,
     *,
-    activation: str = "swiglu",
-    alpha: float = 1.702,
-    limit: float = 7.0,
-    block_n: int = 64,
-    block_k: int = 128,
-    num_warps: int = 4,
-    num_stages: int = 3,
-    word_loads: bool | None = None,
-    mma: bool = True,
-    split_k: int | None = None,
-    tf32: bool = False,
-    interpret: bool = False,
-    debug: bool = False,
+    act=Activation(),
+    launch=DecodeLaunch(),
 ):
     """Per-pair gate/up with the activation fused.
 
@@ -322,56 +309,25 @@ def decode_gate_up_jit(
       row_scale: ``[T * k]`` float32 (pair order) multiplying both projections before the
         bias, or None.
       out: optional ``[T * k, F]`` buffer of ``x.dtype`` aliased to the output.
-      word_loads: as in `gmm.gmm`.
-      mma: the row padded to 16 and multiplied on the tensor cores (default), or a float32
-        broadcast-multiply and reduction (see the module doc).
-      split_k: K splits (None: `tuning.decode_splits`; lowered so that none is empty,
-        `tuning.whole_splits`); > 1 adds the splits' float32 partial sums in XLA and
-        applies the epilogue there (``out`` is then not aliased).
-      tf32: with ``mma``, float32 tiles as one TensorFloat-32 dot (else 3xTF32).
+      act: the `common.Activation` of the epilogue.
+      launch: the `launch.DecodeLaunch` (``block_m`` unused). Its ``split_k`` is lowered so
+        that no split is empty (`tuning.whole_splits`); > 1 adds the splits' float32 partial
+        sums in XLA and applies the epilogue there (``out`` is then not aliased).
     Returns:
       ``h [T * k, F]`` in ``x.dtype``, pair order.
     """
     common.check_array("decode_gate_up: x", x, (None, None), kinds="float")
     common.check_array("decode_gate_up: expert_ids", expert_ids, (x.shape[0], None), kinds="int")
-    weights = gate_up_operands("decode_gate_up", x.shape[1], w_gate, w_up, b_gate, b_up, word_loads)
+    weights = gate_up_operands("decode_gate_up", x.shape[1], w_gate, w_up, b_gate, b_up, launch.word_loads)
     check_row_scale("decode_gate_up", row_scale, expert_ids.size)
-    return _pair_call(
-        "decode_gate_up",
-        expert_ids,
-        x,
-        weights,
-        None if b_gate is None else [b_gate, b_up],
-        row_scale,
-        out,
-        gather=True,
-        scale="input",
-        act=Activation(activation, alpha, limit),
-        out_dtype=x.dtype,
-        knobs=(block_n, block_k, num_warps, num_stages, mma, split_k, tf32, interpret, debug),
-    )
+    biases = None if b_gate is None else [b_gate, b_up]
+    epilogue = dict(gather=True, scale="input", act=act, out_dtype=x.dtype)
+    return _pair_call("decode_gate_up", launch, expert_ids, x, weights, biases, row_scale, out, **epilogue)
 
 
-@kernel_jit("out_dtype", *_DECODE_STATIC)
+@kernel_jit("out_dtype")
 def decode_down_jit(
-    h,
-    expert_ids,
-    w_down,
-    b_down=None,
-    row_scale=None,
-    out=None,
-    *,
-    block_n: int = 64,
-    block_k: int = 128,
-    num_warps: int = 4,
-    num_stages: int = 3,
-    out_dtype=jnp.float32,
-    word_loads: bool | None = None,
-    mma: bool = True,
-    split_k: int | None = None,
-    tf32: bool = False,
-    interpret: bool = False,
-    debug: bool = False,
+    h, expert_ids, w_down, b_down=None, row_scale=None, out=None, *, launch=DecodeLaunch(), out_dtype=jnp.float32
 ):
     """Per-pair down projection with bias and routing weight fused.
 
@@ -380,8 +336,7 @@ def decode_down_jit(
       w_down: ``[E, F, d]`` array or `quant.QuantWeight`; b_down: ``[E, d]`` or None.
       row_scale: ``[T * k]`` float32 routing weights (pair order) or None.
       out: optional ``[T * k, d]`` buffer of ``out_dtype`` aliased to the output.
-      word_loads: as in `gmm.gmm`.
-      mma, split_k, tf32: as in `decode_gate_up_jit`.
+      launch: as in `decode_gate_up_jit`.
     Returns:
       ``[T * k, d]`` in ``out_dtype``, pair order.
     """
@@ -392,24 +347,11 @@ def decode_down_jit(
         raise ValueError(
             f"decode_down: h has {h.shape[0]} rows, expected T*k = {t * k} (expert_ids {expert_ids.shape})"
         )
-    weight = down_operands("decode_down", h.shape[1], w_down, b_down, word_loads)
+    weight = down_operands("decode_down", h.shape[1], w_down, b_down, launch.word_loads)
     check_row_scale("decode_down", row_scale, t * k)
-    knobs = (block_n, block_k, num_warps, num_stages, mma, split_k, tf32, interpret, debug)
     biases = None if b_down is None else [b_down]
-    return _pair_call(
-        "decode_down",
-        expert_ids,
-        h,
-        [weight],
-        biases,
-        row_scale,
-        out,
-        gather=False,
-        scale="output",
-        act=None,
-        out_dtype=out_dtype,
-        knobs=knobs,
-    )
+    epilogue = dict(gather=False, scale="output", act=None, out_dtype=out_dtype)
+    return _pair_call("decode_down", launch, expert_ids, h, [weight], biases, row_scale, out, **epilogue)
 
 
 def combine_pairs(y: jax.Array, top_k: int) -> jax.Array:
@@ -419,16 +361,13 @@ def combine_pairs(y: jax.Array, top_k: int) -> jax.Array:
     return common.slot_sum(y.astype(jnp.float32).reshape(-1, top_k, y.shape[1]))
 
 
-def decode_gate_up_reference(x, expert_ids, w_gate, w_up, b_gate=None, b_up=None, row_scale=None, **act):
-    """Pure-jnp reference of `decode_gate_up` (``act``: the ``activation`` / ``alpha`` /
-    ``limit`` keywords, `launch.activation_of`)."""
+def decode_gate_up_reference(x, expert_ids, w_gate, w_up, b_gate=None, b_up=None, row_scale=None, act=Activation()):
+    """Pure-jnp reference of `decode_gate_up`."""
     lg, ag = weight_operands(w_gate, "decode_gate_up_reference: w_gate", k=x.shape[1])
     lu, au = weight_operands(w_up, "decode_gate_up_reference: w_up", lg.num_experts, x.shape[1], lg.n)
     xs = jnp.repeat(x, expert_ids.shape[1], axis=0)  # [P, d]
     weights = ((lg, ag), (lu, au))
-    return gate_up_rows_reference(
-        xs, expert_ids.reshape(-1), weights, b_gate, b_up, row_scale, activation_of(**act), x.dtype
-    )
+    return gate_up_rows_reference(xs, expert_ids.reshape(-1), weights, b_gate, b_up, row_scale, act, x.dtype)
 
 
 def decode_down_reference(h, expert_ids, w_down, b_down=None, row_scale=None, out_dtype=jnp.float32):

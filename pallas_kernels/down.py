@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import common
 from pallas_kernels.gmm import grouped_call, row_experts
-from pallas_kernels.launch import check_row_scale, down_operands, kernel_jit
+from pallas_kernels.launch import Launch, Plan, check_row_scale, down_operands, kernel_jit
 from pallas_kernels.quant import dequantize_reference
 
 _HI = jax.lax.Precision.HIGHEST
@@ -26,47 +26,26 @@ def _check(where, h, w_down, b_down, row_scale, word_loads=False):
     return weight
 
 
-@kernel_jit("block_m", "block_n", "block_k", "out_dtype", "word_loads", "tf32")
+@kernel_jit("out_dtype")
 def down_project(
-    h,
-    group_offsets,
-    tile_group,
-    tile_row,
-    num_tiles,
-    w_down,
-    b_down=None,
-    row_scale=None,
-    out=None,
-    *,
-    block_m: int,
-    block_n: int = 64,
-    block_k: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 3,
-    out_dtype=jnp.float32,
-    word_loads: bool | None = None,
-    tf32: bool = False,
-    interpret: bool = False,
-    debug: bool = False,
+    h, plan: Plan, w_down, b_down=None, row_scale=None, out=None, *, launch: Launch, out_dtype=jnp.float32
 ):
     """Down GMM over sorted rows with bias and per-row scale fused.
 
     Args:
       h: ``[P, F]`` sorted rows (the output of `gate_up_swiglu`).
-      group_offsets, tile_group, tile_row, num_tiles: the plan (built with ``block_m``).
+      plan: the `launch.Plan`, built with ``launch.block_m``.
       w_down: ``[E, F, d]`` array or `quant.QuantWeight`; b_down: ``[E, d]`` or None.
       row_scale: ``[P]`` float32 routing weight of each sorted row, or None.
       out: optional ``[P, d]`` buffer of ``out_dtype`` aliased to the output.
-      word_loads, tf32: as in `gmm.gmm`.
+      launch: the `launch.Launch` (``block_m`` required).
     Returns:
       ``[P, d]`` in ``out_dtype`` (sorted rows).
     """
-    weight = _check("down_project", h, w_down, b_down, row_scale, word_loads)
-    plan = (tile_group, tile_row, group_offsets, num_tiles)
-    knobs = (block_m, block_n, block_k, num_warps, num_stages, tf32, interpret, debug)
+    weight = _check("down_project", h, w_down, b_down, row_scale, launch.word_loads)
     biases = None if b_down is None else [b_down]
     return grouped_call(
-        "down_project", plan, knobs, h, [weight], out, out_dtype, row_scale=row_scale, scale="output", biases=biases
+        "down_project", plan, launch, h, [weight], out, out_dtype, row_scale=row_scale, scale="output", biases=biases
     )
 
 

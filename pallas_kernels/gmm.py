@@ -1,8 +1,9 @@
 """Grouped matmul (GMM) over a dispatch plan: the core every grouped kernel runs on.
 
 The rows of the left operand are the ``P = T * k`` (token, slot) pairs sorted by
-expert; the caller's dispatch plan delimits them (``group_offsets [E + 1]``) and lists
-the ``block_m``-row tile visits (``tile_group``, ``tile_row [V]``, ``num_tiles``). The grid is ``(tile visits, column blocks)``;
+expert; the caller's dispatch plan (`launch.Plan`) delimits them (``group_offsets [E + 1]``)
+and lists the ``block_m``-row tile visits (``tile_group``, ``tile_row [V]``,
+``num_tiles``). The grid is ``(tile visits, column blocks)``;
 visit ``v`` reads its expert ``e = tile_group[v]`` and row tile ``tile_row[v]`` from
 int32 arrays (``ids_ref[pid]``: the Triton backend has no scalar prefetch), keeps the
 rows of the tile that belong to ``e`` (``group_offsets[e] <= row < group_offsets[e+1]``)
@@ -28,14 +29,18 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import common
 from pallas_kernels.launch import (
     EpilogueSpec,
+    Launch,
+    Plan,
     RowTileSpec,
     TileVisit,
+    call,
+    check_plan,
     epilogue_fields,
     epilogue_operands,
     kernel_jit,
-    launch,
     on_tile_visit,
     plan_operands,
+    row_tile,
     weight_refs,
 )
 from pallas_kernels.quant import dequantize_reference, load_tile, tile_matmul, weight_operands
@@ -97,8 +102,8 @@ def _grouped_kernel(*refs, spec: GroupedSpec, aliased: bool):
 
 def grouped_call(
     where,
-    plan,
-    knobs,
+    plan: Plan,
+    launch: Launch,
     lhs,
     weights,
     out,
@@ -113,42 +118,28 @@ def grouped_call(
     """Checks the plan, tile sizes and ``out``, then launches `_grouped_kernel` (the other
     arguments already checked by the public wrappers).
 
-    ``plan``: ``(tile_group, tile_row, group_offsets, num_tiles)``; ``weights``: ``(layout,
-    arrays)`` per weight; ``row_map``: rows gathered from ``lhs`` (else ``lhs`` is sorted);
-    ``scale``: where a given ``row_scale`` applies (`SCALES`); ``knobs``: ``(block_m, block_n,
-    block_k, num_warps, num_stages, tf32, interpret, debug)``. Returns ``[P, N]`` in
-    ``out_dtype``; ``out`` (same shape and dtype) is aliased to the result, so rows the
-    kernel never writes keep ``out``'s values.
+    ``weights``: ``(layout, arrays)`` per weight; ``row_map``: rows gathered from ``lhs``
+    (else ``lhs`` is sorted); ``scale``: where a given ``row_scale`` applies (`SCALES`).
+    Returns ``[P, N]`` in ``out_dtype``; ``out`` (same shape and dtype) is aliased to the
+    result, so rows the kernel never writes keep ``out``'s values.
     """
-    block_m, block_n, block_k, num_warps, num_stages, tf32, interpret, debug = knobs
-    tile_group, tile_row, group_offsets, num_tiles = plan
     layouts = tuple(lay for lay, _ in weights)
-    check_plan(where, layouts[0].num_experts, tile_group, tile_row, group_offsets, num_tiles)
-    common.check_blocks(where, block_m=block_m, block_n=block_n, block_k=block_k)
+    check_plan(where, layouts[0].num_experts, plan)
+    block_m = row_tile(where, launch)
     rows = lhs.shape[0] if row_map is None else row_map.shape[0]
     odt = jnp.dtype(out_dtype)
     common.check_out(where, out, (rows, layouts[0].n), odt)
-    fields = epilogue_fields(
-        lhs, layouts, row_map is not None, scale, row_scale, biases, act, odt, num_warps, num_stages, tf32
-    )
-    spec = GroupedSpec(rows=rows, block_m=block_m, block_n=block_n, block_k=fit_block_k(block_k, layouts), **fields)
-    args = plan_operands(tile_group, tile_row, group_offsets, num_tiles)
+    fields = epilogue_fields(lhs, layouts, row_map is not None, scale, row_scale, biases, act, odt, launch)
+    bk = fit_block_k(launch.block_k, layouts)
+    spec = GroupedSpec(rows=rows, block_m=block_m, block_n=launch.block_n, block_k=bk, **fields)
+    args = plan_operands(plan)
     if spec.gather:
         args.append(row_map.astype(jnp.int32))
     args, aliases = epilogue_operands(args, spec, row_scale, lhs, [arrs for _, arrs in weights], biases, out)
     kernel = functools.partial(_grouped_kernel, spec=spec, aliased=out is not None)
-    grid = (tile_group.shape[0] * pl.cdiv(spec.n, spec.block_n),)  # common.grouped_order
+    grid = (plan.tile_group.shape[0] * pl.cdiv(spec.n, spec.block_n),)  # common.grouped_order
     out_shape = jax.ShapeDtypeStruct((spec.rows, spec.n), odt)
-    return launch("moe_gmm", kernel, out_shape, grid, args, (num_warps, num_stages, interpret, debug), aliases)
-
-
-def check_plan(where: str, num_experts: int, tile_group, tile_row, group_offsets, num_tiles) -> None:
-    """ValueError unless the plan arrays have the shapes of a plan over ``num_experts``."""
-    common.check_array(f"{where}: tile_group", tile_group, (None,), kinds="int")
-    common.check_array(f"{where}: tile_row", tile_row, (tile_group.shape[0],), kinds="int")
-    common.check_array(f"{where}: group_offsets", group_offsets, (num_experts + 1,), kinds="int")
-    if jnp.size(num_tiles) != 1:
-        raise ValueError(f"{where}: num_tiles must be a scalar, got shape {jnp.shape(num_tiles)}")
+    return call("moe_gmm", kernel, out_shape, grid, args, launch, aliases)
 
 
 def fit_block_k(block_k: int, layouts) -> int:
@@ -157,50 +148,22 @@ def fit_block_k(block_k: int, layouts) -> int:
     return max(block_k, need)
 
 
-@kernel_jit("block_m", "block_n", "block_k", "out_dtype", "word_loads", "tf32")
-def gmm(
-    lhs,
-    rhs,
-    group_offsets,
-    tile_group,
-    tile_row,
-    num_tiles,
-    out=None,
-    *,
-    block_m: int,
-    block_n: int = 64,
-    block_k: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 3,
-    out_dtype=None,
-    word_loads: bool | None = None,
-    tf32: bool = False,
-    interpret: bool = False,
-    debug: bool = False,
-):
+@kernel_jit("out_dtype")
+def gmm(lhs, rhs, plan: Plan, out=None, *, launch: Launch, out_dtype=None):
     """Grouped matmul: row ``r`` of ``lhs`` times the weight of its expert.
 
     Args:
-      lhs: ``[P, K]`` rows sorted by expert (``group_offsets`` delimit each expert's rows).
+      lhs: ``[P, K]`` rows sorted by expert (``plan.group_offsets`` delimit each expert's rows).
       rhs: ``[E, K, N]`` float array or `quant.QuantWeight` (int8 / int4).
-      group_offsets: ``[E + 1]`` int32; tile_group, tile_row: ``[V]`` int32 visits of a plan
-        built with the same ``block_m``; num_tiles: ``[]`` int32 valid visits.
+      plan: the `launch.Plan`, built with ``launch.block_m``.
       out: optional ``[P, N]`` buffer aliased to the output (rows no visit writes keep it).
-      block_m, block_n, block_k: powers of two >= 16 (block_k is raised to a whole
-        quantization group).
-      word_loads: quantized codes loaded as int32 words (`quant.as_words`); None: only
-        for a code array of >= 2^31 elements, which 32-bit offsets cannot address.
-      tf32: float32 inputs multiplied as one TensorFloat-32 dot on the tensor cores (faster,
-        10-bit mantissas); default False: 3xTF32, float32-accurate (`quant.tile_matmul`).
-        16-bit inputs are unaffected.
+      launch: the `launch.Launch` (``block_m`` required).
     Returns:
       ``[P, N]`` in ``out_dtype`` (default ``lhs.dtype``), float32 accumulation.
     """
     common.check_array("gmm: lhs", lhs, (None, None), kinds="float")
-    weight = weight_operands(rhs, "gmm: rhs", k=lhs.shape[1], word_loads=word_loads)
-    plan = (tile_group, tile_row, group_offsets, num_tiles)
-    knobs = (block_m, block_n, block_k, num_warps, num_stages, tf32, interpret, debug)
-    return grouped_call("gmm", plan, knobs, lhs, [weight], out, out_dtype or lhs.dtype)
+    weight = weight_operands(rhs, "gmm: rhs", k=lhs.shape[1], word_loads=launch.word_loads)
+    return grouped_call("gmm", plan, launch, lhs, [weight], out, out_dtype or lhs.dtype)
 
 
 def row_experts(group_offsets: jax.Array, rows: int) -> jax.Array:

@@ -1,12 +1,14 @@
-"""What the kernel wrappers and kernel bodies share beyond `pallas_kernels.common`: the
-jit decorator's static arguments, the static-spec fields every launch has, the dispatch
-plan's operands and tile visits, the weight and bias checks, the epilogue's operand list
-and the ``pallas_call`` launch itself."""
+"""What the kernel wrappers and kernel bodies share beyond `pallas_kernels.common`: how a
+wrapper is launched (`Launch`, `DecodeLaunch`) and over which dispatch plan (`Plan`), the
+jit decorator, the static-spec fields every launch has, the plan's operands and tile
+visits, the weight and bias checks, the epilogue's operand list and the ``pallas_call``
+launch itself."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,20 +19,68 @@ from pallas_kernels import common
 from pallas_kernels.common import Activation
 from pallas_kernels.quant import WeightLayout, weight_operands
 
-#: Static arguments of every wrapper: the Triton launch knobs and the interpret / debug flags.
-LAUNCH_STATIC = ("num_warps", "num_stages", "interpret", "debug")
-#: Static arguments of the wrappers with the activation fused.
-ACT_STATIC = ("activation", "alpha", "limit")
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Launch:
+    """How one kernel wrapper launches (static: a jit static argument).
+
+    Attributes:
+      block_m: rows per tile; the grouped kernels need it, and those over a `Plan` need
+        the row tile the plan was built with. The decode kernels do not read it.
+      block_n, block_k: output columns per program and the reduction step (powers of two
+        >= 16; the wrappers raise ``block_k`` to a whole quantization group).
+      num_warps, num_stages: Triton's launch parameters.
+      word_loads: quantized codes loaded as int32 words (`quant.as_words`); None: only for
+        a code array of >= 2^31 elements, which 32-bit offsets cannot address.
+      tf32: float32 tiles multiplied as one TensorFloat-32 dot on the tensor cores (faster,
+        10-bit mantissas); False: 3xTF32, float32-accurate (`quant.tile_matmul`). 16-bit
+        tiles are unaffected.
+      interpret: run the kernel bodies in Pallas interpret mode (any platform, slow).
+      debug: Pallas's debug flag (prints each kernel's jaxpr and generated code).
+    """
+
+    block_m: int | None = None
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    word_loads: bool | None = None
+    tf32: bool = False
+    interpret: bool = False
+    debug: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeLaunch(Launch):
+    """A `Launch` of the decode kernels (`pallas_kernels.decode`, whose module doc explains
+    both): ``mma``, the pair's row padded to 16 and multiplied on the tensor cores (else a
+    float32 broadcast-multiply and reduction); ``split_k``, the K splits (None:
+    `tuning.decode_splits`)."""
+
+    block_k: int = 128
+    mma: bool = True
+    split_k: int | None = None
+
+
+class Plan(NamedTuple):
+    """A dispatch plan as the grouped kernels take it (a pytree of int arrays).
+
+    Attributes:
+      group_offsets: ``[E + 1]`` sorted-row range of each expert.
+      tile_group, tile_row: ``[V]`` the tile visits (expert, row tile), built with the
+        launch's ``block_m``.
+      num_tiles: ``[]`` the valid visits.
+    """
+
+    group_offsets: jax.Array
+    tile_group: jax.Array
+    tile_row: jax.Array
+    num_tiles: jax.Array
 
 
 def kernel_jit(*static: str):
-    """`jax.jit` with ``static`` and `LAUNCH_STATIC` as its static arguments."""
-    return functools.partial(jax.jit, static_argnames=(*static, *LAUNCH_STATIC))
-
-
-def activation_of(activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0) -> Activation:
-    """The `Activation` of the references' ``activation`` / ``alpha`` / ``limit`` keywords."""
-    return Activation(activation, alpha, limit)
+    """`jax.jit` with ``static`` and the `Launch` argument ``launch`` as its static arguments."""
+    return functools.partial(jax.jit, static_argnames=(*static, "launch"))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,11 +136,9 @@ class EpilogueSpec(KernelSpec):
     tf32: bool = False
 
 
-def epilogue_fields(
-    lhs, layouts, gather, scale, row_scale, biases, act, out_dtype, num_warps, num_stages, tf32
-) -> dict:
+def epilogue_fields(lhs, layouts, gather, scale, row_scale, biases, act, out_dtype, launch: Launch) -> dict:
     """The `EpilogueSpec` fields of a launch on ``lhs [rows, K]`` (the compute dtype) and
-    ``layouts``; ``scale`` applies only when ``row_scale`` is given."""
+    ``layouts`` (the tiles aside); ``scale`` applies only when ``row_scale`` is given."""
     return dict(
         k=lhs.shape[1],
         n=layouts[0].n,
@@ -101,35 +149,54 @@ def epilogue_fields(
         act=act,
         compute_dtype=lhs.dtype.name,
         out_dtype=jnp.dtype(out_dtype).name,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        tf32=tf32,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+        tf32=launch.tf32,
     )
 
 
-def launch(name: str, kernel, out_shape, grid, args, knobs, aliases=None):
+def call(name: str, kernel, out_shape, grid, args, launch: Launch, aliases=None):
     """``pl.pallas_call`` of ``kernel`` over ``grid`` on ``args``, with Triton's compiler
-    params; ``knobs``: ``(num_warps, num_stages, interpret, debug)``."""
-    num_warps, num_stages, interpret, debug = knobs
+    params and the interpret / debug flags of ``launch``."""
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=grid,
         input_output_aliases=aliases or {},
-        compiler_params=common.compiler_params(num_warps, num_stages),
-        interpret=interpret,
-        debug=debug,
+        compiler_params=common.compiler_params(launch.num_warps, launch.num_stages),
+        interpret=launch.interpret,
+        debug=launch.debug,
         name=name,
     )(*args)
 
 
-def plan_operands(tile_group, tile_row, group_offsets, num_tiles) -> list:
-    """The dispatch plan as the grouped kernels' first four int32 operands."""
+def row_tile(where: str, launch: Launch) -> int:
+    """``launch.block_m``, the row tile of a grouped kernel, after checking that it,
+    ``block_n`` and ``block_k`` are powers of two >= 16 (a ValueError naming ``where``)."""
+    common.check_blocks(where, block_m=launch.block_m, block_n=launch.block_n, block_k=launch.block_k)
+    assert launch.block_m is not None  # check_blocks raised otherwise
+    return launch.block_m
+
+
+def check_plan(where: str, num_experts: int, plan: Plan) -> None:
+    """ValueError unless ``plan`` holds the arrays of a plan over ``num_experts``."""
+    if not isinstance(plan, Plan):
+        raise ValueError(f"{where}: plan must be a pallas_kernels.launch.Plan, got {type(plan).__name__}")
+    common.check_array(f"{where}: tile_group", plan.tile_group, (None,), kinds="int")
+    common.check_array(f"{where}: tile_row", plan.tile_row, (plan.tile_group.shape[0],), kinds="int")
+    common.check_array(f"{where}: group_offsets", plan.group_offsets, (num_experts + 1,), kinds="int")
+    if jnp.size(plan.num_tiles) != 1:
+        raise ValueError(f"{where}: num_tiles must be a scalar, got shape {jnp.shape(plan.num_tiles)}")
+
+
+def plan_operands(plan: Plan) -> list:
+    """The dispatch plan as the grouped kernels' first four int32 operands: tile_group,
+    tile_row, group_offsets, num_tiles ``[1]``."""
     return [
-        tile_group.astype(jnp.int32),
-        tile_row.astype(jnp.int32),
-        group_offsets.astype(jnp.int32),
-        jnp.reshape(num_tiles, (1,)).astype(jnp.int32),
+        plan.tile_group.astype(jnp.int32),
+        plan.tile_row.astype(jnp.int32),
+        plan.group_offsets.astype(jnp.int32),
+        jnp.reshape(plan.num_tiles, (1,)).astype(jnp.int32),
     ]
 
 

@@ -10,13 +10,15 @@ projections before the biases.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
 from pallas_kernels.common import Activation
 from pallas_kernels.gmm import grouped_call, row_experts
-from pallas_kernels.launch import ACT_STATIC, activation_of, check_row_scale, gate_up_operands, kernel_jit
+from pallas_kernels.launch import check_row_scale, gate_up_operands, kernel_jit
 from pallas_kernels.quant import dequantize_reference
 
 _HI = jax.lax.Precision.HIGHEST
@@ -30,75 +32,38 @@ def _check(where, x, token_idx, w_gate, w_up, b_gate, b_up, row_scale, word_load
     return weights
 
 
-@kernel_jit(*ACT_STATIC, "block_m", "block_n", "block_k", "word_loads", "tf32")
+@kernel_jit("act")
 def gate_up_swiglu(
-    x,
-    token_idx,
-    group_offsets,
-    tile_group,
-    tile_row,
-    num_tiles,
-    w_gate,
-    w_up,
-    b_gate=None,
-    b_up=None,
-    row_scale=None,
-    out=None,
-    *,
-    activation: str = "swiglu",
-    alpha: float = 1.702,
-    limit: float = 7.0,
-    block_m: int,
-    block_n: int = 64,
-    block_k: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 3,
-    word_loads: bool | None = None,
-    tf32: bool = False,
-    interpret: bool = False,
-    debug: bool = False,
+    x, token_idx, plan, w_gate, w_up, b_gate=None, b_up=None, row_scale=None, out=None, *, act=Activation(), launch
 ):
     """Gate/up GMM with the activation fused, rows gathered from ``x`` by ``token_idx``.
 
     Args:
       x: ``[T, d]`` tokens (float32 / bfloat16 / float16; the compute dtype).
       token_idx: ``[P]`` int32 token of each sorted row (``plan.token_idx``).
-      group_offsets, tile_group, tile_row, num_tiles: the plan (built with ``block_m``).
+      plan: the `launch.Plan`, built with ``launch.block_m``.
       w_gate, w_up: ``[E, d, F]`` arrays or `quant.QuantWeight`s.
       b_gate, b_up: ``[E, F]`` or None.
       row_scale: ``[P]`` float32 or None: multiplies both projections before the bias.
       out: optional ``[P, F]`` buffer of ``x.dtype`` aliased to the output.
-      word_loads, tf32: as in `gmm.gmm`.
+      act: the `common.Activation` of the epilogue.
+      launch: the `launch.Launch` (``block_m`` required).
     Returns:
       ``h [P, F]`` in ``x.dtype`` (sorted rows), float32 accumulation and epilogue.
     """
-    weights = _check("gate_up_swiglu", x, token_idx, w_gate, w_up, b_gate, b_up, row_scale, word_loads)
-    plan = (tile_group, tile_row, group_offsets, num_tiles)
-    knobs = (block_m, block_n, block_k, num_warps, num_stages, tf32, interpret, debug)
+    weights = _check("gate_up_swiglu", x, token_idx, w_gate, w_up, b_gate, b_up, row_scale, launch.word_loads)
     biases = None if b_gate is None else [b_gate, b_up]
-    act = Activation(activation, alpha, limit)
-    return grouped_call(
-        "gate_up_swiglu",
-        plan,
-        knobs,
-        x,
-        weights,
-        out,
-        x.dtype,
-        row_map=token_idx,
-        row_scale=row_scale,
-        scale="input",
-        biases=biases,
-        act=act,
-    )
+    rows: dict[str, Any] = dict(row_map=token_idx, row_scale=row_scale, scale="input")
+    return grouped_call("gate_up_swiglu", plan, launch, x, weights, out, x.dtype, **rows, biases=biases, act=act)
 
 
-def gate_up_swiglu_reference(x, token_idx, group_offsets, w_gate, w_up, b_gate=None, b_up=None, row_scale=None, **act):
-    """Pure-jnp reference of `gate_up_swiglu` (materializes ``[P, d]`` and ``[P, d, F]``;
-    ``act``: the ``activation`` / ``alpha`` / ``limit`` keywords, `launch.activation_of`)."""
+def gate_up_swiglu_reference(
+    x, token_idx, group_offsets, w_gate, w_up, b_gate=None, b_up=None, row_scale=None, act=Activation()
+):
+    """Pure-jnp reference of `gate_up_swiglu` (materializes ``[P, d]`` and ``[P, d, F]``)."""
     weights = _check("gate_up_swiglu_reference", x, token_idx, w_gate, w_up, b_gate, b_up, row_scale)
     ex = row_experts(group_offsets, token_idx.shape[0])
-    return gate_up_rows_reference(x[token_idx], ex, weights, b_gate, b_up, row_scale, activation_of(**act), x.dtype)
+    return gate_up_rows_reference(x[token_idx], ex, weights, b_gate, b_up, row_scale, act, x.dtype)
 
 
 def gate_up_rows_reference(xs, ex, weights, b_gate, b_up, row_scale, act: Activation, dtype):

@@ -24,6 +24,8 @@ from jaxmoe.experts import experts_dense
 from jaxmoe.impls.pallas import experts_pallas, kernel_weight
 from jaxmoe.quant import quantize_int4_affine, quantize_int8
 from pallas_kernels import backward as bw
+from pallas_kernels.common import Activation
+from pallas_kernels.launch import Launch, Plan
 
 TRITON_CALL = re.compile(r"__gpu\$xla\.gpu\.triton|triton_kernel_call")
 
@@ -43,7 +45,7 @@ def _close(got, want, tol=2e-5, what=""):
 
 def _plan(ids, e, bm=16):
     plan = plan_dispatch(jnp.asarray(ids, jnp.int32), e, bm)
-    return plan, (plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
+    return plan, Plan(plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
 
 
 def _weights(rng, e, d, f, kind, group=32):
@@ -73,13 +75,11 @@ def test_gate_up_backward_matches_reference(rng, scale, act, bias, kind):
     dy = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
     bg, bu = (jnp.asarray(rng.standard_normal((e, f)), jnp.float32) if bias else None for _ in range(2))
     rs = jnp.asarray(ws.reshape(-1), jnp.float32)[plan.sort_idx]
-    got = bw.gate_up_backward(
-        x, dy, plan.token_idx, *meta, wg, wu, wd, bg, bu, rs, scale=scale, activation=act, want_h=True,
-        block_m=16, block_n=16, block_k=32, interpret=True,
-    )  # fmt: skip
-    want = bw.gate_up_backward_reference(
-        x, dy, plan.token_idx, plan.group_offsets, wg, wu, wd, bg, bu, rs, scale=scale, activation=act
-    )
+    biases = (bg, bu) if bias else None
+    lc = Launch(block_m=16, block_n=16, block_k=32, interpret=True)
+    kw = dict(scale=scale, act=Activation(act))
+    got = bw.gate_up_backward(x, dy, plan.token_idx, meta, (wg, wu, wd), biases, rs, **kw, want_h=True, launch=lc)
+    want = bw.gate_up_backward_reference(x, dy, plan.token_idx, plan.group_offsets, (wg, wu, wd), biases, rs, **kw)
     valid = np.asarray(plan.row_valid())
     for name, a, b in zip(("dg", "du", "h", "dscale"), got, want):
         assert (a is None) == (b is None) == (name == "dscale" and scale != "input"), name
@@ -98,20 +98,22 @@ def test_gmm_transposed_tgmm_group_sum(rng):
     wg, wu, _ = _weights(rng, e, d, f, "int4", group=16)
     dg, du = (jnp.asarray(rng.standard_normal((p, f)), jnp.float32) for _ in range(2))
     rs = jnp.asarray(rng.uniform(0.1, 1.0, p), jnp.float32)
-    got = bw.gmm_transposed((dg, du), (wg, wu), *meta, rs, block_m=16, block_n=32, block_k=32, interpret=True)
+    got = bw.gmm_transposed(
+        (dg, du), (wg, wu), meta, rs, launch=Launch(block_m=16, block_n=32, block_k=32, interpret=True)
+    )
     want = bw.gmm_transposed_reference((dg, du), (wg, wu), plan.group_offsets, rs)
     _close(got, want, what="gmm_transposed")
 
     x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
-    kw = dict(block_m=16, block_n=16, interpret=True)
-    got = bw.tgmm(x, dg, plan.group_offsets, plan.token_idx, None, rs, block_k=32, **kw)
+    lc = Launch(block_m=16, block_n=16, block_k=32, interpret=True)
+    got = bw.tgmm(x, dg, plan.group_offsets, plan.token_idx, None, rs, launch=lc)
     want = bw.tgmm_reference(x, dg, plan.group_offsets, plan.token_idx, None, rs)
     _close(got, want, what="tgmm")
-    sums = bw.group_sum(x, plan.group_offsets, plan.token_idx, rs, **kw)
+    sums = bw.group_sum(x, plan.group_offsets, plan.token_idx, rs, launch=lc)
     _close(sums, bw.tgmm_reference(None, x, plan.group_offsets, None, plan.token_idx, rs), what="group_sum")
     empty = np.setdiff1d(np.arange(e), ids)
     assert empty.size and not np.any(np.asarray(got)[empty]) and not np.any(np.asarray(sums)[empty])
-    again = bw.tgmm(x, dg, plan.group_offsets, plan.token_idx, None, rs, block_k=32, **kw)
+    again = bw.tgmm(x, dg, plan.group_offsets, plan.token_idx, None, rs, launch=lc)
     np.testing.assert_array_equal(np.asarray(again), np.asarray(got))  # deterministic
 
 
@@ -217,17 +219,22 @@ def test_bad_inputs_raise(rng):
     wg, wu, wd = _weights(rng, e, d, f, "f32")
     plan, meta = _plan(rng.integers(0, e, (p // 2, 2)), e)
     lhs = jnp.zeros((p, f), jnp.float32)
+    lc = Launch(block_m=16)
     with pytest.raises(ValueError, match="lhs and weights"):
-        bw.gmm_transposed((lhs,), (wg, wu), *meta, block_m=16)
+        bw.gmm_transposed((lhs,), (wg, wu), meta, launch=lc)
     with pytest.raises(ValueError, match=r"lhs\[1\]"):
-        bw.gmm_transposed((lhs, lhs[:, :8]), (wg, wu), *meta, block_m=16)
+        bw.gmm_transposed((lhs, lhs[:, :8]), (wg, wu), meta, launch=lc)
     with pytest.raises(ValueError, match="sorted row counts"):
-        bw.tgmm(lhs, lhs[:3], plan.group_offsets, block_m=16)
+        bw.tgmm(lhs, lhs[:3], plan.group_offsets, launch=lc)
     x = jnp.zeros((p // 2, d), jnp.float32)
     with pytest.raises(ValueError, match="row_scale is required"):
-        bw.gate_up_backward(x, x, plan.token_idx, *meta, wg, wu, wd, scale="output", block_m=16)
+        bw.gate_up_backward(x, x, plan.token_idx, meta, (wg, wu, wd), scale="output", launch=lc)
     with pytest.raises(ValueError, match="w_down"):
-        bw.gate_up_backward(x, x, plan.token_idx, *meta, wg, wu, wg, scale="none", block_m=16)
+        bw.gate_up_backward(x, x, plan.token_idx, meta, (wg, wu, wg), scale="none", launch=lc)
+    with pytest.raises(ValueError, match=r"gate_up_backward: weights must be \(w_gate, w_up, w_down\)"):
+        bw.gate_up_backward(x, x, plan.token_idx, meta, (wg, wu), scale="none", launch=lc)
+    with pytest.raises(ValueError, match=r"gate_up_backward: biases must be \(b_gate, b_up\) or None"):
+        bw.gate_up_backward(x, x, plan.token_idx, meta, (wg, wu, wd), wg, scale="none", launch=lc)
 
 
 def test_saved_residuals(rng, capsys):

@@ -23,6 +23,7 @@ from jaxmoe.execution import ExecConfig
 from jaxmoe.impls.pallas import experts_pallas, kernel_weight
 from jaxmoe.quant import QuantizedTensor, pack_int4, quantize_int4_affine, quantize_int8
 from pallas_kernels import tuning
+from pallas_kernels.common import Activation
 from pallas_kernels.decode import (
     combine_pairs,
     decode_down,
@@ -32,6 +33,7 @@ from pallas_kernels.decode import (
 )
 from pallas_kernels.down import combine, down_project, down_project_reference
 from pallas_kernels.gmm import gmm, gmm_reference
+from pallas_kernels.launch import DecodeLaunch, Launch, Plan
 from pallas_kernels.quant import (
     QuantWeight,
     as_words,
@@ -122,7 +124,8 @@ def assert_close(got, want, dtype, msg=""):
 
 
 def plan_meta(plan):
-    return plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles
+    """The kernels' `Plan` of a `jaxmoe.dispatch` plan."""
+    return Plan(plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
 
 
 # ---------------------------------------------------------------- quantized tiles
@@ -171,12 +174,13 @@ def test_gguf_block_tiles_every_kind(rng, kind):
     want = np.einsum("pk,pkn->pn", lhs, w64[np.repeat(np.arange(e), sizes)])
     tol = dict(rtol=0, atol=2e-5 * np.abs(want).max())
     for bk in (32, 64, 256, 512):
-        y = gmm(jnp.asarray(lhs, jnp.float32), w, *plan_meta(plan), block_m=bm, block_n=32, block_k=bk, interpret=True)
+        lc = Launch(block_m=bm, block_n=32, block_k=bk, interpret=True)
+        y = gmm(jnp.asarray(lhs, jnp.float32), w, plan_meta(plan), launch=lc)
         np.testing.assert_allclose(np.asarray(y), want, err_msg=f"{kind} gmm block_k={bk}", **tol)
     t, k = 3, 2
     dids = jnp.asarray(routing_ids(rng, "random", t, k, e))
     h = rng.standard_normal((t * k, k_in))
-    y = decode_down(jnp.asarray(h, jnp.float32), dids, w, block_n=32, block_k=128, interpret=True)
+    y = decode_down(jnp.asarray(h, jnp.float32), dids, w, launch=DecodeLaunch(block_n=32, block_k=128, interpret=True))
     want = np.einsum("pk,pkn->pn", h, w64[np.asarray(dids).reshape(-1)])
     np.testing.assert_allclose(np.asarray(y), want, rtol=0, atol=2e-5 * np.abs(want).max(), err_msg=f"{kind} decode")
 
@@ -225,12 +229,12 @@ def test_gate_up_and_down_grouped(rng, scenario, t, k, e, kind):
     wu, _ = make_weight(rng, (e, d, f), kind)
     wd, _ = make_weight(rng, (e, f, d), kind)
     p = t * k
-    blocks = dict(block_m=bm, block_n=128, block_k=128, interpret=True)
-    h = gate_up_swiglu(x, plan.token_idx, *plan_meta(plan), wg, wu, out=nan_buf((p, f), dt), **blocks)
+    lc = Launch(block_m=bm, block_n=128, block_k=128, interpret=True)
+    h = gate_up_swiglu(x, plan.token_idx, plan_meta(plan), wg, wu, out=nan_buf((p, f), dt), launch=lc)
     h_ref = gate_up_swiglu_reference(x, plan.token_idx, plan.group_offsets, wg, wu)
     assert_close(h, h_ref, dt, f"gate_up {kind} {scenario}")
     ws = jnp.asarray(rng.uniform(0.1, 1.0, p), jnp.float32)
-    y = down_project(h_ref, *plan_meta(plan), wd, row_scale=ws, out=nan_buf((p, d), jnp.float32), **blocks)
+    y = down_project(h_ref, plan_meta(plan), wd, row_scale=ws, out=nan_buf((p, d), jnp.float32), launch=lc)
     y_ref = down_project_reference(h_ref, plan.group_offsets, wd, row_scale=ws)
     assert_close(y, y_ref, dt, f"down {kind} {scenario}")
 
@@ -242,21 +246,9 @@ def test_nan_poison_catches_unwritten_rows(rng):
     plan = plan_dispatch(ids, e, 16)
     x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
     wg, _ = make_weight(rng, (e, d, f), "f32")
-    h = gate_up_swiglu(
-        x,
-        plan.token_idx,
-        plan.group_offsets,
-        plan.tile_group,
-        plan.tile_row,
-        plan.num_tiles - 1,
-        wg,
-        wg,
-        out=nan_buf((t * k, f), jnp.float32),
-        block_m=16,
-        block_n=32,
-        block_k=64,
-        interpret=True,
-    )
+    short = Plan(plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles - 1)
+    lc = Launch(block_m=16, block_n=32, block_k=64, interpret=True)
+    h = gate_up_swiglu(x, plan.token_idx, short, wg, wg, out=nan_buf((t * k, f), jnp.float32), launch=lc)
     last = int(plan.num_tiles) - 1
     e_last, row = int(plan.tile_group[last]), int(plan.tile_row[last])
     lo = max(int(plan.group_offsets[e_last]), row * 16)
@@ -278,20 +270,17 @@ def test_gate_up_biases_and_input_scale(rng, act):
     h = gate_up_swiglu(
         x,
         plan.token_idx,
-        *plan_meta(plan),
+        plan_meta(plan),
         wg,
         wu,
         bg,
         bu,
         rs,
         nan_buf((t * k, f), jnp.float32),
-        activation=act,
-        block_m=16,
-        block_n=16,
-        block_k=32,
-        interpret=True,
+        act=Activation(act),
+        launch=Launch(block_m=16, block_n=16, block_k=32, interpret=True),
     )
-    ref = gate_up_swiglu_reference(x, plan.token_idx, plan.group_offsets, wg, wu, bg, bu, rs, activation=act)
+    ref = gate_up_swiglu_reference(x, plan.token_idx, plan.group_offsets, wg, wu, bg, bu, rs, Activation(act))
     assert_close(h, ref, jnp.float32, act)
     if act == "swiglu_oai":
         g = np.asarray(
@@ -318,12 +307,9 @@ def test_plain_gmm(rng, kind):
     y = gmm(
         lhs,
         w,
-        *plan_meta(plan),
+        plan_meta(plan),
         nan_buf((sizes.sum(), n), jnp.float32),
-        block_m=bm,
-        block_n=32,
-        block_k=64,
-        interpret=True,
+        launch=Launch(block_m=bm, block_n=32, block_k=64, interpret=True),
     )
     assert_close(y, gmm_reference(lhs, w, plan.group_offsets), jnp.float32, kind)
 
@@ -340,13 +326,12 @@ def test_decode_kernels(rng, t, k, kind):
     wg, wg64 = make_weight(rng, (e, d, f), kind)
     wu, wu64 = make_weight(rng, (e, d, f), kind)
     wd, wd64 = make_weight(rng, (e, f, d), kind)
-    h = decode_gate_up(x, ids, wg, wu, out=nan_buf((t * k, f), dt), block_n=32, block_k=128, interpret=True)
+    h = decode_gate_up(x, ids, wg, wu, out=nan_buf((t * k, f), dt), launch=DecodeLaunch(block_n=32, interpret=True))
     h_ref = decode_gate_up_reference(x, ids, wg, wu)
     assert_close(h, h_ref, dt, f"decode gate_up {kind}")
     w = jnp.asarray(rng.uniform(0.1, 1, t * k), jnp.float32)
-    y = decode_down(
-        h_ref, ids, wd, row_scale=w, out=nan_buf((t * k, d), jnp.float32), block_n=64, block_k=64, interpret=True
-    )
+    lc = DecodeLaunch(block_n=64, block_k=64, interpret=True)
+    y = decode_down(h_ref, ids, wd, row_scale=w, out=nan_buf((t * k, d), jnp.float32), launch=lc)
     assert_close(y, decode_down_reference(h_ref, ids, wd, row_scale=w), dt, f"decode down {kind}")
     # the whole decode layer against a float64 loop over the pairs (the dequantized weights)
     x64, w64, ids64 = np.asarray(x.astype(jnp.float32), np.float64), np.asarray(w, np.float64), np.asarray(ids)
@@ -382,9 +367,9 @@ def test_decode_mma_and_split_k(rng, mma, split_k, kind):
     bg, bu = (jnp.asarray(rng.standard_normal((e, f)), jnp.float32) for _ in range(2))
     bd = jnp.asarray(rng.standard_normal((e, d)), jnp.float32)
     rs = jnp.asarray(rng.uniform(0.2, 2, t * k), jnp.float32)
-    kw = dict(mma=mma, split_k=split_k, interpret=True)
-    akw = dict(activation="swiglu_oai")
-    h = decode_gate_up(x, ids, wg, wu, bg, bu, rs, nan_buf((t * k, f), dt), **akw, block_n=32, block_k=32, **kw)
+    lc = DecodeLaunch(block_n=32, block_k=32, mma=mma, split_k=split_k, interpret=True)
+    oai = Activation("swiglu_oai")
+    h = decode_gate_up(x, ids, wg, wu, bg, bu, rs, nan_buf((t * k, f), dt), act=oai, launch=lc)
 
     def close(got, want, what):  # float32: relative to the largest output (sums of 256 large terms)
         if dt == jnp.bfloat16:
@@ -392,8 +377,8 @@ def test_decode_mma_and_split_k(rng, mma, split_k, kind):
         want = np.asarray(want)
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-5 * np.abs(want).max(), err_msg=what)
 
-    close(h, decode_gate_up_reference(x, ids, wg, wu, bg, bu, rs, **akw), f"gate_up {kind}")
-    y = decode_down(h, ids, wd, bd, rs, block_n=64, block_k=32, mma=mma, split_k=split_k, interpret=True)
+    close(h, decode_gate_up_reference(x, ids, wg, wu, bg, bu, rs, oai), f"gate_up {kind}")
+    y = decode_down(h, ids, wd, bd, rs, launch=dataclasses.replace(lc, block_n=64))
     close(y, decode_down_reference(h, ids, wd, bd, rs), f"down {kind}")
 
 
@@ -409,7 +394,7 @@ def test_decode_splits_and_errors(rng):
     w, _ = make_weight(rng, (4, 128, 32), "f32")
     ids = jnp.asarray([[1, 2]], jnp.int32)
     with pytest.raises(ValueError, match=r"decode_gate_up: split_k must be an int in \[1, 2\].*got 3"):
-        decode_gate_up(x, ids, w, w, block_n=32, block_k=64, split_k=3, interpret=True)
+        decode_gate_up(x, ids, w, w, launch=DecodeLaunch(block_n=32, block_k=64, split_k=3, interpret=True))
 
 
 def test_decode_biases_oai(rng):
@@ -430,13 +415,12 @@ def test_decode_biases_oai(rng):
         bu,
         rs,
         nan_buf((t * k, f), jnp.float32),
-        activation="swiglu_oai",
-        block_n=64,
-        block_k=64,
-        interpret=True,
+        act=Activation("swiglu_oai"),
+        launch=DecodeLaunch(block_n=64, block_k=64, interpret=True),
     )
-    assert_close(h, decode_gate_up_reference(x, ids, wg, wu, bg, bu, rs, activation="swiglu_oai"), jnp.float32)
-    y = decode_down(h, ids, wd, bd, rs, nan_buf((t * k, d), jnp.float32), block_n=32, block_k=32, interpret=True)
+    assert_close(h, decode_gate_up_reference(x, ids, wg, wu, bg, bu, rs, Activation("swiglu_oai")), jnp.float32)
+    lc = DecodeLaunch(block_n=32, block_k=32, interpret=True)
+    y = decode_down(h, ids, wd, bd, rs, nan_buf((t * k, d), jnp.float32), launch=lc)
     assert_close(y, decode_down_reference(h, ids, wd, bd, rs), jnp.float32)
 
 
@@ -465,22 +449,13 @@ def test_every_table_config(rng, kc, kind):
         t, k = 3, 2
         ids = jnp.asarray(routing_ids(rng, "random", t, k, e))
         x = jnp.asarray(rng.standard_normal((t, d)), dt)
-        h = decode_gate_up(
-            x,
-            ids,
-            wg,
-            wu,
-            out=nan_buf((t * k, f), dt),
-            block_n=gu.block_n,
-            block_k=gu.block_k,
-            num_warps=gu.num_warps,
-            num_stages=gu.num_stages,
-            interpret=True,
+        lc = DecodeLaunch(
+            block_n=gu.block_n, block_k=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages, interpret=True
         )
+        h = decode_gate_up(x, ids, wg, wu, out=nan_buf((t * k, f), dt), launch=lc)
         assert_close(h, decode_gate_up_reference(x, ids, wg, wu), dt, "decode gate_up")
-        y = decode_down(
-            h, ids, wd, out=nan_buf((t * k, d), jnp.float32), block_n=dn.block_n, block_k=dn.block_k, interpret=True
-        )
+        lc = DecodeLaunch(block_n=dn.block_n, block_k=dn.block_k, interpret=True)
+        y = decode_down(h, ids, wd, out=nan_buf((t * k, d), jnp.float32), launch=lc)
         assert_close(y, decode_down_reference(h, ids, wd), dt, "decode down")
         return
     k = 2
@@ -488,22 +463,18 @@ def test_every_table_config(rng, kc, kind):
     ids = jnp.asarray(routing_ids(rng, "uneven", t, k, e))
     plan = plan_dispatch(ids, e, gu.block_m)
     x = jnp.asarray(rng.standard_normal((t, d)), dt)
-    bk = dict(block_m=gu.block_m, num_warps=gu.num_warps, num_stages=gu.num_stages, interpret=True)
-    h = gate_up_swiglu(
-        x,
-        plan.token_idx,
-        *plan_meta(plan),
-        wg,
-        wu,
-        out=nan_buf((t * k, f), dt),
+    lc = Launch(
+        block_m=gu.block_m,
         block_n=gu.block_n,
         block_k=gu.block_k,
-        **bk,
+        num_warps=gu.num_warps,
+        num_stages=gu.num_stages,
+        interpret=True,
     )
+    h = gate_up_swiglu(x, plan.token_idx, plan_meta(plan), wg, wu, out=nan_buf((t * k, f), dt), launch=lc)
     assert_close(h, gate_up_swiglu_reference(x, plan.token_idx, plan.group_offsets, wg, wu), dt, "gate_up")
-    y = down_project(
-        h, *plan_meta(plan), wd, out=nan_buf((t * k, d), jnp.float32), block_n=dn.block_n, block_k=dn.block_k, **bk
-    )
+    lc = dataclasses.replace(lc, block_n=dn.block_n, block_k=dn.block_k)
+    y = down_project(h, plan_meta(plan), wd, out=nan_buf((t * k, d), jnp.float32), launch=lc)
     assert_close(y, down_project_reference(h, plan.group_offsets, wd), dt, "down")
 
 
@@ -723,27 +694,27 @@ def test_bad_arguments_raise_value_error(rng):
     ids = jnp.asarray(routing_ids(rng, "random", 5, 2, e))
     plan = plan_dispatch(ids, e, 16)
     wg = jnp.asarray(rng.standard_normal((e, d, f)), jnp.float32)
+    kp, lc = plan_meta(plan), Launch(block_m=16, interpret=True)
     with pytest.raises(ValueError, match=r"w_up.*\(4, 64, 16\)"):
-        gate_up_swiglu(x, plan.token_idx, *plan_meta(plan), wg, wg[..., :16], block_m=16, interpret=True)
+        gate_up_swiglu(x, plan.token_idx, kp, wg, wg[..., :16], launch=lc)
     with pytest.raises(ValueError, match="block_n"):
-        gate_up_swiglu(x, plan.token_idx, *plan_meta(plan), wg, wg, block_m=16, block_n=24, interpret=True)
+        gate_up_swiglu(x, plan.token_idx, kp, wg, wg, launch=dataclasses.replace(lc, block_n=24))
+    with pytest.raises(ValueError, match="gate_up_swiglu: block_m must be a power of two >= 16, got None"):
+        gate_up_swiglu(x, plan.token_idx, kp, wg, wg, launch=Launch(interpret=True))
     with pytest.raises(ValueError, match="out buffer"):
-        gate_up_swiglu(x, plan.token_idx, *plan_meta(plan), wg, wg, out=jnp.zeros((10, 16)), block_m=16, interpret=True)
+        gate_up_swiglu(x, plan.token_idx, kp, wg, wg, out=jnp.zeros((10, 16)), launch=lc)
     with pytest.raises(ValueError, match=r"w_down.*K=32, expected 48"):
-        down_project(jnp.zeros((10, 48)), *plan_meta(plan), jnp.swapaxes(wg, 1, 2), block_m=16, interpret=True)
+        down_project(jnp.zeros((10, 48)), kp, jnp.swapaxes(wg, 1, 2), launch=lc)
     with pytest.raises(ValueError, match="group_offsets"):
-        gmm(
-            jnp.zeros((10, d)),
-            wg,
-            plan.group_offsets[:3],
-            plan.tile_group,
-            plan.tile_row,
-            plan.num_tiles,
-            block_m=16,
-            interpret=True,
-        )
+        gmm(jnp.zeros((10, d)), wg, kp._replace(group_offsets=plan.group_offsets[:3]), launch=lc)
+    with pytest.raises(ValueError, match=r"gmm: plan must be a pallas_kernels.launch.Plan, got tuple"):
+        gmm(jnp.zeros((10, d)), wg, tuple(kp), launch=lc)
     with pytest.raises(ValueError, match=r"decode_down: h has 7 rows"):
-        decode_down(jnp.zeros((7, f)), ids, jnp.swapaxes(wg, 1, 2), interpret=True)
+        decode_down(jnp.zeros((7, f)), ids, jnp.swapaxes(wg, 1, 2), launch=DecodeLaunch(interpret=True))
+    with pytest.raises(
+        ValueError, match=r"decode_down: launch must be a pallas_kernels.launch.DecodeLaunch, got Launch"
+    ):
+        decode_down(jnp.zeros((10, f)), ids, jnp.swapaxes(wg, 1, 2), launch=lc)
     with pytest.raises(ValueError, match="inv"):
         combine(jnp.zeros((10, d)), jnp.zeros((9,), jnp.int32), 2)
 
@@ -792,20 +763,10 @@ def test_word_loads_match_byte_loads(rng, kind):
     assert lay.word == 4 and arrs[0].dtype == jnp.int32 and arrs[0].shape[-1] * 4 == wg.qdata.shape[-1]
     assert weight_operands(wg, "w")[0].word == 1  # small arrays stay bytes by default
     for wl in (True, False):
-        h = gate_up_swiglu(
-            x,
-            plan.token_idx,
-            *plan_meta(plan),
-            wg,
-            wu,
-            block_m=bm,
-            block_n=32,
-            block_k=64,
-            word_loads=wl,
-            interpret=True,
-        )
-        y = down_project(h, *plan_meta(plan), wd, block_m=bm, block_n=64, block_k=64, word_loads=wl, interpret=True)
-        hd = decode_gate_up(x, ids, wg, wu, block_n=32, block_k=64, word_loads=wl, interpret=True)
+        lc = Launch(block_m=bm, block_n=32, block_k=64, word_loads=wl, interpret=True)
+        h = gate_up_swiglu(x, plan.token_idx, plan_meta(plan), wg, wu, launch=lc)
+        y = down_project(h, plan_meta(plan), wd, launch=dataclasses.replace(lc, block_n=64))
+        hd = decode_gate_up(x, ids, wg, wu, launch=DecodeLaunch(block_n=32, block_k=64, word_loads=wl, interpret=True))
         if wl:
             words = (h, y, hd)
             assert_close(h, gate_up_swiglu_reference(x, plan.token_idx, plan.group_offsets, wg, wu), jnp.float32, kind)
@@ -840,7 +801,8 @@ def test_float32_gmm_matches_float64(rng):
     plan = plan_dispatch(ids, e, bm)
     lhs = rng.standard_normal((sizes.sum(), k_in)).astype(np.float32)
     w = rng.standard_normal((e, k_in, n)).astype(np.float32)
-    y = gmm(jnp.asarray(lhs), jnp.asarray(w), *plan_meta(plan), block_m=bm, block_n=16, block_k=64, interpret=True)
+    lc = Launch(block_m=bm, block_n=16, block_k=64, interpret=True)
+    y = gmm(jnp.asarray(lhs), jnp.asarray(w), plan_meta(plan), launch=lc)
     ex = np.repeat(np.arange(e), sizes)
     want = np.stack([lhs[r].astype(np.float64) @ w[ex[r]].astype(np.float64) for r in range(sizes.sum())])
     np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=1e-5, atol=1e-5 * np.sqrt(k_in))

@@ -32,6 +32,7 @@ from pallas_kernels import tuning
 from pallas_kernels.decode import decode_down, decode_gate_up
 from pallas_kernels.down import down_project
 from pallas_kernels.gmm import gmm
+from pallas_kernels.launch import DecodeLaunch, Launch, Plan
 from pallas_kernels.swiglu import gate_up_swiglu
 
 TRITON_CALL = re.compile(r"__gpu\$xla\.gpu\.triton|triton_kernel_call")
@@ -106,20 +107,18 @@ def test_each_kernel_lowers(rng, kind):
     wg, wu, wd = (kernel_weight(w) for w in weights(rng, e, d, f, kind, dt))
     ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
     plan = plan_dispatch(ids, e, 16)
-    meta = (plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
+    kp = Plan(plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
     x = jnp.asarray(rng.standard_normal((t, d)), dt)
     h = jnp.asarray(rng.standard_normal((t * k, f)), dt)
     lhs = jnp.asarray(rng.standard_normal((t * k, d)), dt)
     ws = jnp.ones((t * k,), jnp.float32)
+    lc, dc = Launch(block_m=16, block_n=32, block_k=64), DecodeLaunch(block_n=32, block_k=64)
     calls = [
-        (lambda a, w: gmm(a, w, *meta, block_m=16, block_n=32, block_k=64), (lhs, wg)),
-        (
-            lambda a, w1, w2: gate_up_swiglu(a, plan.token_idx, *meta, w1, w2, block_m=16, block_n=32, block_k=64),
-            (x, wg, wu),
-        ),
-        (lambda a, w, s: down_project(a, *meta, w, row_scale=s, block_m=16, block_n=64, block_k=64), (h, wd, ws)),
-        (lambda a, w1, w2: decode_gate_up(a, ids, w1, w2, block_n=32, block_k=64), (x, wg, wu)),
-        (lambda a, w, s: decode_down(a, ids, w, row_scale=s, block_n=32, block_k=64), (h, wd, ws)),
+        (lambda a, w: gmm(a, w, kp, launch=lc), (lhs, wg)),
+        (lambda a, w1, w2: gate_up_swiglu(a, plan.token_idx, kp, w1, w2, launch=lc), (x, wg, wu)),
+        (lambda a, w, s: down_project(a, kp, w, row_scale=s, launch=dataclasses.replace(lc, block_n=64)), (h, wd, ws)),
+        (lambda a, w1, w2: decode_gate_up(a, ids, w1, w2, launch=dc), (x, wg, wu)),
+        (lambda a, w, s: decode_down(a, ids, w, row_scale=s, launch=dc), (h, wd, ws)),
     ]
     for fn, args in calls:
         assert_triton(lower_text(fn, *args), 1)
@@ -131,7 +130,8 @@ def test_aliased_output_lowers(rng):
     ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
     x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
     out = jnp.zeros((t * k, f), jnp.float32)
-    txt = lower_text(lambda a, o: decode_gate_up(a, ids, wg, wu, out=o, block_n=32, block_k=64), x, out)
+    dc = DecodeLaunch(block_n=32, block_k=64)
+    txt = lower_text(lambda a, o: decode_gate_up(a, ids, wg, wu, out=o, launch=dc), x, out)
     assert_triton(txt, 1)
     assert "output_operand_alias" in txt or "operand_output_aliases" in txt or "tf.aliasing_output" in txt
 
@@ -209,15 +209,15 @@ def test_float32_dots_are_three_tf32_unless_tf32(rng):
     wg, wu, wd = weights(rng, e, d, f, "f32")
     ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)
     plan = plan_dispatch(ids, e, 16)
-    meta = (plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
+    kp = Plan(plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
     x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
     h = jnp.asarray(rng.standard_normal((t * k, f)), jnp.float32)
 
     def kernels(tf32):
-        kw = dict(block_m=16, block_n=32, block_k=64, tf32=tf32)
-        irs = triton_ir(lambda a, w1, w2: gate_up_swiglu(a, plan.token_idx, *meta, w1, w2, **kw), x, wg, wu)
-        irs += triton_ir(lambda a, w: down_project(a, *meta, w, **kw), h, wd)
-        irs += triton_ir(lambda a, w: gmm(a, w, *meta, **kw), h, wd)
+        lc = Launch(block_m=16, block_n=32, block_k=64, tf32=tf32)
+        irs = triton_ir(lambda a, w1, w2: gate_up_swiglu(a, plan.token_idx, kp, w1, w2, launch=lc), x, wg, wu)
+        irs += triton_ir(lambda a, w: down_project(a, kp, w, launch=lc), h, wd)
+        irs += triton_ir(lambda a, w: gmm(a, w, kp, launch=lc), h, wd)
         assert len(irs) == 3
         return irs
 

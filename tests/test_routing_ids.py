@@ -24,6 +24,7 @@ from jaxmoe.impls.pallas import experts_pallas
 from jaxmoe.impls.registry import BUILTIN, get_impl
 from jaxmoe.routing import Routing
 from pallas_kernels.decode import decode_down, decode_gate_up
+from pallas_kernels.launch import DecodeLaunch
 
 E = 8
 
@@ -151,7 +152,7 @@ def test_pallas_decode_wrappers_check_and_bound(rng):
     wd = jnp.asarray(rng.standard_normal((E, f, d)), jnp.float32)
     ids = rng.integers(0, E, size=(t, k)).astype(np.int32)
     ids[1, 0] = E
-    kw = dict(block_n=16, block_k=32, interpret=True)
+    kw = dict(launch=DecodeLaunch(block_n=16, block_k=32, interpret=True))
     with pytest.raises(ValueError, match=r"decode_gate_up: expert_ids: expert ids must lie in \[0, 8\)"):
         decode_gate_up(x, jnp.asarray(ids), wg, wu, **kw)
     h = jnp.asarray(rng.standard_normal((t * k, f)), jnp.float32)
