@@ -176,6 +176,54 @@ void pack_gguf(const Weight& w, int64_t e, int64_t in0, int64_t nin, int64_t out
     }
 }
 
+// 32 int8 codes q[0, 32) times the scale sc into o[0, 32).
+inline void scale_int8_32(const int8_t* __restrict q, float sc, float* __restrict o) {
+#if JM_LANES == 16 && defined(__AVX512F__)
+  const __m512 sv = _mm512_set1_ps(sc);
+  for (int h = 0; h < 2; ++h)
+    _mm512_storeu_ps(o + 16 * h, _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h))))));
+#elif defined(__AVX2__)
+  const __m256 sv = _mm256_set1_ps(sc);
+  for (int h = 0; h < 4; ++h)
+    _mm256_storeu_ps(o + 8 * h, _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * h))))));
+#else
+  for (int64_t l = 0; l < 32; ++l) o[l] = sc * float(q[l]);
+#endif
+}
+
+// 32 int4 codes from 16 bytes p (byte j: element 2 j in its low nibble, 2 j + 1 in its high
+// one) as s q + b into o[0, 32): one multiply, then one add.
+inline void affine_int4_32(const uint8_t* __restrict p, float sc, float bs, float* __restrict o) {
+#if JM_LANES == 16 && defined(__AVX512F__)
+  const __m512 sv = _mm512_set1_ps(sc), bv = _mm512_set1_ps(bs);
+  const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512 lo = _mm512_add_ps(_mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_and_si512(z, _mm512_set1_epi32(15)))), bv);
+  const __m512 hi = _mm512_add_ps(_mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_srli_epi32(z, 4))), bv);
+  const __m512i i0 = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i i1 = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo, i0, hi));
+  _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo, i1, hi));
+#elif defined(__AVX2__)
+  const __m256 sv = _mm256_set1_ps(sc), bv = _mm256_set1_ps(bs);
+  for (int h = 0; h < 2; ++h) {  // bytes 8 h ..: elements 16 h ..
+    const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h)));
+    const __m256 lo = _mm256_add_ps(_mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_and_si256(z, _mm256_set1_epi32(15)))), bv);
+    const __m256 hi = _mm256_add_ps(_mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_srli_epi32(z, 4))), bv);
+    const __m256 a = _mm256_unpacklo_ps(lo, hi), b = _mm256_unpackhi_ps(lo, hi);  // [0..3 | 8..11], [4..7 | 12..15]
+    _mm256_storeu_ps(o + 16 * h, _mm256_permute2f128_ps(a, b, 0x20));
+    _mm256_storeu_ps(o + 16 * h + 8, _mm256_permute2f128_ps(a, b, 0x31));
+  }
+#else
+  for (int64_t l = 0; l < 32; ++l) {
+    const uint8_t byte = p[l / 2];
+    const float v = sc * float((l & 1) ? (byte >> 4) : (byte & 15));
+    o[l] = v + bs;
+  }
+#endif
+}
+
 // Elements [in0, in0 + B) of stored row `col` of an int8 / int4 weight (in0 and B multiples
 // of 32), dequantized with pack's arithmetic (s q; s q + b: one multiply, then one add), 32
 // at a time in vectors (pack's former per-element loop took ~93% of a T = 8 Q4_0 backward step).
@@ -185,53 +233,10 @@ void decode_int_slice(const Weight& w, int64_t col, int64_t in0, int64_t B, floa
   for (int64_t i = in0; i < in0 + B; i += 32) {
     const int64_t gi = col * ng + i / w.group;
     const float sc = load_scale(w.scales, w.stype, gi);
-    const float bs = w.kind == kInt4 ? load_scale(w.qbias, w.stype, gi) : 0.f;
-    float* o = out + (i - in0);
-#if JM_LANES == 16 && defined(__AVX512F__)
-    const __m512 sv = _mm512_set1_ps(sc), bv = _mm512_set1_ps(bs);
-    if (w.kind == kInt8) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(codes) + i;
-      for (int h = 0; h < 2; ++h)
-        _mm512_storeu_ps(o + 16 * h, _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h))))));
-    } else {  // byte j: element 2 j in its low nibble, 2 j + 1 in its high one
-      const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i / 2)));
-      const __m512 lo = _mm512_add_ps(_mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_and_si512(z, _mm512_set1_epi32(15)))), bv);
-      const __m512 hi = _mm512_add_ps(_mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_srli_epi32(z, 4))), bv);
-      const __m512i i0 = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-      const __m512i i1 = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-      _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo, i0, hi));
-      _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo, i1, hi));
-    }
-#elif defined(__AVX2__)
-    const __m256 sv = _mm256_set1_ps(sc), bv = _mm256_set1_ps(bs);
-    if (w.kind == kInt8) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(codes) + i;
-      for (int h = 0; h < 4; ++h)
-        _mm256_storeu_ps(o + 8 * h, _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * h))))));
-    } else {
-      for (int h = 0; h < 2; ++h) {  // bytes 8 h ..: elements 16 h ..
-        const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i / 2 + 8 * h)));
-        const __m256 lo = _mm256_add_ps(_mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_and_si256(z, _mm256_set1_epi32(15)))), bv);
-        const __m256 hi = _mm256_add_ps(_mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_srli_epi32(z, 4))), bv);
-        const __m256 a = _mm256_unpacklo_ps(lo, hi), b = _mm256_unpackhi_ps(lo, hi);  // [0..3 | 8..11], [4..7 | 12..15]
-        _mm256_storeu_ps(o + 16 * h, _mm256_permute2f128_ps(a, b, 0x20));
-        _mm256_storeu_ps(o + 16 * h + 8, _mm256_permute2f128_ps(a, b, 0x31));
-      }
-    }
-#else
-    for (int64_t l = 0; l < 32; ++l) {
-      const int64_t k = i + l;
-      if (w.kind == kInt8) {
-        o[l] = sc * float(reinterpret_cast<const int8_t*>(codes)[k]);
-      } else {
-        const uint8_t byte = reinterpret_cast<const uint8_t*>(codes)[k / 2];
-        const float v = sc * float((k & 1) ? (byte >> 4) : (byte & 15));
-        o[l] = v + bs;
-      }
-    }
-#endif
+    if (w.kind == kInt8)
+      scale_int8_32(reinterpret_cast<const int8_t*>(codes) + i, sc, out + (i - in0));
+    else
+      affine_int4_32(reinterpret_cast<const uint8_t*>(codes) + i / 2, sc, load_scale(w.qbias, w.stype, gi), out + (i - in0));
   }
 }
 
