@@ -60,6 +60,7 @@ from pallas_kernels.common import Activation
 from pallas_kernels.decode import combine_pairs, decode_down, decode_gate_up
 from pallas_kernels.down import combine, down_project
 from pallas_kernels.gguf import TILE_KINDS
+from pallas_kernels.launch import DecodeLaunch, Launch, Plan
 from pallas_kernels.quant import QuantWeight
 from pallas_kernels.swiglu import gate_up_swiglu
 
@@ -85,11 +86,12 @@ def kernel_weight(w: jax.Array | QuantizedTensor, dtype=jnp.float32) -> jax.Arra
     return QuantWeight(jnp.asarray(w.qdata), jnp.asarray(w.scales), biases, kind=w.kind, group_size=w.group_size)
 
 
-def _launch(b: tuning.Blocks, grouped: bool) -> dict:
-    kw = dict(block_n=b.block_n, block_k=b.block_k, num_warps=b.num_warps, num_stages=b.num_stages)
-    if grouped:
-        kw["block_m"] = b.block_m
-    return kw
+def _launch(b: tuning.Blocks, interpret: bool, debug: bool, mma: bool | None = None) -> Launch:
+    """The `pallas_kernels.launch.Launch` of table entry ``b``: the grouped kernels', or with
+    ``mma`` given the decode kernels' `DecodeLaunch` (which do not read ``block_m``)."""
+    lc = Launch(block_m=b.block_m, block_n=b.block_n, block_k=b.block_k, num_warps=b.num_warps, num_stages=b.num_stages)
+    lc = dataclasses.replace(lc, interpret=interpret, debug=debug)
+    return lc if mma is None else DecodeLaunch(**dataclasses.asdict(lc), mma=mma)
 
 
 def experts_pallas(
@@ -138,7 +140,6 @@ def _forward(x, routing, experts, cfg, kc, interpret, debug, save: bool):
     t, d = x.shape
     k = cfg.top_k
     act = Activation(cfg.activation, float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
-    akw = dict(activation=act.kind, alpha=act.alpha, limit=act.limit)
     ok = id_valid(routing.expert_ids, experts.num_experts)  # [T, k]
     ids = replace_invalid(routing.expert_ids, experts.num_experts, 0).astype(jnp.int32)  # never past the weights
     w = routing.weights.reshape(-1).astype(jnp.float32)  # [P] pair order
@@ -149,31 +150,11 @@ def _forward(x, routing, experts, cfg, kc, interpret, debug, save: bool):
         return jnp.zeros((0, d), jnp.float32), (jnp.zeros((0, d), jnp.float32) if keep_z else None)
     if kc.decode:
         with jax.named_scope("pallas_decode"):
+            gu, dn = (_launch(b, interpret, debug, kc.decode_mma) for b in (kc.gate_up, kc.down))
             h = decode_gate_up(
-                x,
-                ids,
-                w_gate,
-                w_up,
-                experts.b_gate,
-                experts.b_up,
-                w if woi else None,
-                **akw,
-                **_launch(kc.gate_up, False),
-                mma=kc.decode_mma,
-                interpret=interpret,
-                debug=debug,
+                x, ids, w_gate, w_up, experts.b_gate, experts.b_up, w if woi else None, act=act, launch=gu
             )
-            y = decode_down(
-                h,
-                ids,
-                w_down,
-                experts.b_down,
-                None if woi or keep_z else w,
-                **_launch(kc.down, False),
-                mma=kc.decode_mma,
-                interpret=interpret,
-                debug=debug,
-            )
+            y = decode_down(h, ids, w_down, experts.b_down, None if woi or keep_z else w, launch=dn)
             okp = ok.reshape(-1, 1)
             if keep_z:
                 z = jnp.where(okp, y, 0.0)
@@ -182,31 +163,12 @@ def _forward(x, routing, experts, cfg, kc, interpret, debug, save: bool):
     with jax.named_scope("pallas_grouped"):
         plan = plan_dispatch(routing.expert_ids, cfg.num_experts, kc.gate_up.block_m)  # drops invalid ids
         ws = w[plan.sort_idx]  # [P] sorted order
-        meta = (plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
+        kp = Plan(plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
+        gu, dn = (_launch(b, interpret, debug) for b in (kc.gate_up, kc.down))
         h = gate_up_swiglu(
-            x,
-            plan.token_idx,
-            *meta,
-            w_gate,
-            w_up,
-            experts.b_gate,
-            experts.b_up,
-            ws if woi else None,
-            **akw,
-            **_launch(kc.gate_up, True),
-            interpret=interpret,
-            debug=debug,
+            x, plan.token_idx, kp, w_gate, w_up, experts.b_gate, experts.b_up, ws if woi else None, act=act, launch=gu
         )
-        y = down_project(
-            h,
-            *meta,
-            w_down,
-            experts.b_down,
-            None if woi or keep_z else ws,
-            **_launch(kc.down, True),
-            interpret=interpret,
-            debug=debug,
-        )
+        y = down_project(h, kp, w_down, experts.b_down, None if woi or keep_z else ws, launch=dn)
         rv = plan.row_valid()[:, None]
         if keep_z:
             z = jnp.where(rv, y, 0.0)
@@ -237,46 +199,33 @@ def _vjp_bwd(cfg, kc, interpret, debug, res, dy):
     bkc = tuning.fixed(d, f, x.dtype) if kc.decode else kc  # the backward always runs grouped
     bm = bkc.gate_up.block_m
     bb = backward_blocks(bm, d, f)
-    lkw = dict(num_warps=bb.num_warps, num_stages=bb.num_stages, interpret=interpret, debug=debug)
+    base = Launch(block_m=bm, num_warps=bb.num_warps, num_stages=bb.num_stages, interpret=interpret, debug=debug)
     woi = cfg.weight_on_input
     dy = dy.astype(jnp.float32)
     with jax.named_scope("pallas_backward"):
         plan = plan_dispatch(routing.expert_ids, cfg.num_experts, bm)
-        meta = (plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
+        kp = Plan(plan.group_offsets, plan.tile_group, plan.tile_row, plan.num_tiles)
         ws = routing.weights.reshape(-1).astype(jnp.float32)[plan.sort_idx]
         w_gate, w_up, w_down = (kernel_weight(a, x.dtype) for a in (ew.w_gate, ew.w_up, ew.w_down))
+        act = Activation(cfg.activation, float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
+        biases = None if ew.b_gate is None else (ew.b_gate, ew.b_up)
+        gu = dataclasses.replace(base, block_n=bb.gate_up[0], block_k=bb.gate_up[1], num_warps=bb.gate_up_warps)
         dg, du, h, dscale = gate_up_backward(
             x,
             dy,
             plan.token_idx,
-            *meta,
-            w_gate,
-            w_up,
-            w_down,
-            ew.b_gate,
-            ew.b_up,
+            kp,
+            (w_gate, w_up, w_down),
+            biases,
             ws,
             scale="input" if woi else "output",
-            activation=cfg.activation,
-            alpha=float(cfg.swiglu_alpha),
-            limit=float(cfg.swiglu_limit),
+            act=act,
             want_h=not frozen,
-            block_m=bm,
-            block_n=bb.gate_up[0],
-            block_k=bb.gate_up[1],
-            **dict(lkw, num_warps=bb.gate_up_warps),
+            launch=gu,
         )
         rv = plan.row_valid()
-        dxs = gmm_transposed(
-            (dg, du),
-            (w_gate, w_up),
-            *meta,
-            ws if woi else None,
-            block_m=bm,
-            block_n=bb.input[0],
-            block_k=bb.input[1],
-            **lkw,
-        )
+        dx_launch = dataclasses.replace(base, block_n=bb.input[0], block_k=bb.input[1])
+        dxs = gmm_transposed((dg, du), (w_gate, w_up), kp, ws if woi else None, launch=dx_launch)
         dx = combine(jnp.where(rv[:, None], dxs, 0.0), plan.inv, k).astype(x.dtype)
         if woi:
             dw = jnp.where(rv, dscale, 0.0)[plan.inv].reshape(t, k)
@@ -290,8 +239,9 @@ def _vjp_bwd(cfg, kc, interpret, debug, res, dy):
         sin, sout = (ws, None) if woi else (None, ws)
 
         def tg(lhs, rhs, lmap, rmap, s, like):
-            kw = dict(block_m=tm, block_k=tuning.fit(tk, lhs.shape[1]), block_n=tuning.fit(tn, rhs.shape[1]))
-            return tgmm(lhs, rhs, off, lmap, rmap, s, **kw, **lkw).astype(like.dtype)
+            n = rhs.shape[1]
+            lc = dataclasses.replace(base, block_m=tm, block_k=tuning.fit(tk, lhs.shape[1]), block_n=tuning.fit(tn, n))
+            return tgmm(lhs, rhs, off, lmap, rmap, s, launch=lc).astype(like.dtype)
 
         grads = dict(
             w_gate=tg(x, dg, plan.token_idx, None, sin, ew.w_gate),
@@ -301,9 +251,8 @@ def _vjp_bwd(cfg, kc, interpret, debug, res, dy):
         if ew.b_gate is not None:
 
             def gs(rhs, rmap, s, like):
-                return group_sum(rhs, off, rmap, s, block_m=tm, block_n=tuning.fit(tn, rhs.shape[1]), **lkw).astype(
-                    like.dtype
-                )
+                lc = dataclasses.replace(base, block_m=tm, block_n=tuning.fit(tn, rhs.shape[1]))
+                return group_sum(rhs, off, rmap, s, launch=lc).astype(like.dtype)
 
             grads.update(
                 b_gate=gs(dg, None, None, ew.b_gate),
