@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
-from helpers import assert_same_params
+from helpers import assert_same_params, gguf_block_bytes
 
 import jaxmoe
 from jaxmoe import io as jio
@@ -56,6 +56,8 @@ def encode(rng, w: np.ndarray, qtype):
         return w.astype(np.float16), None
     if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
         return kquant_bytes(rng, w.shape, qtype), qtype
+    if qtype in (QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS):  # gguf-py cannot quantize these: random valid blocks
+        return gguf_block_bytes(rng, qtype, w.shape), qtype
     if qtype in (QT.Q4_1, QT.Q5_0, QT.Q5_1):  # quantize the values the test drew
         return gguf.quants.quantize(w.astype(np.float32), qtype), qtype
     return gguf.quants.quantize(w.astype(np.float32), qtype), qtype
@@ -401,7 +403,9 @@ def test_gguf_layer_matches_llama_cpp_reference(name, rng, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.MXFP4, QT.BF16, QT.F16, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+    "qtype",
+    [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.MXFP4, QT.BF16, QT.F16, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+    + [QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS],
 )
 @pytest.mark.slow
 def test_weight_conversion_bit_exact_with_gguf_dequantize(qtype, rng):
@@ -433,22 +437,51 @@ Q4_K_M = Case(  # llama.cpp's Q4_K_M mix: gate/up Q4_K, down Q6_K; fallbacks Q5_
 )
 
 
+#: llama.cpp file types as layers: the case and the kinds jaxmoe holds (routed, shared experts).
+#: The types gguf-py cannot quantize (Q2_K, Q3_K, IQ4_NL, IQ4_XS) are random valid blocks.
+MIXES = {
+    "q4_k_m": (Q4_K_M, ["q4_k", "q4_k", "q6_k"], ["q5_0", "q5_0", "int8"]),
+    "q3_k_m": (
+        dataclasses.replace(Q4_K_M, qtypes=(QT.Q3_K, QT.Q3_K, QT.Q4_K), shared_q=QT.Q5_0, shared_down_q=QT.Q6_K),
+        ["q3_k", "q3_k", "q4_k"],
+        ["q5_0", "q5_0", "q6_k"],
+    ),
+    "q2_k": (
+        dataclasses.replace(Q4_K_M, qtypes=(QT.Q2_K, QT.Q2_K, QT.Q3_K), shared_q=QT.Q2_K, shared_down_q=QT.Q4_K),
+        ["q2_k", "q2_k", "q3_k"],
+        ["q2_k", "q2_k", "q4_k"],
+    ),
+    "iq4_xs": (
+        dataclasses.replace(Q4_K_M, qtypes=(QT.IQ4_XS, QT.IQ4_XS, QT.IQ4_NL), shared_q=QT.IQ4_NL, shared_down_q=None),
+        ["iq4_xs", "iq4_xs", "iq4_nl"],
+        ["iq4_nl", "iq4_nl", "iq4_nl"],
+    ),
+    "mxfp4_moe": (
+        dataclasses.replace(Q4_K_M, qtypes=(QT.MXFP4,) * 3, shared_q=QT.Q8_0, shared_down_q=QT.MXFP4),
+        ["mxfp4", "mxfp4", "mxfp4"],
+        ["int8", "int8", "mxfp4"],
+    ),
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.slow
-def test_q4_k_m_layer_stays_quantized(rng, tmp_path):
-    """A Q4_K_M-style layer written by gguf's writer loads with no float copy of its experts:
-    QuantizedTensor leaves of the file's types, resident bytes = the file's bytes for the layer;
-    the reference impls match a float64 forward of gguf-py's dequantized weights; the offload
-    store hands out the same blocks; ``save_gguf(dtype="keep")`` writes every tensor back byte for byte."""
-    c = Q4_K_M
-    path = tmp_path / "q4_k_m.gguf"
+def test_quantized_layer_stays_quantized(mix, rng, tmp_path):
+    """A layer of each llama.cpp file type written by gguf's writer loads with no float copy of
+    its experts: QuantizedTensor leaves of the file's types, resident bytes = the file's bytes
+    for the layer; the reference impls match a float64 forward of gguf-py's dequantized
+    weights; the offload store hands out the same blocks; ``save_gguf(dtype="keep")`` writes
+    every tensor back byte for byte."""
+    c, routed_kinds, shared_kinds = MIXES[mix]
+    path = tmp_path / f"{mix}.gguf"
     ref = write_case(rng, path, c)[c.layer]
     file_tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     layer_bytes = sum(int(t.n_bytes) for n, t in file_tensors.items() if n.startswith(f"blk.{c.layer}."))
     for loaded in (jaxmoe.from_pretrained(path, layer=c.layer).params(), jio.load_layer(path, layer=c.layer)[1]):
         ew, sh = loaded.experts, loaded.shared
         kinds = [w.kind if isinstance(w, QuantizedTensor) else None for w in (ew.w_gate, ew.w_up, ew.w_down)]
-        assert kinds == ["q4_k", "q4_k", "q6_k"]
-        assert [getattr(w, "kind", None) for w in (sh.w_gate, sh.w_up, sh.w_down)] == ["q5_0", "q5_0", "int8"]
+        assert kinds == routed_kinds
+        assert [getattr(w, "kind", None) for w in (sh.w_gate, sh.w_up, sh.w_down)] == shared_kinds
         resident = sum(int(a.nbytes) for a in jax.tree.leaves(loaded))
         assert resident == layer_bytes  # no float copy anywhere (router / gate vector are F32 in the file too)
         assert ew.w_gate.nbytes == int(file_tensors[f"blk.{c.layer}.ffn_gate_exps.weight"].n_bytes)
@@ -460,7 +493,7 @@ def test_q4_k_m_layer_stays_quantized(rng, tmp_path):
             assert rel_err(np.asarray(block(x, impl=impl)), want) < 2e-5, (impl, t)
     store = GGUFStore(path)  # store layer 0 = blk.1, the first block with a router
     one = store.load_expert(0, 3)
-    assert one.w_down.kind == "q6_k" and isinstance(one.w_down.qdata, np.ndarray)
+    assert one.w_down.kind == routed_kinds[2] and isinstance(one.w_down.qdata, np.ndarray)
     np.testing.assert_array_equal(one.w_down.qdata, np.asarray(block.params().experts.w_down.qdata)[3])
     np.testing.assert_array_equal(dense_np(one.w_gate), ref["gate"][3].T.astype(np.float32))
     out = jaxmoe.save_gguf(block, tmp_path / "again.gguf", layer=c.layer, dtype="keep")
@@ -477,6 +510,12 @@ def test_block_types_bad_buffers_are_named(rng):
         gq.matrix_from_gguf(raw[..., :-1], QT.Q4_K, name="blk.3.ffn_up_exps.weight")
     with pytest.raises(ValueError, match=r"w \(Q6_K\).*\(2, 4, 144\).*width 256"):
         gq.block_tensor_from_gguf(raw, QT.Q6_K, name="w", n_in=256)
+    mx = gguf_block_bytes(rng, QT.MXFP4, (2, 4, 64))  # 17-byte blocks: rows of 34 bytes
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_down_exps\.weight \(MXFP4.*\(2, 4, 33\).*truncated"):
+        gq.matrix_from_gguf(mx[..., :-1], QT.MXFP4, name="blk.0.ffn_down_exps.weight")
+    xs = gguf_block_bytes(rng, QT.IQ4_XS, (2, 4, 256))
+    with pytest.raises(ValueError, match=r"w \(IQ4_NL\).*\(2, 4, 136\).*width 256.*144 bytes"):
+        gq.block_tensor_from_gguf(xs, QT.IQ4_NL, name="w", n_in=256)
     with pytest.raises(ValueError, match=r"w \(Q5_1\): block data must be uint8 bytes, got float32"):
         gq.block_tensor_from_gguf(np.zeros((2, 24), np.float32), QT.Q5_1, name="w")
     # gguf-py cannot quantize to a K-quant: a float weight asked as q4_k is a named error

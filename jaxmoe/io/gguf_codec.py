@@ -16,9 +16,10 @@ blocks along ``in``: the GGUF layout itself, so Q8_0 and Q4_0 map onto it block 
   in float16 when ``8 |d|`` fits, i.e. ``|d| <= 8188``, else both float32, since
   ``-8 d`` would overflow float16 to ``-inf``), nibbles repacked to jaxmoe's order
   (element ``2j`` low, ``2j + 1`` high).
-- Q4_1, Q5_0, Q5_1 (blocks of 32) and Q4_K, Q5_K, Q6_K (super-blocks of 256) -> a GGUF
-  block `QuantizedTensor` (``kind="q4_1"`` ... ``"q6_k"``) holding the file's block bytes of
-  each row unchanged (`jaxmoe.quant.GGUF_BLOCKS`): resident bytes = file bytes.
+- Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4 (blocks of 32) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS
+  (super-blocks of 256) -> a GGUF block `QuantizedTensor` (``kind="q4_1"`` ... ``"mxfp4"``)
+  holding the file's block bytes of each row unchanged (`jaxmoe.quant.GGUF_BLOCKS`):
+  resident bytes = file bytes.
 - F32, F16, BF16, F64 and every other type `gguf.quants.dequantize` handles (MXFP4, IQ*,
   Q2_K, Q3_K, ...) -> a float array, via ``gguf.quants.dequantize`` (so bit-exact with it).
 
@@ -45,7 +46,7 @@ from gguf import GGMLQuantizationType as QT
 from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor, gguf_block_tensor, pack_int4
 
 #: GGUF types kept as raw block bytes (a GGUF block `QuantizedTensor` of the same name, lower case).
-BLOCK_TYPES = (QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+BLOCK_TYPES = tuple(QT[k.upper()] for k in GGUF_BLOCKS)
 #: GGUF types kept quantized in device memory.
 KEPT_QUANTIZED = (QT.Q8_0, QT.Q4_0, *BLOCK_TYPES)
 #: GGUF types the reader returns as plain numpy floats.
