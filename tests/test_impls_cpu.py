@@ -256,12 +256,13 @@ def make_weight(fmt: str, w: np.ndarray, rng):
         e, o, n = q.shape
         ref = (q.reshape(e, o, n // 32, 32) * np.asarray(qw.scales, np.float64)[..., None]).reshape(e, o, n)
     elif fmt in GGUF_BLOCKS:
-        # Q4_1 / Q5_0 / Q5_1 through gguf.quants.quantize of the floats; the K-quants (which
-        # gguf-py cannot quantize) as random valid blocks with scales sized to the layer
+        # Q4_1 / Q5_0 / Q5_1 / MXFP4 through gguf.quants.quantize of the floats; the K-quants
+        # and IQ4 kinds (which gguf-py cannot quantize) as random valid blocks with scales
+        # sized to the layer
         qt = QT[fmt.upper()]
         scale = float(np.abs(w).mean()) / 4
         raw = gguf_block_bytes(rng, qt, t.shape, d_range=(0.5 * scale / 8, 1.5 * scale / 8))
-        if qt in (QT.Q4_1, QT.Q5_0, QT.Q5_1):
+        if qt in (QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.MXFP4):
             raw = gguf.quants.quantize(t, qt)
         qw = gguf_block_tensor(jnp.asarray(raw), fmt, n_in=t.shape[-1], name=fmt)
         ref = gguf.quants.dequantize(raw, qt).astype(np.float64)
@@ -596,7 +597,10 @@ def test_hypothesis_block_kinds_shapes_and_routings(nf, t, k, fmt_up, fmt_down, 
 
 
 @pytest.mark.parametrize(
-    "fmt, byte", [("q4_k", 16 + 37), ("q4_k", 5), ("q6_k", 11), ("q6_k", 196), ("q5_0", 9), ("q5_1", 0)]
+    "fmt, byte",
+    [("q4_k", 16 + 37), ("q4_k", 5), ("q6_k", 11), ("q6_k", 196), ("q5_0", 9), ("q5_1", 0)]
+    + [("q2_k", 16 + 21), ("q2_k", 81), ("q3_k", 40), ("q3_k", 5), ("q3_k", 100), ("iq4_nl", 7), ("iq4_nl", 1)]
+    + [("iq4_xs", 8 + 50), ("iq4_xs", 5), ("iq4_xs", 2), ("mxfp4", 9), ("mxfp4", 0)],
 )
 @pytest.mark.parametrize("t", [2, 9])
 def test_a_mutated_block_byte_is_caught(fmt, byte, t, rng):
@@ -639,8 +643,8 @@ def test_bad_block_buffers_are_refused_before_running(rng):
         dataclasses.replace(ew.w_down, qdata=jnp.asarray(ew.w_down.qdata)[..., :-1])
     with pytest.raises(ValueError, match=r"Q3_K.*\(4, 256, 210\)"):
         gguf_block_tensor(ew.w_down.qdata, "Q3_K", name="w_down")
-    with pytest.raises(ValueError, match="unknown 'q3_k'"):
-        QuantizedTensor(ew.w_down.qdata, None, None, "q3_k", 256)
+    with pytest.raises(ValueError, match="unknown 'iq2_xxs'"):
+        QuantizedTensor(ew.w_down.qdata, None, None, "iq2_xxs", 256)
     # the C++ side checks the same when the custom call is used directly
     xs = jnp.ones((4, 256), jnp.float32)
     with pytest.raises(Exception, match=r"w_up: GGUF kind 6 \(block 256 in 144 bytes\), logical \[4, 256, 256\]"):

@@ -191,7 +191,11 @@ def test_deterministic(rng):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
-@pytest.mark.parametrize("fmts", [("q4_k", "q4_k", "q6_k"), ("q5_k", "q6_k", "q4_k"), ("q5_0", "q5_1", "q4_1")])
+@pytest.mark.parametrize(
+    "fmts",
+    [("q4_k", "q4_k", "q6_k"), ("q5_k", "q6_k", "q4_k"), ("q5_0", "q5_1", "q4_1")]
+    + [("q2_k", "q3_k", "iq4_xs"), ("iq4_nl", "mxfp4", "iq4_nl")],
+)
 @pytest.mark.parametrize("t", [3, 20])
 @pytest.mark.slow
 def test_gguf_block_experts_are_frozen_in_the_kernel(fmts, t, rng):

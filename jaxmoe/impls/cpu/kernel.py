@@ -12,8 +12,8 @@ Weight formats, each read where it lies: float32 / bfloat16 ``[E, in, out]``, an
 `QuantizedTensor` kinds ``int8`` (GGUF Q8_0: int8 codes ``[E, out, in]``, a scale per
 group of 32) and ``int4`` (MLX affine 4-bit and GGUF Q4_0: packed nibbles, a scale and a
 bias per group of 32 / 64 / 128), with float32, float16 or bfloat16 scales, and the GGUF
-block kinds ``q4_1``, ``q5_0``, ``q5_1`` (blocks of 32) and ``q4_k``, ``q5_k``, ``q6_k``
-(super-blocks of 256) as the file's block bytes, decoded one block per column inside the
+block kinds ``q4_1``, ``q5_0``, ``q5_1``, ``iq4_nl``, ``mxfp4`` (blocks of 32) and ``q2_k``,
+``q3_k``, ``q4_k``, ``q5_k``, ``q6_k``, ``iq4_xs`` (super-blocks of 256) as the file's block bytes, decoded one block per column inside the
 tiles bit-exact with ``gguf.quants.dequantize``; gate, up and down may each have their
 own format (Q4_K_M: gate/up ``q4_k``, down ``q6_k``). Quantized codes are widened and scaled in
 registers inside the tiles (tasks with >= 8 rows dequantize their block of columns into
@@ -48,7 +48,7 @@ from jaxmoe.experts import ExpertWeights, SharedWeights, shared_expert, shared_f
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.impls.cpu.backward import backward_kernel_status, backward_supports, cpu_vjp, grouped_swiglu_bwd
 from jaxmoe.impls.cpu.build import TARGET, TARGET_SHARED, cpu_kernel_status
-from jaxmoe.impls.cpu.kinds import GGUF_KINDS, INT4, INT8, NOT_IN_KERNEL, operands
+from jaxmoe.impls.cpu.kinds import GGUF_KINDS, INT4, INT8, operands
 from jaxmoe.invariance import row_blocks
 from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
 from jaxmoe.routing import Routing
@@ -86,8 +86,6 @@ def _weight_problem(name: str, w, n_in: int | None = None) -> str | None:
         return None
     if w.kind in GGUF_KINDS:
         return _block_problem(name, w, n_in)
-    if w.kind in NOT_IN_KERNEL:
-        return f"impl='cpu': {name}: {NOT_IN_KERNEL[w.kind]}; use impl='xla'"
     if w.kind not in _QKINDS:
         return (
             f"impl='cpu' reads QuantizedTensor kinds {sorted(_QKINDS) + sorted(GGUF_KINDS)}; {name} is "
@@ -116,9 +114,9 @@ def supports(ew: ExpertWeights, dtype) -> str | None:
 
     Each of ``w_gate``, ``w_up``, ``w_down`` may be float32, bfloat16 or a `QuantizedTensor`
     of kind ``int8`` / ``int4`` (group size a multiple of 32, scales float32 / float16 /
-    bfloat16) or a GGUF block kind (``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q5_k``,
-    ``q6_k``: raw block bytes ``[E, out, in / block * block_bytes]``, rows that must hold
-    exactly the width the other weights imply), independently (mixed formats in one layer). Activations: float32 or
+    bfloat16) or a GGUF block kind (`jaxmoe.quant.GGUF_BLOCKS`, ``q4_1`` ... ``mxfp4``: raw
+    block bytes ``[E, out, in / block * block_bytes]``, rows that must hold exactly the width
+    the other weights imply), independently (mixed formats in one layer). Activations: float32 or
     bfloat16; bfloat16 activations are refused with float32 experts (the kernel does not
     round float32 weights to bfloat16), and taken with quantized ones (weights
     dequantized to float32 in registers: more exact than a bfloat16 copy).

@@ -155,12 +155,25 @@ using fvec = std::vector<float, Aligned64<float>>;
 
 // ---------------------------------------------------------------------------------
 // One expert weight operand in its stored format.
-enum Kind : int { kFloat = 0, kInt8 = 1, kInt4 = 2, kQ4_1 = 3, kQ5_0 = 4, kQ5_1 = 5, kQ4_K = 6, kQ5_K = 7, kQ6_K = 8 };
-constexpr bool is_gguf(int q) { return q >= kQ4_1 && q <= kQ6_K; }
+enum Kind : int {
+  kFloat = 0, kInt8 = 1, kInt4 = 2, kQ4_1 = 3, kQ5_0 = 4, kQ5_1 = 5, kQ4_K = 6, kQ5_K = 7, kQ6_K = 8,
+  kQ2_K = 9, kQ3_K = 10, kIQ4_NL = 11, kIQ4_XS = 12, kMXFP4 = 13
+};
+constexpr bool is_gguf(int q) { return q >= kQ4_1 && q <= kMXFP4; }
 // GGUF block kinds: elements and bytes per block (ggml's GGML_QUANT_SIZES).
-constexpr int block_elems(int q) { return q <= kQ5_1 ? 32 : 256; }
+constexpr int block_elems(int q) { return q <= kQ5_1 || q == kIQ4_NL || q == kMXFP4 ? 32 : 256; }
 constexpr int block_bytes(int q) {
-  return q == kQ4_1 ? 20 : q == kQ5_0 ? 22 : q == kQ5_1 ? 24 : q == kQ4_K ? 144 : q == kQ5_K ? 176 : 210;
+  return q == kQ4_1   ? 20
+         : q == kQ5_0 ? 22
+         : q == kQ5_1 ? 24
+         : q == kQ4_K ? 144
+         : q == kQ5_K ? 176
+         : q == kQ6_K ? 210
+         : q == kQ2_K ? 84
+         : q == kQ3_K ? 110
+         : q == kIQ4_NL ? 18
+         : q == kIQ4_XS ? 136
+                        : 17;  // MXFP4
 }
 enum SType : int { kSF32 = 0, kSF16 = 1, kSBF16 = 2 };
 
@@ -185,6 +198,11 @@ inline void with_gguf_kind(int kind, Fn&& fn) {
     case kQ5_1: return fn(std::integral_constant<int, kQ5_1>{});
     case kQ4_K: return fn(std::integral_constant<int, kQ4_K>{});
     case kQ5_K: return fn(std::integral_constant<int, kQ5_K>{});
+    case kQ2_K: return fn(std::integral_constant<int, kQ2_K>{});
+    case kQ3_K: return fn(std::integral_constant<int, kQ3_K>{});
+    case kIQ4_NL: return fn(std::integral_constant<int, kIQ4_NL>{});
+    case kIQ4_XS: return fn(std::integral_constant<int, kIQ4_XS>{});
+    case kMXFP4: return fn(std::integral_constant<int, kMXFP4>{});
     default: return fn(std::integral_constant<int, kQ6_K>{});
   }
 }
@@ -473,6 +491,71 @@ inline void decode_block(const uint8_t* b, float* __restrict out) {
   }
 #endif
   alignas(64) uint8_t q[256];  // the block's codes, one byte each (byte loops vectorize)
+  // Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4: codes built as bytes, then widened and scaled a vector
+  // at a time by codes_to_float (AVX-512 / AVX2 / portable). A signed code v is stored as
+  // v + z and decoded as s ((v + z) - z): the subtraction is exact, so each element is the
+  // one rounding of gguf.quants' s * v.
+  if constexpr (Q == kQ2_K) {  // scales 16 bytes (low nibble scale, high min), qs 64, d f16, dmin f16
+    const uint8_t* sc = b;
+    const uint8_t* qs = b + 16;
+    const float d = f16_at(b + 80), dmin = f16_at(b + 82);
+    for (int c = 0; c < 2; ++c)  // elements 128 c + 32 j + l: bits 2 j of qs[32 c + l]
+      for (int j = 0; j < 4; ++j)
+        for (int l = 0; l < 32; ++l) q[128 * c + 32 * j + l] = uint8_t((qs[32 * c + l] >> (2 * j)) & 3);
+    for (int g = 0; g < 16; ++g)  // w = (d sc) q - (dmin m)
+      codes_to_float<kScaleSub, 16>(q + 16 * g, d * float(sc[g] & 15), dmin * float(sc[g] >> 4), 0.f, out + 16 * g);
+    return;
+  }
+  if constexpr (Q == kQ3_K) {  // hmask 32 bytes, qs 64, 12 packed 6-bit scales, d f16
+    const uint8_t* hm = b;
+    const uint8_t* qs = b + 32;
+    const uint8_t* s = b + 96;
+    const float d = f16_at(b + 108);
+    for (int c = 0; c < 2; ++c)  // element 32 k + l (k = 4 c + j): low bits 2 j of qs[32 c + l], bit k of hm[l]
+      for (int j = 0; j < 4; ++j)
+        for (int l = 0; l < 32; ++l) {
+          const int k = 4 * c + j;
+          q[32 * k + l] = uint8_t(((qs[32 * c + l] >> (2 * j)) & 3) | (((hm[l] >> k) & 1) << 2));  // q + 4
+        }
+    for (int g = 0; g < 16; ++g) {  // scale g: low 4 bits from s[g % 8] (nibble g / 8), top 2 from s[8 + g % 4]
+      const int lo = (s[g & 7] >> (4 * (g >> 3))) & 15, hi = (s[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
+      codes_to_float<kScaleShift, 16>(q + 16 * g, d * float((lo | (hi << 4)) - 32), 0.f, 4.f, out + 16 * g);
+    }
+    return;
+  }
+  if constexpr (Q == kIQ4_NL || Q == kIQ4_XS || Q == kMXFP4) {
+    // 4-bit codes indexing a table of signed values (stored + z): IQ4 kvalues_iq4nl (z = 128),
+    // MXFP4 twice the E2M1 values (z = 12) with the E8M0 scale halved (ggml_e8m0_to_fp32_half)
+    static constexpr uint8_t kIQ4[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+    static constexpr uint8_t kFP4[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+    const uint8_t* tab = Q == kMXFP4 ? kFP4 : kIQ4;
+    const float z = Q == kMXFP4 ? 12.f : 128.f;
+    const int nsub = Q == kIQ4_XS ? 8 : 1;
+    const uint8_t* qs = b + (Q == kIQ4_XS ? 8 : Q == kIQ4_NL ? 2 : 1);
+    for (int j = 0; j < nsub; ++j)  // 32 elements per 16 bytes: low nibbles, then high ones
+      for (int l = 0; l < 16; ++l) {
+        q[32 * j + l] = tab[qs[16 * j + l] & 15];
+        q[32 * j + 16 + l] = tab[qs[16 * j + l] >> 4];
+      }
+    if constexpr (Q == kMXFP4) {
+      const uint32_t e = b[0];
+      const uint32_t bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+      float d;
+      std::memcpy(&d, &bits, 4);
+      codes_to_float<kScaleShift, 32>(q, d, 0.f, z, out);
+    } else if constexpr (Q == kIQ4_NL) {
+      codes_to_float<kScaleShift, 32>(q, f16_at(b), 0.f, z, out);
+    } else {  // IQ4_XS: d f16, scales_h u16 (2 bits per sub-block), scales_l 4 bytes (a nibble each)
+      const float d = f16_at(b);
+      uint16_t sh;
+      std::memcpy(&sh, b + 2, 2);
+      for (int j = 0; j < 8; ++j) {
+        const int ls = ((b[4 + j / 2] >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4);
+        codes_to_float<kScaleShift, 32>(q + 32 * j, d * float(ls - 32), 0.f, z, out + 32 * j);
+      }
+    }
+    return;
+  }
   if constexpr (Q == kQ4_1) {  // d f16, m f16, 16 bytes of nibbles: w = d q + m
     const uint8_t* qs = b + 4;
     for (int l = 0; l < 16; ++l) {

@@ -8,14 +8,20 @@ from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
 
 FLOAT, INT8, INT4 = 0, 1, 2
 #: GGUF block kinds (raw block bytes, `jaxmoe.quant.GGUF_BLOCKS`) -> the kernels' kind number.
-GGUF_KINDS = {"q4_1": 3, "q5_0": 4, "q5_1": 5, "q4_k": 6, "q5_k": 7, "q6_k": 8}
-#: GGUF block kinds the kernels do not decode yet: ``impl="cpu"`` refuses them with this
-#: reason (`jaxmoe.impls.cpu.kernel.supports`), so ``auto`` takes the XLA path.
-NOT_IN_KERNEL = {
-    k: f"GGUF kind {k!r} has no decoder in the C++ kernel yet (the XLA impls decode it)"
-    for k in ("q2_k", "q3_k", "iq4_nl", "iq4_xs", "mxfp4")
+GGUF_KINDS = {
+    "q4_1": 3,
+    "q5_0": 4,
+    "q5_1": 5,
+    "q4_k": 6,
+    "q5_k": 7,
+    "q6_k": 8,
+    "q2_k": 9,
+    "q3_k": 10,
+    "iq4_nl": 11,
+    "iq4_xs": 12,
+    "mxfp4": 13,
 }
-assert set(GGUF_KINDS) | set(NOT_IN_KERNEL) == set(GGUF_BLOCKS) and not set(GGUF_KINDS) & set(NOT_IN_KERNEL)
+assert set(GGUF_KINDS) == set(GGUF_BLOCKS)
 #: Every `QuantizedTensor` kind the kernels read -> its kind number.
 QUANT_KINDS = {"int8": INT8, "int4": INT4, **GGUF_KINDS}
 
