@@ -150,16 +150,22 @@ def test_vjp_matches_dense(rng, variant, t):
     assert empty.size and not np.any(np.asarray(got[2].w_down)[empty])
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4", "q4_k_m"])
+#: GGUF mixes: Q4_K_M (decoded in-kernel) and kinds the Pallas impl decodes with XLA first.
+_GGUF_MIXES = {"q4_k_m": ("q4_k", "q4_k", "q6_k"), "q3_iq4_mxfp4": ("q3_k", "iq4_xs", "mxfp4")}
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4", *_GGUF_MIXES])
 @pytest.mark.slow
 def test_frozen_quantized_experts(rng, quant):
     """Quantized experts: the input and routing-weight gradients equal those of the
     dequantized float weights; the experts get zero (float0 for the codes). GGUF Q4_K_M
-    (Q4_K gate / up, Q6_K down) is read from its block bytes in the backward kernels too."""
-    d, f, e, k, t = (256, 256, 4, 2, 7) if quant == "q4_k_m" else (64, 64, 4, 2, 7)
+    (Q4_K gate / up, Q6_K down) is read from its block bytes in the backward kernels too;
+    Q3_K / IQ4_XS / MXFP4 reach them decoded by XLA."""
+    d, f, e, k, t = (256, 256, 4, 2, 7) if quant in _GGUF_MIXES else (64, 64, 4, 2, 7)
     cfg = _cfg(d, f, e, k)
-    if quant == "q4_k_m":
-        stored = (("q4_k", (e, f, d)), ("q4_k", (e, f, d)), ("q6_k", (e, d, f)))  # [E, out, in]
+    if quant in _GGUF_MIXES:
+        kinds = _GGUF_MIXES[quant]
+        stored = ((kinds[0], (e, f, d)), (kinds[1], (e, f, d)), (kinds[2], (e, d, f)))  # [E, out, in]
         ew = jaxmoe.ExpertWeights(*(gguf_block_weight(rng, kk, s)[0] for kk, s in stored))
     else:
         p = quantize_experts(jaxmoe.init_params(cfg, jax.random.key(int(rng.integers(1 << 30)))), quant)

@@ -201,7 +201,7 @@ def layer(rng, kinds: tuple[str, str, str], e: int, d: int, f: int):
         (("iq4_nl", "mxfp4", "mxfp4"), 64, 96),
     ],
 )
-@pytest.mark.parametrize("impl", ["xla", "gather", "dense", "auto"])
+@pytest.mark.parametrize("impl", ["xla", "xla_tiled", "gather", "dense", "auto"])
 @pytest.mark.slow
 def test_reference_impls_on_block_experts(kinds, d, f, impl, rng):
     """Mixed block kinds in one layer, one hot expert, empty experts, T = 1, 7, 9, against a
