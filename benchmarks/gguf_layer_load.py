@@ -1,11 +1,14 @@
 """How much of a GGUF file `jaxmoe.from_pretrained(path, layer=i)` reads, and how fast.
 
-Writes a qwen35moe file with ``--layers`` MoE layers of random (valid) Q8_0 experts at
-Qwen3.6 widths (d=2048, F=512, shared 512) with ``--experts`` experts, evicts it from the
-page cache (``posix_fadvise(DONTNEED)``), loads one layer, and reports with ``mincore``
-how many bytes of each layer became resident: only the requested layer's should.
+Writes a qwen35moe file with ``--layers`` MoE layers of random (valid) experts of GGML type
+``--type`` (default Q8_0; e.g. Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4) at Qwen3.6 widths (d=2048,
+F=512, shared 512) with ``--experts`` experts, evicts it from the page cache
+(``posix_fadvise(DONTNEED)``), loads one layer, and reports with ``mincore`` how many bytes
+of each layer became resident (only the requested layer's should), and the bytes jaxmoe
+holds for the routed experts against the file's ``ffn_{gate,up,down}_exps`` bytes
+(held / file: 1.00 when the experts stay in their file bytes).
 
-    python benchmarks/gguf_layer_load.py --experts 64 --layers 4 --layer 2
+    python benchmarks/gguf_layer_load.py --experts 64 --layers 4 --layer 2 --type mxfp4
 """
 
 from __future__ import annotations
@@ -23,16 +26,39 @@ from gguf import GGMLQuantizationType as QT
 
 import jaxmoe
 
+#: Byte offsets of the float16 scale fields inside a block, per type (ggml's block layouts);
+#: MXFP4's scale is the E8M0 exponent in byte 0.
+F16_AT = {
+    QT.Q8_0: (0,),
+    QT.Q4_0: (0,),
+    QT.Q4_1: (0, 2),
+    QT.Q5_0: (0,),
+    QT.Q5_1: (0, 2),
+    QT.Q2_K: (80, 82),
+    QT.Q3_K: (108,),
+    QT.Q4_K: (0, 2),
+    QT.Q5_K: (0, 2),
+    QT.Q6_K: (208,),
+    QT.IQ4_NL: (0,),
+    QT.IQ4_XS: (0,),
+}
 
-def q8_bytes(rng, shape):
+
+def block_bytes(rng, shape, qtype=QT.Q8_0):
+    """Random valid blocks of ``qtype`` for a logical ``shape`` ``[..., out, n]``: random codes,
+    small finite scales."""
     *lead, out, n = shape
-    nb = n // 32
-    b = rng.integers(0, 256, (*lead, out, nb, 34), dtype=np.uint8)
-    b[..., :2] = rng.uniform(1e-4, 1e-3, (*lead, out, nb, 1)).astype(np.float16).view(np.uint8)
-    return b.reshape(*lead, out, nb * 34)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    nb = n // block
+    b = rng.integers(0, 256, (*lead, out, nb, size), dtype=np.uint8)
+    if qtype == QT.MXFP4:
+        b[..., 0] = rng.integers(118, 122, (*lead, out, nb), dtype=np.uint8)
+    for o in F16_AT.get(qtype, ()):
+        b[..., o : o + 2] = rng.uniform(1e-4, 1e-3, (*lead, out, nb, 1)).astype(np.float16).view(np.uint8)
+    return b.reshape(*lead, out, nb * size)
 
 
-def write(path, e, n_layers, d=2048, f=512, fs=512, seed=0):
+def write(path, e, n_layers, d=2048, f=512, fs=512, seed=0, qtype=QT.Q8_0):
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, "qwen35moe")
     for k, v in (
@@ -55,7 +81,8 @@ def write(path, e, n_layers, d=2048, f=512, fs=512, seed=0):
             ("up_shexp", (fs, d)),
             ("down_shexp", (d, fs)),
         ):
-            w.add_tensor(pre + f"ffn_{n}.weight", q8_bytes(rng, s), raw_dtype=QT.Q8_0)
+            qt = qtype if n.endswith("exps") else QT.Q8_0
+            w.add_tensor(pre + f"ffn_{n}.weight", block_bytes(rng, s, qt), raw_dtype=qt)
         w.add_tensor(pre + "ffn_gate_inp_shexp.weight", rng.standard_normal(d).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -87,11 +114,17 @@ def main():
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--layer", type=int, default=2)
+    ap.add_argument(
+        "--type",
+        default="q8_0",
+        help="GGML type of the routed experts: " + ", ".join(t.name.lower() for t in F16_AT) + ", mxfp4",
+    )
     args = ap.parse_args()
+    qtype = QT[args.type.upper()]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "m.gguf")
         t0 = time.perf_counter()
-        write(path, args.experts, args.layers)
+        write(path, args.experts, args.layers, qtype=qtype)
         print(
             f"wrote {os.path.getsize(path) / 2**20:.0f} MiB ({args.layers} layers) in {time.perf_counter() - t0:.1f} s"
         )
@@ -104,10 +137,18 @@ def main():
         block = jaxmoe.from_pretrained(path, layer=args.layer)
         t_load = time.perf_counter() - t0
         after = resident_bytes_by_layer(path)
-        per_layer = sum(t.n_bytes for t in gguf.GGUFReader(path).tensors if t.name.startswith(f"blk.{args.layer}."))
+        tensors = [t for t in gguf.GGUFReader(path).tensors if t.name.startswith(f"blk.{args.layer}.")]
+        per_layer = sum(int(t.n_bytes) for t in tensors)
+        file_exps = sum(int(t.n_bytes) for t in tensors if t.name.endswith("_exps.weight"))
+        ew = block.params().experts
+        held = sum(int(w.nbytes) for w in (ew.w_gate, ew.w_up, ew.w_down))
         print(
             f"from_pretrained(layer={args.layer}): {t_load:.2f} s, layer tensors {per_layer / 2**20:.1f} MiB, "
-            f"experts kept as {type(block.params().experts.w_gate).__name__}"
+            f"experts kept as {type(ew.w_gate).__name__} ({getattr(ew.w_gate, 'kind', ew.w_gate.dtype)})"
+        )
+        print(
+            f"routed experts ({qtype.name}): held {held / 2**20:.2f} MiB, file {file_exps / 2**20:.2f} MiB, "
+            f"held / file {held / file_exps:.2f}"
         )
         for i in range(args.layers):
             print(
@@ -118,7 +159,7 @@ def main():
         t0 = time.perf_counter()
         for _ in range(5):
             block(x).block_until_ready()
-        print(f"one-token forward (impl=auto, Q8_0 experts): {(time.perf_counter() - t0) / 5 * 1e3:.1f} ms")
+        print(f"one-token forward (impl=auto, {qtype.name} experts): {(time.perf_counter() - t0) / 5 * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":
