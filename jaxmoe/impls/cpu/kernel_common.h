@@ -408,9 +408,46 @@ inline vf k_codes8(const uint8_t* b, int s, int h) {
 #endif
 #endif
 
+// IQ4_NL / IQ4_XS / MXFP4: the 4-bit codes index a table of signed values (ggml's
+// kvalues_iq4nl; MXFP4: twice the E2M1 values, kvalues_mxfp4), and the scale of sub-block j
+// (32 elements) is: IQ4_NL d (f16); IQ4_XS d * (ls_j - 32) (6-bit ls_j: low 4 bits from
+// nibble j % 2 of byte 4 + j / 2, top 2 from bits 2 j of the u16 at byte 2); MXFP4 the
+// E8M0 exponent e of byte 0 halved (ggml_e8m0_to_fp32_half: 2^(e - 128), subnormal for e < 2).
+alignas(64) inline constexpr float kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                      1,    13,   25,  38,  53,  69,  89,  113};
+alignas(64) inline constexpr float kFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+template <int Q>
+inline float table_scale(const uint8_t* b, int j) {
+  if constexpr (Q == kMXFP4) {
+    const uint32_t e = b[0];
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+    float d;
+    std::memcpy(&d, &bits, 4);
+    return d;
+  } else if constexpr (Q == kIQ4_NL) {
+    return f16_at(b);
+  } else {
+    uint16_t sh;
+    std::memcpy(&sh, b + 2, 2);
+    const int ls = ((b[4 + j / 2] >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4);
+    return f16_at(b) * float(ls - 32);
+  }
+}
+
 template <int Q>
 inline void decode_block(const uint8_t* b, float* __restrict out) {
 #ifdef JM_LUT16
+  if constexpr (Q == kIQ4_NL || Q == kIQ4_XS || Q == kMXFP4) {  // per 32 codes a table, per 16 a permute
+    const vf vals = load(Q == kMXFP4 ? kFP4Values : kIQ4Values);
+    const uint8_t* qs = b + (Q == kIQ4_XS ? 8 : Q == kIQ4_NL ? 2 : 1);
+    for (int j = 0; j < (Q == kIQ4_XS ? 8 : 1); ++j) {  // the table's entries: one rounding of s * v each
+      const vf t = splat(table_scale<Q>(b, j)) * vals;
+      const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * j)));
+      store(out + 32 * j, (vf)_mm512_permutexvar_ps(z, (__m512)t));  // low nibbles (vpermps reads 4 bits)
+      store(out + 32 * j + 16, (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(z, 4), (__m512)t));
+    }
+    return;
+  }
   if constexpr (Q == kQ4_K) {  // the layout below; per sub-block a table, per 16 codes a permute
     alignas(32) float dsc[8], dmn[8];
     k_scales_mins(b + 4, f16_at(b), f16_at(b + 2), dsc, dmn);
@@ -491,8 +528,8 @@ inline void decode_block(const uint8_t* b, float* __restrict out) {
   }
 #endif
   alignas(64) uint8_t q[256];  // the block's codes, one byte each (byte loops vectorize)
-  // Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4: codes built as bytes, then widened and scaled a vector
-  // at a time by codes_to_float (AVX-512 / AVX2 / portable). A signed code v is stored as
+  // Q2_K, Q3_K (and IQ4_NL, IQ4_XS, MXFP4 without AVX-512's table path above): codes built as
+  // bytes, then widened and scaled a vector at a time by codes_to_float (AVX2 / portable). A signed code v is stored as
   // v + z and decoded as s ((v + z) - z): the subtraction is exact, so each element is the
   // one rounding of gguf.quants' s * v.
   if constexpr (Q == kQ2_K) {  // scales 16 bytes (low nibble scale, high min), qs 64, d f16, dmin f16
@@ -537,23 +574,8 @@ inline void decode_block(const uint8_t* b, float* __restrict out) {
         q[32 * j + l] = tab[qs[16 * j + l] & 15];
         q[32 * j + 16 + l] = tab[qs[16 * j + l] >> 4];
       }
-    if constexpr (Q == kMXFP4) {
-      const uint32_t e = b[0];
-      const uint32_t bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
-      float d;
-      std::memcpy(&d, &bits, 4);
-      codes_to_float<kScaleShift, 32>(q, d, 0.f, z, out);
-    } else if constexpr (Q == kIQ4_NL) {
-      codes_to_float<kScaleShift, 32>(q, f16_at(b), 0.f, z, out);
-    } else {  // IQ4_XS: d f16, scales_h u16 (2 bits per sub-block), scales_l 4 bytes (a nibble each)
-      const float d = f16_at(b);
-      uint16_t sh;
-      std::memcpy(&sh, b + 2, 2);
-      for (int j = 0; j < 8; ++j) {
-        const int ls = ((b[4 + j / 2] >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4);
-        codes_to_float<kScaleShift, 32>(q + 32 * j, d * float(ls - 32), 0.f, z, out + 32 * j);
-      }
-    }
+    for (int j = 0; j < nsub; ++j)
+      codes_to_float<kScaleShift, 32>(q + 32 * j, table_scale<Q>(b, j), 0.f, z, out + 32 * j);
     return;
   }
   if constexpr (Q == kQ4_1) {  // d f16, m f16, 16 bytes of nibbles: w = d q + m
