@@ -10,11 +10,13 @@ every block size and every field offset inside a block is even), so an array of 
 1.5e9 words).
 
 `load_tile` decodes one ``[bn, bk]`` tile (``bk`` a multiple of 32) of an expert in
-registers, in natural K order: K-quant tiles of 32 or 64 elements (what the kernels use)
+registers, in natural K order: Q4_K / Q5_K / Q6_K tiles of 32 or 64 elements (what the kernels use)
 load their 32-byte code chunks contiguously and expand each word to the elements whose
 codes it holds (broadcast + reshape); other tiles gather each element's code from the word
 that holds its byte (element ``k`` of a row sits at a byte offset computed from ``k``
-alone). Each 32 (Q6_K: 16) elements' scale and min come from the block header.
+alone; IQ4_NL / IQ4_XS codes become their table values by selects). Each 32 (Q6_K, Q2_K,
+Q3_K: 16) elements' scale and min come from the block header. MXFP4's 17-byte blocks do not
+fit the word view: it has no tile decode (`TILE_KINDS`).
 `dequantize_gguf_blocks` is the pure-jnp reference, bit-exact with
 ``gguf.quants.dequantize`` (the same float32 operations in the same order); ggml's
 ``dequantize_row_*`` (ggml-quants.c) define both.
@@ -44,10 +46,22 @@ GGUF_BLOCKS: dict[str, tuple[int, int]] = {
     "mxfp4": (32, 17),
 }
 #: Elements sharing one scale (and min) inside a block: the granularity of `load_tile`, for
-#: the kinds it decodes in-kernel (`TILE_KINDS`). The other `GGUF_BLOCKS` kinds are decoded
-#: by `dequantize_gguf_blocks` only (the Pallas impl decodes them with XLA before its kernels).
-SCALE_GROUP: dict[str, int] = {"q4_1": 32, "q5_0": 32, "q5_1": 32, "q4_k": 32, "q5_k": 32, "q6_k": 16}
-#: GGUF block kinds `load_tile` decodes in-kernel.
+#: the kinds it decodes in-kernel (`TILE_KINDS`). MXFP4 is decoded by `dequantize_gguf_blocks`
+#: only (the Pallas impl decodes it with XLA before its kernels).
+SCALE_GROUP: dict[str, int] = {
+    "q4_1": 32,
+    "q5_0": 32,
+    "q5_1": 32,
+    "q4_k": 32,
+    "q5_k": 32,
+    "q6_k": 16,
+    "q2_k": 16,
+    "q3_k": 16,
+    "iq4_nl": 32,
+    "iq4_xs": 32,
+}
+#: GGUF block kinds `load_tile` decodes in-kernel (MXFP4's 17-byte blocks do not fit the
+#: uint16 word view).
 TILE_KINDS: tuple[str, ...] = tuple(SCALE_GROUP)
 #: IQ4_NL / IQ4_XS code -> value (ggml's ``kvalues_iq4nl``).
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -238,6 +252,15 @@ def _half(words: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(words, jnp.float16).astype(jnp.float32)
 
 
+def _iq4_value(q: jax.Array) -> jax.Array:
+    """IQ4 codes 0..15 (int32) -> their `IQ4_VALUES` as float32, by selects (no table in a
+    Triton kernel)."""
+    v = jnp.full(q.shape, float(IQ4_VALUES[0]), jnp.float32)
+    for i, val in enumerate(IQ4_VALUES[1:], 1):
+        v = jnp.where(q == i, jnp.float32(val), v)
+    return v
+
+
 def load_tile(kind: str, k_total: int, n_total: int, ref, e, k0, n0, bk: int, bn: int, dtype) -> jax.Array:
     """Rows ``n0 .. n0 + bn`` (outputs), elements ``k0 .. k0 + bk`` (inputs) of expert ``e``
     of a GGUF block weight, decoded (in-kernel): ``[bn, bk]`` in ``dtype`` (float32 math).
@@ -341,6 +364,38 @@ def load_tile(kind: str, k_total: int, n_total: int, ref, e, k0, n0, bk: int, bn
         sc = jnp.where(sc >= 128, sc - 256, sc)  # int8
         scale = _half(words(gbase + 208, g_ok)) * sc.astype(jnp.float32)
         out = scale[:, :, None] * q.astype(jnp.float32).reshape(bn, ng, g)
+    elif kind in (
+        "q2_k",
+        "q3_k",
+    ):  # element p: bits 2 j of qs byte 32 c + l (c, j, l = p // 128, p % 128 // 32, p % 32)
+        qs_at = 16 if kind == "q2_k" else 32
+        q = bits(base + qs_at + 32 * (p // 128) + p % 32, 2 * (p % 128 // 32), 2, k_ok)
+        g16 = gp // 16  # the group's scale index
+        if kind == "q2_k":
+            sc = bits(gbase + g16, 0, 8, g_ok)
+            d = _half(words(gbase + 80, g_ok))
+            dmin = _half(words(gbase + 82, g_ok))
+            scale, mins = d * (sc & 15).astype(jnp.float32), dmin * (sc >> 4).astype(jnp.float32)
+            out = scale[:, :, None] * q.astype(jnp.float32).reshape(bn, ng, g) - mins[:, :, None]
+        else:  # Q3_K: the mask bit p // 32 of hmask byte p % 32 set: q, else q - 4; 6-bit signed scales
+            q = q - 4 * (1 - bits(base + p % 32, p // 32, 1, k_ok))
+            lo = bits(gbase + 96 + g16 % 8, 4 * (g16 // 8), 4, g_ok)
+            hi = bits(gbase + 104 + g16 % 4, 2 * (g16 // 4), 2, g_ok)
+            scale = _half(words(gbase + 108, g_ok)) * ((lo | (hi << 4)) - 32).astype(jnp.float32)
+            out = scale[:, :, None] * q.astype(jnp.float32).reshape(bn, ng, g)
+    elif kind in ("iq4_nl", "iq4_xs"):  # 32 elements per 16 bytes: low nibbles, then high ones
+        l = p % 32
+        qs = base + (2 if kind == "iq4_nl" else 8 + 16 * (p // 32)) + l % 16
+        v = _iq4_value(bits(qs, 4 * (l // 16), 4, k_ok))
+        d = _half(words(gbase, g_ok))
+        if (
+            kind == "iq4_xs"
+        ):  # sub-block j: 4 bits from nibble j % 2 of byte 4 + j // 2, 2 from bits 2 j of the u16 at 2
+            j = gp // 32
+            lo = bits(gbase + 4 + j // 2, 4 * (j % 2), 4, g_ok)
+            hi = bits(gbase + 2 + j // 4, 2 * (j % 4), 2, g_ok)
+            d = d * ((lo | (hi << 4)) - 32).astype(jnp.float32)
+        out = d[:, :, None] * v.reshape(bn, ng, g)
     else:  # q4_1, q5_0, q5_1: blocks of 32, element l in the low nibble of byte l % 16 for l < 16
         qs = base + {"q4_1": 4, "q5_0": 6, "q5_1": 8}[kind] + p % 16
         q = bits(qs, 4 * (p // 16), 4, k_ok)

@@ -10,7 +10,7 @@ kernel as one of these layouts (`WeightLayout.kind`):
 - ``int4`` (MLX affine, Q4_0 as scale d / bias -8d): ``p [E, N, K/2]`` uint8 (low nibble
   = even element), ``s, b [E, N, K/g]``; a tile is ``s * q + b``.
 - a GGUF block kind decoded in-kernel (``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q5_k``,
-  ``q6_k``; `gguf.TILE_KINDS`): the file's block bytes ``[E, N, n_blocks * block_bytes]`` uint8,
+  ``q6_k``, ``q2_k``, ``q3_k``, ``iq4_nl``, ``iq4_xs``; `gguf.TILE_KINDS`): the file's block bytes ``[E, N, n_blocks * block_bytes]`` uint8,
   scales and mins inside the blocks, read as uint16 words and decoded per tile by
   `gguf.load_tile`.
 

@@ -150,10 +150,7 @@ def test_dequantize_reference_matches_core_and_gguf(rng, kind):
 # ---------------------------------------------------------------- GGUF block kinds in the kernels
 
 
-GGUF_KINDS = ("q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
-
-
-@pytest.mark.parametrize("kind", GGUF_KINDS)
+@pytest.mark.parametrize("kind", TILE_KINDS)
 @pytest.mark.slow
 def test_gguf_block_tiles_every_kind(rng, kind):
     """A GGUF block weight reaches the kernels as the file's bytes and is decoded per tile:

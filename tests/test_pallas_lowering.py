@@ -49,9 +49,13 @@ def assert_triton(txt: str, n: int):
     assert found == n, f"expected {n} Triton custom calls, found {found}"
 
 
+#: GGUF mixes of super-block kinds (widths of whole super-blocks), and IQ4_NL (blocks of 32).
+GGUF_MIXES = {"q4_k_m": ("q4_k", "q4_k", "q6_k"), "q2_q3_iq4xs": ("q2_k", "q3_k", "iq4_xs"), "iq4_nl": ("iq4_nl",) * 3}
+
+
 def weights(rng, e, d, f, kind, dtype=jnp.float32):
-    if kind == "q4_k_m" or kind.startswith("q5"):  # GGUF block bytes (Q4_K_M: Q4_K gate / up, Q6_K down)
-        kinds = ("q4_k", "q4_k", "q6_k") if kind == "q4_k_m" else (kind,) * 3
+    if kind in GGUF_MIXES or kind.startswith("q5"):  # GGUF block bytes (Q4_K_M: Q4_K gate / up, Q6_K down)
+        kinds = GGUF_MIXES.get(kind, (kind,) * 3)
         return [gguf_block_weight(rng, kk, s)[0] for kk, s in zip(kinds, ((e, f, d), (e, f, d), (e, d, f)))]
     ws = [rng.standard_normal(s).astype(np.float32) / 8 for s in ((e, d, f), (e, d, f), (e, f, d))]
     if kind == "int8":
@@ -97,12 +101,13 @@ def test_impl_variants_lower(rng, variant, t):
     assert_triton(lower_text(functools.partial(experts_pallas, cfg=cfg, ex=ExecConfig(interpret=False)), x, r, ew), 2)
 
 
-@pytest.mark.parametrize("kind", ["f32", "bf16", "f16", "int8", "int4", "q5_1", "q4_k_m"])
+@pytest.mark.parametrize("kind", ["f32", "bf16", "f16", "int8", "int4", "q5_1", "q4_k_m", "q2_q3_iq4xs", "iq4_nl"])
 @pytest.mark.slow
 def test_each_kernel_lowers(rng, kind):
     """gmm, gate_up_swiglu, down_project, decode_gate_up, decode_down, one call each (GGUF
-    block kinds: Q5_1, and Q4_K_M's Q4_K / Q6_K at widths of whole super-blocks)."""
-    d, f, e, t, k = (256, 256, 4, 20, 2) if kind == "q4_k_m" else (128, 64, 4, 20, 2)
+    block kinds: Q5_1, IQ4_NL, and Q4_K_M's Q4_K / Q6_K or Q2_K / Q3_K / IQ4_XS at widths of
+    whole super-blocks)."""
+    d, f, e, t, k = (256, 256, 4, 20, 2) if kind in ("q4_k_m", "q2_q3_iq4xs") else (128, 64, 4, 20, 2)
     dt = {"bf16": jnp.bfloat16, "f16": jnp.float16}.get(kind, jnp.float32)
     wg, wu, wd = (kernel_weight(w) for w in weights(rng, e, d, f, kind, dt))
     ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32)

@@ -34,8 +34,8 @@ with ``weight_on_input`` it comes from the gate/up kernel and nothing is saved).
 Quantized experts (`jaxmoe.experts.experts_frozen`) are frozen: the input and routing
 gradients read the quantized weights tile by tile in the kernels (int8 / int4 and the GGUF
 block kinds, as in the forward) and the experts get `jaxmoe.experts.frozen_cotangent`.
-The GGUF kinds without an in-kernel decode (Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4) reach the
-kernels as float weights decoded by XLA (`kernel_weight`).
+MXFP4, the one GGUF kind without an in-kernel decode, reaches the kernels as float
+weights decoded by XLA (`kernel_weight`).
 """
 
 from __future__ import annotations
@@ -69,11 +69,11 @@ def kernel_weight(w: jax.Array | QuantizedTensor, dtype=jnp.float32) -> jax.Arra
     """An expert weight ``[E, K, N]`` as the kernels take it: a float array unchanged, a
     `QuantizedTensor` as the `QuantWeight` of the same arrays (int8 / int4 codes with their
     scales; a GGUF block kind the kernels decode in-kernel (`pallas_kernels.gguf.TILE_KINDS`:
-    ``q4_1`` ... ``q6_k``) as the file's block bytes, decoded tile by tile: no float copy of
-    any expert). The other GGUF block kinds (``q2_k``, ``q3_k``, ``iq4_nl``, ``iq4_xs``,
-    ``mxfp4``: no in-kernel decode yet) are decoded with XLA (`jaxmoe.quant.materialize`)
-    into a float ``[E, K, N]`` array in ``dtype`` (the compute dtype) before the kernels: a
-    transient float copy of every expert of that weight."""
+    every kind but ``mxfp4``) as the file's block bytes, decoded tile by tile: no float copy
+    of any expert). MXFP4 (17-byte blocks, which the kernels' uint16 word view cannot
+    address) is decoded with XLA (`jaxmoe.quant.materialize`) into a float ``[E, K, N]``
+    array in ``dtype`` (the compute dtype) before the kernels: a transient float copy of
+    every expert of that weight."""
     if not isinstance(w, QuantizedTensor):
         return w
     if w.kind in GGUF_BLOCKS and w.kind not in TILE_KINDS:
