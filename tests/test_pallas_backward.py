@@ -150,7 +150,7 @@ def test_vjp_matches_dense(rng, variant, t):
     assert empty.size and not np.any(np.asarray(got[2].w_down)[empty])
 
 
-#: GGUF mixes: Q4_K_M (decoded in-kernel) and kinds the Pallas impl decodes with XLA first.
+#: GGUF mixes: Q4_K_M, and Q3_K / IQ4_XS (decoded in-kernel) with MXFP4 (decoded by XLA first).
 _GGUF_MIXES = {"q4_k_m": ("q4_k", "q4_k", "q6_k"), "q3_iq4_mxfp4": ("q3_k", "iq4_xs", "mxfp4")}
 
 
@@ -159,8 +159,8 @@ _GGUF_MIXES = {"q4_k_m": ("q4_k", "q4_k", "q6_k"), "q3_iq4_mxfp4": ("q3_k", "iq4
 def test_frozen_quantized_experts(rng, quant):
     """Quantized experts: the input and routing-weight gradients equal those of the
     dequantized float weights; the experts get zero (float0 for the codes). GGUF Q4_K_M
-    (Q4_K gate / up, Q6_K down) is read from its block bytes in the backward kernels too;
-    Q3_K / IQ4_XS / MXFP4 reach them decoded by XLA."""
+    (Q4_K gate / up, Q6_K down) and Q3_K / IQ4_XS are read from their block bytes in the
+    backward kernels too; MXFP4 reaches them decoded by XLA."""
     d, f, e, k, t = (256, 256, 4, 2, 7) if quant in _GGUF_MIXES else (64, 64, 4, 2, 7)
     cfg = _cfg(d, f, e, k)
     if quant in _GGUF_MIXES:

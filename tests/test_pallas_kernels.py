@@ -634,8 +634,8 @@ def test_pallas_gguf_block_kinds_match_float64_loop(rng, fmts, t):
     """GGUF block kinds through the Pallas impl (interpret mode), decode (T k <= 64) and
     grouped paths, against the float64 loop over gguf.quants' decoding of the same bytes.
     The kernels decode the `TILE_KINDS` tile by tile: no float copy of any expert (neither
-    the stack nor the selected experts) in the compiled program; the other kinds (Q2_K,
-    Q3_K, IQ4_NL, IQ4_XS, MXFP4) are decoded by XLA into float experts first."""
+    the stack nor the selected experts) in the compiled program; MXFP4 is decoded by XLA
+    into float experts first."""
     from helpers import gguf_block_weight
 
     e, k = 12, 2
