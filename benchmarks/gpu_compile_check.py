@@ -249,7 +249,7 @@ def _cases() -> list[Case]:
     # kernel-level blocks): each kernel on its own, every weight kind and activation dtype
     def each_kernel(which, kind):
         d, f, e, t, k = 128, 64, 4, 20, 2
-        if kind in ("q4_k", "q5_k", "q6_k"):  # widths of whole super-blocks
+        if kind in GGUF_BLOCKS and GGUF_BLOCKS[kind][0] == 256:  # widths of whole super-blocks
             d, f = 256, 256
         dt = DT.get(kind, jnp.float32)
         w = [weight(e, d, f, kind, dt, 64), weight(e, d, f, kind, dt, 64), weight(e, f, d, kind, dt, 64)]
