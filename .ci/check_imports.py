@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "jaxmoe.config": 0,
     "jaxmoe.invariance": 0,
     "jaxmoe.quant": 0,
+    "jaxmoe.ggml_activations": 0,
     "jaxmoe.routing": 0,
     "jaxmoe.experts": 0,
     "jaxmoe.dispatch": 0,

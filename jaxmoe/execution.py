@@ -19,10 +19,11 @@ from typing import Any
 
 from jaxmoe.platforms import GROUPS, host_group
 
-#: Activation arithmetic: ``float`` (activations as given, float32 accumulation) or
+#: Activation arithmetic: ``float`` (activations as given, float32 accumulation),
 #: ``int8`` (``impl="cpu"`` only: activations quantized to int8 per block of 32 for
-#: integer-coded experts, docs/kernels.md "int8 activations").
-ACTIVATION_MODES = ("float", "int8")
+#: integer-coded experts, docs/kernels.md "int8 activations") or ``ggml`` (llama.cpp's
+#: CPU arithmetic: `jaxmoe.ggml_activations`).
+ACTIVATION_MODES = ("float", "int8", "ggml")
 
 #: Layouts of ``impl="xla_tiled"`` (`jaxmoe.impls.xla_tiled`).
 XLA_TILED_LAYOUTS = ("pairs", "capacity", "tiles")
@@ -59,7 +60,11 @@ class ExecConfig:
         activations quantized to int8 per block of 32, ``dx = max|x| / 127``, in integers,
         as llama.cpp does; float experts keep float activations). Another explicit impl
         with ``int8`` is a ValueError; ``auto`` lowered for a platform without the kernel
-        runs float activations there.
+        runs float activations there. Or ``ggml``: each product's activations converted
+        as llama.cpp's CPU backend converts them for the weight type (Q8_0 / Q8_1 / Q8_K
+        blocks, bf16 / f16 rounding; `jaxmoe.ggml_activations`), the SwiGLU output again
+        before the down projection, routed and shared experts alike; the XLA strategies
+        have it (``auto`` takes one of them where its strategy lacks it).
       interpret: Pallas interpret mode for ``impl="pallas"``; None: compiled where Triton
         lowers (CUDA / ROCm), interpreted on every other platform.
       block_m: rows per expert tile of ``xla`` / ``xla_tiled`` (None: chosen from the
@@ -89,7 +94,7 @@ class ExecConfig:
             _fail("batch_invariant", f"must be true or false, got {self.batch_invariant!r}")
         if self.activations not in ACTIVATION_MODES:
             _fail("activations", f"unknown {self.activations!r}; expected one of {ACTIVATION_MODES}")
-        if self.activations != "float" and self.impl not in ("auto", "cpu"):
+        if self.activations == "int8" and self.impl not in ("auto", "cpu"):
             _fail("activations", f"{self.activations!r} is a mode of impl='cpu' (or 'auto'); impl is {self.impl!r}")
         if self.interpret is not None and not isinstance(self.interpret, bool):
             _fail("interpret", f"must be true, false or null, got {self.interpret!r}")

@@ -27,9 +27,10 @@ import numpy as np
 from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import check_expert_ids, id_valid, replace_invalid
 from jaxmoe.execution import ExecConfig
+from jaxmoe.ggml_activations import GgmlWeight, ggml_dot, prepare
 from jaxmoe.invariance import row_blocks, slot_sum
 from jaxmoe.platforms import host_group
-from jaxmoe.quant import QuantizedTensor, materialize
+from jaxmoe.quant import QuantizedTensor
 from jaxmoe.routing import Routing
 from pallas_kernels.activation import Activation
 
@@ -137,46 +138,72 @@ def swiglu(x: jax.Array, wg, wu, wd, cfg: MoEConfig, matmul, bias=None, scale=No
     grouped); ``bias`` None or ``(bg, bu, bd)`` broadcastable to its results; ``scale``
     (optional) multiplies the gate and up products before the biases (the routing weight
     on the input: ``gate(w x) = w (x Wg) + b``). The hidden activation is rounded to
-    ``x.dtype`` before the down projection.
+    ``x.dtype`` before the down projection. Weights prepared for ggml arithmetic
+    (`jaxmoe.ggml_activations.prepare`) convert each product's activations to their
+    format, the hidden activation included (kept float32 in between).
     """
-    g = matmul(x, wg)
-    u = matmul(x, wu)
+    ggml = isinstance(wd, GgmlWeight)
+    if ggml and scale is not None:
+        raise ValueError(
+            "activations='ggml' with the routing weight on the expert input (weight_on_input): "
+            "this strategy scales after the product; use impl 'xla', 'gather' or 'xla_tiled'"
+        )
+    g = ggml_dot(matmul, x, wg)
+    u = ggml_dot(matmul, x, wu)
     if scale is not None:
         g, u = g * scale, u * scale
     if bias is not None:
         g, u = g + bias[0], u + bias[1]
-    h = activation(g, u, cfg).astype(x.dtype)
-    y = matmul(h, wd)
+    h = activation(g, u, cfg)
+    y = ggml_dot(matmul, h if ggml else h.astype(x.dtype), wd)
     if bias is not None:
         y = y + bias[2]
     return y
 
 
-def swiglu_ffn(x: jax.Array, w_gate, w_up, w_down, cfg: MoEConfig, bias=None, platform: str | None = None) -> jax.Array:
+def swiglu_ffn(
+    x: jax.Array,
+    w_gate,
+    w_up,
+    w_down,
+    cfg: MoEConfig,
+    bias=None,
+    platform: str | None = None,
+    activations: str = "float",
+) -> jax.Array:
     """One SwiGLU MLP. ``x [T, d]``, ``w_gate, w_up [d, F]``, ``w_down [F, d]`` (quantized
     ones dequantized to ``x.dtype``), ``bias`` None or ``(b_gate, b_up, b_down)``
-    float32 -> ``[T, d]`` float32."""
+    float32 -> ``[T, d]`` float32. ``activations``: `jaxmoe.execution.ACTIVATION_MODES`."""
     dt = x.dtype
-    wg, wu, wd = (materialize(w, dt) for w in (w_gate, w_up, w_down))
+    wg, wu, wd = (prepare(w, dt, activations) for w in (w_gate, w_up, w_down))
     return swiglu(x, wg, wu, wd, cfg, lambda a, w: mm("mk,kn->mn", a, w, platform), bias)
 
 
 def shared_expert(
-    x: jax.Array, sw: SharedWeights | None, cfg: MoEConfig, *, invariant: bool = False, platform: str | None = None
+    x: jax.Array,
+    sw: SharedWeights | None,
+    cfg: MoEConfig,
+    *,
+    invariant: bool = False,
+    platform: str | None = None,
+    activations: str = "float",
 ) -> jax.Array:
     """Shared output ``[T, d]`` float32: ``g * shared(x)``, g = sigmoid(x . gate) or 1.
 
     ``invariant``: computed on fixed-shape row blocks (`jaxmoe.invariance.row_blocks`),
     so a token's row does not depend on ``T``. ``platform``: the lowering platform group
     (`dot_f32`).
+    ``activations``: `jaxmoe.execution.ACTIVATION_MODES`.
     """
     if sw is None:
         return jnp.zeros(x.shape, jnp.float32)
     with jax.named_scope("shared_expert"):
         if invariant:
-            return row_blocks(lambda xb, sw: shared_expert(xb, sw, cfg, platform=platform), x, sw)
+            return row_blocks(
+                lambda xb, sw: shared_expert(xb, sw, cfg, platform=platform, activations=activations), x, sw
+            )
         sw = freeze_shared(sw)  # a quantized shared expert is frozen, as routed experts are
-        y = swiglu_ffn(x, sw.w_gate, sw.w_up, sw.w_down, cfg, platform=platform)
+        y = swiglu_ffn(x, sw.w_gate, sw.w_up, sw.w_down, cfg, platform=platform, activations=activations)
         if sw.gate is not None:
             y = y * shared_gate(x, sw.gate)
     return y
@@ -229,17 +256,19 @@ def experts_dense(
     check_expert_ids(routing.expert_ids, e, "experts_dense", shape=(x.shape[0], None), weights=routing.weights)
     ew = freeze(ew)
     if ex.batch_invariant:  # fixed-shape token blocks
-        return row_blocks(lambda xr, ew: _dense(xr[0], xr[1], ew, cfg, platform), (x, routing), ew)
-    return _dense(x, routing, ew, cfg, platform)
+        return row_blocks(lambda xr, ew: _dense(xr[0], xr[1], ew, cfg, platform, ex.activations), (x, routing), ew)
+    return _dense(x, routing, ew, cfg, platform, ex.activations)
 
 
-def _dense(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, platform: str | None) -> jax.Array:
+def _dense(
+    x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, platform: str | None, activations: str
+) -> jax.Array:
     dt = x.dtype
     e = ew.num_experts
     comb = combine_matrix(routing, e)  # [T, E]
     ids = replace_invalid(routing.expert_ids, e, e)  # invalid: out of range, dropped
     sel = jnp.zeros(comb.shape, bool).at[jnp.arange(comb.shape[0])[:, None], ids].set(True, mode="drop")
-    wg, wu, wd = (materialize(w, dt) for w in (ew.w_gate, ew.w_up, ew.w_down))
+    wg, wu, wd = (prepare(w, dt, activations) for w in (ew.w_gate, ew.w_up, ew.w_down))
 
     def matmul(a, w):  # [T, d] x [E, d, F] -> [T, E, F], then [T, E, F] x [E, F, d] -> [T, E, d]
         return mm("td,edf->tef" if a.ndim == 2 else "tef,efd->ted", a, w, platform)
@@ -268,12 +297,12 @@ def experts_gather(
         routing.expert_ids, ew.num_experts, "experts_gather", shape=(x.shape[0], None), weights=routing.weights
     )
     ex = ex or ExecConfig()
-    return _experts_gather(x, routing, freeze(ew), cfg, ex.batch_invariant, ex.group)
+    return _experts_gather(x, routing, freeze(ew), cfg, ex.batch_invariant, ex.group, ex.activations)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "invariant", "platform"))
+@functools.partial(jax.jit, static_argnames=("cfg", "invariant", "platform", "activations"))
 def _experts_gather(
-    x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, invariant: bool, platform: str
+    x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, invariant: bool, platform: str, activations: str
 ) -> jax.Array:
     dt = x.dtype
     ids, w = routing.expert_ids, routing.weights
@@ -288,7 +317,7 @@ def _experts_gather(
 
     def run(i):
         one = ew.take(flat[i])  # this pair's expert: w_gate [d, F], w_up [d, F], w_down [F, d]
-        return swiglu_ffn(xin[i], one.w_gate, one.w_up, one.w_down, cfg, one.biases_f32(), platform)
+        return swiglu_ffn(xin[i], one.w_gate, one.w_up, one.w_down, cfg, one.biases_f32(), platform, activations)
 
     def pair(i, ys):
         # an invalid pair (e.g. expert-parallel padding) is not computed

@@ -79,6 +79,105 @@ def to_f64(w, index=None) -> np.ndarray:
     return a.astype(np.float64)
 
 
+_VEC_DOT = {"int8": "q8_0", "int4": "q8_0", "q5_0": "q8_0", "iq4_nl": "q8_0", "mxfp4": "q8_0"}
+_VEC_DOT.update({k: "q8_1" for k in ("q4_1", "q5_1")})
+_VEC_DOT.update({k: "q8_K" for k in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")})
+
+
+def ggml_format(w) -> str:
+    """The activation type ggml's CPU backend converts activations to for weight ``w``
+    (its ``vec_dot_type``): ``q8_0``, ``q8_1`` or ``q8_K`` by a quantized kind, ``f32`` /
+    ``f16`` / ``bf16`` by a float weight's dtype."""
+    if hasattr(w, "qdata"):
+        return _VEC_DOT[w.kind]
+    return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}[str(w.dtype)]
+
+
+def _nearest_int(v: np.ndarray) -> np.ndarray:
+    """ggml's ``nearest_int``: the float32 magic-number rounding (half to even)."""
+    f = (v.astype(np.float32) + np.float32(12582912.0)).astype(np.float32)
+    return (f.view(np.int32) & 0x007FFFFF) - 0x00400000
+
+
+def ggml_blocks_np(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """ggml's conversion of float32 activation rows ``x [..., n]`` to the block type ``fmt``
+    (``q8_0``, ``q8_1``, ``q8_K``), written from ggml-cpu's x86 ``quantize_row_q8_0`` /
+    ``quantize_row_q8_1`` and ``quantize_row_q8_K_ref`` in numpy float32: codes
+    ``q [..., n]`` int64, scales ``d [..., n / block]`` (float16 values for ``q8_0`` /
+    ``q8_1``, float32 for ``q8_K``) and, for ``q8_1``, the stored block sums
+    ``s = f16(d sum(q))`` (else None). A block holding a NaN or an infinity gets codes 0."""
+    x = np.asarray(x, np.float32)
+    qk = 256 if fmt == "q8_K" else 32
+    b = x.reshape(*x.shape[:-1], -1, qk)
+    bad = ~np.all(np.isfinite(b), axis=-1, keepdims=True)
+    b = np.where(bad, np.float32(0), b)
+    if fmt == "q8_K":
+        first = np.argmax(np.abs(b), axis=-1)[..., None]  # the first element of largest magnitude
+        mx = np.take_along_axis(b, first, axis=-1)
+        nz = mx != 0
+        iscale = np.where(nz, np.float32(-127.0) / np.where(nz, mx, np.float32(1)), np.float32(0)).astype(np.float32)
+        q = np.minimum(_nearest_int(iscale * b), 127).astype(np.int64)
+        d = np.where(nz, np.float32(1.0) / np.where(nz, iscale, np.float32(1)), np.float32(0)).astype(np.float32)
+        return q.reshape(x.shape), d[..., 0], None
+    amax = np.max(np.abs(b), axis=-1, keepdims=True)
+    d = (amax / np.float32(127.0)).astype(np.float32)
+    nz = amax != 0
+    inv = np.where(nz, np.float32(127.0) / np.where(nz, amax, np.float32(1)), np.float32(0)).astype(np.float32)
+    q = np.rint((b * inv).astype(np.float32)).astype(np.int64)  # _mm256_round_ps: half to even
+    s = None
+    if fmt == "q8_1":
+        s = (d[..., 0] * q.sum(-1).astype(np.float32)).astype(np.float16)
+    return q.reshape(x.shape), d[..., 0].astype(np.float16), s
+
+
+def ggml_quantize_np(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """The float64 values ggml's conversion of ``x [..., n]`` (float32) to ``fmt`` stands
+    for (``f16(d) q``, ``d q``, or ``x`` rounded to ``f16`` / ``bf16``; `ggml_blocks_np`),
+    and for ``q8_1`` the stored block sums ``s`` as float64 (else None). Blocks holding a
+    NaN or an infinity stand for NaN."""
+    x = np.asarray(x, np.float32)
+    if fmt == "f32":
+        return x.astype(np.float64), None
+    if fmt == "f16":
+        return x.astype(np.float16).astype(np.float64), None
+    if fmt == "bf16":
+        u = x.view(np.uint32).astype(np.uint64)  # round to nearest even on the upper 16 bits
+        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+        return np.where(np.isnan(x), np.nan, r.astype(np.uint32).view(np.float32).astype(np.float64)), None
+    q, d, s = ggml_blocks_np(x, fmt)
+    qk = 256 if fmt == "q8_K" else 32
+    v = q.reshape(*x.shape[:-1], -1, qk).astype(np.float64) * d.astype(np.float64)[..., None]
+    bad = ~np.all(np.isfinite(x.reshape(*x.shape[:-1], -1, qk)), axis=-1, keepdims=True)
+    v = np.where(bad, np.nan, v).reshape(x.shape)
+    return v, None if s is None else s.astype(np.float64)
+
+
+def block_minimums_np(qt, index=None) -> np.ndarray:
+    """A Q4_1 / Q5_1 weight's per-block minimums ``m`` as float64 ``[in / 32, out]`` (bytes
+    2-3 of each block)."""
+    raw = np.asarray(qt.qdata if index is None else qt.qdata[index], np.uint8)
+    size = {"q4_1": 20, "q5_1": 24}[qt.kind]
+    blk = np.ascontiguousarray(raw.reshape(*raw.shape[:-1], -1, size)[..., 2:4])
+    return np.swapaxes(blk.view(np.float16)[..., 0].astype(np.float64), -1, -2)
+
+
+def dot_f64(x: np.ndarray, w, index=None, activations: str = "float") -> np.ndarray:
+    """``x @ W`` in float64 (``W`` the weight ``w``, optionally expert ``index``). With
+    ``activations="ggml"`` ``x`` is first converted as ggml converts it for ``w``
+    (`ggml_quantize_np`), and a Q4_1 / Q5_1 weight's minimums meet the stored, rounded
+    block sums ``s`` in place of the exact ones, as ggml's ``q4_1 x q8_1`` dot does."""
+    wf = to_f64(w, index)
+    if activations == "float":
+        return np.asarray(x, np.float64) @ wf
+    fmt = ggml_format(w)
+    v, s = ggml_quantize_np(np.asarray(x, np.float32), fmt)
+    y = v @ wf
+    if s is not None and hasattr(w, "qdata"):
+        exact = v.reshape(*v.shape[:-1], -1, 32).sum(-1)  # f16(d) sum(q), exact in float64
+        y = y + (s - exact) @ block_minimums_np(w, index)
+    return y
+
+
 def _softmax(z: np.ndarray) -> np.ndarray:
     e = np.exp(z - z.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
@@ -150,20 +249,34 @@ def router_logits_f64(params: MoEParams, x: np.ndarray) -> np.ndarray:
     return z
 
 
-def shared_f64(params: MoEParams, x: np.ndarray, cfg: MoEConfig) -> tuple[np.ndarray, np.ndarray | None]:
+def _ffn(x: np.ndarray, wg, wu, wd, cfg: MoEConfig, index=None, activations: str = "float", bias=None):
+    g = dot_f64(x, wg, index, activations)
+    u = dot_f64(x, wu, index, activations)
+    if bias is not None:
+        g, u = g + bias[0], u + bias[1]
+    h = _act(g, u, cfg)
+    if activations == "ggml":
+        h = h.astype(np.float32)  # ggml's SwiGLU output is float32
+    out = dot_f64(h, wd, index, activations)
+    return out if bias is None else out + bias[2]
+
+
+def shared_f64(
+    params: MoEParams, x: np.ndarray, cfg: MoEConfig, activations: str = "float"
+) -> tuple[np.ndarray, np.ndarray | None]:
     """Shared-expert output ``[T, d]`` and its gate ``[T]`` (None when ungated)."""
     x = np.asarray(x, np.float64)
     sh = params.shared
     if sh is None:
         return np.zeros_like(x), None
-    y = _act(x @ to_f64(sh.w_gate), x @ to_f64(sh.w_up), cfg) @ to_f64(sh.w_down)
+    y = _ffn(x, sh.w_gate, sh.w_up, sh.w_down, cfg, activations=activations)
     if sh.gate is None:
         return y, None
     gate = _sigmoid(x @ to_f64(sh.gate))
     return y * gate[:, None], gate
 
 
-def routed_f64(params: MoEParams, x: np.ndarray, routing, cfg: MoEConfig) -> np.ndarray:
+def routed_f64(params: MoEParams, x: np.ndarray, routing, cfg: MoEConfig, activations: str = "float") -> np.ndarray:
     """Routed output ``[T, d]`` float64 under ``routing`` (anything with ``expert_ids [T, k]``
     and ``weights [T, k]``: a `RefRouting`, a `jaxmoe.routing.Routing`): for each expert
     used, its tokens. A pair whose id lies outside ``[0, E)`` adds nothing (docs/routing.md,
@@ -178,26 +291,26 @@ def routed_f64(params: MoEParams, x: np.ndarray, routing, cfg: MoEConfig) -> np.
         tok, slot = np.nonzero(ids == e)
         w = weights[tok, slot][:, None]
         xin = x[tok] * w if cfg.weight_on_input else x[tok]
-        g = xin @ to_f64(ew.w_gate, e)
-        u = xin @ to_f64(ew.w_up, e)
-        if ew.b_gate is not None:
-            g = g + to_f64(ew.b_gate, e)
-            u = u + to_f64(ew.b_up, e)
-        out = _act(g, u, cfg) @ to_f64(ew.w_down, e)
-        if ew.b_down is not None:
-            out = out + to_f64(ew.b_down, e)
+        bias = None if ew.b_gate is None else (to_f64(ew.b_gate, e), to_f64(ew.b_up, e), to_f64(ew.b_down, e))
+        out = _ffn(xin, ew.w_gate, ew.w_up, ew.w_down, cfg, e, activations, bias)
         if not cfg.weight_on_input:
             out = out * w
         np.add.at(y, tok, out)
     return y
 
 
-def reference_forward(params: MoEParams, x: np.ndarray, cfg: MoEConfig) -> tuple[np.ndarray, RefRouting]:
-    """The layer in float64. ``x [T, d]`` -> (``y [T, d]`` float64, `RefRouting`)."""
+def reference_forward(
+    params: MoEParams, x: np.ndarray, cfg: MoEConfig, activations: str = "float"
+) -> tuple[np.ndarray, RefRouting]:
+    """The layer in float64. ``x [T, d]`` -> (``y [T, d]`` float64, `RefRouting`).
+
+    ``activations="ggml"``: every expert product first converts its activations as
+    llama.cpp's CPU backend does (`dot_f64`), then computes exactly; the router and the
+    shared expert's gate stay float (their weights are float32 in a GGUF file)."""
     x = np.asarray(x, np.float64)
     if x.ndim != 2 or x.shape[1] != cfg.d_model:
         raise ValueError(f"reference_forward: x must be [T, {cfg.d_model}], got {x.shape}")
     sb = None if params.selection_bias is None else to_f64(params.selection_bias)
     r = route_f64(router_logits_f64(params, x), cfg.router, sb)
-    y = routed_f64(params, x, r, cfg) + shared_f64(params, x, cfg)[0]
+    y = routed_f64(params, x, r, cfg, activations) + shared_f64(params, x, cfg, activations)[0]
     return y, r

@@ -22,7 +22,7 @@ from jaxmoe.execution import ExecConfig
 from jaxmoe.experts import ExpertWeights, SharedWeights
 from jaxmoe.impls.cpu import cpu_kernel_available, cpu_layer, supports
 from jaxmoe.impls.cpu.build import kernel_ready
-from jaxmoe.impls.registry import get_impl
+from jaxmoe.impls.registry import available_impls, get_impl
 from jaxmoe.platforms import (
     AUTO_IMPL,
     EXPLICIT_IMPL,
@@ -117,9 +117,12 @@ def run_experts(
     when the program is lowered for the CPU (XLA keeps one branch): lowering for a GPU
     never builds, loads or checks the kernel.
     """
-    table = lowering_table(ex.impl, x.shape[0] * routing.expert_ids.shape[1], experts=experts, dtype=x.dtype)
+    num_pairs = x.shape[0] * routing.expert_ids.shape[1]
+    table = lowering_table(ex.impl, num_pairs, experts=experts, dtype=x.dtype)
+    if ex.activations == "ggml":
+        table = _ggml_table(table, ex, num_pairs)
     keys = {g: (name, g if g in get_impl(name).platforms else "default") for g, name in table.items()}
-    if ex.activations != "float":
+    if ex.activations == "int8":
         name = table[platform_group(default_platform())]
         if name == "cpu" and ex.impl == "auto" and not cpu_kernel_available():
             name = _fallback(x.shape[0] * routing.expert_ids.shape[1])
@@ -132,6 +135,23 @@ def run_experts(
         name, plat = next(iter(keys.values()))
         return _branch(name, plat, cfg, ex, x, routing, experts, shared)
     return _switch(tuple(sorted(keys.items())), cfg, ex, x, routing, experts, shared)
+
+
+def _ggml_table(table: dict[str, str], ex: ExecConfig, num_pairs: int) -> dict[str, str]:
+    """``table`` for ``activations="ggml"``: under ``auto`` a group whose strategy lacks the
+    mode takes the XLA fallback (`_fallback`); an explicit strategy without it is a
+    ValueError naming the strategies that have it."""
+    out = {}
+    for g, name in table.items():
+        if "ggml" not in get_impl(name).activations:
+            if ex.impl != "auto":
+                have = sorted(n for n in available_impls() if n != "auto" and "ggml" in get_impl(n).activations)
+                raise ValueError(
+                    f"ExecConfig.activations='ggml': impl {name!r} has no ggml arithmetic; impl='auto' or one of {have}"
+                )
+            name = _fallback(num_pairs)
+        out[g] = name
+    return out
 
 
 def _fallback(num_pairs: int) -> str:

@@ -28,7 +28,7 @@ import jax
 from jax import Array
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.execution import ACTIVATION_MODES, ExecConfig
+from jaxmoe.execution import ExecConfig
 from jaxmoe.experts import ExpertWeights, SharedWeights, experts_dense, experts_gather, shared_expert
 from jaxmoe.impls.cpu import cpu_layer, experts_cpu
 from jaxmoe.impls.pallas import experts_pallas
@@ -38,6 +38,9 @@ from jaxmoe.impls.xla_tiled import experts_xla_tiled
 from jaxmoe.routing import Routing
 
 RoutedFn = Callable[..., jax.Array]
+
+#: The XLA strategies run ggml's activation arithmetic through `jaxmoe.ggml_activations`.
+_GGML = ("float", "ggml")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,24 +68,26 @@ class Impl:
         y = self.routed(x, routing, ew, cfg, ex)
         if sw is None:
             return y
-        return y + shared_expert(x, sw, cfg, invariant=ex.batch_invariant, platform=ex.group)
+        return y + shared_expert(
+            x, sw, cfg, invariant=ex.batch_invariant, platform=ex.group, activations=ex.activations
+        )
 
 
 #: The shipped strategies (read only).
 BUILTIN: MappingProxyType[str, Impl] = MappingProxyType(
     {
         # every expert on every token, masked: the oracle
-        "dense": Impl(experts_dense, platforms=("cpu",)),
+        "dense": Impl(experts_dense, platforms=("cpu",), activations=_GGML),
         # the k selected experts of each token, pair by pair
-        "gather": Impl(experts_gather, platforms=("cpu",)),
+        "gather": Impl(experts_gather, platforms=("cpu",), activations=_GGML),
         # sorted, tiled grouped SwiGLU in XLA ops (a loop over the touched experts)
-        "xla": Impl(experts_xla, platforms=("cpu",)),
+        "xla": Impl(experts_xla, platforms=("cpu",), activations=_GGML),
         # the same without a loop: batched dots over tiles (GPUs without Pallas)
-        "xla_tiled": Impl(experts_xla_tiled, platforms=("cpu",)),
+        "xla_tiled": Impl(experts_xla_tiled, platforms=("cpu",), activations=_GGML),
         # jax.lax.ragged_dot, comparison only
-        "ragged_dot": Impl(experts_ragged_dot, platforms=("cpu",)),
+        "ragged_dot": Impl(experts_ragged_dot, platforms=("cpu",), activations=_GGML),
         # C++ XLA FFI kernel on XLA:CPU; fuses a quantized / invariant shared expert
-        "cpu": Impl(experts_cpu, layer=cpu_layer, platforms=("cpu",), activations=ACTIVATION_MODES),
+        "cpu": Impl(experts_cpu, layer=cpu_layer, platforms=("cpu",), activations=("float", "int8")),
         # Pallas/Triton kernels: compiled on CUDA / ROCm, interpreted elsewhere
         "pallas": Impl(experts_pallas, platforms=("triton",)),
     }

@@ -28,6 +28,7 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import DispatchPlan, plan_dispatch
 from jaxmoe.execution import ExecConfig
 from jaxmoe.experts import ExpertWeights, experts_frozen, frozen_cotangent, mm, swiglu, zero_cotangent
+from jaxmoe.ggml_activations import prepare
 from jaxmoe.impls.backward import rows_vjp
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.invariance import ROW_BLOCK
@@ -65,7 +66,7 @@ def experts_xla(
     block_m = ex.block_m
     if block_m is None:  # batch-invariant: one chunk shape whatever T is (jaxmoe.invariance)
         block_m = ROW_BLOCK if ex.batch_invariant else choose_block_m(t * k, ew.num_experts)
-    return _xla_jit(x, routing, ew, cfg, (block_m, ex.batch_invariant, ex.group))
+    return _xla_jit(x, routing, ew, cfg, (block_m, ex.batch_invariant, ex.group, ex.activations))
 
 
 def loop_take(ew: ExpertWeights, ex: jax.Array) -> ExpertWeights:
@@ -89,8 +90,8 @@ def _active(plan: DispatchPlan, p: int) -> tuple[jax.Array, jax.Array]:
     return active, jnp.sum(plan.group_sizes > 0, dtype=jnp.int32)
 
 
-def _forward(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, how: tuple[int, bool, str]):
-    bm, invariant, platform = how
+def _forward(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, how: tuple[int, bool, str, str]):
+    bm, invariant, platform, activations = how
     t, d = x.shape
     k = routing.expert_ids.shape[1]
     e = ew.num_experts
@@ -107,7 +108,7 @@ def _forward(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig, 
         start = plan.group_offsets[ex]
         n = plan.group_sizes[ex]
         one = loop_take(ew, ex)  # this expert only: the sole read (and dequantization) of its weights
-        wg, wu, wd = (materialize(w, dt) for w in (one.w_gate, one.w_up, one.w_down))  # [d,F] [d,F] [F,d]
+        wg, wu, wd = (prepare(w, dt, activations) for w in (one.w_gate, one.w_up, one.w_down))  # [d,F] [d,F] [F,d]
         bias = one.biases_f32()
 
         def chunk_body(j, ys):

@@ -54,10 +54,10 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import id_valid, plan_dispatch, replace_invalid, sort_pairs
 from jaxmoe.execution import XLA_TILED_LAYOUTS, ExecConfig
 from jaxmoe.experts import ExpertWeights, freeze, mm, swiglu
+from jaxmoe.ggml_activations import prepare
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.invariance import ROW_BLOCK, slot_sum
 from jaxmoe.platforms import host_group
-from jaxmoe.quant import materialize
 from jaxmoe.routing import Routing
 
 #: Largest row tile.
@@ -113,17 +113,19 @@ def experts_xla_tiled(
         block_m = 1
     if t == 0:
         return jnp.zeros((0, x.shape[1]), jnp.float32)
-    how = _How(block_m, layout, invariant, ex.group)
+    how = _How(block_m, layout, invariant, ex.group, ex.activations)
     return _experts_xla_tiled(x, routing, freeze(ew), cfg, how)  # quantized experts: frozen
 
 
 class _How(NamedTuple):
-    """The static choices of one call: rows per tile, layout, invariance, platform group."""
+    """The static choices of one call: rows per tile, layout, invariance, platform group,
+    activation arithmetic."""
 
     block_m: int
     layout: str
     invariant: bool
     platform: str
+    activations: str
 
 
 def batched_mm(a: jax.Array, b: jax.Array, platform: str | None = None) -> jax.Array:
@@ -159,11 +161,11 @@ def batched_mm(a: jax.Array, b: jax.Array, platform: str | None = None) -> jax.A
     return plain("vkm,vkn->vmn", jax.lax.optimization_barrier(jnp.swapaxes(a, 1, 2)), b)  # a as [V, K, m]
 
 
-def _swiglu(xv: jax.Array, one: ExpertWeights, cfg: MoEConfig, platform: str) -> jax.Array:
+def _swiglu(xv: jax.Array, one: ExpertWeights, cfg: MoEConfig, platform: str, activations: str) -> jax.Array:
     """``xv [V, m, d]`` through the experts ``one`` (``[V, ...]``, one per batch entry) ->
     ``[V, m, d]`` float32."""
     dt = xv.dtype
-    wg, wu, wd = (materialize(w, dt) for w in (one.w_gate, one.w_up, one.w_down))  # [V,d,F] [V,d,F] [V,F,d]
+    wg, wu, wd = (prepare(w, dt, activations) for w in (one.w_gate, one.w_up, one.w_down))  # [V,d,F] [V,d,F] [V,F,d]
     bias = one.biases_f32()  # [V, F], [V, F], [V, d]
     if bias is not None:
         bias = tuple(b[:, None] for b in bias)
@@ -184,7 +186,9 @@ def _experts_xla_tiled(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: M
             xin = jnp.broadcast_to(x[:, None, :], (t, k, d))
             if cfg.weight_on_input:
                 xin = (xin.astype(jnp.float32) * routing.weights[..., None]).astype(dt)
-            y = _swiglu(xin.reshape(p, 1, d), ew.take(ids.reshape(p)), cfg, how.platform).reshape(t, k, d)
+            y = _swiglu(xin.reshape(p, 1, d), ew.take(ids.reshape(p)), cfg, how.platform, how.activations).reshape(
+                t, k, d
+            )
             ok = id_valid(ids, ew.num_experts)  # an id outside [0, E) is dropped, never clamped
         scale = None if cfg.weight_on_input else routing.weights
         return slot_sum(y, scale, ok, invariant=False)  # not taken when invariant (fixed tiles instead)
@@ -202,7 +206,7 @@ def _experts_xla_tiled(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: M
         )  # [V, bm]: the visit's own rows
         xv = xs.at[rows].get(mode="fill", fill_value=0)  # [V, bm, d]; rows past P read 0
     with jax.named_scope("grouped_swiglu"):
-        y = _swiglu(xv, ew.take(g), cfg, how.platform)  # [V, bm, d]
+        y = _swiglu(xv, ew.take(g), cfg, how.platform, how.activations)  # [V, bm, d]
     with jax.named_scope("combine"):
         dest = jnp.where(valid, rows, p)  # others out of range: dropped
         ys = jnp.zeros((p, d), jnp.float32).at[dest.reshape(-1)].set(y.reshape(-1, d), mode="drop")
@@ -276,7 +280,7 @@ def _capacity(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig,
         rows_a = jnp.where(j < sizes[:, None], starts[:, None] + j, p)  # [E, cap]; p: no row
         xa = rows_in(rows_a)  # [E, cap, d]
     with jax.named_scope("grouped_swiglu"):
-        ya = _swiglu(xa, ew, cfg, how.platform)  # every expert's own weights, not gathered
+        ya = _swiglu(xa, ew, cfg, how.platform, how.activations)  # every expert's own weights, not gathered
     # the sorted row of each pair, its expert and its place in the expert's rows
     grp = replace_invalid(ids.reshape(p), e, 0)  # [P]; dropped pairs are masked in slot_sum
     pos = inv - starts[grp]  # [P]
@@ -300,7 +304,7 @@ def _capacity(x: jax.Array, routing: Routing, ew: ExpertWeights, cfg: MoEConfig,
             ok = (v < ve[-1])[:, None] & (blk * cap + jb < sizes[g][:, None])
             xb = rows_in(jnp.where(ok, st[g][:, None] + blk * cap + jb, p))  # [Vb, cap, d]
         with jax.named_scope("grouped_swiglu"):
-            yb = _swiglu(xb, ew.take(g), cfg, how.platform)  # [Vb, cap, d]
+            yb = _swiglu(xb, ew.take(g), cfg, how.platform, how.activations)  # [Vb, cap, d]
         with jax.named_scope("combine"):
             gp = replace_invalid(ids.reshape(p), e, 0)
             ps = inv - st[gp]
