@@ -87,9 +87,11 @@ def test_shipped_configs_validate():
     # narrowing a shipped config leaves its named tolerances unused, not wrong
     q = load_eval_config("quantized", ["impls=[gather]", "dtypes=[float32]"])
     assert q.impls == (ExecConfig(impl="gather"),) and case_tolerance(q, "gather", "float32", "int4") == 1e-4
-    int8 = load_eval_config("quantized").impls[-1]
+    int8, ggml = load_eval_config("quantized").impls[-2:]
     assert int8 == ExecConfig(impl="cpu", activations="int8") and int8.label == "cpu,activations=int8"
     assert case_tolerance(load_eval_config("quantized"), int8, "float32", "int8") == 3e-2
+    assert ggml == ExecConfig(activations="ggml") and ggml.label == "auto,activations=ggml"
+    assert case_tolerance(load_eval_config("quantized"), ggml, "float32", "int8") == 1e-4
 
 
 @pytest.mark.parametrize(
@@ -949,3 +951,34 @@ def test_eval_keep_freed_memory_recorded(tmp_path):
         jnp.arange(3).block_until_ready()
         assert cli_main([str(p), "--keep-freed-memory", "--no-progress", "--out", str(tmp_path / "x")]) == 2
         assert not (tmp_path / "x").exists()
+
+
+def test_eval_ggml_entry_is_gated_against_its_own_oracle(tmp_path):
+    """An entry with ``activations: ggml`` is gated against the float64 forward that converts
+    the activations as ggml does (tight: only rounding-boundary flips), while its error
+    against the float-activation forward (ggml's ~1% arithmetic error on quantized experts)
+    is reported as ``quantization_error``; ``auto`` names a strategy that has the mode."""
+    from jaxmoe.impls import registry
+
+    ggml = "auto,activations=ggml"
+    model = dict(TINY["model"], shrink={"d_model": 64, "expert_dim": 64, "num_experts": 16})
+    data = dict(
+        TINY,
+        model=model,
+        impls=["xla", {"impl": "auto", "activations": "ggml"}],
+        tokens=[7],
+        quantize=["none", "int8"],
+        plots=False,
+        tolerance={"default": 1e-4},
+        min_routing_agreement=0.0,
+    )
+    out = tmp_path / "run"
+    assert cli_main([str(_write(tmp_path, data)), "--no-progress", "--out", str(out)]) == 0
+    by = {(r["impl"], r["quantize"]): r for r in json.loads((out / "results.json").read_text())["layers"][0]["results"]}
+    assert "ggml" in registry.get_impl(by[(ggml, "int8")]["resolved_impl"]).activations
+    assert _q(by[(ggml, "int8")]["rel_error"]) < 1e-4
+    # against the float-activation forward of the float weights: the Q8_0 activation error
+    # on top of the weights' own, more than the float mode's weight error alone
+    assert _q(by[(ggml, "int8")]["quantization_error"]) > 1.2 * _q(by[("xla", "int8")]["quantization_error"])
+    # float weights: the mode converts nothing (f32 weights take f32 activations)
+    assert _q(by[(ggml, "none")]["quantization_error"]) < 1e-5

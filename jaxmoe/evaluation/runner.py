@@ -40,7 +40,7 @@ from jaxmoe.evaluation.sources import LayerSpec, case_params, layer_specs, load_
 from jaxmoe.execution import ExecConfig
 from jaxmoe.host_memory import host_memory_mode
 from jaxmoe.impls.policy import resolve_impl
-from jaxmoe.impls.registry import available_impls
+from jaxmoe.impls.registry import available_impls, get_impl
 from jaxmoe.layer import moe_apply
 
 SCHEMA = "jaxmoe.eval/1"
@@ -56,8 +56,12 @@ def _call(params, x, cfg, ex: ExecConfig):
 
 
 def _resolved(ex: ExecConfig, t: int, cfg, params, dtype) -> str:
-    """The impl the entry ``ex`` runs for ``t`` tokens of ``params`` in ``dtype``."""
-    return resolve_impl(ex.impl, t * cfg.top_k, experts=params.experts, dtype=dtype)
+    """The impl the entry ``ex`` runs for ``t`` tokens of ``params`` in ``dtype`` (under
+    ``auto`` with ``activations: ggml``, auto's XLA fallback where its choice lacks the mode)."""
+    name = resolve_impl(ex.impl, t * cfg.top_k, experts=params.experts, dtype=dtype)
+    if ex.impl == "auto" and ex.activations not in get_impl(name).activations:
+        name = resolve_impl("auto", t * cfg.top_k, "default", experts=params.experts, dtype=dtype)
+    return name
 
 
 def package_version() -> str:
@@ -143,8 +147,10 @@ def _reference(spec: LayerSpec, ecfg: EvalConfig, params, x_route: np.ndarray, n
 def _run_case(spec, ecfg, params, wb, x_in, y_ref, ids_ref, ex, dtype, quant, t, y_float=None) -> dict[str, Any]:
     """One measured case of the ``impls:`` entry ``ex``. ``y_ref`` is the gate's reference:
     for a quantized case the float64 forward of the DEQUANTIZED case weights (kernel
-    correctness). ``y_float``, when given, is the float64 forward of the float weights: the
-    case's quantization error against it is reported (``quantization_error``), never gated."""
+    correctness), for an entry with ``activations: ggml`` that forward with ggml's
+    activation conversions. ``y_float``, when given, is the float64 forward of the float
+    (base) weights with float activations: the case's error against it is reported
+    (``quantization_error``), never gated."""
     cfg = spec.cfg
     resolved = _resolved(ex, t, cfg, params, dtype)
     row: dict[str, Any] = {
@@ -181,7 +187,9 @@ def _run_case(spec, ecfg, params, wb, x_in, y_ref, ids_ref, ex, dtype, quant, t,
     err = M.errors(np.asarray(y[:n], np.float64), y_ref[:n])
     if y_float is not None:
         q_err = M.errors(np.asarray(y[:n], np.float64), y_float[:n])
-        row["quantization_error"] = M.quantity(q_err["rel"], "ratio vs the float weights' reference (not gated)")
+        row["quantization_error"] = M.quantity(
+            q_err["rel"], "ratio vs the float64 forward of the float weights, float activations (not gated)"
+        )
     ids = np.asarray(r.expert_ids)
     n_route = min(t, ids_ref.shape[0])
     agree = M.routing_agreement(ids[:n_route], ids_ref[:n_route])
@@ -282,6 +290,12 @@ def run_eval(
                 y_case, y_float = y_ref, None
                 if quant != "none" and ecfg.ref.impl == FLOAT64_REFERENCE:
                     y_case, y_float = reference_forward(params, x_base[:n_ref], cfg)[0], y_ref
+                # an entry in llama.cpp's arithmetic (activations: ggml): gated against the
+                # float64 forward that converts the activations as ggml does; its error
+                # against the float-activation forward of the base weights is reported
+                y_ggml = None
+                if ecfg.ref.impl == FLOAT64_REFERENCE and any(e.activations == "ggml" for e in ecfg.impls):
+                    y_ggml = reference_forward(params, x_base[:n_ref], cfg, activations="ggml")[0]
                 wb = M.weight_bytes(params)
                 done: dict[tuple[ExecConfig, int], dict[str, Any]] = {}
                 # concrete impls first, so an `auto` entry that resolves to another entry (the
@@ -297,8 +311,20 @@ def run_eval(
                                 measured_as=case_label(same, dtype, quant),
                             )
                         else:
+                            ggml = y_ggml is not None and ex.activations == "ggml"
                             row = _run_case(
-                                spec, ecfg, params, wb, x_base, y_case, ids_ref, ex, dtype, quant, t, y_float
+                                spec,
+                                ecfg,
+                                params,
+                                wb,
+                                x_base,
+                                y_ggml if ggml else y_case,
+                                ids_ref,
+                                ex,
+                                dtype,
+                                quant,
+                                t,
+                                y_ref if ggml else y_float,
                             )
                         done[(ex, t)] = judge(row, ex, ecfg)
                         progress.advance(f"{spec.label}: {case_label(ex, dtype, quant)} T={t}")
