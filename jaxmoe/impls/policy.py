@@ -20,7 +20,7 @@ import jax
 from jaxmoe.config import MoEConfig
 from jaxmoe.execution import ExecConfig
 from jaxmoe.experts import ExpertWeights, SharedWeights
-from jaxmoe.impls.cpu import cpu_kernel_available, cpu_layer, supports
+from jaxmoe.impls.cpu import cpu_kernel_available, cpu_layer, ggml_problem, supports
 from jaxmoe.impls.cpu.build import kernel_ready
 from jaxmoe.impls.registry import available_impls, get_impl
 from jaxmoe.platforms import (
@@ -120,7 +120,7 @@ def run_experts(
     num_pairs = x.shape[0] * routing.expert_ids.shape[1]
     table = lowering_table(ex.impl, num_pairs, experts=experts, dtype=x.dtype)
     if ex.activations == "ggml":
-        table = _ggml_table(table, ex, num_pairs)
+        table = _ggml_table(table, ex, num_pairs, experts)
     keys = {g: (name, g if g in get_impl(name).platforms else "default") for g, name in table.items()}
     if ex.activations == "int8":
         name = table[platform_group(default_platform())]
@@ -137,13 +137,18 @@ def run_experts(
     return _switch(tuple(sorted(keys.items())), cfg, ex, x, routing, experts, shared)
 
 
-def _ggml_table(table: dict[str, str], ex: ExecConfig, num_pairs: int) -> dict[str, str]:
+def _ggml_table(table: dict[str, str], ex: ExecConfig, num_pairs: int, experts: ExpertWeights) -> dict[str, str]:
     """``table`` for ``activations="ggml"``: under ``auto`` a group whose strategy lacks the
     mode takes the XLA fallback (`_fallback`); an explicit strategy without it is a
-    ValueError naming the strategies that have it."""
+    ValueError naming the strategies that have it. The C++ kernel has the mode for some
+    weight kinds only (`jaxmoe.impls.cpu.ggml_problem`, whose reason an explicit ``cpu``
+    raises)."""
     out = {}
     for g, name in table.items():
-        if "ggml" not in get_impl(name).activations:
+        why = ggml_problem(experts) if name == "cpu" else None
+        if why is not None and ex.impl != "auto":
+            raise ValueError(f"ExecConfig.activations='ggml': {why}")
+        if why is not None or "ggml" not in get_impl(name).activations:
             if ex.impl != "auto":
                 have = sorted(n for n in available_impls() if n != "auto" and "ggml" in get_impl(n).activations)
                 raise ValueError(

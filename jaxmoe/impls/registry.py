@@ -87,7 +87,8 @@ BUILTIN: MappingProxyType[str, Impl] = MappingProxyType(
         # jax.lax.ragged_dot, comparison only
         "ragged_dot": Impl(experts_ragged_dot, platforms=("cpu",), activations=_GGML),
         # C++ XLA FFI kernel on XLA:CPU; fuses a quantized / invariant shared expert
-        "cpu": Impl(experts_cpu, layer=cpu_layer, platforms=("cpu",), activations=("float", "int8")),
+        # (ggml activations for the weight kinds `jaxmoe.impls.cpu.ggml_problem` accepts)
+        "cpu": Impl(experts_cpu, layer=cpu_layer, platforms=("cpu",), activations=("float", "int8", "ggml")),
         # Pallas/Triton kernels: compiled on CUDA / ROCm, interpreted elsewhere
         "pallas": Impl(experts_pallas, platforms=("triton",)),
     }

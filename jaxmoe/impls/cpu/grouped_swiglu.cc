@@ -32,6 +32,9 @@
 //   kind_{gate,up,down}, group_{gate,up,down}  the weight formats above (group: 0 for float)
 //   up_block, down_block  output columns per task
 //   int_dot  1: integer dot products over int8-quantized activations (int_dot.h)
+//   h_fmt    (ExecConfig(activations="ggml")) h converted by the down weight's ggml activation
+//            format before the down projection, as jaxmoe.ggml_activations.ggml_round does:
+//            0 none, 1 bf16, 2 q8_0, 3 q8_K (the shared call: sh_fmt for the shared expert)
 //
 // Work: phase 1 = tasks (expert, row chunk, block of F columns) computing h; phase 2 =
 // tasks (expert, row chunk, block of d columns) computing y. Float weights: register
@@ -746,6 +749,7 @@ struct Problem : Experts {
   int64_t E;
   int64_t rows;  // P
   QRows qx[kOrders], qh[kOrders];  // int8 activations (int_dot.h): xs and h in the orders used
+  int32_t h_fmt = 0;               // the ggml format h is converted to (kHfmt*), 0: none
 };
 
 // The quantized rows weight w reads (in its kind's order), from row row0 on; null for float
@@ -871,6 +875,95 @@ void parallel_tasks(ffi::ThreadPool& pool, const std::vector<Task>& tasks, Fn fn
   parallel_for(pool, int64_t(tasks.size()), [&tasks, &fn](int64_t i) { fn(tasks[size_t(i)]); });
 }
 
+// ---------------------------------------------------------------------------------
+// ggml's activation formats for h (ExecConfig(activations="ggml")): the values a row
+// stands for once converted, float32 op for float32 op as jaxmoe.ggml_activations.ggml_round
+// computes them in jnp (same bits). A block holding a NaN or an infinity becomes NaN.
+enum HFmt : int32_t { kHNone = 0, kHBf16 = 1, kHQ8_0 = 2, kHQ8_K = 3 };
+
+inline int64_t hfmt_block(int32_t f) { return f == kHQ8_0 ? 32 : f == kHQ8_K ? 256 : 1; }
+
+// float32 -> the nearest float16 (ties to even, overflow to inf, subnormals), as float32.
+inline float round_f16(float f) {
+  uint32_t w;
+  std::memcpy(&w, &f, 4);
+  const uint32_t sign = w & 0x80000000u, a = w & 0x7fffffffu;
+  if (a >= 0x7f800000u) return f;
+  uint32_t b;
+  if (a >= 0x38800000u) {  // a normal float16 (|f| >= 2^-14): 10 mantissa bits kept
+    b = (a + 0xfffu + ((a >> 13) & 1u)) & 0xffffe000u;
+    if (b >= 0x47800000u) b = 0x7f800000u;  // rounds to 65536 or more: inf
+  } else {  // a float16 subnormal: a multiple of 2^-24 (both scalings exact)
+    float af;
+    std::memcpy(&af, &a, 4);
+    const float r = std::nearbyint(af * 16777216.f) * 5.9604644775390625e-08f;
+    std::memcpy(&b, &r, 4);
+  }
+  b |= sign;
+  float out;
+  std::memcpy(&out, &b, 4);
+  return out;
+}
+
+inline bool fill_non_finite(float* v, int64_t n) {  // NaN over a block with a NaN / inf
+  bool fin = true;
+  for (int64_t i = 0; i < n; ++i) fin &= std::fabs(v[i]) <= std::numeric_limits<float>::max();
+  if (!fin)
+    for (int64_t i = 0; i < n; ++i) v[i] = std::numeric_limits<float>::quiet_NaN();
+  return !fin;
+}
+
+// q8_0 (quantize_q8_0): amax = max |v|, q = round_even(v * (127 / amax)) clipped to
+// [-128, 127], value = f16(amax / 127) * q; an all-zero block stays zero.
+inline void round_q8_0_block(float* v) {
+  if (fill_non_finite(v, 32)) return;
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(v[i]));
+  if (amax == 0.f) {
+    for (int i = 0; i < 32; ++i) v[i] = 0.f;
+    return;
+  }
+  const float inv = 127.f / amax, d = round_f16(amax / 127.f);
+  for (int i = 0; i < 32; ++i) {
+    const float q = std::fmin(std::fmax(std::nearbyint(v[i] * inv), -128.f), 127.f);
+    v[i] = float(int32_t(q)) * d;  // through an integer: a code 0 is +0, as jnp's int8 codes
+  }
+}
+
+// q8_K (quantize_q8_K): mx = the first element of largest |v|, iscale = -127 / mx,
+// q = min(round_even(iscale * v), 127), value = (1 / iscale) * q.
+inline void round_q8_K_block(float* v) {
+  if (fill_non_finite(v, 256)) return;
+  float amax = 0.f, mx = 0.f;
+  for (int i = 0; i < 256; ++i)
+    if (std::fabs(v[i]) > amax) {
+      amax = std::fabs(v[i]);
+      mx = v[i];
+    }
+  if (mx == 0.f) {
+    for (int i = 0; i < 256; ++i) v[i] = 0.f;
+    return;
+  }
+  const float iscale = -127.f / mx, d = 1.f / iscale;
+  for (int i = 0; i < 256; ++i) {
+    const float q = std::fmin(std::nearbyint(iscale * v[i]), 127.f);
+    v[i] = float(int32_t(q)) * d;
+  }
+}
+
+// Converts rows [r0, r1) of a [*, K] matrix in place to format f (HFmt).
+void ggml_round_rows(float* a, int64_t K, int64_t r0, int64_t r1, int32_t f) {
+  for (int64_t r = r0; r < r1; ++r) {
+    float* row = a + r * K;
+    if (f == kHBf16)
+      for (int64_t k = 0; k < K; ++k) row[k] = round_bf16(row[k]);
+    else if (f == kHQ8_0)
+      for (int64_t k = 0; k < K; k += 32) round_q8_0_block(row + k);
+    else if (f == kHQ8_K)
+      for (int64_t k = 0; k < K; k += 256) round_q8_K_block(row + k);
+  }
+}
+
 // Quantizes the rows the experts own of a [P, K] matrix (stride K) into `out`, for
 // int8 activations: tasks of up to 64 rows on the pool.
 void quantize_owned_rows(ffi::ThreadPool& pool, const Problem& p, int64_t E, const float* a, int64_t K, int order,
@@ -896,6 +989,7 @@ struct Attrs {
   float alpha, limit;
   int32_t round_h;
   int32_t kind[3], group[3];
+  int32_t h_fmt;  // HFmt
 };
 
 // Binds one problem: rows xs [P, d] (expert e owns rows offsets[e] .. + sizes[e], E
@@ -950,6 +1044,14 @@ ffi::Error bind_problem(const std::string& what, const float* xs, int64_t P, int
   p.E = E;
   p.rows = P;
   set_expert_attrs(p, d, F, at.act, at.alpha, at.limit, at.round_h);
+  if (at.h_fmt < kHNone || at.h_fmt > kHQ8_K)
+    return ffi::Error::InvalidArgument(pre + "h_fmt must be 0 (none), 1 (bf16), 2 (q8_0) or 3 (q8_K), got " +
+                                       std::to_string(at.h_fmt));
+  if (F % hfmt_block(at.h_fmt))
+    return ffi::Error::InvalidArgument(pre + "h_fmt " + std::to_string(at.h_fmt) + " converts blocks of " +
+                                       std::to_string(hfmt_block(at.h_fmt)) + "; F = " + std::to_string(F) +
+                                       " is not a multiple");
+  p.h_fmt = at.h_fmt;
   advise_huge_pages(p.ys, sizeof(float) * size_t(P) * d);
   advise_huge_pages(p.h, sizeof(float) * size_t(P) * F);
   advise_huge_pages(p.gu, sizeof(float) * size_t(P) * 2 * F);
@@ -990,6 +1092,19 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
       }
     }
   parallel_tasks(pool, up_tasks, [parts](const Task& t) { run_gate_up(*parts[t.part], t); });
+  std::vector<Task> h_tasks;  // ggml activations: h converted to the down weight's format, 64 rows a task
+  for (int i = 0; i < n; ++i) {
+    const Problem& p = *parts[i];
+    if (p.h_fmt != kHNone)
+      for (int64_t e = 0; e < p.E; ++e)
+        for (int32_t r = 0; r < p.sizes[e]; r += 64)
+          h_tasks.push_back(Task{int32_t(e), p.offsets[e] + r, std::min<int32_t>(64, p.sizes[e] - r), 0, 0, i});
+  }
+  if (!h_tasks.empty())
+    parallel_tasks(pool, h_tasks, [parts](const Task& t) {
+      const Problem& p = *parts[t.part];
+      ggml_round_rows(p.h, p.F, t.row0, t.row0 + t.rows, p.h_fmt);
+    });
   for (int i = 0; i < n; ++i) {
     Problem& p = *parts[i];
     if (p.wd.int_dot) {
@@ -1031,8 +1146,10 @@ ffi::Error GroupedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi
                              ffi::ResultBuffer<ffi::F32> gubuf,
                              int32_t act, float alpha, float limit, int32_t round_h, int32_t kind_gate,
                              int32_t kind_up, int32_t kind_down, int32_t group_gate, int32_t group_up,
-                             int32_t group_down, int32_t up_block, int32_t down_block, int32_t int_dot) {
-  const Attrs at{act, alpha, limit, round_h, {kind_gate, kind_up, kind_down}, {group_gate, group_up, group_down}};
+                             int32_t group_down, int32_t up_block, int32_t down_block, int32_t int_dot,
+                             int32_t h_fmt) {
+  const Attrs at{act,   alpha, limit, round_h, {kind_gate, kind_up, kind_down}, {group_gate, group_up, group_down},
+                 h_fmt};
   ffi::AnyBuffer w3[9] = {wg, sg, qg, wu, su, qu, wd, sd, qd};
   ffi::Buffer<ffi::F32> b3[3] = {bg, bu, bd};
   Problem p;
@@ -1060,9 +1177,11 @@ ffi::Error GroupedSwigluSharedImpl(
     int32_t act, float alpha, float limit, int32_t round_h, int32_t kind_gate, int32_t kind_up, int32_t kind_down,
     int32_t group_gate, int32_t group_up, int32_t group_down, int32_t skind_gate, int32_t skind_up,
     int32_t skind_down, int32_t sgroup_gate, int32_t sgroup_up, int32_t sgroup_down, int32_t up_block,
-    int32_t down_block, int32_t int_dot) {
-  const Attrs at{act, alpha, limit, round_h, {kind_gate, kind_up, kind_down}, {group_gate, group_up, group_down}};
-  const Attrs sat{act, alpha, limit, round_h, {skind_gate, skind_up, skind_down}, {sgroup_gate, sgroup_up, sgroup_down}};
+    int32_t down_block, int32_t int_dot, int32_t h_fmt, int32_t sh_fmt) {
+  const Attrs at{act,   alpha, limit, round_h, {kind_gate, kind_up, kind_down}, {group_gate, group_up, group_down},
+                 h_fmt};
+  const Attrs sat{act,   alpha, limit, round_h, {skind_gate, skind_up, skind_down}, {sgroup_gate, sgroup_up, sgroup_down},
+                  sh_fmt};
   ffi::AnyBuffer w3[9] = {wg, sg, qg, wu, su, qu, wd, sd, qd};
   ffi::Buffer<ffi::F32> b3[3] = {bg, bu, bd};
   ffi::AnyBuffer sw3[9] = {swg, ssg, sqg, swu, ssu, squ, swd, ssd, sqd};
@@ -1107,7 +1226,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeGroupedSwiglu, GroupedSwigluImpl,
                                                     .Ret<ffi::Buffer<ffi::F32>>())  // gu (residual, or empty)
                                   .Attr<int32_t>("up_block")
                                   .Attr<int32_t>("down_block")
-                                  .Attr<int32_t>("int_dot"));
+                                  .Attr<int32_t>("int_dot")
+                                  .Attr<int32_t>("h_fmt"));
 
 // The routed experts' operands, then the shared expert's: its rows x, weights, biases and
 // gate vector; the shared expert's results after the routed ones' (ys, h: gated, scratch).
@@ -1130,4 +1250,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeGroupedSwigluShared, GroupedSwigluSharedImpl
                                   .Attr<int32_t>("sgroup_down")
                                   .Attr<int32_t>("up_block")
                                   .Attr<int32_t>("down_block")
-                                  .Attr<int32_t>("int_dot"));
+                                  .Attr<int32_t>("int_dot")
+                                  .Attr<int32_t>("h_fmt")
+                                  .Attr<int32_t>("sh_fmt"));

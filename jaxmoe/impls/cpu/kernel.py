@@ -25,6 +25,14 @@ The C++ source is compiled on first use (`jaxmoe.impls.cpu.build`);
 `cpu_kernel_status` says whether it built; ``impl="auto"`` takes it on CPU only when it
 did, ``impl="cpu"`` raises with the compiler's message when it did not.
 
+``ExecConfig(activations="ggml")`` (`ggml_problem` says for which weights): the
+activations converted as llama.cpp's CPU backend converts them
+(`jaxmoe.ggml_activations`), then the float path over them: each input row converted by
+the gate / up weights' format before the call (``ggml_round`` in XLA; the shared expert's
+rows by its own), the hidden activations by the down weight's format inside the call
+(the ``h_fmt`` attribute: bf16, q8_0 or q8_K blocks, the same float32 operations as
+``ggml_round``). Gradients straight through the conversions (the float backward).
+
 Also ``swiglu`` and ``swiglu_oai``, optional biases, ``weight_on_input``. Gradients: a
 `jax.custom_vjp` whose forward keeps each pair's gate | up products (``[T k, 2F]``
 float32) and whose backward is a second C++ call (`jaxmoe.impls.cpu.backward`: input,
@@ -34,6 +42,7 @@ frozen); a backward library that did not build takes ``gather``'s VJP.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -45,6 +54,7 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.dispatch import plan_dispatch
 from jaxmoe.execution import ExecConfig
 from jaxmoe.experts import ExpertWeights, SharedWeights, shared_expert, shared_frozen, shared_gate, zero_cotangent
+from jaxmoe.ggml_activations import FORMATS, ggml_round, vec_dot_format
 from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
 from jaxmoe.impls.cpu.backward import backward_kernel_status, backward_supports, cpu_vjp, grouped_swiglu_bwd
 from jaxmoe.impls.cpu.build import TARGET, TARGET_SHARED, cpu_kernel_status
@@ -109,6 +119,44 @@ def _weight_problem(name: str, w, n_in: int | None = None) -> str | None:
     return None
 
 
+#: ggml activation formats the kernel converts h to (its ``h_fmt`` attribute); ``f32``: none.
+#: ``q8_1`` (Q4_1 / Q5_1: the block-sum term) and ``f16`` (no float16 experts) are not among them.
+GGML_H_FMT = {"f32": 0, "bf16": 1, "q8_0": 2, "q8_K": 3}
+
+
+def ggml_problem(ew: ExpertWeights, what: str = "") -> str | None:
+    """Why the kernel has no ``activations="ggml"`` arithmetic for these weights (``auto``
+    then takes an XLA strategy, an explicit ``impl="cpu"`` raises it), or None. It has it
+    where every weight's ggml activation format (`jaxmoe.ggml_activations.vec_dot_format`)
+    is ``f32``, ``bf16``, ``q8_0`` or ``q8_K``, gate and up share it and the widths hold
+    whole blocks. ``what``: prefix naming the weights in the message."""
+    fmts = {}
+    for name, w in (("w_gate", ew.w_gate), ("w_up", ew.w_up), ("w_down", ew.w_down)):
+        try:
+            fmts[name] = vec_dot_format(w)
+        except ValueError as err:
+            return f"impl='cpu': {what}{name}: {err}"
+        if fmts[name] not in GGML_H_FMT:
+            kind = w.kind if isinstance(w, QuantizedTensor) else jnp.dtype(w.dtype).name
+            return (
+                f"impl='cpu' has no activations='ggml' arithmetic for {what}{name} of kind {kind!r} "
+                f"(its activation format {fmts[name]!r}; the kernel's: {sorted(GGML_H_FMT)}); use an XLA strategy"
+            )
+    if fmts["w_gate"] != fmts["w_up"]:
+        return (
+            f"impl='cpu', activations='ggml': {what}w_gate and w_up convert their input to different formats "
+            f"({fmts['w_gate']}, {fmts['w_up']}); use an XLA strategy"
+        )
+    d, f = ew.w_down.shape[-1], ew.w_gate.shape[-1]
+    for name, width in (("w_gate", d), ("w_down", f)):
+        if width % FORMATS[fmts[name]]:
+            return (
+                f"impl='cpu', activations='ggml': {what}{name}'s input width {width} is not a multiple of "
+                f"{fmts[name]}'s block of {FORMATS[fmts[name]]}"
+            )
+    return None
+
+
 def supports(ew: ExpertWeights, dtype) -> str | None:
     """None when the kernel takes these experts, else why not (for errors and ``auto``).
 
@@ -159,14 +207,14 @@ def experts_cpu(
 
 
 def _routed_cpu(x, routing, ew, cfg, ex, check: bool = True) -> jax.Array:
-    _check_call(x, routing, ew, "experts_cpu", check)
+    _check_call(x, routing, ew, "experts_cpu", check, _mode(ex)[0])
     return _experts_cpu(x, routing, ew, cfg, _mode(ex))
 
 
-def _mode(ex: ExecConfig | None) -> tuple[bool, bool]:
-    """``(int8 activations, batch invariant)`` of ``ex``: the kernel's static choices."""
+def _mode(ex: ExecConfig | None) -> tuple[str, bool]:
+    """``(activation mode, batch invariant)`` of ``ex``: the kernel's static choices."""
     ex = ex or ExecConfig()
-    return ex.activations == "int8", ex.batch_invariant
+    return ex.activations, ex.batch_invariant
 
 
 def cpu_layer(
@@ -190,18 +238,23 @@ def cpu_layer(
     """
     if sw is None:
         return _routed_cpu(x, routing, ew, cfg, ex, check)
+    ggml = ex.activations == "ggml"
     fused = ex.batch_invariant or shared_stored_narrow(sw, x.dtype)
-    if fused and x.shape[0] > 0 and _shared_problem(sw, x.dtype, check) is None:
-        _check_call(x, routing, ew, "experts_shared_cpu", check)
+    if fused and x.shape[0] > 0 and _shared_problem(sw, x.dtype, check, ggml) is None:
+        _check_call(x, routing, ew, "experts_shared_cpu", check, ex.activations)
         return _experts_shared_cpu(x, routing, ew, sw, cfg, _mode(ex))
     y = _routed_cpu(x, routing, ew, cfg, ex, check)
-    return y + shared_expert(x, sw, cfg, invariant=ex.batch_invariant, platform=ex.group)
+    acts = "ggml" if ggml else "float"  # the XLA shared expert has no int8 mode
+    return y + shared_expert(x, sw, cfg, invariant=ex.batch_invariant, platform=ex.group, activations=acts)
 
 
-def _check_call(x: jax.Array, routing: Routing, ew: ExpertWeights, name: str, built: bool = True) -> None:
-    """The checks before a kernel call: inputs, weight formats, the kernel built (``built``)."""
+def _check_call(
+    x: jax.Array, routing: Routing, ew: ExpertWeights, name: str, built: bool = True, activations: str = "float"
+) -> None:
+    """The checks before a kernel call: inputs, weight formats (for ``activations="ggml"``
+    `ggml_problem` too), the kernel built (``built``)."""
     check_inputs(x, routing, ew, name)
-    why = supports(ew, x.dtype)
+    why = supports(ew, x.dtype) or (ggml_problem(ew) if activations == "ggml" else None)
     if why:
         raise ValueError(why)
     if not built:
@@ -240,7 +293,7 @@ BLOCKS = (UP_BLOCK, DOWN_BLOCK)
 
 
 def grouped_swiglu(
-    xs, offsets, sizes, ew: ExpertWeights, cfg: MoEConfig, *, round_h=False, int_dot=False, blocks=BLOCKS
+    xs, offsets, sizes, ew: ExpertWeights, cfg: MoEConfig, *, round_h=False, int_dot=False, blocks=BLOCKS, h_fmt=0
 ):
     """The custom call itself: ``xs [P, d]`` float32 rows sorted by expert -> ``[P, d]`` float32.
 
@@ -250,9 +303,10 @@ def grouped_swiglu(
     expert owns come back zero. ``round_h`` (bool) rounds the hidden activations to
     bfloat16; ``int_dot`` (bool): integer-coded weights multiply int8-quantized
     activations (``ExecConfig(activations="int8")``); ``blocks``: the columns of a gate/up
-    and of a down task (`BLOCKS`).
+    and of a down task (`BLOCKS`); ``h_fmt``: the hidden activations converted to a ggml
+    format before the down projection (`GGML_H_FMT`'s numbers; 0: none).
     """
-    return _call(xs, offsets, sizes, ew, cfg, round_h, *blocks, save=False, int_dot=int_dot)[0]
+    return _call(xs, offsets, sizes, ew, cfg, round_h, *blocks, save=False, int_dot=int_dot, h_fmt=(h_fmt, 0))[0]
 
 
 def grouped_swiglu_saving(xs, offsets, sizes, ew: ExpertWeights, cfg: MoEConfig, *, round_h=False, int_dot=False):
@@ -287,9 +341,12 @@ def _call(
     save: bool,
     shared: tuple[jax.Array, SharedWeights] | None = None,
     int_dot: bool = False,
+    h_fmt: tuple[int, int] = (0, 0),
 ):
     """The custom call: ``(ys, gate_up, None)``, and with ``shared = (x [T, d], sw)`` the
-    shared expert in the same call: ``(ys, gate_up, ys_shared [T, d])`` (gated)."""
+    shared expert in the same call: ``(ys, gate_up, ys_shared [T, d])`` (gated by
+    ``sw.gate`` unless it is None). ``h_fmt``: the ``h_fmt`` / ``sh_fmt`` attributes (the
+    routed and the shared expert's hidden activations converted to a ggml format)."""
     p, f = xs.shape[0], ew.w_gate.shape[-1]  # F of these weights (a shared expert has its own)
     weights, attrs = _weight_operands(ew)
     no_bias = (jnp.zeros((0,), jnp.float32),) * 3
@@ -306,7 +363,7 @@ def _call(
         sweights, sattrs = _weight_operands(one, "s")
         gate = jnp.zeros((0,), jnp.float32) if sw.gate is None else sw.gate.astype(jnp.float32).reshape(-1)
         extra = [x.astype(jnp.float32), *sweights, *no_bias, gate]
-        attrs.update(sattrs)
+        attrs.update(sattrs, sh_fmt=np.int32(h_fmt[1]))
         t, fs = x.shape[0], one.w_gate.shape[-1]
         results += [jax.ShapeDtypeStruct((t, xs.shape[1]), jnp.float32), jax.ShapeDtypeStruct((t, fs), jnp.float32)]
     call = jax.ffi.ffi_call(TARGET if shared is None else TARGET_SHARED, tuple(results), vmap_method="sequential")
@@ -324,6 +381,7 @@ def _call(
         up_block=np.int32(up_block),
         down_block=np.int32(down_block),
         int_dot=np.int32(int_dot),
+        h_fmt=np.int32(h_fmt[0]),
         **attrs,
     )
     return out[0], out[2], (out[3] if shared is not None else None)
@@ -336,11 +394,13 @@ def shared_supported(sw: SharedWeights, dtype) -> bool:
     return _shared_problem(sw, dtype) is None
 
 
-def _shared_problem(sw: SharedWeights, dtype, built: bool = True) -> str | None:
+def _shared_problem(sw: SharedWeights, dtype, built: bool = True, ggml: bool = False) -> str | None:
     """Why `shared_expert_cpu` does not take ``sw`` for activations of ``dtype``, or None
-    (``built``: the kernel must have built too)."""
+    (``built``: the kernel must have built too; ``ggml``: `ggml_problem` too)."""
     ew = jax.eval_shape(_one_expert, sw)  # shapes only: no copy of the weights to check them
     why = _weights_problem({"w_gate": ew.w_gate, "w_up": ew.w_up, "w_down": ew.w_down}, dtype)
+    if why is None and ggml:
+        why = ggml_problem(ew)
     if why is not None:
         return f"shared expert: {why}"
     if not built:
@@ -472,11 +532,12 @@ def experts_shared_cpu(
     ``ew`` and `shared_supported` for ``sw``. Gradients: the routed experts' `cpu_vjp`
     plus the shared expert's (as `experts_cpu` and `shared_expert_cpu`).
     """
-    _check_call(x, routing, ew, "experts_shared_cpu")
-    why = _shared_problem(sw, x.dtype)
+    mode = _mode(ex)
+    _check_call(x, routing, ew, "experts_shared_cpu", activations=mode[0])
+    why = _shared_problem(sw, x.dtype, ggml=mode[0] == "ggml")
     if why is not None:
         raise ValueError(f"experts_shared_cpu: {why}")
-    return _experts_shared_cpu(x, routing, ew, sw, cfg, _mode(ex))
+    return _experts_shared_cpu(x, routing, ew, sw, cfg, mode)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -505,7 +566,7 @@ def _forward(
     routing: Routing,
     ew: ExpertWeights,
     cfg: MoEConfig,
-    mode: tuple[bool, bool],
+    mode: tuple[str, bool],
     save: bool = False,
     sw: SharedWeights | None = None,
 ):
@@ -514,16 +575,41 @@ def _forward(
     (`grouped_swiglu_saving`), which the backward reads instead of recomputing them; its
     dispatch plan (`plan_dispatch` of the same ids) orders the pairs the same way. With
     ``sw`` the shared expert runs in the same call and ``y`` includes it
-    (`experts_shared_cpu`)."""
+    (`experts_shared_cpu`). ``mode[0] == "ggml"``: the input rows converted to the gate /
+    up weights' ggml format here (the shared expert's to its own), the hidden activations
+    in the call (``h_fmt``), the shared gate applied after the call on the unconverted
+    rows (as `jaxmoe.experts.shared_expert`)."""
     e = ew.num_experts
     plan = plan_dispatch(routing.expert_ids, e, 1)
     xs = sorted_inputs(x, routing, plan, cfg).astype(jnp.float32)  # [P, d]
-    round_h = bool(x.dtype == jnp.bfloat16)
+    ggml = mode[0] == "ggml"
+    round_h = bool(x.dtype == jnp.bfloat16) and not ggml  # ggml keeps h float32 until its conversion
     shared = None if sw is None else (x, sw)
+    h_fmt = (0, 0)
+    if ggml:
+        xs = ggml_round(xs, vec_dot_format(ew.w_gate))
+        h_fmt = (GGML_H_FMT[vec_dot_format(ew.w_down)], 0)
+        if sw is not None:
+            xsh = ggml_round(x, vec_dot_format(sw.w_gate))
+            shared = (xsh, dataclasses.replace(sw, gate=None))
+            h_fmt = (h_fmt[0], GGML_H_FMT[vec_dot_format(sw.w_down)])
     ys, gate_up, ys_shared = _call(
-        xs, plan.group_offsets[:e], plan.group_sizes, ew, cfg, round_h, UP_BLOCK, DOWN_BLOCK, save, shared, mode[0]
+        xs,
+        plan.group_offsets[:e],
+        plan.group_sizes,
+        ew,
+        cfg,
+        round_h,
+        UP_BLOCK,
+        DOWN_BLOCK,
+        save,
+        shared,
+        mode[0] == "int8",
+        h_fmt,
     )
     y = combine(ys, routing, plan, cfg, invariant=mode[1])
     if ys_shared is not None:
+        if ggml and sw is not None and sw.gate is not None:  # per row block, as _shared_cpu: batch-invariant
+            ys_shared = row_blocks(lambda r, gate: r[0] * shared_gate(r[1], gate), (ys_shared, x), sw.gate)
         y = y + ys_shared
     return (y, gate_up) if save else y
