@@ -337,7 +337,7 @@ def zero_cotangent(tree):
 
     def zero(a):
         dt = np.dtype(a.dtype) if hasattr(a, "dtype") else np.result_type(a)
-        if np.issubdtype(dt, np.inexact):
+        if jnp.issubdtype(dt, jnp.inexact):  # ml_dtypes' floats too (bfloat16, float8 codes)
             return jnp.zeros(np.shape(a), dt)
         return np.zeros(np.shape(a), jax.dtypes.float0)
 

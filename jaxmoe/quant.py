@@ -19,6 +19,13 @@ way GGUF, MLX and torch store it:
   blocks in jnp, bit-exact with ``gguf.quants.dequantize`` (the same float32 operations in
   the same order), and `nbytes` is the file's byte count. `gguf_block_tensor` builds one
   with errors that name the tensor.
+- ``kind="fp8_e4m3"`` (block-scaled FP8, DeepSeek-V3 / Qwen3 FP8 safetensors): ``qdata [...,
+  out, in]`` ``float8_e4m3fn`` codes as stored, ``scales [..., ceil(out/b), ceil(in/b)]``
+  (the file's ``weight_scale_inv``: float32, or bfloat16 / float16) with one scale per
+  square ``b x b`` block over ``[out, in]`` (``b = group_size``, 128 in the Hub
+  checkpoints; the last blocks of a row or column may be partial), ``biases`` None,
+  ``W[i, o] = float32(q[o, i]) * float32(scales[o // b, i // b])`` rounded once to float32.
+  `fp8_block_tensor` builds one with errors that name the tensor.
 
 The quantizers here follow MLX's affine rule (docs/routing.md, "MLX affine 4-bit") and GGUF's Q8_0
 rule; bit-exact converters from stored GGUF / MLX bytes live in `jaxmoe.io`.
@@ -30,6 +37,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 # GGUF block layouts and their pure-jnp decoder live with the kernels that read them in place
@@ -39,7 +47,9 @@ from pallas_kernels.gguf import check_block_tensor
 from pallas_kernels.gguf import dequantize_gguf_blocks as dequantize_gguf_blocks
 from pallas_kernels.gguf import dequantize_gguf_rows as dequantize_gguf_rows
 
-KINDS = ("int8", "int4", *GGUF_BLOCKS)
+#: Block-scaled FP8 kinds (codes in their float8 dtype, float scales per square block).
+FP8_KINDS = ("fp8_e4m3",)
+KINDS = ("int8", "int4", *GGUF_BLOCKS, *FP8_KINDS)
 
 #: What a `QuantizedTensor` holds: device arrays, or host numpy arrays right after loading.
 Buffer = jax.Array | np.ndarray
@@ -59,6 +69,9 @@ class QuantizedTensor:
             raise ValueError(f"QuantizedTensor.kind: unknown {self.kind!r}; expected one of {KINDS}")
         if self.kind in GGUF_BLOCKS:
             check_gguf_blocks(self, "QuantizedTensor")
+            return
+        if self.kind in FP8_KINDS:
+            check_fp8_blocks(self, "QuantizedTensor")
             return
         if not isinstance(self.qdata, jax.Array | np.ndarray):  # tracers / sentinels under transforms
             return
@@ -81,6 +94,8 @@ class QuantizedTensor:
         if self.kind in GGUF_BLOCKS:
             block, block_bytes = GGUF_BLOCKS[self.kind]
             return (*lead, n // block_bytes * block, out)
+        if self.kind in FP8_KINDS:
+            return (*lead, n, out)
         per_byte = 2 if self.kind == "int4" else 1
         return (*lead, n * per_byte, out)
 
@@ -107,7 +122,9 @@ class QuantizedTensor:
 
     def codes(self) -> jax.Array:
         """Integer codes ``[..., out, in]`` (int8 for int8, 0..15 as int8 for int4; the GGUF
-        block kinds have no separate codes: ValueError)."""
+        block kinds and the FP8 kinds have no integer codes: ValueError)."""
+        if self.kind in FP8_KINDS:
+            raise ValueError(f"QuantizedTensor.codes: kind {self.kind!r} keeps float8 codes in qdata; use dequantize()")
         if self.kind in GGUF_BLOCKS:
             raise ValueError(f"QuantizedTensor.codes: kind {self.kind!r} keeps raw GGUF blocks; use dequantize()")
         if self.kind == "int8":
@@ -119,6 +136,9 @@ class QuantizedTensor:
         if self.kind in GGUF_BLOCKS:
             return jnp.swapaxes(dequantize_gguf_rows(jnp.asarray(self.qdata), self.kind), -1, -2).astype(dtype)
         assert self.scales is not None
+        if self.kind in FP8_KINDS:
+            w = dequantize_fp8_blocks(jnp.asarray(self.qdata), jnp.asarray(self.scales), self.group_size)
+            return jnp.swapaxes(w, -1, -2).astype(dtype)
         q = self.codes().astype(jnp.float32)
         *lead, out, n = q.shape
         g = self.group_size
@@ -145,6 +165,87 @@ def check_gguf_blocks(w: QuantizedTensor, name: str = "QuantizedTensor") -> None
     ``group_size`` = the block size; `pallas_kernels.gguf.check_block_tensor`). Tracers are
     checked by shape only; a ``float0`` cotangent of the codes passes."""
     check_block_tensor(name, w.kind, w.qdata, w.scales, w.biases, w.group_size, extra_dtypes=(jax.dtypes.float0,))
+
+
+def check_fp8_blocks(w: QuantizedTensor, name: str = "QuantizedTensor") -> None:
+    """ValueError naming ``name`` and the shapes unless ``w`` is a well-formed block-scaled
+    FP8 tensor: ``float8_e4m3fn`` codes ``[..., out, in]``, scales ``[..., ceil(out/b),
+    ceil(in/b)]`` (float32, bfloat16 or float16), no biases, block ``b = group_size > 0``.
+    Leaves without a shape (sentinels, partition specs under a transform) are not checked;
+    ``float0`` codes (a cotangent) pass."""
+    b = w.group_size
+    where = f"{name} ({w.kind}, {b} x {b} blocks)"
+    if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
+        raise ValueError(f"{where}: group_size must be the positive block edge, got {b!r}")
+    if w.biases is not None:
+        raise ValueError(f"{where}: block-scaled FP8 has no biases; biases must be None")
+    shape = getattr(w.qdata, "shape", None)
+    if shape is None:
+        return
+    shape = tuple(shape)
+    if w.scales is None:
+        raise ValueError(f"{where}: codes of shape {shape} need their block scales, got None")
+    if len(shape) < 2:
+        raise ValueError(f"{where}: codes must be [..., out, in], got shape {shape}")
+    dt = getattr(w.qdata, "dtype", None)
+    if dt is not None and np.dtype(dt) not in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(jax.dtypes.float0)):
+        raise ValueError(f"{where}: codes must be float8_e4m3fn, got {dt} of shape {shape}")
+    sshape = getattr(w.scales, "shape", None)
+    if sshape is None:
+        return
+    *lead, out, n_in = shape
+    want = (*lead, -(-out // b), -(-n_in // b))
+    if tuple(sshape) != want:
+        raise ValueError(
+            f"{where}: scales of shape {tuple(sshape)} do not match codes of shape {shape}: one scale per "
+            f"block needs {want} (truncated or wrong-sized scale buffer?)"
+        )
+    sdt = getattr(w.scales, "dtype", None)
+    if sdt is not None and np.dtype(sdt) not in _FP8_SCALE_DTYPES:
+        raise ValueError(f"{where}: scales must be float32, bfloat16 or float16, got {sdt} of shape {tuple(sshape)}")
+
+
+_FP8_SCALE_DTYPES = (
+    np.dtype(np.float32),
+    np.dtype(ml_dtypes.bfloat16),
+    np.dtype(np.float16),
+    np.dtype(jax.dtypes.float0),
+)
+
+
+def dequantize_fp8_blocks(codes: jax.Array, scales: jax.Array, block: int) -> jax.Array:
+    """Block-scaled FP8 ``codes [..., out, in]`` and ``scales [..., ceil(out/b), ceil(in/b)]``
+    -> float32 ``[..., out, in]``: each code widened to float32 (exact) times its block's
+    scale widened to float32, one rounding; the same as numpy's
+    ``codes.astype(float32) * scale`` with ``ml_dtypes`` (a product below float32's normal
+    range is flushed to zero by XLA:CPU, where numpy keeps the subnormal)."""
+    *_, out, n_in = codes.shape
+    s = scales.astype(jnp.float32)
+    s = jnp.repeat(jnp.repeat(s, block, axis=-2, total_repeat_length=s.shape[-2] * block), block, axis=-1)
+    return codes.astype(jnp.float32) * s[..., :out, :n_in]
+
+
+def dequantize_fp8_numpy(codes, scales, block: int) -> np.ndarray:
+    """`dequantize_fp8_blocks` in numpy (``ml_dtypes`` float8 -> float32), ``[..., out, in]``
+    float32; for exports that compile nothing."""
+    c = np.asarray(codes).astype(np.float32)
+    s = np.asarray(scales).astype(np.float32)
+    s = np.repeat(np.repeat(s, block, axis=-2), block, axis=-1)[..., : c.shape[-2], : c.shape[-1]]
+    return c * s
+
+
+def fp8_block_tensor(codes, scales, block: int = 128, name: str = "weight") -> QuantizedTensor:
+    """A block-scaled FP8 `QuantizedTensor` (``kind="fp8_e4m3"``) from the file's
+    ``float8_e4m3fn`` codes ``[..., out, in]`` and scales ``[..., ceil(out/b), ceil(in/b)]``,
+    kept as given (no copy). ValueError naming ``name`` and the shapes for another code
+    dtype, a scale buffer of the wrong shape or dtype, or a block edge that is not positive."""
+    w = object.__new__(QuantizedTensor)
+    for f, v in (("qdata", codes), ("scales", scales), ("biases", None), ("kind", "fp8_e4m3"), ("group_size", block)):
+        object.__setattr__(w, f, v)
+    if getattr(codes, "shape", None) is None or getattr(scales, "shape", None) is None:
+        raise ValueError(f"{name} (fp8_e4m3): codes and scales must be arrays")
+    check_fp8_blocks(w, name)
+    return w
 
 
 def gguf_block_tensor(raw, kind: str, n_in: int | None = None, name: str = "weight") -> QuantizedTensor:

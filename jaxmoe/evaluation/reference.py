@@ -42,7 +42,8 @@ def dequantize_f64(qt, index=None) -> np.ndarray:
 
     ``int8``: ``scales[o, i // g] * q[o, i]``; ``int4``: byte ``j`` holds element ``2j`` in its
     low nibble and ``2j + 1`` in its high nibble, value ``scales * q + biases``.
-    The GGUF block kinds (``q4_k``, ...) are decoded by ``gguf.quants.dequantize``.
+    The GGUF block kinds (``q4_k``, ...) are decoded by ``gguf.quants.dequantize``;
+    ``fp8_e4m3``: ``float64(q[o, i]) * scales[o // b, i // b]`` (``ml_dtypes`` codes).
     """
     take = (lambda a: a) if index is None else (lambda a: a[index])
     if qt.scales is None:  # a GGUF block kind: gguf-py decodes the raw blocks (float32, exact)
@@ -51,6 +52,11 @@ def dequantize_f64(qt, index=None) -> np.ndarray:
             np.float64
         )
     q = np.asarray(take(qt.qdata))
+    if qt.kind == "fp8_e4m3":  # float8 codes (ml_dtypes, exact in float64) times their square block's scale
+        b = qt.group_size
+        s = np.asarray(take(qt.scales)).astype(np.float64)
+        s = np.repeat(np.repeat(s, b, axis=-2), b, axis=-1)[..., : q.shape[-2], : q.shape[-1]]
+        return np.swapaxes(q.astype(np.float64) * s, -1, -2)
     if qt.kind == "int4":
         lo, hi = q & 0xF, q >> 4
         q = np.stack([lo, hi], axis=-1).reshape(*q.shape[:-1], 2 * q.shape[-1])

@@ -34,8 +34,8 @@ with ``weight_on_input`` it comes from the gate/up kernel and nothing is saved).
 Quantized experts (`jaxmoe.experts.experts_frozen`) are frozen: the input and routing
 gradients read the quantized weights tile by tile in the kernels (int8 / int4 and the GGUF
 block kinds, as in the forward) and the experts get `jaxmoe.experts.frozen_cotangent`.
-MXFP4, the one GGUF kind without an in-kernel decode, reaches the kernels as float
-weights decoded by XLA (`kernel_weight`).
+MXFP4, the one GGUF kind without an in-kernel decode, and block-scaled FP8 reach the
+kernels as float weights decoded by XLA (`kernel_weight`).
 """
 
 from __future__ import annotations
@@ -59,9 +59,8 @@ from pallas_kernels.backward import backward_blocks, gate_up_backward, gmm_trans
 from pallas_kernels.common import Activation
 from pallas_kernels.decode import combine_pairs, decode_down, decode_gate_up
 from pallas_kernels.down import combine, down_project
-from pallas_kernels.gguf import TILE_KINDS
 from pallas_kernels.launch import DecodeLaunch, Launch, Plan
-from pallas_kernels.quant import QuantWeight
+from pallas_kernels.quant import QUANT_KINDS, QuantWeight
 from pallas_kernels.swiglu import gate_up_swiglu
 
 
@@ -73,10 +72,11 @@ def kernel_weight(w: jax.Array | QuantizedTensor, dtype=jnp.float32) -> jax.Arra
     of any expert). MXFP4 (17-byte blocks, which the kernels' uint16 word view cannot
     address) is decoded with XLA (`jaxmoe.quant.materialize`) into a float ``[E, K, N]``
     array in ``dtype`` (the compute dtype) before the kernels: a transient float copy of
-    every expert of that weight."""
+    every expert of that weight; so is block-scaled FP8 (``fp8_e4m3``), which the kernels
+    do not decode either."""
     if not isinstance(w, QuantizedTensor):
         return w
-    if w.kind in GGUF_BLOCKS and w.kind not in TILE_KINDS:
+    if w.kind not in QUANT_KINDS:  # MXFP4, block-scaled FP8: no in-kernel decode
         return materialize(w, dtype)
     if w.kind in GGUF_BLOCKS:
         return QuantWeight(jnp.asarray(w.qdata), None, None, kind=w.kind, group_size=w.group_size)

@@ -43,7 +43,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
-from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor, gguf_block_tensor, pack_int4
+from jaxmoe.quant import FP8_KINDS, GGUF_BLOCKS, QuantizedTensor, dequantize_fp8_numpy, gguf_block_tensor, pack_int4
 
 #: GGUF types kept as raw block bytes (a GGUF block `QuantizedTensor` of the same name, lower case).
 BLOCK_TYPES = tuple(QT[k.upper()] for k in GGUF_BLOCKS)
@@ -207,6 +207,8 @@ def to_numpy_f32(w) -> np.ndarray:
         v = gguf.quants.dequantize(np.asarray(w.qdata, np.uint8), QT[w.kind.upper()]).astype(np.float32, copy=False)
         return np.swapaxes(v, -1, -2)
     assert w.scales is not None
+    if w.kind in FP8_KINDS:
+        return np.swapaxes(dequantize_fp8_numpy(w.qdata, w.scales, w.group_size), -1, -2)
     q = np.asarray(w.qdata)
     if w.kind == "int4":
         q = np.stack([q & 0x0F, q >> 4], axis=-1).reshape(*q.shape[:-1], -1)

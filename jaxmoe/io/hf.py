@@ -13,9 +13,11 @@ file or sharded with ``model.safetensors.index.json``). Layouts, all checked aga
   input-major: ``gate_up_proj (E, d, 2F)`` with gate / up in the even / odd columns,
   ``gate_up_proj_bias (E, 2F)``, ``down_proj (E, F, d)``, ``down_proj_bias (E, d)``; the
   gpt-oss Hub checkpoints hold them as MXFP4 ``*_blocks`` / ``*_scales`` (out-major),
-  dequantized at load (`read_mxfp4`); block-scaled FP8 weights (DeepSeek-V3 Hub:
+  kept as GGUF ``mxfp4`` block bytes (`mxfp4_tensor`: the nibbles re-packed once at load,
+  the same byte count); block-scaled FP8 weights (DeepSeek-V3 / Qwen3 FP8 Hub:
   ``*.weight`` F8_E4M3 with ``*.weight_scale_inv``, ``quantization_config.weight_block_size``)
-  are dequantized at load too;
+  are kept as ``fp8_e4m3`` `QuantizedTensor` s (the file's codes and scales) when the block
+  is square; ``load_layer(quantized=False)``, E5M2 codes and non-square blocks dequantize;
 - stacked linears (mlx-lm): ``{P}.switch_mlp.{gate_proj,up_proj,down_proj}.weight``
   ``(E, out, in)`` (or ``{P}.experts.<proj>.weight`` with ``.bias``, gpt-oss in mlx-lm),
   MLX-quantized when ``.scales`` / ``.biases`` sit beside them (`jaxmoe.io.mlx_codec`);
@@ -44,7 +46,7 @@ from jaxmoe.experts import ExpertWeights, SharedWeights
 from jaxmoe.io import hf_config, mlx_codec
 from jaxmoe.io.safetensors_dir import SafetensorsDir
 from jaxmoe.params import MoEParams
-from jaxmoe.quant import QuantizedTensor
+from jaxmoe.quant import QuantizedTensor, dequantize_fp8_numpy, fp8_block_tensor, gguf_block_tensor
 
 _PROJ_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 _SKIP_BASES = ("mtp", "visual", "vision", "audio")
@@ -73,8 +75,12 @@ def moe_prefix(keys, layer: int, source: str) -> str:
     return next(iter(found.values()))
 
 
-def _float_linear(st: SafetensorsDir, module: str, shape: tuple[int, ...], fp8_block=None) -> np.ndarray:
-    """``{module}.weight``; block-scaled FP8 (DeepSeek-V3 style ``weight_scale_inv``) dequantized to float32."""
+def _float_linear(
+    st: SafetensorsDir, module: str, shape: tuple[int, ...], fp8_block=None, keep: bool = False
+) -> np.ndarray | QuantizedTensor:
+    """``{module}.weight``; block-scaled FP8 (DeepSeek-V3 style ``weight_scale_inv``) kept as
+    an ``fp8_e4m3`` `QuantizedTensor` (the file's codes and scales) when ``keep``, the codes
+    are E4M3 and the block is square, else dequantized to float32."""
     w = st.get(f"{module}.weight", shape)
     sname = f"{module}.weight_scale_inv"
     if sname not in st:
@@ -84,17 +90,26 @@ def _float_linear(st: SafetensorsDir, module: str, shape: tuple[int, ...], fp8_b
     bo, bi = fp8_block or (128, 128)
     *lead, out, n_in = shape
     s = st.get(sname, (*lead, -(-out // bo), -(-n_in // bi)))
+    if keep and bo == bi and w.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
+        return fp8_block_tensor(w, s, bo, name=f"{st.path}: {module}.weight / {sname}")
     s = np.repeat(np.repeat(np.asarray(s, np.float32), bo, axis=-2), bi, axis=-1)[..., :out, :n_in]
     return w.astype(np.float32) * s
 
 
 def read_linear(
-    st: SafetensorsDir, module: str, shape: tuple[int, ...], qlookup=None, keep_int4: bool = False, fp8_block=None
+    st: SafetensorsDir,
+    module: str,
+    shape: tuple[int, ...],
+    qlookup=None,
+    keep_int4: bool = False,
+    fp8_block=None,
+    keep_fp8: bool = False,
 ):
     """``{module}.weight`` of logical torch shape ``(..., out, in)``.
 
     Returns a float ndarray ``(..., out, in)`` (stored dtype), or a `QuantizedTensor`
-    (logical ``[..., in, out]``) when MLX-quantized at 4 bits and ``keep_int4``.
+    (logical ``[..., in, out]``) when MLX-quantized at 4 bits and ``keep_int4``, or
+    block-scaled FP8 E4M3 with a square block and ``keep_fp8``.
     """
     spec = qlookup(module) if qlookup is not None else None
     if spec is None:
@@ -103,7 +118,7 @@ def read_linear(
                 f"{st.path}: tensor {module + '.weight'!r} is packed uint32 but the module is not "
                 "quantized in config.json (no .scales / 'quantization' entry)"
             )
-        return _float_linear(st, module, shape, fp8_block)
+        return _float_linear(st, module, shape, fp8_block, keep_fp8)
     *lead, out, n_in = shape
     if (n_in * spec.bits) % 32 or n_in % spec.group_size:
         raise ValueError(
@@ -124,10 +139,9 @@ FP4_VALUES = np.array(
 )
 
 
-def read_mxfp4(st: SafetensorsDir, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """float32 ``(..., out, in)`` from gpt-oss's MXFP4 ``{name}_blocks (..., out, in/32, 16)`` uint8
-    (element ``2j`` in the low nibble of byte ``j``) and ``{name}_scales (..., out, in/32)`` uint8
-    (E8M0: ``2^(s - 127)``). Dequantized at load; exact in float32."""
+def _mxfp4_parts(st: SafetensorsDir, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """gpt-oss's ``{name}_blocks (..., out, in/32, 16)`` and ``{name}_scales (..., out, in/32)``,
+    checked (shapes, uint8) with errors naming the tensor."""
     *lead, out, n_in = shape
     if n_in % 32:
         raise ValueError(f"{st.path}: {name}: input width {n_in} is not a multiple of the MXFP4 block 32")
@@ -135,6 +149,43 @@ def read_mxfp4(st: SafetensorsDir, name: str, shape: tuple[int, ...]) -> np.ndar
     scales = st.get(f"{name}_scales", (*lead, out, n_in // 32))
     if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
         raise ValueError(f"{st.path}: {name}_blocks / {name}_scales must be uint8, got {blocks.dtype} / {scales.dtype}")
+    return blocks, scales
+
+
+def mxfp4_to_gguf_blocks(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """gpt-oss MXFP4 ``blocks (..., G, 16)`` + ``scales (..., G)`` uint8 -> GGUF MXFP4 block bytes
+    ``(..., G * 17)`` uint8 (`jaxmoe.quant.GGUF_BLOCKS`): per block the E8M0 byte unchanged
+    (both read it as ``2^(s - 127)`` times the E2M1 value), then the 32 codes re-packed from
+    HF's pairs (element ``2j`` low, ``2j + 1`` high nibble of byte ``j``) to ggml's halves
+    (element ``i`` low, ``16 + i`` high nibble of byte ``i``). The same codes and exponent:
+    the decoded values equal `read_mxfp4`'s (code 8, E2M1's negative zero, decodes as +0)."""
+    if blocks.shape[-1:] != (16,) or blocks.shape[:-1] != scales.shape:
+        raise ValueError(
+            f"mxfp4_to_gguf_blocks: blocks {blocks.shape} must be scales {scales.shape} + (16,) (uint8 MXFP4)"
+        )
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)  # natural order
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    out = np.concatenate([scales[..., None], qs], axis=-1).astype(np.uint8)
+    return out.reshape(*scales.shape[:-1], scales.shape[-1] * 17)
+
+
+def mxfp4_tensor(st: SafetensorsDir, name: str, shape: tuple[int, ...], rows=slice(None)) -> QuantizedTensor:
+    """gpt-oss MXFP4 ``{name}_blocks`` / ``{name}_scales`` of logical torch shape ``(..., out, in)``
+    (output rows ``rows`` of it) as an ``mxfp4`` `QuantizedTensor`: the file's codes and
+    exponents re-packed once into GGUF block bytes (`mxfp4_to_gguf_blocks`), as many bytes
+    as the file holds for those rows. The 32-element blocks run along ``in`` in both layouts."""
+    blocks, scales = _mxfp4_parts(st, name, shape)
+    raw = mxfp4_to_gguf_blocks(blocks[..., rows, :, :], scales[..., rows, :])
+    return gguf_block_tensor(raw, "mxfp4", shape[-1], name=f"{st.path}: {name}_blocks")
+
+
+def read_mxfp4(st: SafetensorsDir, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """float32 ``(..., out, in)`` from gpt-oss's MXFP4 ``{name}_blocks (..., out, in/32, 16)`` uint8
+    (element ``2j`` in the low nibble of byte ``j``) and ``{name}_scales (..., out, in/32)`` uint8
+    (E8M0: ``2^(s - 127)``). Dequantized; exact in float32 (``load_layer(quantized=False)``;
+    the default keeps the bytes, `mxfp4_tensor`)."""
+    *lead, out, n_in = shape
+    blocks, scales = _mxfp4_parts(st, name, shape)
     vals = np.stack([FP4_VALUES[blocks & 0xF], FP4_VALUES[blocks >> 4]], axis=-1)  # (..., G, 16, 2)
     vals = vals.reshape(*blocks.shape[:-1], 32)
     w = np.ldexp(vals, scales.astype(np.int32)[..., None] - 127)
@@ -152,8 +203,22 @@ def _vec(st: SafetensorsDir, name: str, shape, dtype):
     return jnp.asarray(st.get(name, shape)).astype(dtype)
 
 
+def _stack(ws: list, name: str):
+    """Per-expert weights stacked on a new leading axis: float arrays with numpy, ``fp8_e4m3``
+    `QuantizedTensor` s of one block size as one (codes and scales stacked); a mix is
+    dequantized to float32 first."""
+    if not any(isinstance(w, QuantizedTensor) for w in ws):
+        return np.stack(ws)
+    q0 = next(w for w in ws if isinstance(w, QuantizedTensor))
+    if all(isinstance(w, QuantizedTensor) and (w.kind, w.group_size) == (q0.kind, q0.group_size) for w in ws):
+        return fp8_block_tensor(np.stack([w.qdata for w in ws]), np.stack([w.scales for w in ws]), q0.group_size, name)
+    return np.stack(
+        [dequantize_fp8_numpy(w.qdata, w.scales, w.group_size) if isinstance(w, QuantizedTensor) else w for w in ws]
+    )
+
+
 def _experts(
-    st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, keep_int4: bool, fp8_block=None
+    st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, keep_int4: bool, fp8_block=None, keep: bool = True
 ) -> ExpertWeights:
     e, d, f = cfg.num_experts, cfg.d_model, cfg.expert_dim
     per_expert = [names for names in _PROJ_NAMES if f"{p}.experts.0.{names[0]}.weight" in st]
@@ -178,13 +243,13 @@ def _experts(
         lists = {n: [] for n in (g_n, u_n, d_n)}
         for j in range(e):
             for n, shp in ((g_n, (f, d)), (u_n, (f, d)), (d_n, (d, f))):
-                lists[n].append(read_linear(st, f"{p}.experts.{j}.{n}", shp, qlookup, False, fp8_block))
-        wg, wu, wd = (np.stack(lists[n]) for n in (g_n, u_n, d_n))
+                lists[n].append(read_linear(st, f"{p}.experts.{j}.{n}", shp, qlookup, False, fp8_block, keep))
+        wg, wu, wd = (_stack(lists[n], f"{st.path}: {p}.experts.*.{n}") for n in (g_n, u_n, d_n))
     elif stacked:
         s = stacked[0]
-        wg = read_linear(st, f"{s}.gate_proj", (e, f, d), qlookup, keep_int4, fp8_block)
-        wu = read_linear(st, f"{s}.up_proj", (e, f, d), qlookup, keep_int4, fp8_block)
-        wd = read_linear(st, f"{s}.down_proj", (e, d, f), qlookup, keep_int4, fp8_block)
+        wg = read_linear(st, f"{s}.gate_proj", (e, f, d), qlookup, keep_int4, fp8_block, keep)
+        wu = read_linear(st, f"{s}.up_proj", (e, f, d), qlookup, keep_int4, fp8_block, keep)
+        wd = read_linear(st, f"{s}.down_proj", (e, d, f), qlookup, keep_int4, fp8_block, keep)
         if cfg.expert_bias:
             bias = dict(
                 b_gate=_vec(st, f"{s}.gate_proj.bias", (e, f), dtype),
@@ -194,7 +259,12 @@ def _experts(
     else:
         gu_name, dn_name = f"{p}.experts.gate_up_proj", f"{p}.experts.down_proj"
         if cfg.family == "gpt_oss":
-            if f"{gu_name}_blocks" in st:  # MXFP4, out-major (the Hub checkpoints)
+            if f"{gu_name}_blocks" in st and keep:  # MXFP4, out-major (the Hub checkpoints): kept
+                # gate / up interleave output rows; each row's blocks run along d, as GGUF's do
+                wg = mxfp4_tensor(st, gu_name, (e, 2 * f, d), slice(0, None, 2))
+                wu = mxfp4_tensor(st, gu_name, (e, 2 * f, d), slice(1, None, 2))
+                wd = mxfp4_tensor(st, dn_name, (e, d, f))
+            elif f"{gu_name}_blocks" in st:
                 gu = read_mxfp4(st, gu_name, (e, 2 * f, d))
                 wg, wu = gu[:, 0::2], gu[:, 1::2]  # (E, F, d)
                 wd = read_mxfp4(st, dn_name, (e, d, f))
@@ -219,7 +289,9 @@ def _experts(
     return ExpertWeights(_xw(wg, dtype), _xw(wu, dtype), _xw(wd, dtype), **bias)
 
 
-def _shared(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, fp8_block=None) -> SharedWeights | None:
+def _shared(
+    st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, fp8_block=None, keep: bool = True
+) -> SharedWeights | None:
     fs, d = cfg.shared_expert_dim, cfg.d_model
     if not fs:
         return None
@@ -230,9 +302,9 @@ def _shared(st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, fp8_bloc
             f"(or {p + '.shared_experts.gate_proj.weight'!r}); the config has a shared expert of width {fs}"
         )
     s = names[0]
-    wg = read_linear(st, f"{s}.gate_proj", (fs, d), qlookup, fp8_block=fp8_block)
-    wu = read_linear(st, f"{s}.up_proj", (fs, d), qlookup, fp8_block=fp8_block)
-    wd = read_linear(st, f"{s}.down_proj", (d, fs), qlookup, fp8_block=fp8_block)
+    wg = read_linear(st, f"{s}.gate_proj", (fs, d), qlookup, fp8_block=fp8_block, keep_fp8=keep)
+    wu = read_linear(st, f"{s}.up_proj", (fs, d), qlookup, fp8_block=fp8_block, keep_fp8=keep)
+    wd = read_linear(st, f"{s}.down_proj", (d, fs), qlookup, fp8_block=fp8_block, keep_fp8=keep)
     gate = None
     if cfg.shared_expert_gate:
         g = read_linear(st, f"{p}.shared_expert_gate", (1, d), qlookup)
@@ -248,11 +320,15 @@ def load_params(
     qlookup=None,
     keep_int4: bool = False,
     fp8_block: tuple[int, int] | None = None,
+    keep_blocks: bool = True,
 ) -> MoEParams:
     """`MoEParams` of MoE layer ``layer`` (router and its biases in float32, the rest in ``dtype``).
 
     ``qlookup``: MLX quantization per module (`jaxmoe.io.mlx_codec.quant_lookup`); ``keep_int4``: keep
-    4-bit routed experts quantized; ``fp8_block``: ``(out, in)`` block of FP8 ``weight_scale_inv``.
+    4-bit routed experts quantized; ``fp8_block``: ``(out, in)`` block of FP8 ``weight_scale_inv``;
+    ``keep_blocks``: keep gpt-oss MXFP4 experts (as GGUF MXFP4 blocks) and block-scaled FP8
+    E4M3 expert / shared-expert weights with a square block (``fp8_e4m3``) in their bytes,
+    instead of dequantizing them.
     """
     if not isinstance(layer, int) or isinstance(layer, bool):
         raise ValueError(f"layer must be an int, got {layer!r}")
@@ -273,8 +349,8 @@ def load_params(
     if cfg.router.use_selection_bias:  # Ling / bailing checkpoints call it gate.expert_bias
         bname = f"{p}.gate.expert_bias" if f"{p}.gate.expert_bias" in st else f"{p}.gate.e_score_correction_bias"
         sel = _vec(st, bname, (e,), jnp.float32)
-    experts = _experts(st, p, cfg, qlookup, dtype, keep_int4, fp8_block)
-    shared = _shared(st, p, cfg, qlookup, dtype, fp8_block)
+    experts = _experts(st, p, cfg, qlookup, dtype, keep_int4, fp8_block, keep_blocks)
+    shared = _shared(st, p, cfg, qlookup, dtype, fp8_block, keep_blocks)
     params = MoEParams(w_router, experts, b_router, sel, shared)
     params.check(cfg)
     return params
@@ -301,11 +377,14 @@ def load_layer(
       layer: decoder layer index; a dense layer is a ValueError.
       dtype: dtype of the expert and shared-expert weights (router math is float32 always).
       quantized: read MLX quantization from ``config.json`` and keep 4-bit routed experts
-        quantized (default: when it has a ``quantization`` entry).
+        quantized (default: when it has a ``quantization`` entry). gpt-oss MXFP4 experts and
+        block-scaled FP8 E4M3 weights (square ``weight_block_size``) stay in their bytes
+        unless ``quantized=False``, which dequantizes them to float32 at load.
     """
     p = Path(path)
     raw = hf_config.read_config_json(p)
     cfg = hf_config.moe_config_from_hf(raw, source=str(p / "config.json"), name=p.name)
+    keep_blocks = quantized is not False
     if quantized is None:
         quantized = "quantization" in raw
     fp8_block = fp8_block_size(raw, str(p / "config.json"))
@@ -314,6 +393,13 @@ def load_layer(
             mlx_codec.quant_lookup(hf_config.text_config(raw), st.keys(), str(p / "config.json")) if quantized else None
         )
         params = load_params(
-            st, cfg, layer, dtype=dtype, qlookup=qlookup, keep_int4=bool(quantized), fp8_block=fp8_block
+            st,
+            cfg,
+            layer,
+            dtype=dtype,
+            qlookup=qlookup,
+            keep_int4=bool(quantized),
+            fp8_block=fp8_block,
+            keep_blocks=keep_blocks,
         )
     return cfg, params
