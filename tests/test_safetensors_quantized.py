@@ -29,6 +29,7 @@ from jaxmoe import io as jio
 from jaxmoe.execution import ExecConfig
 from jaxmoe.experts import ExpertWeights
 from jaxmoe.io.hf import mxfp4_to_gguf_blocks
+from jaxmoe.io.inspect import inspect_path
 from jaxmoe.quant import QuantizedTensor, dequantize_fp8_blocks, fp8_block_tensor, gguf_block_tensor, materialize
 
 F8 = ml_dtypes.float8_e4m3fn
@@ -161,6 +162,12 @@ def test_gptoss_mxfp4_checkpoint_kept_in_its_bytes(tmp_path, rng):
         want = _gptoss_f64(x, t, cfg, np.asarray(r.expert_ids), np.asarray(r.weights, np.float64))
         err = np.abs(np.asarray(y, np.float64) - want).max() / np.abs(want).max()
         assert err < 2e-6, (impl, err)
+    out = jaxmoe.save_gguf((cfg, params), tmp_path / "layer.gguf", layer=0, dtype="keep")  # MXFP4 byte for byte
+    cfg2, back = jio.load_layer(out, layer=0)
+    assert cfg2 == cfg
+    for a, b in zip((ew.w_gate, ew.w_up, ew.w_down), (back.experts.w_gate, back.experts.w_up, back.experts.w_down)):
+        assert isinstance(b, QuantizedTensor) and b.kind == "mxfp4"
+        np.testing.assert_array_equal(np.asarray(b.qdata), np.asarray(a.qdata))
 
 
 @pytest.mark.slow
@@ -338,6 +345,8 @@ def test_dsv3_fp8_checkpoint_kept_in_its_bytes(tmp_path, rng):
         hlo = run.lower(jax.tree.map(jnp.asarray, params), jnp.asarray(x[:2])).compile().as_text()
         whole = [i for i in unfused_instructions(hlo) if re.search(rf"= f32\[{DE},({DD},{DF}|{DF},{DD})\]", i)]
         assert not whole, (impl, whole)
+    _, back = jio.load_layer(jaxmoe.save_gguf((cfg, params), tmp_path / "l.gguf", layer=1, dtype="keep"), layer=1)
+    np.testing.assert_array_equal(np.asarray(back.experts.w_down), np.asarray(ew.w_down.dequantize()))  # as F32
 
 
 @pytest.mark.slow
@@ -434,6 +443,9 @@ def test_qwen3_fp8_checkpoint(tmp_path, rng):
     ew = params.experts
     assert isinstance(ew.w_down, QuantizedTensor) and ew.w_down.scales.dtype == ml_dtypes.bfloat16
     assert ew.w_gate.nbytes + ew.w_up.nbytes + ew.w_down.nbytes == _fp8_file_bytes(t, ".experts.")
+    rows = [r for r in inspect_path(q).tensors if r.layer == 0 and "experts" in r.name]  # jaxmoe inspect
+    assert {r.dtype for r in rows} == {"F8_E4M3", "BF16"} and all(r.count == e for r in rows)
+    assert sum(r.nbytes for r in rows) == ew.w_gate.nbytes + ew.w_up.nbytes + ew.w_down.nbytes
     x = rng.standard_normal((5, d)).astype(np.float32)
     y, r = jaxmoe.moe_apply(params, jnp.asarray(x), mcfg, impl="auto", return_routing=True)
     ids, wts = np.asarray(r.expert_ids), np.asarray(r.weights, np.float64)
