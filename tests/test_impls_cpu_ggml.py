@@ -205,6 +205,7 @@ def test_auto_takes_the_kernel_and_falls_back_for_q8_1_kinds():
         moe_apply(p1, jnp.asarray(x1), cfg1, ExecConfig(impl="cpu", activations="ggml"))
 
 
+@pytest.mark.slow
 def test_shared_expert_of_a_q8_1_kind_runs_in_xla():
     """Routed experts the kernel takes in ggml mode, a shared expert it does not (Q5_1): the
     shared expert leaves the call for the XLA one in the same mode."""
@@ -228,3 +229,14 @@ def test_gradient_is_close_to_the_xla_modes():
 
     g_cpu, g_xla = grad("cpu"), grad("xla")
     assert np.linalg.norm(g_cpu - g_xla) / np.linalg.norm(g_xla) < 0.05
+
+
+@pytest.mark.slow
+def test_weight_on_input_converts_the_weighted_rows():
+    """With the routing weight on the expert input the rows are weighted, then converted
+    (as the ``xla`` strategy does): the kernel meets it far closer than float activations."""
+    cfg, p, x = case("q4_k", seed=13, tokens=4)
+    cfg = dataclasses.replace(cfg, weight_on_input=True)
+    got, xla = _run(p, x, cfg, "cpu"), _run(p, x, cfg, "xla")
+    flt = np.asarray(moe_apply(p, jnp.asarray(x), cfg, ExecConfig(impl="cpu")))
+    assert np.linalg.norm(got - xla) * 20 < np.linalg.norm(flt - xla)

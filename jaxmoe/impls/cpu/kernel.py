@@ -581,16 +581,23 @@ def _forward(
     rows (as `jaxmoe.experts.shared_expert`)."""
     e = ew.num_experts
     plan = plan_dispatch(routing.expert_ids, e, 1)
-    xs = sorted_inputs(x, routing, plan, cfg).astype(jnp.float32)  # [P, d]
     ggml = mode[0] == "ggml"
     round_h = bool(x.dtype == jnp.bfloat16) and not ggml  # ggml keeps h float32 until its conversion
     shared = None if sw is None else (x, sw)
     h_fmt = (0, 0)
-    if ggml:
-        xs = ggml_round(xs, vec_dot_format(ew.w_gate))
+    if not ggml:
+        xs = sorted_inputs(x, routing, plan, cfg).astype(jnp.float32)  # [P, d]
+    else:
+        fmt = vec_dot_format(ew.w_gate)
         h_fmt = (GGML_H_FMT[vec_dot_format(ew.w_down)], 0)
+        if cfg.weight_on_input:  # the rows are weighted first, then converted
+            xs, xc = ggml_round(sorted_inputs(x, routing, plan, cfg), fmt), None
+        else:  # the same rows converted before the gather: T rows, not T k
+            xc = ggml_round(x, fmt)
+            xs = sorted_inputs(xc, routing, plan, cfg)
         if sw is not None:
-            xsh = ggml_round(x, vec_dot_format(sw.w_gate))
+            sfmt = vec_dot_format(sw.w_gate)
+            xsh = xc if xc is not None and sfmt == fmt else ggml_round(x, sfmt)
             shared = (xsh, dataclasses.replace(sw, gate=None))
             h_fmt = (h_fmt[0], GGML_H_FMT[vec_dot_format(sw.w_down)])
     ys, gate_up, ys_shared = _call(
