@@ -355,7 +355,8 @@ def test_dsv3_fp8_flipped_bytes_errors_and_gradient(tmp_path, rng):
     float64 reference of the changed file); truncated / mis-sized scales and codes are
     ValueErrors naming the tensor; ``impl='cpu'`` and ``activations='ggml'`` refuse the kind
     by name; ``quantized=False`` and non-square blocks dequantize; the input gradient flows
-    through frozen FP8 experts (xla's custom VJP) and equals ``dense``'s."""
+    through frozen FP8 experts (xla's custom VJP) and equals ``dense``'s; the experts' cotangents
+    are zeros of each leaf's dtype (float8 codes included) whatever the strategy."""
     b = 32
     q, t = _dsv3_checkpoint(tmp_path / "ck", rng, block=(b, b))
     config = json.loads((q / "config.json").read_text())
@@ -407,6 +408,12 @@ def test_dsv3_fp8_flipped_bytes_errors_and_gradient(tmp_path, rng):
     gx = {impl: np.asarray(jax.grad(loss)(x, impl)) for impl in ("dense", "xla")}
     np.testing.assert_allclose(gx["xla"], gx["dense"], rtol=1e-5, atol=1e-5 * np.abs(gx["dense"]).max())
     assert np.abs(gx["dense"]).max() > 0
+    dev = jax.tree.map(jnp.asarray, params)
+    gp = {i: jax.grad(lambda p, i=i: jaxmoe.moe_apply(p, x, cfg, impl=i).sum())(dev) for i in ("gather", "xla")}
+    for g in gp.values():  # frozen experts: zeros in the leaves' own dtypes (float8 codes too), a router gradient
+        assert g.experts.w_gate.qdata.dtype == F8 and not np.asarray(g.experts.w_gate.qdata, np.float32).any()
+        assert g.experts.w_up.scales.dtype == np.float32 and not np.asarray(g.experts.w_up.scales).any()
+    np.testing.assert_allclose(np.asarray(gp["xla"].w_router), np.asarray(gp["gather"].w_router), rtol=1e-4, atol=1e-6)
 
 
 def test_qwen3_fp8_checkpoint(tmp_path, rng):
