@@ -16,7 +16,11 @@ Prints one row per architecture and file type (``F32`` is the unquantized file, 
 sanity baseline): the largest error over layers and prompts of each mode, their ratio, and
 whether the ggml mode meets the issue's bar (``--tol`` relative and ``--min-ratio`` times
 closer than float mode; F32 rows have no ratio to meet). ``--per-layer`` prints every
-layer. Three prompts by default: a one-token one, a short one and one of more than 32
+layer. Where a token's ggml-mode residual stands out (``--explain``), it looks for the
+rounding ties behind it: a SwiGLU output code, a Q8_0 / Q8_1 block scale or a Q8_1 block
+sum that lies within a hair of a rounding boundary, where float32 summation order decides
+the side. It prints each one that llama.cpp's output says went the other way (``tie
+flips``) and the layer's error with them undone. Three prompts by default: a one-token one, a short one and one of more than 32
 tokens (ggml's matrix products take other paths for one row and for more rows); llama.cpp
 runs the last layer on the last token only (the only one it needs logits for). Files are cached in ``--work``; a rerun
 reuses them (``--fresh`` rebuilds). ``--json`` writes every number.
@@ -161,15 +165,116 @@ def moe_layers(gguf: Path) -> list[int]:
     raise ValueError(f"{gguf}: no MoE layer among the first 64")
 
 
-def compare(gguf: Path, arch: str, dumps: list[Path], impl: str) -> list[dict]:
-    """For every MoE layer and dump: the float-mode and ggml-mode errors against llama.cpp."""
+def _tie_flips(params, cfg, x_t, ids, weights, r, margin: float, max_flips: int = 4):
+    """The hidden-activation codes at rounding ties that explain one token's residual
+    ``r = y_llama - y_jaxmoe``: every SwiGLU output (routed slots and shared expert,
+    computed in float64 from the converted input and rounded to float32) whose scaled
+    value lies within ``margin`` of a half step is a candidate; a candidate's effect is
+    its code moved by one (for Q8_1 with the stored block sum ``s`` moving too), times
+    the down projection row and the slot's weight (the shared expert's gate). So are a
+    Q8_0 / Q8_1 block scale ``amax / 127`` and a Q8_1 block sum ``d sum(q)`` within
+    ``100 margin`` of a float16 half step: their effect is the float16 value one step away
+    (times the block's codes and rows, or the weight's block minimums). Greedily
+    takes the candidate that shrinks the residual most while it halves it. Returns
+    ``(flips, delta)``: descriptions and the summed effect."""
+    from jaxmoe.evaluation.reference import block_minimums_np, ggml_blocks_np, ggml_format, ggml_quantize_np, to_f64
+
+    cands = []
+
+    def ffn(name, wg, wu, wd, idx, scale):
+        v, _ = ggml_quantize_np(x_t[None], ggml_format(wg))
+        g, u = v @ to_f64(wg, idx), v @ to_f64(wu, idx)
+        h = (g / (1 + np.exp(-g)) * u).astype(np.float32)[0]
+        fd = ggml_format(wd)
+        if fd not in ("q8_0", "q8_1", "q8_K"):
+            return
+        qk = 256 if fd == "q8_K" else 32
+        q, d, _ = ggml_blocks_np(h[None], fd)
+        q, d = q[0], d[0].astype(np.float64)
+        b = h.reshape(-1, qk)
+        if fd == "q8_K":  # the scaled values before rounding, as the port forms them
+            mx = b[np.arange(len(b)), np.argmax(np.abs(b), axis=-1)]
+            sc = (b * (np.float32(-127.0) / mx)[:, None].astype(np.float32)).astype(np.float32).reshape(-1)
+        else:
+            sc = (
+                (b * (np.float32(127.0) / np.abs(b).max(-1))[:, None].astype(np.float32)).astype(np.float32).reshape(-1)
+            )
+        wdf = to_f64(wd, idx)
+        mins = block_minimums_np(wd, idx) if fd == "q8_1" else None
+        if fd != "q8_K":  # Q8_0 / Q8_1's scale d = f16(amax / 127) on an f16 rounding tie
+            for blk in range(len(b)):
+                d32 = np.float32(np.abs(b[blk]).max() / np.float32(127.0))
+                d16 = np.float16(d32)
+                other = np.nextafter(d16, np.float16(np.inf if d32 > d16 else -np.inf))
+                if abs(abs(float(d32) - float(d16)) / abs(float(other) - float(d16)) - 0.5) < 100 * margin:
+                    rows = wdf[blk * qk : (blk + 1) * qk] - (0 if mins is None else mins[blk])
+                    delta = (float(other) - float(d16)) * (q[blk * qk : (blk + 1) * qk] @ rows)
+                    cands.append(
+                        (f"{name} block {blk} ({fd} scale d = {float(d32):.8g}: f16 {d16} or {other})", delta * scale)
+                    )
+        if mins is not None:  # Q8_1's block sum s = f16(d32 sum(q)) on an f16 rounding tie
+            for blk in range(len(b)):
+                s32 = np.float32(np.abs(b[blk]).max() / np.float32(127.0)) * np.float32(
+                    q[blk * qk : (blk + 1) * qk].sum()
+                )
+                s16 = np.float16(s32)
+                other = np.nextafter(s16, np.float16(np.inf if s32 > s16 else -np.inf))
+                frac = abs(float(s32) - float(s16)) / abs(float(other) - float(s16))
+                if abs(frac - 0.5) < 100 * margin:
+                    delta = (float(other) - float(s16)) * mins[blk]
+                    cands.append(
+                        (f"{name} block {blk} (q8_1 sum s = {float(s32):.8g}: f16 {s16} or {other})", delta * scale)
+                    )
+        for j in np.nonzero(np.abs(np.abs(sc - np.trunc(sc)) - 0.5) < margin)[0]:
+            sgn = 1.0 if sc[j] > q[j] else -1.0  # the code on the tie's other side
+            blk = j // qk
+            if mins is None:
+                delta = sgn * d[blk] * wdf[j]
+            else:
+                d32 = np.float32(np.abs(b[blk]).max() / np.float32(127.0))
+                sq = int(q[blk * qk : (blk + 1) * qk].sum())
+                ds = float(np.float16(d32 * np.float32(sq + sgn))) - float(np.float16(d32 * np.float32(sq)))
+                delta = sgn * d[blk] * (wdf[j] - mins[blk]) + ds * mins[blk]
+            cands.append(
+                (f"{name} h[{j}] ({fd}, scaled {sc[j]:.7f}, code {int(q[j])} or {int(q[j] + sgn)})", delta * scale)
+            )
+
+    ew = params.experts
+    for slot, e in enumerate(ids):
+        ffn(f"expert {int(e)} (slot {slot})", ew.w_gate, ew.w_up, ew.w_down, int(e), float(weights[slot]))
+    if params.shared is not None:
+        sh, gate = params.shared, 1.0
+        if sh.gate is not None:
+            gate = float(1 / (1 + np.exp(-(x_t.astype(np.float64) @ to_f64(sh.gate)).reshape(-1)[0])))
+        ffn("shared expert", sh.w_gate, sh.w_up, sh.w_down, None, gate)
+    flips, total = [], np.zeros_like(r)
+    for _ in range(max_flips):
+        left = r - total
+        best = None
+        for name, dl in cands:
+            c = float(np.sign(left @ dl)) or 1.0
+            rest = np.linalg.norm(left - c * dl)
+            if best is None or rest < best[0]:
+                best = (rest, name, c * dl)
+        if best is None or best[0] > 0.5 * np.linalg.norm(left):
+            break
+        flips.append(best[1])
+        total = total + best[2]
+    return flips, total
+
+
+def compare(gguf: Path, arch: str, dumps: list[Path], impl: str, explain: float | None = None) -> list[dict]:
+    """For every MoE layer and dump: the float-mode and ggml-mode errors against llama.cpp;
+    with ``explain``, for every token whose ggml-mode residual exceeds ``explain`` (relative
+    to the layer's output norm), the tie flips that explain it (`_tie_flips`) and the
+    layer's error once they are applied (``ggml_ties``)."""
     import jax
     import jax.numpy as jnp
 
     from jaxmoe import ExecConfig, moe_apply
     from jaxmoe.io import load_layer
 
-    fn = jax.jit(moe_apply, static_argnums=(2, 3))  # one compile per config, kinds and shape
+    fn = jax.jit(moe_apply, static_argnums=(2, 3), static_argnames=("return_routing",))
     inp, out = io_names(arch)
     rows = []
     for layer in moe_layers(gguf):
@@ -177,11 +282,25 @@ def compare(gguf: Path, arch: str, dumps: list[Path], impl: str) -> list[dict]:
         for dd in dumps:
             x = read_dump(dd / f"{inp}-{layer}.bin").reshape(-1, cfg.d_model)  # [d]: one row
             ref = read_dump(dd / f"{out}-{layer}.bin").reshape(-1, cfg.d_model)
-            err = {
-                m: rel_err(np.asarray(fn(params, jnp.asarray(x), cfg, ExecConfig(impl=impl, activations=m))), ref)
-                for m in ("float", "ggml")
+            yf = fn(params, jnp.asarray(x), cfg, ExecConfig(impl=impl, activations="float"))
+            yg, rt = fn(params, jnp.asarray(x), cfg, ExecConfig(impl=impl, activations="ggml"), return_routing=True)
+            yg = np.asarray(yg, np.float64)
+            row = {
+                "layer": layer,
+                "tokens": int(x.shape[0]),
+                "float": rel_err(np.asarray(yf), ref),
+                "ggml": rel_err(yg, ref),
             }
-            rows.append({"layer": layer, "tokens": int(x.shape[0]), **err})
+            if explain is not None:
+                norm = np.linalg.norm(np.asarray(ref, np.float64))
+                fixed, flips = yg.copy(), []
+                for t in np.nonzero(np.linalg.norm(yg - ref, axis=1) > explain * norm)[0]:
+                    ids, w = np.asarray(rt.expert_ids)[t], np.asarray(rt.weights, np.float64)[t]
+                    f, delta = _tie_flips(params, cfg, x[t], ids, w, ref[t] - yg[t], margin=1e-4)
+                    fixed[t] += delta
+                    flips += [f"token {t}: {n}" for n in f]
+                row.update(ggml_ties=rel_err(fixed, ref), flips=flips)
+            rows.append(row)
     return rows
 
 
@@ -198,6 +317,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tol", type=float, default=2e-4)
     ap.add_argument("--min-ratio", type=float, default=50.0)
     ap.add_argument("--per-layer", action="store_true")
+    ap.add_argument(
+        "--explain",
+        type=float,
+        default=1e-6,
+        help="find the tie flips behind every token residual above this (relative to the layer); 0: off",
+    )
     ap.add_argument("--fresh", action="store_true", help="rebuild the cached files and dumps")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
@@ -213,10 +338,11 @@ def main(argv=None) -> int:
     if not (a.anchor / "make_tiny.py").is_file():
         raise SystemExit(f"{a.anchor}/make_tiny.py not found: pass --anchor")
 
-    results = []
+    results, notes = [], []
+    explain = a.explain or None
     print(f"# {len(a.prompts)} prompts, impl={a.impl}, bar: ggml <= {a.tol:g} and float / ggml >= {a.min_ratio:g}")
-    print("| arch | type | tokens | float mode | ggml mode | float / ggml | meets |")
-    print("|---|---|---|---|---|---|---|")
+    print("| arch | type | tokens | float mode | ggml mode | float / ggml | meets | tie flips | ggml, flips undone |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for arch in archs:
         files = build_files(arch, types, a.bin, a.anchor, a.work, a.fresh)
         for t, gguf in files.items():
@@ -224,17 +350,30 @@ def main(argv=None) -> int:
                 dump(a.bin, gguf, p, a.work / arch / "dump" / f"{t}-p{i}", a.fresh, a.threads)
                 for i, p in enumerate(a.prompts)
             ]
-            rows = compare(gguf, arch, dumps, a.impl)
+            rows = compare(gguf, arch, dumps, a.impl, explain)
             ef, eg = max(r["float"] for r in rows), max(r["ggml"] for r in rows)
             ratio = ef / eg if eg > 0 else float("inf")
             ok = eg <= a.tol and (t == "F32" or ratio >= a.min_ratio)
             tokens = "/".join(str(n) for n in sorted({r["tokens"] for r in rows}))
-            results.append(dict(arch=arch, type=t, tokens=tokens, float=ef, ggml=eg, ratio=ratio, ok=ok, layers=rows))
+            nflip = sum(len(r.get("flips", [])) for r in rows)
+            et = max(r.get("ggml_ties", r["ggml"]) for r in rows)
+            res = dict(
+                arch=arch, type=t, tokens=tokens, float=ef, ggml=eg, ratio=ratio, ok=ok, flips=nflip, ggml_ties=et
+            )
+            results.append({**res, "layers": rows})
             mark = "yes" if ok else "**no**"
-            print(f"| {arch} | {t} | {tokens} | {ef:.2e} | {eg:.2e} | {ratio:.0f} | {mark} |", flush=True)
-            if a.per_layer:
-                for r in rows:
-                    print(f"|  | layer {r['layer']} | {r['tokens']} | {r['float']:.2e} | {r['ggml']:.2e} | | |")
+            tie = f"{nflip} | {et:.2e}" if explain else "- | -"
+            print(f"| {arch} | {t} | {tokens} | {ef:.2e} | {eg:.2e} | {ratio:.0f} | {mark} | {tie} |", flush=True)
+            for r in rows:
+                if a.per_layer:
+                    ties = f"{len(r['flips'])} | {r['ggml_ties']:.2e}" if explain else "- | -"
+                    print(
+                        f"|  | layer {r['layer']} | {r['tokens']} | {r['float']:.2e} | {r['ggml']:.2e} | | | {ties} |"
+                    )
+                notes += [f"{arch} {t} layer {r['layer']} ({r['tokens']} tokens): {f}" for f in r.get("flips", [])]
+    if notes:
+        print("\nhidden-activation codes and block scales on a rounding tie that llama.cpp rounded the other way:")
+        print("\n".join(f"- {n}" for n in notes))
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
     bad = [f"{r['arch']} {r['type']}" for r in results if not r["ok"]]
