@@ -416,10 +416,12 @@ def test_dsv3_fp8_flipped_bytes_errors_and_gradient(tmp_path, rng):
     np.testing.assert_allclose(np.asarray(gp["xla"].w_router), np.asarray(gp["gather"].w_router), rtol=1e-4, atol=1e-6)
 
 
-def test_qwen3_fp8_checkpoint(tmp_path, rng):
-    """Qwen3-MoE FP8 (per-expert ``weight`` + ``weight_scale_inv`` in bfloat16, 128 x 128):
-    kept with the scales' own dtype (held bytes = file bytes), the layer matches the float64 loop."""
-    d, f, e, k = 160, 48, 4, 2
+Q3 = dict(d=160, f=48, e=4, k=2)
+
+
+def _qwen3_fp8_checkpoint(path: Path, rng) -> tuple[Path, dict]:
+    """Qwen3-MoE FP8: per-expert ``weight`` + ``weight_scale_inv`` in bfloat16, 128 x 128 blocks."""
+    d, f, e, k = Q3["d"], Q3["f"], Q3["e"], Q3["k"]
     cfg = T.Qwen3MoeConfig(
         vocab_size=32,
         hidden_size=d,
@@ -445,15 +447,33 @@ def test_qwen3_fp8_checkpoint(tmp_path, rng):
             t[f"{p}.experts.{j}.{n}.weight"] = _fp8_codes(rng, (out, n_in))
             sshape = (-(-out // 128), -(-n_in // 128))
             t[f"{p}.experts.{j}.{n}.weight_scale_inv"] = rng.uniform(2e-4, 2e-3, sshape).astype(ml_dtypes.bfloat16)
-    q = _write(tmp_path / "ck", cfg, t)
-    mcfg, params = jio.load_layer(q, layer=0)
+    return _write(path, cfg, t), t
+
+
+def test_qwen3_fp8_checkpoint_held_bytes(tmp_path, rng):
+    """Qwen3-MoE FP8 loads as ``fp8_e4m3`` with the scales' own dtype (bfloat16): held bytes
+    = file bytes, as ``jaxmoe inspect`` counts them from the headers; indexing keeps the kind."""
+    q, t = _qwen3_fp8_checkpoint(tmp_path / "ck", rng)
+    e = Q3["e"]
+    _, params = jio.load_layer(q, layer=0)
     ew = params.experts
     assert isinstance(ew.w_down, QuantizedTensor) and ew.w_down.scales.dtype == ml_dtypes.bfloat16
     assert ew.w_gate.nbytes + ew.w_up.nbytes + ew.w_down.nbytes == _fp8_file_bytes(t, ".experts.")
     rows = [r for r in inspect_path(q).tensors if r.layer == 0 and "experts" in r.name]  # jaxmoe inspect
     assert {r.dtype for r in rows} == {"F8_E4M3", "BF16"} and all(r.count == e for r in rows)
     assert sum(r.nbytes for r in rows) == ew.w_gate.nbytes + ew.w_up.nbytes + ew.w_down.nbytes
-    x = rng.standard_normal((5, d)).astype(np.float32)
+    one = ExpertWeights(ew.w_gate[1], ew.w_up[1], ew.w_down[1])  # indexing keeps the kind
+    assert one.w_gate.kind == "fp8_e4m3" and one.w_gate.scales.shape == (1, 2)
+
+
+@pytest.mark.slow
+def test_qwen3_fp8_layer_matches_float64(tmp_path, rng):
+    """The Qwen3 FP8 layer (``auto``: the C++ kernel lacks the kind, so an XLA strategy) against
+    the float64 loop over ``ml_dtypes`` decodes of the file's codes and bfloat16 scales."""
+    q, t = _qwen3_fp8_checkpoint(tmp_path / "ck", rng)
+    p = "model.layers.0.mlp"
+    mcfg, params = jio.load_layer(q, layer=0)
+    x = rng.standard_normal((5, Q3["d"])).astype(np.float32)
     y, r = jaxmoe.moe_apply(params, jnp.asarray(x), mcfg, impl="auto", return_routing=True)
     ids, wts = np.asarray(r.expert_ids), np.asarray(r.weights, np.float64)
     want = np.zeros(x.shape)
@@ -467,5 +487,3 @@ def test_qwen3_fp8_checkpoint(tmp_path, rng):
             want[i] += w * (W["down_proj"] @ (g / (1 + np.exp(-g)) * u))
     err = np.abs(np.asarray(y, np.float64) - want).max() / np.abs(want).max()
     assert err < 2e-6, err
-    one = ExpertWeights(ew.w_gate[1], ew.w_up[1], ew.w_down[1])  # indexing keeps the kind
-    assert one.w_gate.kind == "fp8_e4m3" and one.w_gate.scales.shape == (1, 2)
