@@ -7,15 +7,18 @@ Both are re-exported as ``jaxmoe.from_pretrained`` and ``jaxmoe.save_gguf``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 
 from jaxmoe.block import MoEBlock
 from jaxmoe.execution import REMOVED, ExecConfig, exec_config
-from jaxmoe.io import load_layer
+from jaxmoe.io import checkpoint_format, load_layer
 from jaxmoe.io import save_gguf as save_layer_gguf
+from jaxmoe.quant import QuantizedTensor
 
 
 def from_pretrained(
@@ -38,7 +41,12 @@ def from_pretrained(
         float expert weights (Q8_0 / Q4_0 / MLX 4-bit experts stay quantized; the router
         is float32 always).
       impl: shorthand for ``ExecConfig(impl=...)``.
-      ex: how the block runs (`jaxmoe.ExecConfig`).
+      ex: how the block runs (`jaxmoe.ExecConfig`). Left out (with ``impl`` None or
+        ``auto``), a GGUF file whose routed experts stay quantized runs in llama.cpp's
+        arithmetic, ``ExecConfig(activations="ggml")``, when the default device is a CPU:
+        the numbers a GGUF user checks against llama.cpp. ``ex=jaxmoe.ExecConfig()`` keeps
+        float activations; float GGUF experts, HF and MLX checkpoints and other devices
+        take float activations.
       **loader_kwargs: the format's own options (e.g. ``quantized=`` for HF directories).
     """
     gone = [k for k in loader_kwargs if k in REMOVED]
@@ -46,7 +54,17 @@ def from_pretrained(
         raise TypeError(f"from_pretrained: keyword {gone[0]!r} was removed; use {REMOVED[gone[0]]}")
     run = exec_config(ex, impl)
     cfg, params = load_layer(path, layer=layer, dtype=dtype, **loader_kwargs)
+    if ex is None and run.impl == "auto" and ggml_by_default(path, params):
+        run = dataclasses.replace(run, activations="ggml")
     return MoEBlock(cfg, params=params, ex=run, dtype=dtype)
+
+
+def ggml_by_default(path: str | os.PathLike, params) -> bool:
+    """Whether `from_pretrained` runs the layer in ggml arithmetic when not told otherwise:
+    a GGUF file, routed experts kept quantized, the default device a CPU."""
+    ew = params.experts
+    quantized = any(isinstance(w, QuantizedTensor) for w in (ew.w_gate, ew.w_up, ew.w_down))
+    return quantized and jax.default_backend() == "cpu" and checkpoint_format(path) == "gguf"
 
 
 def save_gguf(block_or_cfg_params, path: str | os.PathLike, layer: int = 0, dtype: str = "f16", **kwargs) -> Path:

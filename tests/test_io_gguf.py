@@ -384,7 +384,7 @@ def test_gguf_layer_matches_llama_cpp_reference(name, rng, tmp_path):
     c = CASES[name]
     path = tmp_path / f"{name}.gguf"
     ref = write_case(rng, path, c)[c.layer]
-    block = jaxmoe.from_pretrained(path, layer=c.layer)
+    block = jaxmoe.from_pretrained(path, layer=c.layer, ex=jaxmoe.ExecConfig())  # float activations
     x = (rng.standard_normal((7, c.d)) * 0.5).astype(np.float32)
     # quantized cases take the decode path (per-token gathered experts), float ones the oracle
     impl = "gather" if any(q in gq.KEPT_QUANTIZED for q in c.qtypes) else "dense"
@@ -485,7 +485,7 @@ def test_quantized_layer_stays_quantized(mix, rng, tmp_path):
         resident = sum(int(a.nbytes) for a in jax.tree.leaves(loaded))
         assert resident == layer_bytes  # no float copy anywhere (router / gate vector are F32 in the file too)
         assert ew.w_gate.nbytes == int(file_tensors[f"blk.{c.layer}.ffn_gate_exps.weight"].n_bytes)
-    block = jaxmoe.from_pretrained(path, layer=c.layer)
+    block = jaxmoe.from_pretrained(path, layer=c.layer, ex=jaxmoe.ExecConfig())  # float activations
     for t in (1, 9):
         x = (rng.standard_normal((t, c.d)) * 0.5).astype(np.float32)
         want = np_moe(x, ref, **c.ref)
@@ -1020,3 +1020,31 @@ def test_full_size_metadata_gives_the_preset(preset, arch, kv, names, tmp_path):
         got, router=dataclasses.replace(got.router, renorm=want.router.renorm, renorm_eps=want.router.renorm_eps)
     )
     assert got == want
+
+
+@pytest.mark.parametrize(
+    "name", ["qwen35moe-q8_0-shared-q8_0", pytest.param("qwen3moe-kquants", marks=pytest.mark.slow)]
+)
+def test_quantized_gguf_runs_in_ggml_arithmetic_by_default(name, rng, tmp_path):
+    """from_pretrained of a GGUF with quantized experts on the CPU runs llama.cpp's
+    arithmetic unless told otherwise; float activations are one option away; float GGUF
+    experts and an explicit impl keep float activations."""
+    from jaxmoe.evaluation.reference import reference_forward
+
+    c = CASES[name]
+    path = tmp_path / "q.gguf"
+    write_case(rng, path, c)
+    block = jaxmoe.from_pretrained(path, layer=c.layer)
+    assert block.ex.activations == "ggml"
+    x = (rng.standard_normal((5, c.d)) * 0.5).astype(np.float32)
+    p = block.params()
+    y = np.asarray(block(x))
+    want_ggml = reference_forward(p, x, block.cfg, activations="ggml")[0]
+    want_float = reference_forward(p, x, block.cfg)[0]
+    assert rel_err(y, want_ggml) < 1e-4
+    assert rel_err(y, want_float) > 10 * rel_err(y, want_ggml)
+    assert jaxmoe.from_pretrained(path, layer=c.layer, ex=jaxmoe.ExecConfig()).ex.activations == "float"
+    assert jaxmoe.from_pretrained(path, layer=c.layer, impl="xla").ex.activations == "float"
+    f32 = tmp_path / "f.gguf"
+    write_case(rng, f32, CASES["qwen35moe-f32-merged"])
+    assert jaxmoe.from_pretrained(f32, layer=CASES["qwen35moe-f32-merged"].layer).ex.activations == "float"
