@@ -13,7 +13,7 @@ file or sharded with ``model.safetensors.index.json``). Layouts, all checked aga
   input-major: ``gate_up_proj (E, d, 2F)`` with gate / up in the even / odd columns,
   ``gate_up_proj_bias (E, 2F)``, ``down_proj (E, F, d)``, ``down_proj_bias (E, d)``; the
   gpt-oss Hub checkpoints hold them as MXFP4 ``*_blocks`` / ``*_scales`` (out-major),
-  kept as GGUF ``mxfp4`` block bytes (`mxfp4_tensor`: the nibbles re-packed once at load,
+  kept as GGUF ``mxfp4`` block bytes (`mxfp4_tensors`: the nibbles re-packed once at load,
   the same byte count); block-scaled FP8 weights (DeepSeek-V3 / Qwen3 FP8 Hub:
   ``*.weight`` F8_E4M3 with ``*.weight_scale_inv``, ``quantization_config.weight_block_size``)
   are kept as ``fp8_e4m3`` `QuantizedTensor` s (the file's codes and scales) when the block
@@ -169,21 +169,31 @@ def mxfp4_to_gguf_blocks(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return out.reshape(*scales.shape[:-1], scales.shape[-1] * 17)
 
 
-def mxfp4_tensor(st: SafetensorsDir, name: str, shape: tuple[int, ...], rows=slice(None)) -> QuantizedTensor:
+def mxfp4_tensors(
+    st: SafetensorsDir, name: str, shape: tuple[int, ...], rows=(slice(None),)
+) -> tuple[QuantizedTensor, ...]:
     """gpt-oss MXFP4 ``{name}_blocks`` / ``{name}_scales`` of logical torch shape ``(..., out, in)``
-    (output rows ``rows`` of it) as an ``mxfp4`` `QuantizedTensor`: the file's codes and
-    exponents re-packed once into GGUF block bytes (`mxfp4_to_gguf_blocks`), as many bytes
-    as the file holds for those rows. The 32-element blocks run along ``in`` in both layouts."""
+    as ``mxfp4`` `QuantizedTensor` s, one per slice of output rows in ``rows`` (read once):
+    the file's codes and exponents re-packed into GGUF block bytes (`mxfp4_to_gguf_blocks`),
+    as many bytes as the file holds for those rows. The 32-element blocks run along ``in``
+    in both layouts, so taking rows never splits a block."""
     blocks, scales = _mxfp4_parts(st, name, shape)
-    raw = mxfp4_to_gguf_blocks(blocks[..., rows, :, :], scales[..., rows, :])
-    return gguf_block_tensor(raw, "mxfp4", shape[-1], name=f"{st.path}: {name}_blocks")
+    return tuple(
+        gguf_block_tensor(
+            mxfp4_to_gguf_blocks(blocks[..., r, :, :], scales[..., r, :]),
+            "mxfp4",
+            shape[-1],
+            name=f"{st.path}: {name}_blocks",
+        )
+        for r in rows
+    )
 
 
 def read_mxfp4(st: SafetensorsDir, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """float32 ``(..., out, in)`` from gpt-oss's MXFP4 ``{name}_blocks (..., out, in/32, 16)`` uint8
     (element ``2j`` in the low nibble of byte ``j``) and ``{name}_scales (..., out, in/32)`` uint8
     (E8M0: ``2^(s - 127)``). Dequantized; exact in float32 (``load_layer(quantized=False)``;
-    the default keeps the bytes, `mxfp4_tensor`)."""
+    the default keeps the bytes, `mxfp4_tensors`)."""
     *lead, out, n_in = shape
     blocks, scales = _mxfp4_parts(st, name, shape)
     vals = np.stack([FP4_VALUES[blocks & 0xF], FP4_VALUES[blocks >> 4]], axis=-1)  # (..., G, 16, 2)
@@ -261,9 +271,8 @@ def _experts(
         if cfg.family == "gpt_oss":
             if f"{gu_name}_blocks" in st and keep:  # MXFP4, out-major (the Hub checkpoints): kept
                 # gate / up interleave output rows; each row's blocks run along d, as GGUF's do
-                wg = mxfp4_tensor(st, gu_name, (e, 2 * f, d), slice(0, None, 2))
-                wu = mxfp4_tensor(st, gu_name, (e, 2 * f, d), slice(1, None, 2))
-                wd = mxfp4_tensor(st, dn_name, (e, d, f))
+                wg, wu = mxfp4_tensors(st, gu_name, (e, 2 * f, d), (slice(0, None, 2), slice(1, None, 2)))
+                (wd,) = mxfp4_tensors(st, dn_name, (e, d, f))
             elif f"{gu_name}_blocks" in st:
                 gu = read_mxfp4(st, gu_name, (e, 2 * f, d))
                 wg, wu = gu[:, 0::2], gu[:, 1::2]  # (E, F, d)
