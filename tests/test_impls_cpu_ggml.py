@@ -163,7 +163,8 @@ def test_hidden_conversion_quick_and_checked():
 
 def test_hidden_activation_is_requantized(monkeypatch):
     """The kernel's output meets the oracle that converts h, not the one that does not; a
-    kernel that skips the in-kernel conversion (``h_fmt`` 0) fails the check."""
+    kernel that skips the in-kernel conversion (``h_fmt`` 0, and no integer dot, whose
+    Q8_0 quantizer would convert h by itself) fails the check."""
     cfg, p, x = case("int8", seed=2)
     want, slack = ggml_layer(p, x, cfg)
     got = _run(p, x, cfg, "cpu")
@@ -173,6 +174,7 @@ def test_hidden_activation_is_requantized(monkeypatch):
     assert off.mean() > 0.5, off.mean()
     jax.clear_caches()
     monkeypatch.setattr(cpu_kernel, "GGML_H_FMT", dict.fromkeys(cpu_kernel.GGML_H_FMT, 0))
+    monkeypatch.setattr(cpu_kernel, "GGML_INT_DOT", False)
     skipped = _run(p, x, cfg, "cpu")
     jax.clear_caches()
     with pytest.raises(AssertionError):
@@ -240,3 +242,20 @@ def test_weight_on_input_converts_the_weighted_rows():
     got, xla = _run(p, x, cfg, "cpu"), _run(p, x, cfg, "xla")
     flt = np.asarray(moe_apply(p, jnp.asarray(x), cfg, ExecConfig(impl="cpu")))
     assert np.linalg.norm(got - xla) * 20 < np.linalg.norm(flt - xla)
+
+
+@pytest.mark.parametrize("kind", ["int8", pytest.param("int4", marks=pytest.mark.slow)])
+def test_q8_0_kinds_multiply_codes_in_integers(kind, monkeypatch):
+    """int8 / int4 experts (ggml format Q8_0) multiply the codes in integers
+    (`GGML_INT_DOT`): other bits than the float path over the converted values, and both
+    meet the oracle (a kernel that clamps the codes to +-126 fails it)."""
+    cfg, p, x = case(kind, seed=14)
+    want, slack = ggml_layer(p, x, cfg)
+    got = _run(p, x, cfg, "cpu")
+    _check(got, want, slack)
+    jax.clear_caches()
+    monkeypatch.setattr(cpu_kernel, "GGML_INT_DOT", False)
+    flt = _run(p, x, cfg, "cpu")
+    jax.clear_caches()
+    _check(flt, want, slack)
+    assert not np.array_equal(got, flt)

@@ -31,7 +31,8 @@
 //   round_h  1: round the hidden activations to bfloat16 before the down projection
 //   kind_{gate,up,down}, group_{gate,up,down}  the weight formats above (group: 0 for float)
 //   up_block, down_block  output columns per task
-//   int_dot  1: integer dot products over int8-quantized activations (int_dot.h)
+//   int_dot  1: integer dot products over int8-quantized activations (int_dot.h); 2: the same
+//            for int8 / int4 weights only, quantized by ggml's Q8_0 rule (activations="ggml")
 //   h_fmt    (ExecConfig(activations="ggml")) h converted by the down weight's ggml activation
 //            format before the down projection, as jaxmoe.ggml_activations.ggml_round does:
 //            0 none, 1 bf16, 2 q8_0, 3 q8_K (the shared call: sh_fmt for the shared expert)
@@ -880,30 +881,9 @@ void parallel_tasks(ffi::ThreadPool& pool, const std::vector<Task>& tasks, Fn fn
 // stands for once converted, float32 op for float32 op as jaxmoe.ggml_activations.ggml_round
 // computes them in jnp (same bits). A block holding a NaN or an infinity becomes NaN.
 enum HFmt : int32_t { kHNone = 0, kHBf16 = 1, kHQ8_0 = 2, kHQ8_K = 3 };
+constexpr int32_t kIntDotGgml = 2;  // the int_dot attribute of ggml activations
 
 inline int64_t hfmt_block(int32_t f) { return f == kHQ8_0 ? 32 : f == kHQ8_K ? 256 : 1; }
-
-// float32 -> the nearest float16 (ties to even, overflow to inf, subnormals), as float32.
-inline float round_f16(float f) {
-  uint32_t w;
-  std::memcpy(&w, &f, 4);
-  const uint32_t sign = w & 0x80000000u, a = w & 0x7fffffffu;
-  if (a >= 0x7f800000u) return f;
-  uint32_t b;
-  if (a >= 0x38800000u) {  // a normal float16 (|f| >= 2^-14): 10 mantissa bits kept
-    b = (a + 0xfffu + ((a >> 13) & 1u)) & 0xffffe000u;
-    if (b >= 0x47800000u) b = 0x7f800000u;  // rounds to 65536 or more: inf
-  } else {  // a float16 subnormal: a multiple of 2^-24 (both scalings exact)
-    float af;
-    std::memcpy(&af, &a, 4);
-    const float r = std::nearbyint(af * 16777216.f) * 5.9604644775390625e-08f;
-    std::memcpy(&b, &r, 4);
-  }
-  b |= sign;
-  float out;
-  std::memcpy(&out, &b, 4);
-  return out;
-}
 
 inline bool fill_non_finite(float* v, int64_t n) {  // NaN over a block with a NaN / inf
   bool fin = true;
@@ -967,12 +947,12 @@ void ggml_round_rows(float* a, int64_t K, int64_t r0, int64_t r1, int32_t f) {
 // Quantizes the rows the experts own of a [P, K] matrix (stride K) into `out`, for
 // int8 activations: tasks of up to 64 rows on the pool.
 void quantize_owned_rows(ffi::ThreadPool& pool, const Problem& p, int64_t E, const float* a, int64_t K, int order,
-                         const QRows& out) {
+                         const QRows& out, bool ggml) {
   std::vector<Task> tasks;
   for (int64_t e = 0; e < E; ++e)
     for (int32_t r = 0; r < p.sizes[e]; r += 64)
       tasks.push_back(Task{int32_t(e), p.offsets[e] + r, std::min<int32_t>(64, p.sizes[e] - r), 0, 0});
-  parallel_tasks(pool, tasks, [&](const Task& t) { quantize_rows(a, K, t.row0, t.row0 + t.rows, K, order, out); });
+  parallel_tasks(pool, tasks, [&](const Task& t) { quantize_rows(a, K, t.row0, t.row0 + t.rows, K, order, out, ggml); });
 }
 
 // Checks one weight operand against its logical [E, in, out] shape; fills `w` (check_weight;
@@ -1065,7 +1045,7 @@ ffi::Error bind_problem(const std::string& what, const float* xs, int64_t P, int
 // of two per problem. The column blocks count every problem's streaming experts
 // (make_tasks); a block's width never changes a result: the same bits as separate calls.
 void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t up_block, int64_t down_block,
-                  bool int_dot) {
+                  int32_t int_dot) {
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   std::vector<Task> up_tasks, down_tasks;
   int64_t small = 0;
@@ -1082,13 +1062,16 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
     }
   }
   thread_local QRowsBuf qx_buf[2][kOrders], qh_buf[2][kOrders];
+  const bool ggml = int_dot == kIntDotGgml;
   if (int_dot)  // each integer-capable weight reads its input quantized in its kind's order
     for (int i = 0; i < n; ++i) {
       Problem& p = *parts[i];
-      for (Weight* w : {&p.wg, &p.wu, &p.wd}) w->int_dot = act_order(w->kind) >= 0;
+      for (Weight* w : {&p.wg, &p.wu, &p.wd})  // ggml: the kinds whose ggml format is Q8_0
+        w->int_dot = act_order(w->kind) >= 0 && (!ggml || w->kind == kInt8 || w->kind == kInt4);
       for (const Weight* w : {&p.wg, &p.wu}) {
         const int o = act_order(w->kind);
-        if (o >= 0 && !p.qx[o].q) quantize_owned_rows(pool, p, p.E, p.xs, p.d, o, p.qx[o] = qx_buf[i][o].view(p.rows, p.d));
+        if (w->int_dot && !p.qx[o].q)
+          quantize_owned_rows(pool, p, p.E, p.xs, p.d, o, p.qx[o] = qx_buf[i][o].view(p.rows, p.d), ggml);
       }
     }
   parallel_tasks(pool, up_tasks, [parts](const Task& t) { run_gate_up(*parts[t.part], t); });
@@ -1109,7 +1092,7 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
     Problem& p = *parts[i];
     if (p.wd.int_dot) {
       const int o = act_order(p.wd.kind);
-      quantize_owned_rows(pool, p, p.E, p.h, p.F, o, p.qh[o] = qh_buf[i][o].view(p.rows, p.F));
+      quantize_owned_rows(pool, p, p.E, p.h, p.F, o, p.qh[o] = qh_buf[i][o].view(p.rows, p.F), ggml);
     }
   }
   parallel_tasks(pool, down_tasks, [parts](const Task& t) { run_down(*parts[t.part], t); });
@@ -1156,7 +1139,10 @@ ffi::Error GroupedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi
   if (auto err = bind_routed(xs, offsets, sizes, w3, b3, ys, hbuf, gubuf, at, up_block, down_block, p); err.failure())
     return err;
   Problem* parts[1] = {&p};
-  run_problems(pool, parts, 1, up_block, down_block, int_dot != 0);
+  if (int_dot < 0 || int_dot > kIntDotGgml)
+    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: int_dot must be 0, 1 (int8) or 2 (ggml), got " +
+                                       std::to_string(int_dot));
+  run_problems(pool, parts, 1, up_block, down_block, int_dot);
   return ffi::Error::Success();
 }
 
@@ -1211,7 +1197,10 @@ ffi::Error GroupedSwigluSharedImpl(
     s.glogit = logits.data();
   }
   Problem* parts[2] = {&p, &s};
-  run_problems(pool, parts, T > 0 ? 2 : 1, up_block, down_block, int_dot != 0);
+  if (int_dot < 0 || int_dot > kIntDotGgml)
+    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: int_dot must be 0, 1 (int8) or 2 (ggml), got " +
+                                       std::to_string(int_dot));
+  run_problems(pool, parts, T > 0 ? 2 : 1, up_block, down_block, int_dot);
   return ffi::Error::Success();
 }
 

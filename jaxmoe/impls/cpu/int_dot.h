@@ -25,6 +25,14 @@
 //     lanes of madd's result: lanes 0..3 come from the low 128 bits, block 0 in split order);
 //   sb: dx * sum(xq) of each block (the quantization biases' term).
 // A row's K is padded to whole pairs with zero codes and zero dx.
+//
+// ggml's rule (quantize_rows' `ggml`; ExecConfig(activations="ggml"), int8 / int4 weights,
+// whose ggml activation format is Q8_0): dx = f16(max|x| / 127) and xq = round-half-even(x *
+// (127 / max|x|)), float32 operations as jaxmoe.ggml_activations.quantize_q8_0. The rows it
+// reads were converted to Q8_0 values already (f16(d) q, by XLA for x, in the call for h);
+// this rule gives back exactly those codes and d (their largest code is +-127, so
+// max|x| = 127 f16(d) and x * (127 / max|x|) rounds to q), and the products are then
+// ggml's: f16(d) dw sum(q qw) per block, with an exact integer sum.
 #pragma once
 
 constexpr int64_t kQBlock = 32;
@@ -83,7 +91,8 @@ inline int act_order(int kind) {
 
 // Rows [r0, r1) of a ([*, K] at stride lda, K a multiple of 32) into `out` (a view from
 // QRowsBuf::view of all rows), codes in `order`.
-inline void quantize_rows(const float* a, int64_t lda, int64_t r0, int64_t r1, int64_t K, int order, const QRows& out) {
+inline void quantize_rows(const float* a, int64_t lda, int64_t r0, int64_t r1, int64_t K, int order, const QRows& out,
+                          bool ggml = false) {
   const int64_t nblk = K / kQBlock;
   for (int64_t r = r0; r < r1; ++r) {
     const float* x = a + r * lda;
@@ -116,7 +125,12 @@ inline void quantize_rows(const float* a, int64_t lda, int64_t r0, int64_t r1, i
       finite = _mm256_movemask_ps(bad) == 0;
       dx = block_scale(amax, finite);
       __m256i iv[4];
-      if (dx > 0.f) {  // a division, not a product by 1 / dx: no infinity for a subnormal dx
+      if (ggml && finite && amax > 0.f) {  // ggml's rule: a product by 127 / amax, dx rounded to float16
+        const __m256 inv = _mm256_set1_ps(127.f / amax), lim = _mm256_set1_ps(127.f);
+        for (int u = 0; u < 4; ++u)
+          iv[u] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[u], inv), -lim), lim));
+        dx = round_f16(dx);
+      } else if (!ggml && dx > 0.f) {  // a division, not a product by 1 / dx: no infinity for a subnormal dx
         const __m256 vdx = _mm256_set1_ps(dx), lim = _mm256_set1_ps(127.f);
         for (int u = 0; u < 4; ++u)  // round half even (the default rounding mode)
           iv[u] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_div_ps(v[u], vdx), -lim), lim));
@@ -140,11 +154,15 @@ inline void quantize_rows(const float* a, int64_t lda, int64_t r0, int64_t r1, i
         amax = std::max(amax, ax);
       }
       dx = block_scale(amax, finite);
+      const bool ggml_codes = ggml && finite && amax > 0.f;
+      const float inv = ggml_codes ? 127.f / amax : 0.f;
       for (int k = 0; k < 32; ++k) {
-        const int32_t c = dx > 0.f ? int32_t(std::nearbyint(std::fmin(std::fmax(xb[k] / dx, -127.f), 127.f))) : 0;
+        const float r = ggml_codes ? xb[k] * inv : xb[k] / dx;
+        const int32_t c = ggml_codes || dx > 0.f ? int32_t(std::nearbyint(std::fmin(std::fmax(r, -127.f), 127.f))) : 0;
         codes[k] = int8_t(c);
         codes_sum += c;
       }
+      if (ggml_codes) dx = round_f16(dx);
 #endif
       const int64_t pr = b / 2, half = b % 2;
       int8_t* qp = q + pr * 64;

@@ -31,7 +31,9 @@ activations converted as llama.cpp's CPU backend converts them
 the gate / up weights' format before the call (``ggml_round`` in XLA; the shared expert's
 rows by its own), the hidden activations by the down weight's format inside the call
 (the ``h_fmt`` attribute: bf16, q8_0 or q8_K blocks, the same float32 operations as
-``ggml_round``). Gradients straight through the conversions (the float backward).
+``ggml_round``). int8 / int4 experts (Q8_0 format) then multiply the Q8_0 codes in
+integers as ggml does (`GGML_INT_DOT`), the other kinds take the float path over the
+converted values. Gradients straight through the conversions (the float backward).
 
 Also ``swiglu`` and ``swiglu_oai``, optional biases, ``weight_on_input``. Gradients: a
 `jax.custom_vjp` whose forward keeps each pair's gate | up products (``[T k, 2F]``
@@ -122,6 +124,10 @@ def _weight_problem(name: str, w, n_in: int | None = None) -> str | None:
 #: ggml activation formats the kernel converts h to (its ``h_fmt`` attribute); ``f32``: none.
 #: ``q8_1`` (Q4_1 / Q5_1: the block-sum term) and ``f16`` (no float16 experts) are not among them.
 GGML_H_FMT = {"f32": 0, "bf16": 1, "q8_0": 2, "q8_K": 3}
+#: ``activations="ggml"``: int8 / int4 experts (ggml format Q8_0) multiply the Q8_0 codes in
+#: integers (the ``int_dot`` attribute 2, int_dot.h: ggml's own arithmetic); False keeps
+#: the float path over the converted values for them too (a test's comparison).
+GGML_INT_DOT = True
 
 
 def ggml_problem(ew: ExpertWeights, what: str = "") -> str | None:
@@ -340,7 +346,7 @@ def _call(
     down_block,
     save: bool,
     shared: tuple[jax.Array, SharedWeights] | None = None,
-    int_dot: bool = False,
+    int_dot: int = 0,
     h_fmt: tuple[int, int] = (0, 0),
 ):
     """The custom call: ``(ys, gate_up, None)``, and with ``shared = (x [T, d], sw)`` the
@@ -611,7 +617,7 @@ def _forward(
         DOWN_BLOCK,
         save,
         shared,
-        mode[0] == "int8",
+        {"int8": 1, "ggml": 2 if GGML_INT_DOT else 0}.get(mode[0], 0),
         h_fmt,
     )
     y = combine(ys, routing, plan, cfg, invariant=mode[1])

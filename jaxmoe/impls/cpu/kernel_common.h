@@ -131,6 +131,28 @@ inline float round_bf16(float f) {  // round to nearest even, NaN kept NaN
   return f;
 }
 
+// float32 -> the nearest float16 (ties to even, overflow to inf, subnormals), as float32.
+inline float round_f16(float f) {
+  uint32_t w;
+  std::memcpy(&w, &f, 4);
+  const uint32_t sign = w & 0x80000000u, a = w & 0x7fffffffu;
+  if (a >= 0x7f800000u) return f;
+  uint32_t b;
+  if (a >= 0x38800000u) {  // a normal float16 (|f| >= 2^-14): 10 mantissa bits kept
+    b = (a + 0xfffu + ((a >> 13) & 1u)) & 0xffffe000u;
+    if (b >= 0x47800000u) b = 0x7f800000u;  // rounds to 65536 or more: inf
+  } else {  // a float16 subnormal: a multiple of 2^-24 (both scalings exact)
+    float af;
+    std::memcpy(&af, &a, 4);
+    const float r = std::nearbyint(af * 16777216.f) * 5.9604644775390625e-08f;
+    std::memcpy(&b, &r, 4);
+  }
+  b |= sign;
+  float out;
+  std::memcpy(&out, &b, 4);
+  return out;
+}
+
 // Scratch buffers of the kernels (tile buffers, reordered activation rows, per-task
 // results, converted scales): 64-byte aligned, so a vector load at a multiple of 64 bytes
 // from a buffer's start (every load of the tile buffer and of the reordered rows: rows of
