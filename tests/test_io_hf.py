@@ -753,3 +753,21 @@ def test_qwen_sparse_step_and_mlp_only_layers():
         hf_io.moe_prefix(["model.layers.5.mlp.gate.weight", "model.layers.5.self_attn.q.weight"], 5, "x")
         == "model.layers.5.mlp"
     )
+
+
+def test_fused_fp8_experts_are_refused(tmp_path, rng):
+    """FP8 codes in the fused expert layout have no known scale tensors: a named error, not
+    codes read as values."""
+    import ml_dtypes
+
+    torch.manual_seed(int(rng.integers(2**31)))
+    model = _qwen35().eval()
+    _save(model, tmp_path / "a", rng)
+    _fused_copy(tmp_path / "a", tmp_path / "b")
+    with SafetensorsDir(tmp_path / "b") as st:
+        tensors = {k: st.get(k) for k in st.keys()}
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    tensors[name] = tensors[name].astype(ml_dtypes.float8_e4m3fn)
+    safetensors.numpy.save_file(tensors, str(tmp_path / "b" / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{name} holds float8_e4m3fn codes in a fused expert layout"):
+        hf_io.load_layer(tmp_path / "b", layer=1)

@@ -278,8 +278,8 @@ def _experts(
                 wg, wu = gu[:, 0::2], gu[:, 1::2]  # (E, F, d)
                 wd = read_mxfp4(st, dn_name, (e, d, f))
             else:  # input-major, gate / up interleaved
-                gu = st.get(gu_name, (e, d, 2 * f))
-                dn = st.get(dn_name, (e, f, d))
+                gu = _unscaled(st, gu_name, st.get(gu_name, (e, d, 2 * f)))
+                dn = _unscaled(st, dn_name, st.get(dn_name, (e, f, d)))
                 wg, wu = np.swapaxes(gu[..., 0::2], -1, -2), np.swapaxes(gu[..., 1::2], -1, -2)  # (E, F, d)
                 wd = np.swapaxes(dn, -1, -2)  # (E, d, F)
             if cfg.expert_bias:
@@ -290,9 +290,9 @@ def _experts(
                     b_down=_vec(st, f"{dn_name}_bias", (e, d), dtype),
                 )
         else:  # torch (out, in): rows [0:F] gate, [F:2F] up
-            gu = st.get(gu_name, (e, 2 * f, d))
+            gu = _unscaled(st, gu_name, st.get(gu_name, (e, 2 * f, d)))
             wg, wu = gu[:, :f], gu[:, f:]
-            wd = st.get(dn_name, (e, d, f))
+            wd = _unscaled(st, dn_name, st.get(dn_name, (e, d, f)))
     if cfg.expert_bias and not bias:
         raise ValueError(f"{st.path}: the config has expert biases but {p} stores none")
     return ExpertWeights(_xw(wg, dtype), _xw(wu, dtype), _xw(wd, dtype), **bias)
@@ -363,6 +363,17 @@ def load_params(
     params = MoEParams(w_router, experts, b_router, sel, shared)
     params.check(cfg)
     return params
+
+
+def _unscaled(st: SafetensorsDir, name: str, w):
+    """``w`` (fused expert tensor ``name``) unless it holds FP8 codes: no scale layout is
+    known for fused FP8 experts, and codes read without their scales would be wrong."""
+    if np.dtype(w.dtype) in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
+        raise ValueError(
+            f"{st.path}: {name} holds {np.dtype(w.dtype)} codes in a fused expert layout, whose scale "
+            f"tensors jaxmoe does not know; per-expert FP8 weights with weight_scale_inv load"
+        )
+    return w
 
 
 def fp8_block_size(raw: dict, source: str) -> tuple[int, int] | None:
