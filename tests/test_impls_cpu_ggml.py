@@ -51,6 +51,10 @@ def case(kind, seed=0, tokens=6):
             dataclasses.replace(p, experts=jax.tree.map(to32, p.experts), shared=jax.tree.map(to32, p.shared)),
             x,
         )
+    if kind == "q4_k+q5_k":  # one Q8_K format, one of the two with integer dots: both take the float path
+        cfg, p, x = layer_case("q4_k", seed, tokens)
+        _, p5, _ = layer_case("q5_k", seed + 100, tokens)
+        return cfg, dataclasses.replace(p, experts=dataclasses.replace(p.experts, w_up=p5.experts.w_up)), x
     if kind == "q4_k_m":
         cfg, p, x = layer_case("q4_k", seed, tokens)
         _, p6, _ = layer_case("q6_k", seed + 100, tokens)
@@ -71,7 +75,7 @@ def _run(p, x, cfg, impl, **kw):
 
 
 @pytest.mark.parametrize(
-    "kind", [k if k in _QUICK else pytest.param(k, marks=pytest.mark.slow) for k in (*KINDS, "q4_k_m")]
+    "kind", [k if k in _QUICK else pytest.param(k, marks=pytest.mark.slow) for k in (*KINDS, "q4_k_m", "q4_k+q5_k")]
 )
 def test_layer_matches_the_ggml_oracle(kind):
     cfg, p, x = case(kind)
@@ -244,11 +248,14 @@ def test_weight_on_input_converts_the_weighted_rows():
     assert np.linalg.norm(got - xla) * 20 < np.linalg.norm(flt - xla)
 
 
-@pytest.mark.parametrize("kind", ["int8", pytest.param("int4", marks=pytest.mark.slow)])
-def test_q8_0_kinds_multiply_codes_in_integers(kind, monkeypatch):
-    """int8 / int4 experts (ggml format Q8_0) multiply the codes in integers
-    (`GGML_INT_DOT`): other bits than the float path over the converted values, and both
-    meet the oracle (a kernel that clamps the codes to +-126 fails it)."""
+@pytest.mark.parametrize(
+    "kind", ["int8", "q4_k", *(pytest.param(k, marks=pytest.mark.slow) for k in ("int4", "q6_k", "q4_k_m"))]
+)
+def test_codes_multiplied_in_integers(kind, monkeypatch):
+    """int8 / int4 experts (ggml format Q8_0) and Q4_K / Q6_K (Q8_K, its codes made in the
+    call from the unconverted rows) multiply the codes in integers (`GGML_INT_DOT`): other
+    bits than the float path over the converted values, and both meet the oracle (a kernel
+    that clamps the Q8_0 or the Q8_K codes to +-126 fails it)."""
     cfg, p, x = case(kind, seed=14)
     want, slack = ggml_layer(p, x, cfg)
     got = _run(p, x, cfg, "cpu")

@@ -32,7 +32,8 @@
 //   kind_{gate,up,down}, group_{gate,up,down}  the weight formats above (group: 0 for float)
 //   up_block, down_block  output columns per task
 //   int_dot  1: integer dot products over int8-quantized activations (int_dot.h); 2: the same
-//            for int8 / int4 weights only, quantized by ggml's Q8_0 rule (activations="ggml")
+//            for int8 / int4 (rows by ggml's Q8_0 rule) and Q4_K / Q6_K weights (ggml's Q8_K,
+//            from the unconverted rows) only (activations="ggml")
 //   h_fmt    (ExecConfig(activations="ggml")) h converted by the down weight's ggml activation
 //            format before the down projection, as jaxmoe.ggml_activations.ggml_round does:
 //            0 none, 1 bf16, 2 q8_0, 3 q8_K (the shared call: sh_fmt for the shared expert)
@@ -947,12 +948,12 @@ void ggml_round_rows(float* a, int64_t K, int64_t r0, int64_t r1, int32_t f) {
 // Quantizes the rows the experts own of a [P, K] matrix (stride K) into `out`, for
 // int8 activations: tasks of up to 64 rows on the pool.
 void quantize_owned_rows(ffi::ThreadPool& pool, const Problem& p, int64_t E, const float* a, int64_t K, int order,
-                         const QRows& out, bool ggml) {
+                         const QRows& out, int rule) {
   std::vector<Task> tasks;
   for (int64_t e = 0; e < E; ++e)
     for (int32_t r = 0; r < p.sizes[e]; r += 64)
       tasks.push_back(Task{int32_t(e), p.offsets[e] + r, std::min<int32_t>(64, p.sizes[e] - r), 0, 0});
-  parallel_tasks(pool, tasks, [&](const Task& t) { quantize_rows(a, K, t.row0, t.row0 + t.rows, K, order, out, ggml); });
+  parallel_tasks(pool, tasks, [&](const Task& t) { quantize_rows(a, K, t.row0, t.row0 + t.rows, K, order, out, rule); });
 }
 
 // Checks one weight operand against its logical [E, in, out] shape; fills `w` (check_weight;
@@ -1063,22 +1064,35 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
   }
   thread_local QRowsBuf qx_buf[2][kOrders], qh_buf[2][kOrders];
   const bool ggml = int_dot == kIntDotGgml;
+  // the rule a weight's rows are quantized by: ggml's format of its kind (Q8_0: int8 / int4,
+  // Q8_K: Q4_K / Q6_K, reading the unconverted rows), else the int8 mode's
+  auto rule = [ggml](int kind) { return !ggml ? kRuleInt8 : (kind == kInt8 || kind == kInt4) ? kRuleQ8_0 : kRuleQ8_K; };
   if (int_dot)  // each integer-capable weight reads its input quantized in its kind's order
     for (int i = 0; i < n; ++i) {
       Problem& p = *parts[i];
-      for (Weight* w : {&p.wg, &p.wu, &p.wd})  // ggml: the kinds whose ggml format is Q8_0
-        w->int_dot = act_order(w->kind) >= 0 && (!ggml || w->kind == kInt8 || w->kind == kInt4);
+      for (Weight* w : {&p.wg, &p.wu, &p.wd})  // ggml: the kinds whose ggml format is Q8_0 or Q8_K
+        w->int_dot = act_order(w->kind) >= 0 &&
+                     (!ggml || w->kind == kInt8 || w->kind == kInt4 || w->kind == kQ4_K || w->kind == kQ6_K);
+      if (ggml && !(p.wg.int_dot && p.wu.int_dot) && rule(p.wg.kind) == kRuleQ8_K)  // (ggml_x_unconverted)
+        p.wg.int_dot = p.wu.int_dot = false;  // xs holds converted rows: the float path for both
       for (const Weight* w : {&p.wg, &p.wu}) {
         const int o = act_order(w->kind);
         if (w->int_dot && !p.qx[o].q)
-          quantize_owned_rows(pool, p, p.E, p.xs, p.d, o, p.qx[o] = qx_buf[i][o].view(p.rows, p.d), ggml);
+          quantize_owned_rows(pool, p, p.E, p.xs, p.d, o, p.qx[o] = qx_buf[i][o].view(p.rows, p.d), rule(w->kind));
       }
     }
   parallel_tasks(pool, up_tasks, [parts](const Task& t) { run_gate_up(*parts[t.part], t); });
+  for (int i = 0; i < n; ++i) {  // Q8_K integer dots read h unconverted: quantized before the pass below
+    Problem& p = *parts[i];
+    if (p.wd.int_dot && rule(p.wd.kind) == kRuleQ8_K) {
+      const int o = act_order(p.wd.kind);
+      quantize_owned_rows(pool, p, p.E, p.h, p.F, o, p.qh[o] = qh_buf[i][o].view(p.rows, p.F), kRuleQ8_K);
+    }
+  }
   std::vector<Task> h_tasks;  // ggml activations: h converted to the down weight's format, 64 rows a task
   for (int i = 0; i < n; ++i) {
     const Problem& p = *parts[i];
-    if (p.h_fmt != kHNone)
+    if (p.h_fmt != kHNone && !(p.wd.int_dot && rule(p.wd.kind) == kRuleQ8_K))
       for (int64_t e = 0; e < p.E; ++e)
         for (int32_t r = 0; r < p.sizes[e]; r += 64)
           h_tasks.push_back(Task{int32_t(e), p.offsets[e] + r, std::min<int32_t>(64, p.sizes[e] - r), 0, 0, i});
@@ -1090,9 +1104,9 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
     });
   for (int i = 0; i < n; ++i) {
     Problem& p = *parts[i];
-    if (p.wd.int_dot) {
+    if (p.wd.int_dot && rule(p.wd.kind) != kRuleQ8_K) {
       const int o = act_order(p.wd.kind);
-      quantize_owned_rows(pool, p, p.E, p.h, p.F, o, p.qh[o] = qh_buf[i][o].view(p.rows, p.F), ggml);
+      quantize_owned_rows(pool, p, p.E, p.h, p.F, o, p.qh[o] = qh_buf[i][o].view(p.rows, p.F), rule(p.wd.kind));
     }
   }
   parallel_tasks(pool, down_tasks, [parts](const Task& t) { run_down(*parts[t.part], t); });

@@ -32,7 +32,9 @@
 // reads were converted to Q8_0 values already (f16(d) q, by XLA for x, in the call for h);
 // this rule gives back exactly those codes and d (their largest code is +-127, so
 // max|x| = 127 f16(d) and x * (127 / max|x|) rounds to q), and the products are then
-// ggml's: f16(d) dw sum(q qw) per block, with an exact integer sum.
+// ggml's: f16(d) dw sum(q qw) per block, with an exact integer sum. For Q4_K / Q6_K
+// weights (ggml format Q8_K) the rows are the unconverted ones and quantize_q8_K_codes
+// makes ggml's codes and d per 256; each block of 32 takes that d as its dx.
 #pragma once
 
 constexpr int64_t kQBlock = 32;
@@ -74,6 +76,9 @@ inline float block_scale(float amax, bool finite) {
 // 16..31], matching Q4_K's 32 bytes of one pair of sub-blocks widened as [low | high
 // nibbles] and regrouped by 128-bit lane).
 enum ActOrder : int { kOrderNatural = 0, kOrderSplit4 = 1, kOrderK4 = 2 };
+// How rows are quantized: the int8 mode's rule (top of this file), ggml's Q8_0 (dx =
+// f16(d)) or ggml's Q8_K (one d per 256 elements, each block of 32 taking it as its dx).
+enum QRule : int { kRuleInt8 = 0, kRuleQ8_0 = 1, kRuleQ8_K = 2 };
 constexpr int kOrders = 3;
 
 // The order weight kind Q reads its quantized activations in, or -1 when it takes float ones.
@@ -89,11 +94,37 @@ inline int act_order(int kind) {
   return -1;
 }
 
+// ggml's Q8_K of 256 elements (quantize_q8_K / jaxmoe.ggml_activations.quantize_q8_K, the
+// same float32 operations as round_q8_K_block): the codes into q, returns d (0 for an
+// all-zero block, NaN with codes 0 for a block holding a NaN or an infinity).
+inline float quantize_q8_K_codes(const float* v, int8_t* q) {
+  float amax = 0.f, mx = 0.f;
+  bool fin = true;
+  for (int i = 0; i < 256; ++i) {
+    const float ax = std::fabs(v[i]);
+    fin &= ax <= std::numeric_limits<float>::max();
+    if (ax > amax) {
+      amax = ax;
+      mx = v[i];
+    }
+  }
+  if (!fin || mx == 0.f) {
+    std::memset(q, 0, 256);
+    return fin ? 0.f : std::numeric_limits<float>::quiet_NaN();
+  }
+  const float iscale = -127.f / mx;
+  for (int i = 0; i < 256; ++i) q[i] = int8_t(int32_t(std::fmin(std::nearbyint(iscale * v[i]), 127.f)));
+  return 1.f / iscale;
+}
+
 // Rows [r0, r1) of a ([*, K] at stride lda, K a multiple of 32) into `out` (a view from
-// QRowsBuf::view of all rows), codes in `order`.
+// QRowsBuf::view of all rows), codes in `order`, by `rule` (QRule).
 inline void quantize_rows(const float* a, int64_t lda, int64_t r0, int64_t r1, int64_t K, int order, const QRows& out,
-                          bool ggml = false) {
+                          int rule = kRuleInt8) {
   const int64_t nblk = K / kQBlock;
+  const bool ggml = rule == kRuleQ8_0;
+  alignas(32) int8_t kcodes[256];
+  float kd = 0.f;
   for (int64_t r = r0; r < r1; ++r) {
     const float* x = a + r * lda;
     int8_t* q = const_cast<int8_t*>(out.q) + r * out.pairs * 64;
@@ -109,6 +140,12 @@ inline void quantize_rows(const float* a, int64_t lda, int64_t r0, int64_t r1, i
       bool finite;
       int32_t codes_sum = 0;
       alignas(32) int8_t codes[32];
+      if (rule == kRuleQ8_K) {  // ggml's Q8_K: codes and d per 256 (K a multiple of 256), dx = d per block
+        if (b % 8 == 0) kd = quantize_q8_K_codes(xb, kcodes);
+        dx = kd;
+        std::memcpy(codes, kcodes + 32 * (b % 8), 32);
+        for (int k = 0; k < 32; ++k) codes_sum += codes[k];
+      } else {
 #if defined(__AVX2__)
       const __m256 sign = _mm256_set1_ps(-0.f), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
       __m256 v[4], m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
@@ -164,6 +201,7 @@ inline void quantize_rows(const float* a, int64_t lda, int64_t r0, int64_t r1, i
       }
       if (ggml_codes) dx = round_f16(dx);
 #endif
+      }
       const int64_t pr = b / 2, half = b % 2;
       int8_t* qp = q + pr * 64;
       if (order == kOrderSplit4) {

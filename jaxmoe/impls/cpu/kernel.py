@@ -32,8 +32,9 @@ the gate / up weights' format before the call (``ggml_round`` in XLA; the shared
 rows by its own), the hidden activations by the down weight's format inside the call
 (the ``h_fmt`` attribute: bf16, q8_0 or q8_K blocks, the same float32 operations as
 ``ggml_round``). int8 / int4 experts (Q8_0 format) then multiply the Q8_0 codes in
-integers as ggml does (`GGML_INT_DOT`), the other kinds take the float path over the
-converted values. Gradients straight through the conversions (the float backward).
+integers as ggml does (`GGML_INT_DOT`), and Q4_K / Q6_K the Q8_K codes, which the call
+makes from the unconverted rows (gate and up both Q4_K / Q6_K; h for such a down
+weight); the other kinds take the float path over the converted values. Gradients straight through the conversions (the float backward).
 
 Also ``swiglu`` and ``swiglu_oai``, optional biases, ``weight_on_input``. Gradients: a
 `jax.custom_vjp` whose forward keeps each pair's gate | up products (``[T k, 2F]``
@@ -128,6 +129,14 @@ GGML_H_FMT = {"f32": 0, "bf16": 1, "q8_0": 2, "q8_K": 3}
 #: integers (the ``int_dot`` attribute 2, int_dot.h: ggml's own arithmetic); False keeps
 #: the float path over the converted values for them too (a test's comparison).
 GGML_INT_DOT = True
+#: Kinds whose integer dots read ggml's Q8_K codes, made in the call from the unconverted
+#: rows (int_dot.h): their input rows are passed unconverted when gate and up both are one.
+_Q8K_INT_DOT = ("q4_k", "q6_k")
+
+
+def _unconverted_input(ew) -> bool:
+    """Whether the call takes the input rows unconverted (`_Q8K_INT_DOT` gate and up)."""
+    return GGML_INT_DOT and all(isinstance(w, QuantizedTensor) and w.kind in _Q8K_INT_DOT for w in (ew.w_gate, ew.w_up))
 
 
 def ggml_problem(ew: ExpertWeights, what: str = "") -> str | None:
@@ -596,14 +605,19 @@ def _forward(
     else:
         fmt = vec_dot_format(ew.w_gate)
         h_fmt = (GGML_H_FMT[vec_dot_format(ew.w_down)], 0)
+        conv = (lambda a, f: a.astype(jnp.float32)) if _unconverted_input(ew) else ggml_round  # noqa: E731
         if cfg.weight_on_input:  # the rows are weighted first, then converted
-            xs, xc = ggml_round(sorted_inputs(x, routing, plan, cfg), fmt), None
+            xs, xc = conv(sorted_inputs(x, routing, plan, cfg), fmt), None
         else:  # the same rows converted before the gather: T rows, not T k
-            xc = ggml_round(x, fmt)
+            xc = conv(x, fmt)
             xs = sorted_inputs(xc, routing, plan, cfg)
         if sw is not None:
             sfmt = vec_dot_format(sw.w_gate)
-            xsh = xc if xc is not None and sfmt == fmt else ggml_round(x, sfmt)
+            same = sfmt == fmt and _unconverted_input(sw) == _unconverted_input(ew)
+            if xc is not None and same:
+                xsh = xc
+            else:
+                xsh = x.astype(jnp.float32) if _unconverted_input(sw) else ggml_round(x, sfmt)
             shared = (xsh, dataclasses.replace(sw, gate=None))
             h_fmt = (h_fmt[0], GGML_H_FMT[vec_dot_format(sw.w_down)])
     ys, gate_up, ys_shared = _call(
