@@ -249,7 +249,7 @@ def test_weight_on_input_converts_the_weighted_rows():
 
 
 @pytest.mark.parametrize(
-    "kind", ["int8", "q4_k", *(pytest.param(k, marks=pytest.mark.slow) for k in ("int4", "q6_k", "q4_k_m"))]
+    "kind", ["int8", *(pytest.param(k, marks=pytest.mark.slow) for k in ("int4", "q4_k", "q6_k", "q4_k_m"))]
 )
 def test_codes_multiplied_in_integers(kind, monkeypatch):
     """int8 / int4 experts (ggml format Q8_0) and Q4_K / Q6_K (Q8_K, its codes made in the
