@@ -200,11 +200,12 @@ class GgmlWeight:
 
 def prepare(w, dtype, activations: str):
     """A weight as the SwiGLU body takes it: ``materialize(w, dtype)`` for float
-    activations; a `GgmlWeight` (float32) for ``activations="ggml"``."""
-    if activations == "float":
+    activations (and ``int8``, which the XLA strategies run as float, as
+    `jaxmoe.ExecConfig` documents); a `GgmlWeight` (float32) for ``activations="ggml"``."""
+    if activations in ("float", "int8"):  # int8 is the C++ kernel's mode: float elsewhere
         return materialize(w, dtype)
     if activations != "ggml":
-        raise ValueError(f"prepare: activation mode {activations!r} has no XLA form (float, ggml)")
+        raise ValueError(f"prepare: activation mode {activations!r} has no XLA form (float, int8, ggml)")
     fmt = vec_dot_format(w)
     mins = block_minimums(w) if fmt == "q8_1" and isinstance(w, QuantizedTensor) else None
     return GgmlWeight(materialize(w, jnp.float32), mins, fmt)
