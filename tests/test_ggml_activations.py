@@ -238,8 +238,8 @@ def _check(got, want, slack, tol=3e-6):
     assert excess.max() <= tol * scale, f"max excess {excess.max() / scale:.3g} of the output scale"
 
 
-#: kinds the quick subset (``-m "not slow"``) keeps: one per activation format
-_QUICK = ("q8_0", "q4_1", "q4_k", "bf16")
+#: kinds the quick subset (``-m "not slow"``) keeps: one per ggml block format
+_QUICK = ("q8_0", "q4_1", "q4_k")
 
 
 @pytest.mark.parametrize("kind", [k if k in _QUICK else pytest.param(k, marks=pytest.mark.slow) for k in KINDS])
@@ -290,7 +290,8 @@ def test_q8_1_block_sum_rounding_is_ggmls(monkeypatch):
         _check(wrong, want, slack)
 
 
-@pytest.mark.parametrize("impl", [pytest.param("xla", marks=pytest.mark.slow), "gather"])
+@pytest.mark.parametrize("impl", ["xla", "gather"])
+@pytest.mark.slow
 def test_batch_invariant_in_the_mode(impl):
     cfg, p, x = layer_case("q4_k", seed=4, tokens=9)
     ex = ExecConfig(impl=impl, activations="ggml", batch_invariant=True)
@@ -311,6 +312,7 @@ def test_auto_takes_an_xla_strategy_and_explicit_ones_are_checked():
         moe_apply(p, jnp.asarray(x), cfg, ExecConfig(impl="pallas", activations="ggml"))
 
 
+@pytest.mark.slow
 def test_gradient_passes_straight_through_the_conversion():
     """d/dx in ggml mode is the float mode's within the conversion's error (straight
     through), not the zero gradient of a rounding."""

@@ -241,6 +241,7 @@ def test_ep_with_replicas_matches_one_device(mesh_shape, rng):
         assert int(st_.dropped_pairs) == 0
 
 
+@pytest.mark.slow
 def test_new_placement_does_not_recompile(rng):
     cfg = shrunk("deepseek-v3", e=16)
     p = rand_params(cfg, rng)

@@ -123,6 +123,7 @@ def test_check_expert_ids_messages():
     check_expert_ids(jnp.full((3, 2), E - 1, jnp.int32), E, "f", shape=(3, 2))
 
 
+@pytest.mark.slow
 def test_moe_apply_and_ep_reject_then_drop(rng):
     cfg = _cfg()
     p = random_params(cfg, rng)

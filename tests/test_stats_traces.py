@@ -119,6 +119,7 @@ def test_contiguous_devices_and_bad_inputs():
         device_load(jnp.zeros((5,), jnp.int32), np.zeros(4, np.int32), 2)
 
 
+@pytest.mark.slow
 def test_block_accumulates_its_load_and_resets(cfg, rng):
     """Eager calls add the call's counts, outputs are the untracked block's bit for bit,
     `reset_expert_load` zeroes the counter."""

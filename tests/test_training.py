@@ -78,6 +78,7 @@ def test_check_grads_float64(impl, preset, rng):
         check_grads(_loss(impl, cfg, r.expert_ids, c), (x, w, p.experts), 1, modes, **F64_CHECK)
 
 
+@pytest.mark.slow
 def test_check_grads_weight_on_input(rng):
     """``weight_on_input`` (the routing weight scales the expert's input): xla's backward."""
     with jax.enable_x64(True):
@@ -213,6 +214,7 @@ def test_nan_weights_stay_in_their_row(impl, rng):
     assert np.isfinite(np.asarray(gw)[np.arange(7) != 3]).all(), impl
 
 
+@pytest.mark.slow
 def test_auto_backward_per_platform(rng):
     """``auto``'s backward is each platform's own strategy: lowered for Intel (xla_tiled) the
     gradient holds no loop (``gather``'s backward is a loop over the pairs); lowered for CUDA
