@@ -123,6 +123,7 @@ def test_quantized_experts_match_dequantized_reference(quant, rng):
         np.testing.assert_allclose(np.asarray(y), ref, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_weight_on_input_llama4(rng):
     cfg = MoEConfig(
         d_model=32,
@@ -143,6 +144,7 @@ def test_weight_on_input_llama4(rng):
     assert np.abs(ref - ref2).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_tokens_are_independent(rng):
     cfg = shrink(jaxmoe.load_config("deepseek-v3"))
     block = MoEBlock(cfg, rngs=nnx.Rngs(5))
@@ -176,6 +178,7 @@ class JitParityTest(chex.TestCase):
         chex.assert_trees_all_close(f(p, x), jnp.asarray(ref, jnp.float32), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_dense_equals_gather_bf16(rng):
     cfg = shrink(jaxmoe.load_config("mixtral-8x7b"))
     block = MoEBlock(cfg, rngs=nnx.Rngs(2), dtype=jnp.bfloat16)

@@ -114,6 +114,7 @@ def np_backward(x, ids, ws, ew, g, cfg):
     return out
 
 
+@pytest.mark.slow
 def test_gpt_oss_with_biases_equals_float64_loop(rng):
     cfg = cfg_of(40, 24, 6, 2, activation="swiglu_oai", expert_bias=True, swiglu_limit=1.5)
     x, r, ew, g = problem(rng, 9, cfg, bias=True)  # limit 1.5: both clamps active on some entries

@@ -193,6 +193,7 @@ def test_batch_invariant_in_the_mode(kind):
     np.testing.assert_array_equal(alone, among)
 
 
+@pytest.mark.slow
 def test_auto_takes_the_kernel_and_falls_back_for_q8_1_kinds():
     cfg, p, x = case("q4_k_m", seed=5, tokens=2)
     run = jax.jit(lambda p, x: moe_apply(p, x, cfg, ExecConfig(activations="ggml")))

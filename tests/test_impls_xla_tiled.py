@@ -260,6 +260,7 @@ def test_weight_on_input_and_bf16(rng):
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(yd, np.float32), rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.slow
 def test_nan_token_isolated(rng):
     cfg = shrink(jaxmoe.load_config("qwen3.6-35b-a3b"))
     p = random_params(cfg, rng)

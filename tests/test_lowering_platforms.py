@@ -157,6 +157,7 @@ def _pallas_inputs(rng, t=24):
     return cfg, ew, x, r
 
 
+@pytest.mark.slow
 def test_pallas_interpret_follows_the_lowering_platform(rng):
     """impl="pallas" through the one platform switch: compiled in the CUDA branch,
     interpreted in the CPU one (the branch's static platform decides, nothing below it)."""

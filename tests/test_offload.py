@@ -558,6 +558,7 @@ def test_driver_replays_a_trace_and_reports_locality_benefit(cfg, stack, rng):
         model.run_resident(x, trace=tr[..., :2])
 
 
+@pytest.mark.slow
 def test_sweep_writes_results_and_plot(tmp_path):
     spec = {
         "kind": "offload",

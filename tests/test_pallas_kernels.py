@@ -666,6 +666,7 @@ def test_pallas_gguf_block_kinds_match_float64_loop(rng, fmts, t):
         assert "xui16>" in hlo  # the blocks as uint16 words
 
 
+@pytest.mark.slow
 def test_block_bf16_pallas(rng):
     cfg = shrink(jaxmoe.load_config("mixtral-8x7b"), e=8)
     block = jaxmoe.MoEBlock(cfg, rngs=nnx.Rngs(3), impl="pallas", dtype=jnp.bfloat16)
@@ -676,6 +677,7 @@ def test_block_bf16_pallas(rng):
     assert_close(y, want, jnp.bfloat16, "bf16 block")
 
 
+@pytest.mark.slow
 def test_deterministic_and_nan_token_isolated(rng):
     cfg = shrink(jaxmoe.load_config("qwen3-30b-a3b"))
     ew = jaxmoe.init_params(cfg, jax.random.key(1)).experts

@@ -190,6 +190,7 @@ def test_worst_case_all_pairs_to_one_device(mesh_shape, rng):
     np.testing.assert_array_equal(np.asarray(stats.expert_load), np.bincount(ids.reshape(-1), minlength=16))
 
 
+@pytest.mark.slow
 def test_quantized_experts_shard(rng):
     """int8 (Q8_0) gate and down, int4 affine up: every QuantizedTensor leaf splits on its expert axis."""
     cfg = shrunk("qwen3.6-35b-a3b")
@@ -278,6 +279,7 @@ def _ragged_emulated(operand, output, input_offsets, send_sizes, output_offsets,
     return output
 
 
+@pytest.mark.slow
 def test_ragged_exchange_matches_padded(rng, monkeypatch):
     """The ragged exchange's offsets and sizes, run through an emulation of the op."""
     # No other test traces exchange="ragged" at these shapes, so the jit cache holds no

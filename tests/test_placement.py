@@ -217,7 +217,7 @@ def with_slots(p, pl):
     return dataclasses.replace(p, experts=pm.physical_experts(p.experts, pl))
 
 
-MESHES = [(8, 1), pytest.param((4, 2), marks=pytest.mark.slow), pytest.param((2, 4), marks=pytest.mark.slow)]
+MESHES = [pytest.param(m, marks=pytest.mark.slow) for m in ((8, 1), (4, 2), (2, 4))]
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=["8x1", "4x2", "2x4"])

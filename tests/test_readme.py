@@ -5,10 +5,12 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_api_tour_runs():
     text = (ROOT / "README.md").read_text()
     code = re.search(r"## A short tour\n\n```python\n(.*?)```", text, re.S).group(1)

@@ -202,6 +202,7 @@ def record(cfg, rng, layers=(0, 1, 2), t=11):
     return rec, calls
 
 
+@pytest.mark.slow
 def test_trace_round_trip_replays_bit_exactly(cfg, rng, tmp_path):
     rec, calls = record(cfg, rng, layers=(3, 5, 6))
     trace = rec.trace()
