@@ -630,7 +630,8 @@ def test_gguf_store_reads_a_file_written_by_jaxmoe_save_gguf(cfg, rng, tmp_path)
     path = jaxmoe.save_gguf(block, tmp_path / "q.gguf", layer=2, dtype="q8_0")
     store = GGUFStore(path)  # config from the file's llama.cpp metadata (jaxmoe.io.gguf)
     assert store.blocks == [2] and store.num_layers == 1 and store.cfg.num_experts == E
-    loaded = jaxmoe.from_pretrained(path, layer=2)  # the io loader's view of the same bytes
+    # the io loader's view of the same bytes, with the float activations the offload driver runs
+    loaded = jaxmoe.from_pretrained(path, layer=2, ex=jaxmoe.ExecConfig())
     e = int(rng.integers(E))
     for name in ("w_gate", "w_up", "w_down"):
         ours = np.asarray(jaxmoe.quant.materialize(getattr(store.load_expert(0, e), name), np.float32))
