@@ -337,9 +337,7 @@ def _ep_body(
     with jax.named_scope("ep_combine"):
         y = jnp.take(back, jnp.minimum(slot, n * c - 1), axis=0).reshape(tl, k, d)
         y = slot_sum(y, None, kept.reshape(tl, k), invariant=ex.batch_invariant)
-        # the shared expert in ggml arithmetic when asked; int8 is the C++ kernel's own mode
-        shared_mode = "ggml" if ex.activations == "ggml" else "float"
-        y = y + shared_expert(x, shared, cfg, invariant=ex.batch_invariant, activations=shared_mode)
+        y = y + shared_expert(x, shared, cfg, invariant=ex.batch_invariant, activations=ex.activations)
     load = (
         jnp.zeros((el,), jnp.int32)
         .at[recv_id]

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 
 from jaxmoe.block import MoEBlock
 from jaxmoe.execution import REMOVED, ExecConfig, exec_config
+from jaxmoe.experts import experts_frozen
 from jaxmoe.io import checkpoint_format, load_layer
 from jaxmoe.io import save_gguf as save_layer_gguf
-from jaxmoe.quant import QuantizedTensor
 
 
 def from_pretrained(
@@ -62,8 +62,7 @@ def from_pretrained(
 def ggml_by_default(path: str | os.PathLike, params) -> bool:
     """Whether `from_pretrained` runs the layer in ggml arithmetic when not told otherwise:
     a GGUF file, routed experts kept quantized, the default device a CPU."""
-    ew = params.experts
-    quantized = any(isinstance(w, QuantizedTensor) for w in (ew.w_gate, ew.w_up, ew.w_down))
+    quantized = experts_frozen(params.experts)  # any routed weight a QuantizedTensor
     return quantized and jax.default_backend() == "cpu" and checkpoint_format(path) == "gguf"
 
 

@@ -26,7 +26,7 @@ from jaxmoe import ExecConfig, moe_apply
 from jaxmoe.config import load_config
 from jaxmoe.evaluation.reference import (
     act_f64,
-    block_minimums_np,
+    dot_f64,
     ggml_blocks_np,
     ggml_format,
     ggml_quantize_np,
@@ -171,20 +171,6 @@ def layer_case(kind, seed=0, tokens=6):
     return cfg, p, x
 
 
-def _dot(x, w, index, mode):
-    """float64 ``x @ W`` with ggml's activations (module docstring); also the (fmt, d, scaled
-    values) of the conversion, for the slack."""
-    wf = to_f64(w, index)
-    if mode == "float":
-        return np.asarray(x, np.float64) @ wf
-    fmt = ggml_format(w)
-    v, s = ggml_quantize_np(np.asarray(x, np.float32), fmt)
-    y = v @ wf
-    if s is not None:
-        y = y + (s - v.reshape(*v.shape[:-1], -1, 32).sum(-1)) @ block_minimums_np(w, index)
-    return y
-
-
 def _boundary_slack(h, wd_f64, fmt, rel=4e-6):
     """Per output, what the hidden activations ``h [rows, F]`` that sit near a rounding
     boundary of ``fmt`` can move it: ``sum step |W_down[k, :]|`` over the elements whose
@@ -215,9 +201,9 @@ def ggml_layer(p, x, cfg, mode="ggml", requantize_hidden=True):
     slack = np.zeros(x.shape)
 
     def ffn(xin, wg, wu, wd, index, scale):
-        h = act_f64(_dot(xin, wg, index, mode), _dot(xin, wu, index, mode))
+        h = act_f64(dot_f64(xin, wg, index, mode), dot_f64(xin, wu, index, mode))
         fmt = ggml_format(wd) if mode == "ggml" else "f32"
-        out = _dot(h.astype(np.float32), wd, index, mode if requantize_hidden else "float")
+        out = dot_f64(h.astype(np.float32), wd, index, mode if requantize_hidden else "float")
         return out * scale, _boundary_slack(h, to_f64(wd, index), fmt) * np.abs(scale)
 
     ew = p.experts

@@ -39,8 +39,8 @@ from jaxmoe.evaluation.schema import RunOptions
 from jaxmoe.evaluation.sources import LayerSpec, case_params, layer_specs, load_inputs, load_params
 from jaxmoe.execution import ExecConfig
 from jaxmoe.host_memory import host_memory_mode
-from jaxmoe.impls.policy import resolve_impl
-from jaxmoe.impls.registry import available_impls, get_impl
+from jaxmoe.impls.policy import ggml_table, resolve_impl
+from jaxmoe.impls.registry import available_impls
 from jaxmoe.layer import moe_apply
 
 SCHEMA = "jaxmoe.eval/1"
@@ -59,8 +59,8 @@ def _resolved(ex: ExecConfig, t: int, cfg, params, dtype) -> str:
     """The impl the entry ``ex`` runs for ``t`` tokens of ``params`` in ``dtype`` (under
     ``auto`` with ``activations: ggml``, auto's XLA fallback where its choice lacks the mode)."""
     name = resolve_impl(ex.impl, t * cfg.top_k, experts=params.experts, dtype=dtype)
-    if ex.impl == "auto" and ex.activations not in get_impl(name).activations:
-        name = resolve_impl("auto", t * cfg.top_k, "default", experts=params.experts, dtype=dtype)
+    if ex.impl == "auto" and ex.activations == "ggml":
+        name = ggml_table({"host": name}, ex, t * cfg.top_k, params.experts)["host"]
     return name
 
 

@@ -120,12 +120,12 @@ def run_experts(
     num_pairs = x.shape[0] * routing.expert_ids.shape[1]
     table = lowering_table(ex.impl, num_pairs, experts=experts, dtype=x.dtype)
     if ex.activations == "ggml":
-        table = _ggml_table(table, ex, num_pairs, experts)
+        table = ggml_table(table, ex, num_pairs, experts)
     keys = {g: (name, g if g in get_impl(name).platforms else "default") for g, name in table.items()}
     if ex.activations == "int8":
         name = table[platform_group(default_platform())]
         if name == "cpu" and ex.impl == "auto" and not cpu_kernel_available():
-            name = _fallback(x.shape[0] * routing.expert_ids.shape[1])
+            name = _fallback(num_pairs)
         if ex.activations not in get_impl(name).activations:
             raise ValueError(
                 f"ExecConfig.activations={ex.activations!r}: impl {name!r} multiplies float activations only "
@@ -137,7 +137,7 @@ def run_experts(
     return _switch(tuple(sorted(keys.items())), cfg, ex, x, routing, experts, shared)
 
 
-def _ggml_table(table: dict[str, str], ex: ExecConfig, num_pairs: int, experts: ExpertWeights) -> dict[str, str]:
+def ggml_table(table: dict[str, str], ex: ExecConfig, num_pairs: int, experts: ExpertWeights) -> dict[str, str]:
     """``table`` for ``activations="ggml"``: under ``auto`` a group whose strategy lacks the
     mode takes the XLA fallback (`_fallback`); an explicit strategy without it is a
     ValueError naming the strategies that have it. The C++ kernel has the mode for some
