@@ -259,8 +259,8 @@ def cpu_layer(
         _check_call(x, routing, ew, "experts_shared_cpu", check, ex.activations)
         return _experts_shared_cpu(x, routing, ew, sw, cfg, _mode(ex))
     y = _routed_cpu(x, routing, ew, cfg, ex, check)
-    acts = "ggml" if ggml else "float"  # the XLA shared expert has no int8 mode
-    return y + shared_expert(x, sw, cfg, invariant=ex.batch_invariant, platform=ex.group, activations=acts)
+    # the XLA shared expert: ggml as asked, int8 as float (`jaxmoe.ggml_activations.prepare`)
+    return y + shared_expert(x, sw, cfg, invariant=ex.batch_invariant, platform=ex.group, activations=ex.activations)
 
 
 def _check_call(
