@@ -12,8 +12,10 @@ way GGUF, MLX and torch store it:
   ``[..., out, in/g]``, ``W[i, o] = scales[o, i//g] * q[o, i] + biases[o, i//g]``.
   Q4_0 is ``scale = d, bias = -8 d``.
 - GGUF block kinds ``"q4_1"``, ``"q5_0"``, ``"q5_1"``, ``"iq4_nl"``, ``"mxfp4"`` (blocks of
-  32) and ``"q2_k"``, ``"q3_k"``, ``"q4_k"``, ``"q5_k"``, ``"q6_k"``, ``"iq4_xs"``
-  (super-blocks of 256): ``qdata [..., out, n_blocks * block_bytes]``
+  32) and ``"q2_k"``, ``"q3_k"``, ``"q4_k"``, ``"q5_k"``, ``"q6_k"``, ``"iq4_xs"``, the grid
+  kinds ``"iq2_xxs"``, ``"iq2_xs"``, ``"iq2_s"``, ``"iq3_xxs"``, ``"iq3_s"``, ``"iq1_s"``,
+  ``"iq1_m"`` and the ternary ``"tq1_0"``, ``"tq2_0"`` (super-blocks of 256; the grids and
+  sign table come from ``gguf.quants``): ``qdata [..., out, n_blocks * block_bytes]``
   uint8 holds the file's block bytes of each output row unchanged, ``scales`` and ``biases``
   are None and ``group_size`` is the block size (`GGUF_BLOCKS`). `dequantize` decodes the
   blocks in jnp, bit-exact with ``gguf.quants.dequantize`` (the same float32 operations in

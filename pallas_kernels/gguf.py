@@ -24,6 +24,8 @@ fit the word view: it has no tile decode (`TILE_KINDS`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,7 +46,21 @@ GGUF_BLOCKS: dict[str, tuple[int, int]] = {
     "iq4_nl": (32, 18),
     "iq4_xs": (256, 136),
     "mxfp4": (32, 17),
+    "iq2_xxs": (256, 66),
+    "iq2_xs": (256, 74),
+    "iq2_s": (256, 82),
+    "iq3_xxs": (256, 98),
+    "iq3_s": (256, 110),
+    "iq1_s": (256, 50),
+    "iq1_m": (256, 56),
+    "tq1_0": (256, 54),
+    "tq2_0": (256, 66),
 }
+#: The grid kinds (IQ2 / IQ3 / IQ1: groups of 4 or 8 elements picked from a lattice by an
+#: index, with sign bits) and the ternary kinds (TQ1_0 / TQ2_0): decoded by
+#: `dequantize_gguf_blocks` only (the Pallas impl decodes them with XLA before its kernels).
+GRID_KINDS: tuple[str, ...] = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
+TERNARY_KINDS: tuple[str, ...] = ("tq1_0", "tq2_0")
 #: Elements sharing one scale (and min) inside a block: the granularity of `load_tile`, for
 #: the kinds it decodes in-kernel (`TILE_KINDS`). MXFP4 is decoded by `dequantize_gguf_blocks`
 #: only (the Pallas impl decodes it with XLA before its kernels).
@@ -211,6 +227,10 @@ def dequantize_gguf_blocks(b: jax.Array, kind: str) -> jax.Array:
         return (dl * q.reshape(*b.shape[:-1], 8, 32)).reshape(*b.shape[:-1], 256)
     if kind == "mxfp4":
         return _mxfp4(b)
+    if kind in GRID_KINDS:
+        return _grid_kind(b, kind)
+    if kind in TERNARY_KINDS:
+        return _ternary(b, kind)
     raise ValueError(f"dequantize_gguf_blocks: unknown GGUF block kind {kind!r}; expected one of {sorted(GGUF_BLOCKS)}")
 
 
@@ -233,6 +253,132 @@ def _mxfp4(b) -> jax.Array:
     mag = jnp.where(ex >= 255, jnp.uint32(0x7F800000), jnp.where(ex >= 1, ex.astype(jnp.uint32) << 23 | mant, sub))
     out = jax.lax.bitcast_convert_type(sign | mag, jnp.float32)
     return jnp.where(v == 0, jnp.float32(0), out)
+
+
+@functools.cache
+def grid_tables(kind: str) -> tuple[np.ndarray, np.ndarray, float]:
+    """``(grid [n, 4 or 8] float32, ksigns [128] uint8, IQ1 delta)`` of a `GRID_KINDS` kind,
+    taken from ``gguf.quants`` (its ``init_grid`` unpacks ggml's grids from their packed
+    hex; ``ksigns``: ggml's ``ksigns_iq2xs``, the 8 sign bits of a 7-bit index, the eighth
+    its parity)."""
+    from gguf import quants
+
+    cls = getattr(quants, kind.upper())
+    cls.init_grid()
+    assert cls.grid is not None
+    grid = np.asarray(cls.grid, np.float32).reshape(cls.grid_shape)
+    ksigns = np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8).copy()
+    return grid, ksigns, float(quants.IQ1_S.delta)
+
+
+def _sign_bits(s) -> jax.Array:
+    """Sign bytes ``[...]`` -> ``[..., 8]`` float32 ``+1`` / ``-1`` (bit ``j`` set: element ``j`` negative)."""
+    bit = (s[..., None] >> jnp.arange(8, dtype=s.dtype)) & 1
+    return jnp.where(bit == 0, jnp.float32(1), jnp.float32(-1))
+
+
+def _u32(b) -> jax.Array:
+    """``[..., 4 n]`` uint8 -> ``[..., n]`` uint32, little-endian."""
+    return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], -1, 4), jnp.uint32)
+
+
+def _u16(b) -> jax.Array:
+    """``[..., 2 n]`` uint8 -> ``[..., n]`` uint16, little-endian."""
+    return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], -1, 2), jnp.uint16)
+
+
+def _grid_kind(b, kind: str) -> jax.Array:
+    """IQ2_XXS / IQ2_XS / IQ2_S / IQ3_XXS / IQ3_S / IQ1_S / IQ1_M blocks ``[..., block_bytes]``
+    -> float32 ``[..., 256]``, the float32 operations of ``gguf.quants``' decoders in their
+    order (ggml's ``dequantize_row_iq*``): a scale per 16 or 32 elements, grid rows of 4 or 8
+    values picked by an index, signs (IQ2 / IQ3) or a shift ``+-delta`` (IQ1)."""
+    f32 = jnp.float32
+    lead = b.shape[:-1]
+    grid_np, ksigns_np, delta = grid_tables(kind)
+    grid, ksigns = jnp.asarray(grid_np), jnp.asarray(ksigns_np)
+    if kind in ("iq2_xxs", "iq3_xxs"):  # per 32: 4 sign indices of 7 bits and a 4-bit scale in a uint32
+        d = _f16(b[..., 0:2])[..., None]
+        if kind == "iq2_xxs":
+            qs = _u32(b[..., 2:66]).reshape(*lead, 8, 2)
+            idx, aux = jax.lax.bitcast_convert_type(qs[..., 0], jnp.uint8), qs[..., 1]  # [.., 8, 4], [.., 8]
+            half = f32(0.25)
+        else:
+            idx, aux = b[..., 2:66].reshape(*lead, 8, 8), _u32(b[..., 66:98])
+            half = f32(0.5)
+        db = (d * (f32(0.5) + (aux >> 28).astype(f32)) * half)[..., None, None]  # [.., 8, 1, 1]
+        si = (aux[..., None] >> jnp.array([0, 7, 14, 21], jnp.uint32)) & 0x7F  # [.., 8, 4]
+        signs = _sign_bits(ksigns[si])  # [.., 8, 4, 8]
+        g = grid[idx].reshape(*lead, 8, 4, 8)
+        return (db * g * signs).reshape(*lead, 256)
+    if kind == "iq2_xs":  # per 8: a uint16 (9-bit grid index, 7-bit sign index); a 4-bit scale per 16
+        d = _f16(b[..., 0:2])[..., None]
+        qs = _u16(b[..., 2:66])  # [.., 32]
+        sc = _nibbles(b[..., 66:74], 1)  # [.., 16]: low then high nibble of each byte
+        db = (d * (f32(0.5) + sc.astype(f32)) * f32(0.25))[..., None, None]  # [.., 16, 1, 1]
+        signs = _sign_bits(ksigns[qs >> 9]).reshape(*lead, 16, 2, 8)
+        g = grid[qs & 511].reshape(*lead, 16, 2, 8)
+        return (db * g * signs).reshape(*lead, 256)
+    if kind == "iq2_s":  # qs (low 8 index bits), signs, qh (2 high bits per 8), scales per 16
+        d = _f16(b[..., 0:2])[..., None]
+        sc = _nibbles(b[..., 74:82], 1)
+        db = (d * (f32(0.5) + sc.astype(f32)) * f32(0.25))[..., None, None]
+        signs = _sign_bits(b[..., 34:66]).reshape(*lead, 16, 2, 8)
+        qh = _bits(b[..., 66:74], 4, 1, step=2).reshape(*lead, 8, 4).reshape(*lead, 32) & 3
+        idx = b[..., 2:34].astype(jnp.uint16) | (qh.astype(jnp.uint16) << 8)
+        g = grid[idx].reshape(*lead, 16, 2, 8)
+        return (db * g * signs).reshape(*lead, 256)
+    if kind == "iq3_s":  # qs (low 8 index bits of 64 groups of 4), qh (bit 8), signs per 8, scales per 32
+        d = _f16(b[..., 0:2])[..., None]
+        sc = _nibbles(b[..., 106:110], 1)  # [.., 8]
+        db = (d * (1 + 2 * sc).astype(f32))[..., None, None]  # [.., 8, 1, 1]
+        signs = _sign_bits(b[..., 74:106]).reshape(*lead, 8, 4, 8)
+        qh = _bits(b[..., 66:74], 8, 1).reshape(*lead, 64) & 1
+        idx = b[..., 2:66].astype(jnp.uint16) | (qh.astype(jnp.uint16) << 8)
+        g = grid[idx].reshape(*lead, 8, 4, 8)
+        return (db * g * signs).reshape(*lead, 256)
+    if kind == "iq1_s":  # qs (low 8 index bits), per 32 a uint16: 3 index bits per 8, scale, delta sign
+        d = _f16(b[..., 0:2])[..., None]
+        qh = _u16(b[..., 34:50])  # [.., 8]
+        dl = (d * (2 * ((qh >> 12) & 7) + 1).astype(f32))[..., None, None]  # [.., 8, 1, 1]
+        dd = jnp.where((qh & 0x8000) == 0, f32(delta), f32(-delta))[..., None, None]
+        hi = ((qh[..., None] >> jnp.array([0, 3, 6, 9], jnp.uint16)) & 7).reshape(*lead, 32)
+        idx = b[..., 2:34].astype(jnp.uint16) | (hi << 8)
+        g = grid[idx].reshape(*lead, 8, 4, 8)
+        return (dl * (g + dd)).reshape(*lead, 256)
+    # iq1_m: qs 32, qh 16 (a nibble per 8: 3 index bits, the delta sign), 4 uint16 holding
+    # 3-bit scales per 16 and, in their top nibbles, the float16 d
+    sw = _u16(b[..., 48:56])  # [.., 4]
+    dbits = (sw & 0xF000) >> jnp.array([12, 8, 4, 0], jnp.uint16)
+    dbits = dbits[..., 0] | dbits[..., 1] | dbits[..., 2] | dbits[..., 3]
+    d = jax.lax.bitcast_convert_type(dbits, jnp.float16).astype(f32)[..., None]
+    sc = ((sw[..., None] >> jnp.array([0, 3, 6, 9], jnp.uint16)) & 7).reshape(*lead, 16)
+    dl = (d * (2 * sc + 1).astype(f32)).reshape(*lead, 8, 2, 1, 1)
+    qh = _nibbles(b[..., 32:48], 1)  # [.., 32]: low then high nibble of each byte
+    idx = b[..., 0:32].astype(jnp.uint16) | ((qh & 7).astype(jnp.uint16) << 8)
+    dd = jnp.where((qh & 8) == 0, f32(delta), f32(-delta)).reshape(*lead, 8, 2, 2, 1)
+    g = grid[idx].reshape(*lead, 8, 2, 2, 8)
+    return (dl * (g + dd)).reshape(*lead, 256)
+
+
+def _ternary(b, kind: str) -> jax.Array:
+    """TQ1_0 / TQ2_0 blocks -> float32 ``[..., 256]``: ``d * t`` with ``t`` in {-1, 0, 1}.
+    TQ2_0: 2-bit codes (``t + 1``), four planes of each 32 bytes. TQ1_0: five trits per
+    byte in base 3 scaled to 256 (48 bytes: 32 + 16 of five trits, 4 of four), trit ``i``
+    the top of ``(byte * 3^i mod 256) * 3``, as ggml's ``dequantize_row_tq1_0``."""
+    lead = b.shape[:-1]
+    if kind == "tq2_0":
+        d = _f16(b[..., 64:66])[..., None]
+        q = _bits(b[..., 0:64], 4, 32, step=2) & 3
+    else:
+        d = _f16(b[..., 52:54])[..., None]
+
+        def trits(x, n: int) -> jax.Array:  # [.., w] -> [.., n * w]: per power of 3, every byte
+            pw = jnp.array([1, 3, 9, 27, 81][:n], jnp.uint8).reshape(n, 1)
+            return (x[..., None, :] * pw).reshape(*lead, -1)  # uint8: wraps mod 256 as ggml's
+
+        q = jnp.concatenate([trits(b[..., 0:32], 5), trits(b[..., 32:48], 5), trits(b[..., 48:52], 4)], axis=-1)
+        q = (q.astype(jnp.uint16) * 3) >> 8
+    return d * (q.astype(jnp.int8) - jnp.int8(1)).astype(jnp.float32)
 
 
 def dequantize_gguf_rows(raw: jax.Array, kind: str) -> jax.Array:

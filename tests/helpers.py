@@ -119,7 +119,7 @@ def gguf_block_bytes(rng, qtype, shape, d_range=(1e-3, 4e-3)):
     """Random, valid GGUF block bytes for a logical numpy ``shape`` ``[..., out, in]`` of the
     block type ``qtype``: random codes and packed scales, finite float16 super-block scales
     drawn from ``d_range`` (Q4_1 / Q5_0 / Q5_1 / MXFP4 through ``gguf.quants.quantize`` of
-    random floats). Returns uint8 ``[..., out, in / block * block_bytes]``."""
+    random floats; the IQ1-3 / TQ kinds: random bytes with that scale). Returns uint8 ``[..., out, in / block * block_bytes]``."""
     import gguf
     from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as QT
@@ -147,6 +147,20 @@ def gguf_block_bytes(rng, qtype, shape, d_range=(1e-3, 4e-3)):
         f16(0, 10)
     elif qtype == QT.IQ4_XS:  # d first, then 6-bit signed sub-block scales
         f16(0, 100)
+    elif qtype in (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS):  # d first; grid values up to 62, scales to 15.5
+        f16(0, 100)
+    elif qtype == QT.IQ3_S:  # d first; grid values up to 15, scales 1 + 2 s up to 31
+        f16(0, 100)
+    elif qtype == QT.IQ1_S:  # d first; values (2 s + 1)(+-1 +- 1/8)
+        f16(0, 10)
+    elif qtype == QT.IQ1_M:  # d's 16 bits in the top nibbles of the 4 scale words (bytes 48:56)
+        d = (rng.uniform(*d_range, n_blocks) / 10).astype(np.float16).view(np.uint16)
+        sw = b[:, 48:56].copy().view(np.uint16) & np.uint16(0x0FFF)
+        for i, sh in enumerate((0, 4, 8, 12)):  # word i: bits 4 i .. 4 i + 3 of d
+            sw[:, i] |= ((d >> np.uint16(sh)) & np.uint16(0xF)) << np.uint16(12)
+        b[:, 48:56] = sw.view(np.uint8)
+    elif qtype in (QT.TQ1_0, QT.TQ2_0):  # d last; values -d, 0, d
+        f16(size - 2)
     else:
         raise ValueError(f"gguf_block_bytes: {qtype!r} is not a GGUF block type")
     return b.reshape(*shape[:-1], shape[-1] // block * size)

@@ -48,6 +48,11 @@ def kquant_bytes(rng, shape, qtype) -> np.ndarray:
     return b.reshape(*shape[:-1], shape[-1] // block * size)
 
 
+#: The IQ1-3 types (llama.cpp makes them with an importance matrix; gguf-py cannot quantize
+#: them): random valid blocks with small finite scales. TQ1_0 / TQ2_0 gguf-py quantizes.
+IQ_TYPES = (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M)
+
+
 def encode(rng, w: np.ndarray, qtype):
     """A float numpy tensor (GGUF numpy orientation) -> (data, raw_dtype) for add_tensor."""
     if qtype == QT.F32:
@@ -56,7 +61,13 @@ def encode(rng, w: np.ndarray, qtype):
         return w.astype(np.float16), None
     if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
         return kquant_bytes(rng, w.shape, qtype), qtype
-    if qtype in (QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS):  # gguf-py cannot quantize these: random valid blocks
+    if qtype in (
+        QT.Q2_K,
+        QT.Q3_K,
+        QT.IQ4_NL,
+        QT.IQ4_XS,
+        *IQ_TYPES,
+    ):  # gguf-py cannot quantize these: random valid blocks
         return gguf_block_bytes(rng, qtype, w.shape), qtype
     if qtype in (QT.Q4_1, QT.Q5_0, QT.Q5_1):  # quantize the values the test drew
         return gguf.quants.quantize(w.astype(np.float32), qtype), qtype
@@ -438,7 +449,7 @@ Q4_K_M = Case(  # llama.cpp's Q4_K_M mix: gate/up Q4_K, down Q6_K; fallbacks Q5_
 
 
 #: llama.cpp file types as layers: the case and the kinds jaxmoe holds (routed, shared experts).
-#: The types gguf-py cannot quantize (Q2_K, Q3_K, IQ4_NL, IQ4_XS) are random valid blocks.
+#: The types gguf-py cannot quantize (Q2_K, Q3_K, IQ4_NL, IQ4_XS, `IQ_TYPES`) are random valid blocks.
 MIXES = {
     "q4_k_m": (Q4_K_M, ["q4_k", "q4_k", "q6_k"], ["q5_0", "q5_0", "int8"]),
     "q3_k_m": (
@@ -460,6 +471,18 @@ MIXES = {
         dataclasses.replace(Q4_K_M, qtypes=(QT.MXFP4,) * 3, shared_q=QT.Q8_0, shared_down_q=QT.MXFP4),
         ["mxfp4", "mxfp4", "mxfp4"],
         ["int8", "int8", "mxfp4"],
+    ),
+    "iq2_xxs": (  # the IQ2 / IQ3 kinds, routed and shared
+        dataclasses.replace(
+            Q4_K_M, qtypes=(QT.IQ2_XXS, QT.IQ2_XS, QT.IQ3_XXS), shared_q=QT.IQ2_S, shared_down_q=QT.IQ3_S
+        ),
+        ["iq2_xxs", "iq2_xs", "iq3_xxs"],
+        ["iq2_s", "iq2_s", "iq3_s"],
+    ),
+    "iq1_s": (  # the IQ1 and ternary kinds
+        dataclasses.replace(Q4_K_M, qtypes=(QT.IQ1_S, QT.IQ1_M, QT.TQ1_0), shared_q=QT.TQ2_0, shared_down_q=QT.IQ1_M),
+        ["iq1_s", "iq1_m", "tq1_0"],
+        ["tq2_0", "tq2_0", "iq1_m"],
     ),
 }
 

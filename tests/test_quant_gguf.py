@@ -1,5 +1,5 @@
 """GGUF block kinds of `QuantizedTensor` (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_NL,
-IQ4_XS, MXFP4): the raw block
+IQ4_XS, MXFP4, and the IQ1-3 / TQ kinds, also in tests/test_quant_iq.py): the raw block
 bytes kept as stored, decoded in jnp bit-exact with ``gguf.quants.dequantize``, validated with
 named errors, and run by the reference impls against a float64 numpy forward."""
 
@@ -25,6 +25,19 @@ from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor, dequantize_gguf_rows, ggu
 from jaxmoe.routing import Routing
 
 KINDS = list(GGUF_BLOCKS)
+#: A code byte and a scale byte (its low bits) of each IQ1-3 / TQ kind's first block.
+IQ_CODE_AT = {
+    "iq2_xxs": 3,
+    "iq2_xs": 4,
+    "iq2_s": 5,
+    "iq3_xxs": 4,
+    "iq3_s": 5,
+    "iq1_s": 4,
+    "iq1_m": 3,
+    "tq1_0": 3,
+    "tq2_0": 3,
+}
+IQ_SCALE_AT = {k: 0 for k in IQ_CODE_AT} | {"iq1_m": 49, "tq1_0": 52, "tq2_0": 64}
 
 
 def qtype(kind: str) -> QT:
@@ -85,8 +98,14 @@ def block_buffers(draw):
         e = draw(st.sampled_from([None, 0, 1, 2, 3, 126, 127, 128, 253, 254, 255]))
         if e is not None:
             blocks[:, 0] = e
+    elif kind == "iq1_m" and extreme is not None:  # d's bits in the top nibbles of the 4 scale words
+        sw = blocks[:, 48:56].copy().view(np.uint16) & np.uint16(0x0FFF)
+        for i in range(4):
+            sw[:, i] |= np.uint16(((extreme >> (4 * i)) & 0xF) << 12)
+        blocks[:, 48:56] = sw.view(np.uint8)
     elif extreme is not None:
         at = {"q6_k": [size - 2], "q3_k": [size - 2], "q2_k": [size - 4, size - 2]}.get(kind)
+        at = at or {"tq1_0": [size - 2], "tq2_0": [size - 2]}.get(kind)
         at = at or ([0, 2] if kind in ("q4_1", "q5_1", "q4_k", "q5_k") else [0])
         for o in at:
             blocks[:, o : o + 2] = np.array([extreme], np.uint16).view(np.uint8)
@@ -112,9 +131,9 @@ def test_one_mutation_changes_the_output(kind, rng):
     raw = gguf_block_bytes(rng, qtype(kind), (2, block))
     base = np.asarray(gguf_block_tensor(raw, kind).dequantize())
     code_at = {"q4_1": 10, "q5_0": 12, "q5_1": 14, "q4_k": 50, "q5_k": 90, "q6_k": 20, "q2_k": 30, "q3_k": 50}
-    code_at = code_at.get(kind) or {"iq4_nl": 10, "iq4_xs": 50, "mxfp4": 10}[kind]
+    code_at = code_at.get(kind) or {"iq4_nl": 10, "iq4_xs": 50, "mxfp4": 10}.get(kind) or IQ_CODE_AT[kind]
     scale_at = {"q4_1": 1, "q5_0": 1, "q5_1": 3, "q4_k": 6, "q5_k": 6, "q6_k": 195, "q2_k": 3, "q3_k": 100}
-    scale_at = scale_at.get(kind, {"iq4_nl": 1, "iq4_xs": 5, "mxfp4": 0}.get(kind))
+    scale_at = scale_at.get(kind, {"iq4_nl": 1, "iq4_xs": 5, "mxfp4": 0, **IQ_SCALE_AT}.get(kind))
     assert scale_at is not None, kind
     for at, flip in ((code_at, 0x0F), (scale_at, 0x05)):
         bad = raw.copy()
@@ -152,16 +171,16 @@ def test_bad_buffers_are_named_errors(rng):
         gguf_block_tensor(raw, "Q6_K", n_in=256, name="w_down")
     with pytest.raises(ValueError, match=r"w \(Q5_0\): input width 300 is not a multiple of the block size 32"):
         gguf_block_tensor(np.zeros((2, 22 * 9), np.uint8), "q5_0", n_in=300, name="w")
-    with pytest.raises(ValueError, match=r"w: GGUF type 'iq2_xs'.*\(2, 144\).*expected one of"):
-        gguf_block_tensor(raw, "iq2_xs", name="w")
+    with pytest.raises(ValueError, match=r"w: GGUF type 'nvfp4'.*\(2, 144\).*expected one of"):
+        gguf_block_tensor(raw, "nvfp4", name="w")
     with pytest.raises(ValueError, match=r"uint8.*int8"):
         gguf_block_tensor(raw.view(np.int8), "q4_k")
     with pytest.raises(ValueError, match=r"scales/biases must be None"):
         QuantizedTensor(raw, raw[:, :1], None, "q4_k", 256)
     with pytest.raises(ValueError, match=r"group_size must be the block size 256, got 32"):
         QuantizedTensor(raw, None, None, "q4_k", 32)
-    with pytest.raises(ValueError, match=r"unknown 'iq2_xxs'"):
-        QuantizedTensor(raw, None, None, "iq2_xxs", 256)
+    with pytest.raises(ValueError, match=r"unknown 'nvfp4'"):
+        QuantizedTensor(raw, None, None, "nvfp4", 256)
     with pytest.raises(ValueError, match=r"keeps raw GGUF blocks"):
         gguf_block_tensor(raw, "q4_k").codes()
     mx = gguf_block_bytes(rng, QT.MXFP4, (2, 64))  # odd 17-byte blocks
