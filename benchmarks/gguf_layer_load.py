@@ -2,13 +2,16 @@
 
 Writes a qwen35moe file with ``--layers`` MoE layers of random (valid) experts of GGML type
 ``--type`` (default Q8_0; e.g. Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4) at Qwen3.6 widths (d=2048,
-F=512, shared 512) with ``--experts`` experts, evicts it from the page cache
+F=512 or ``--ffn``, shared 512) with ``--experts`` experts, evicts it from the page cache
 (``posix_fadvise(DONTNEED)``), loads one layer, and reports with ``mincore`` how many bytes
 of each layer became resident (only the requested layer's should), and the bytes jaxmoe
 holds for the routed experts against the file's ``ffn_{gate,up,down}_exps`` bytes
-(held / file: 1.00 when the experts stay in their file bytes).
+(held / file: 1.00 when the experts stay in their file bytes). ``--peak`` also loads the
+layer in a fresh process and reports its peak host memory against the bytes it holds
+(`load_peak.measure`). ``--ffn`` sets the expert width.
 
     python benchmarks/gguf_layer_load.py --experts 64 --layers 4 --layer 2 --type mxfp4
+    python benchmarks/gguf_layer_load.py --experts 128 --ffn 768 --layers 2 --layer 1 --type q8_0 --peak
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
+from load_peak import describe, measure
 
 import jaxmoe
 
@@ -114,6 +118,8 @@ def main():
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--layer", type=int, default=2)
+    ap.add_argument("--ffn", type=int, default=512, help="expert width F")
+    ap.add_argument("--peak", action="store_true", help="the load's peak host memory, in a fresh process")
     ap.add_argument(
         "--type",
         default="q8_0",
@@ -124,7 +130,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "m.gguf")
         t0 = time.perf_counter()
-        write(path, args.experts, args.layers, qtype=qtype)
+        write(path, args.experts, args.layers, f=args.ffn, qtype=qtype)
         print(
             f"wrote {os.path.getsize(path) / 2**20:.0f} MiB ({args.layers} layers) in {time.perf_counter() - t0:.1f} s"
         )
@@ -160,6 +166,8 @@ def main():
         for _ in range(5):
             block(x).block_until_ready()
         print(f"one-token forward (impl=auto, {qtype.name} experts): {(time.perf_counter() - t0) / 5 * 1e3:.1f} ms")
+        if args.peak:
+            print(f"from_pretrained(layer={args.layer}) in a fresh process: {describe(measure(path, args.layer))}")
 
 
 if __name__ == "__main__":

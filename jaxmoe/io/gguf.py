@@ -469,11 +469,14 @@ def load_layer_params(
             on_read(t.name)
         return t.data, t.tensor_type
 
+    file = getattr(reader.data, "filename", None)  # read with pread: the file's pages stay unmapped
+
     def mat(role, rows=None):  # [..., out, in] in the file -> [..., in, out]
         raw, qt = data(role)
-        if rows is not None:  # output rows of a merged tensor (quant blocks run along `in`)
-            raw = raw[..., rows[0] : rows[1], :]
-        return gc.weight_from_gguf(raw, qt, dtype, name=f"{path}: tensor {plan[role][0].name}")
+        t = plan[role][0]
+        # rows: output rows of a merged tensor (quant blocks run along `in`)
+        ft = gc.FileTensor(raw, qt, file, int(t.data_offset), rows)
+        return gc.to_device(gc.host_weight_from_file(ft, dtype, name=f"{path}: tensor {t.name}"))
 
     def vec(role) -> jnp.ndarray:
         raw, qt = data(role)

@@ -34,7 +34,9 @@ writes each tensor in it).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 
 import gguf
 import jax
@@ -104,9 +106,8 @@ def q8_0_to_quantized(raw: np.ndarray) -> QuantizedTensor:
     return QuantizedTensor(q, d, None, "int8", _QK)
 
 
-def q4_0_to_quantized(raw: np.ndarray) -> QuantizedTensor:
-    """Q4_0 bytes ``[..., out, in/32*18]`` -> int4 `QuantizedTensor` (``scale = d``, ``bias = -8 d``,
-    numpy leaves): float16 scales and biases when every ``|d| <= F16_MAX_D_Q4``, else float32."""
+def _q4_0_parts(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_0 bytes ``[..., out, in/32*18]`` -> (jaxmoe-packed nibbles ``[..., out, in/2]``, float32 ``d``)."""
     raw = np.asarray(raw, np.uint8)
     *lead, out, row = raw.shape
     if row % _Q4_BYTES:
@@ -116,10 +117,21 @@ def q4_0_to_quantized(raw: np.ndarray) -> QuantizedTensor:
     d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)  # [..., out, nb]
     qs = blocks[..., 2:]
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [..., out, nb, 32]: elements 0..15, 16..31
-    packed = pack_int4(codes.reshape(*lead, out, nb * _QK))
-    bias = -8.0 * d
+    return pack_int4(codes.reshape(*lead, out, nb * _QK)), d
+
+
+def _q4_0_tensor(packed: np.ndarray, d: np.ndarray) -> QuantizedTensor:
+    """The int4 `QuantizedTensor` of packed nibbles and the file's ``d`` (float16, or float32
+    holding float16 values; ``bias = -8 d``, exact in either dtype)."""
     sdt = np.float16 if not d.size or np.abs(d).max() <= F16_MAX_D_Q4 else np.float32
-    return QuantizedTensor(packed, d.astype(sdt), bias.astype(sdt), "int4", _QK)
+    d = d.astype(sdt, copy=False)
+    return QuantizedTensor(packed, d, d * sdt(-8.0), "int4", _QK)
+
+
+def q4_0_to_quantized(raw: np.ndarray) -> QuantizedTensor:
+    """Q4_0 bytes ``[..., out, in/32*18]`` -> int4 `QuantizedTensor` (``scale = d``, ``bias = -8 d``,
+    numpy leaves): float16 scales and biases when every ``|d| <= F16_MAX_D_Q4``, else float32."""
+    return _q4_0_tensor(*_q4_0_parts(raw))
 
 
 def quantized_to_q8_0(w: QuantizedTensor) -> np.ndarray | None:
@@ -196,6 +208,149 @@ def weight_from_gguf(data: np.ndarray, qtype: QT, dtype, name: str = "weight"):
     if isinstance(w, QuantizedTensor):
         return jax.tree.map(jnp.asarray, w)
     return jnp.asarray(np.asarray(w, np.float32).astype(jnp.dtype(dtype)))
+
+
+# --------------------------------------------------------------------------- reading a file
+
+
+#: Host buffers given to jax start on this byte boundary: XLA:CPU then uses them in place
+#: (``jax.device_put`` of such a numpy array makes no copy on the CPU).
+HOST_ALIGN = 64
+
+
+def aligned_empty(shape, dtype, align: int = HOST_ALIGN) -> np.ndarray:
+    """An uninitialized numpy array whose data starts on an ``align``-byte boundary."""
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    buf = np.empty(n + align, np.uint8)
+    off = (-buf.ctypes.data) % align
+    return buf[off : off + n].view(dt).reshape(shape)
+
+
+def _pread_into(fd: int, dst: np.ndarray, offset: int, name: str) -> None:
+    """Fills the contiguous array ``dst`` with the file's bytes from ``offset``; a short file is
+    a ValueError naming ``name``."""
+    mv = dst.reshape(-1).view(np.uint8).data
+    done = 0
+    while done < len(mv):
+        n = os.preadv(fd, [mv[done:]], offset + done)
+        if n <= 0:
+            raise ValueError(f"{name}: the file ends {len(mv) - done} bytes before the tensor's end")
+        done += n
+
+
+@dataclasses.dataclass(frozen=True)
+class FileTensor:
+    """One tensor of a GGUF file as the loader reads it, without mapping its pages.
+
+    ``data`` is the reader's memory-mapped numpy view ``[..., out, row]`` (its shape and
+    dtype; read from only when ``file`` is None); ``file`` / ``offset`` where its bytes lie;
+    ``rows`` the ``(start, stop)`` output rows of each matrix to take (a merged gate / up
+    tensor), None for all.
+    """
+
+    data: np.ndarray
+    qtype: QT
+    file: str | os.PathLike | None = None
+    offset: int = 0
+    rows: tuple[int, int] | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The numpy shape of the rows taken: ``[..., rows, row]``."""
+        *lead, out, row = self.data.shape
+        r0, r1 = self.rows or (0, out)
+        return (*lead, r1 - r0, row)
+
+    def matrices(self, name: str):
+        """Yields ``(i, m)`` for each matrix ``i`` (leading indices flattened) of the rows taken:
+        ``m`` a ``[rows, row]`` array in a buffer reused from one matrix to the next (copy what
+        you keep). The bytes come through ``pread``, so the file's pages never count in the
+        process's resident memory."""
+        *lead, out, row = self.data.shape
+        r0, r1 = self.rows or (0, out)
+        n_lead = int(np.prod(lead, dtype=np.int64))
+        tmp = np.empty((r1 - r0, row), self.data.dtype)
+        flat = None if self.file is not None else self.data.reshape(n_lead, out, row)
+        fd = os.open(self.file, os.O_RDONLY) if self.file is not None else -1
+        try:
+            for i in range(n_lead):
+                if flat is not None:
+                    tmp[...] = flat[i, r0:r1]
+                else:
+                    _pread_into(fd, tmp, self.offset + (i * out + r0) * row * tmp.itemsize, name)
+                yield i, tmp
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def read(self, name: str) -> np.ndarray:
+        """The rows taken, as a fresh `HOST_ALIGN`-aligned array (read straight into it)."""
+        out = aligned_empty(self.shape, self.data.dtype)
+        *lead, rows, row = self.shape
+        if self.rows is None and self.file is not None:
+            fd = os.open(self.file, os.O_RDONLY)
+            try:
+                _pread_into(fd, out, self.offset, name)
+            finally:
+                os.close(fd)
+            return out
+        flat = out.reshape(-1, rows, row)
+        for i, m in self.matrices(name):
+            flat[i] = m
+        return out
+
+
+def host_weight_from_file(t: FileTensor, dtype=None, name: str = "weight") -> np.ndarray | QuantizedTensor:
+    """A GGUF matrix read from its file into host buffers that jax can take in place (leaves
+    `HOST_ALIGN`-aligned): the `KEPT_QUANTIZED` types as a `QuantizedTensor` (block bytes as
+    they are, Q8_0 / Q4_0 split matrix by matrix), every other type dequantized matrix by
+    matrix and transposed to ``[..., in, out]`` in ``dtype`` (float32 when None). No more
+    than one matrix's bytes beyond the result is allocated at a time: a load peaks near the
+    bytes it keeps."""
+    qt = t.qtype
+    *lead, rows, row = t.shape
+    if qt in BLOCK_TYPES:
+        return block_tensor_from_gguf(t.read(name), qt, name)
+    if qt == QT.Q8_0:
+        if row % _Q8_BYTES:
+            raise ValueError(f"{name}: Q8_0 row of {row} bytes is not a whole number of {_Q8_BYTES}-byte blocks")
+        nb = row // _Q8_BYTES
+        q = aligned_empty((*lead, rows, nb * _QK), np.int8)
+        d = aligned_empty((*lead, rows, nb), np.float16)
+        qf, df = q.reshape(-1, rows, nb * _QK), d.reshape(-1, rows, nb)
+        for i, m in t.matrices(name):
+            blocks = m.reshape(rows, nb, _Q8_BYTES)
+            qf[i] = blocks[..., 2:].reshape(rows, nb * _QK).view(np.int8)
+            df[i] = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+        return QuantizedTensor(q, d, None, "int8", _QK)
+    if qt == QT.Q4_0:
+        if row % _Q4_BYTES:
+            raise ValueError(f"{name}: Q4_0 row of {row} bytes is not a whole number of {_Q4_BYTES}-byte blocks")
+        nb = row // _Q4_BYTES
+        packed = aligned_empty((*lead, rows, nb * _QK // 2), np.uint8)
+        d = aligned_empty((*lead, rows, nb), np.float16)
+        pf, df = packed.reshape(-1, rows, nb * _QK // 2), d.reshape(-1, rows, nb)
+        for i, m in t.matrices(name):
+            pf[i], df[i] = _q4_0_parts(m)  # d: float16 values, exact
+        return _q4_0_tensor(packed, d)
+    dt = np.dtype(np.float32 if dtype is None else dtype)
+    if t.data.dtype == np.uint8:  # bytes of a block type
+        block, size = GGML_QUANT_SIZES[qt]
+        n_in = row // size * block
+    else:
+        n_in = row
+    res = aligned_empty((*lead, n_in, rows), dt)
+    flat = res.reshape(-1, n_in, rows)
+    for i, m in t.matrices(name):
+        w = np.asarray(dequantize_raw(m, qt), np.float32)  # [rows, in]
+        flat[i] = w.T if dt == np.float32 else w.T.astype(dt)
+    return res
+
+
+def to_device(w):
+    """Host leaves -> jax arrays: `jax.device_put` (in place on the CPU for aligned buffers)."""
+    return jax.tree.map(jax.device_put, w)
 
 
 def to_numpy_f32(w) -> np.ndarray:
