@@ -344,8 +344,12 @@ inline void dequant2(const void* row, int64_t k, const GroupScale& g, vf& w0, vf
     w0 = w0 * s + b;
     w1 = w1 * s + b;
 #endif
+  } else if constexpr (Q == kFP8) {  // 2 * lanes E4M3 codes, exact, times the block's scale (one rounding)
+    const uint8_t* p = static_cast<const uint8_t*>(row) + k;
+    w0 = fp8_to_vf(p) * s;
+    w1 = fp8_to_vf(p + kLanes) * s;
   } else {
-    static_assert(Q == kInt8 || Q == kInt4, "dequant2: int8 or int4 codes");
+    static_assert(Q == kInt8 || Q == kInt4, "dequant2: int8, int4 or FP8 codes");
   }
 }
 
@@ -378,8 +382,8 @@ void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
   // advances, and the columns kFarBytes ahead into L2 (int8 T = 1 / 8 ~1.5x faster).
   const char* next = w.base + (j0 + NC) * w.stride;
   const char* far = far_cols(w, j0, NC);
-  static_assert(Q == kInt8 || Q == kInt4, "qtile: int8 or int4 codes");
-  constexpr int kBytesPerStep = Q == kInt8 ? 2 * kLanes : kLanes;
+  static_assert(Q == kInt8 || Q == kInt4 || Q == kFP8, "qtile: int8, int4 or FP8 codes");
+  constexpr int kBytesPerStep = Q == kInt4 ? kLanes : 2 * kLanes;
   const int64_t G = w.group;
   for (int64_t o = 0; o < NC * w.ng; o += 16) {  // the next tile's scales (and biases): float32 [ncols, ng]
     __builtin_prefetch(static_cast<const float*>(w.scales) + (j0 + NC) * w.ng + o);
@@ -392,7 +396,7 @@ void qtile(const float* a, int64_t lda, const QCols& w, int64_t j0, int64_t K, f
       gs[j] = group_scale<Q>(static_cast<const float*>(w.scales)[si],
                              w.qbias ? static_cast<const float*>(w.qbias)[si] : 0.f);
     }
-    for (int64_t k = g0; k < g0 + G; k += 2 * kLanes) {
+    for (int64_t k = g0, ke = std::min(g0 + G, K); k < ke; k += 2 * kLanes) {  // FP8: a last block may be partial
       const int64_t kb = int64_t(uint64_t(k) / (2 * kLanes)) * kBytesPerStep;
       if (kb % 64 == 0)
         for (int j = 0; j < NC; ++j) {
@@ -586,7 +590,7 @@ inline void pblock(const float* a, int64_t lda, const float* pack, int64_t m, in
 // Dequantizes columns [0, ncols) of the block into pack [ncols, K] float32 (out-major).
 template <int Q>
 void dequant_block(const QCols& w, int64_t ncols, int64_t K, float* pack) {
-  const int64_t row_bytes = Q == kInt8 ? K : K / 2;
+  const int64_t row_bytes = Q == kInt4 ? K / 2 : K;
   for (int64_t j = 0; j < ncols; ++j) {
     const void* row = w.base + j * w.stride;
     if (j + 2 < ncols)  // two columns ahead: the next page (the hardware prefetcher stops at pages)
@@ -595,7 +599,7 @@ void dequant_block(const QCols& w, int64_t ncols, int64_t K, float* pack) {
       const int64_t si = j * w.ng + gi;  // float32 here (float_scales)
       const GroupScale gs = group_scale<Q>(static_cast<const float*>(w.scales)[si],
                                            w.qbias ? static_cast<const float*>(w.qbias)[si] : 0.f);
-      for (int64_t k = g0; k < g0 + w.group; k += 2 * kLanes) {
+      for (int64_t k = g0, ke = std::min(g0 + w.group, K); k < ke; k += 2 * kLanes) {
         vf w0, w1;
         dequant2<Q>(row, k, gs, w0, w1);
         store(pack + j * K + k, w0);
@@ -672,7 +676,7 @@ template <int Q>
 void quant_matmul(const float* a, int64_t lda, const QCols& wq, int64_t K, int64_t m, int64_t ncols, float* c,
                   int64_t ldc, fvec& pack) {
   thread_local fvec sbuf, abuf;
-  const QCols w = float_scales(wq, ncols, sbuf);
+  const QCols w = Q == kFP8 ? wq : float_scales(wq, ncols, sbuf);  // FP8: fp8_matmul expanded them
   if constexpr (Q == kInt4 && kSplitInt4) {
     abuf.resize(size_t(m * K));
     split_rows(a, lda, m, K, abuf.data());
@@ -704,6 +708,28 @@ void gguf_matmul(const float* a, int64_t lda, const QCols& w, int64_t K, int64_t
 
 #include "int_dot.h"  // the opt-in integer dot products over int8-quantized activations
 
+// Block-scaled FP8 (fp8_kind.h): the int8 tiles' order of operations over the codes'
+// exact values times their block's scale. Each of the task's columns gets its own float32
+// row of ceil(in / b) scales (its block row's, converted once: ncols x in / b values per
+// task), so the tiles read per-column groups of b as they do int8's.
+void fp8_matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t lda, int64_t m, int64_t ncols,
+                float* c, int64_t ldc, fvec& pack) {
+  const int64_t K = w.in, N = w.out, ng = fp8_scale_cols(w), sr = fp8_scale_rows(w);
+  const int64_t ssize = w.stype == kSF32 ? 4 : 2;
+  thread_local fvec sbuf;
+  sbuf.resize(size_t(ncols * ng));
+  for (int64_t j = 0; j < ncols; ++j) {
+    const int64_t r = (col0 + j) / w.group;
+    if (j > 0 && r == (col0 + j - 1) / w.group) {
+      std::memcpy(sbuf.data() + j * ng, sbuf.data() + (j - 1) * ng, sizeof(float) * size_t(ng));
+      continue;
+    }
+    scales_to_float(static_cast<const char*>(w.scales) + (e * sr + r) * ng * ssize, w.stype, ng, sbuf.data() + j * ng);
+  }
+  QCols q{static_cast<const char*>(w.data) + (e * N + col0) * K, K, sbuf.data(), nullptr, kSF32, ng, w.group};
+  quant_matmul<kFP8>(a, lda, q, K, m, ncols, c, ldc, pack);
+}
+
 // C[m, ncols] = A[m, in] @ W_e[:, col0 : col0 + ncols] for any weight format; for a weight
 // with int_dot set, Q8(A) @ W_e[...] from qa (A's rows quantized, int_dot.h).
 void matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t lda, int64_t m, int64_t ncols, float* c,
@@ -722,6 +748,7 @@ void matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t ld
     if (w.int_dot && w.kind == kQ6_K) return int_dot_gguf<kQ6_K>(*qa, q, K, m, ncols, c, ldc);
     return with_gguf_kind(w.kind, [&](auto Q) { gguf_matmul<Q.value>(a, lda, q, K, m, ncols, c, ldc, pack); });
   }
+  if (w.kind == kFP8) return fp8_matmul(w, e, col0, a, lda, m, ncols, c, ldc, pack);
   const int64_t ng = K / w.group, col = e * N + col0;
   const int64_t ssize = w.stype == kSF32 ? 4 : 2;
   const int64_t row_bytes = w.kind == kInt8 ? K : K / 2;

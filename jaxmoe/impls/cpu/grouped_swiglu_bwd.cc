@@ -228,8 +228,13 @@ inline void affine_int4_32(const uint8_t* __restrict p, float sc, float bs, floa
 // of 32), dequantized with pack's arithmetic (s q; s q + b: one multiply, then one add), 32
 // at a time in vectors (pack's former per-element loop took ~93% of a T = 8 Q4_0 backward step).
 void decode_int_slice(const Weight& w, int64_t col, int64_t in0, int64_t B, float* __restrict out) {
-  const int64_t K = w.in, ng = K / w.group, row_bytes = w.kind == kInt8 ? K : K / 2;
+  const int64_t K = w.in, ng = K / w.group, row_bytes = w.kind == kInt4 ? K / 2 : K;
   const char* codes = static_cast<const char*>(w.data) + col * row_bytes;
+  if (w.kind == kFP8) {  // fp8_kind.h: the block's scale (b a multiple of 32: one per 32 codes)
+    for (int64_t i = in0; i < in0 + B; i += 32)
+      scale_fp8_32(reinterpret_cast<const uint8_t*>(codes) + i, fp8_scale_at(w, col, i), out + (i - in0));
+    return;
+  }
   for (int64_t i = in0; i < in0 + B; i += 32) {
     const int64_t gi = col * ng + i / w.group;
     const float sc = load_scale(w.scales, w.stype, gi);
@@ -288,8 +293,9 @@ void axpy_weight(const Weight& w, int64_t e, int64_t in0, int64_t B, int64_t R, 
         for (int64_t b = 0; b < nb; ++b) decode_block<Q.value>(row + b * BB, buf + b * BE);
       });
     });
-  const int64_t row_bytes = w.kind == kInt8 ? w.in : w.in / 2, nbytes = w.kind == kInt8 ? B : B / 2;
-  const char* base = static_cast<const char*>(w.data) + e * w.out * row_bytes + (w.kind == kInt8 ? in0 : in0 / 2);
+  const bool half = w.kind == kInt4;  // int8 / FP8: a byte per code
+  const int64_t row_bytes = half ? w.in / 2 : w.in, nbytes = half ? B / 2 : B;
+  const char* base = static_cast<const char*>(w.data) + e * w.out * row_bytes + (half ? in0 / 2 : in0);
   axpy_rows(B, R, a, lda, m, acc, B, [&](int64_t o, float* buf) {
     if (o + kAxpyAhead < R)  // the slice a few rows ahead (rows are row_bytes apart)
       for (int64_t q = 0; q < nbytes; q += 64) __builtin_prefetch(base + (o + kAxpyAhead) * row_bytes + q);
@@ -302,7 +308,7 @@ void axpy_weight(const Weight& w, int64_t e, int64_t in0, int64_t B, int64_t R, 
 inline bool axpy_takes(const Weight& w, int64_t in0, int64_t B, int64_t m) {
   if (m > kAxpyRows) return false;
   if (is_gguf(w.kind)) return in0 % block_elems(w.kind) == 0;
-  return (w.kind == kInt8 || w.kind == kInt4) && in0 % 32 == 0 && B % 32 == 0;
+  return (w.kind == kInt8 || w.kind == kInt4 || w.kind == kFP8) && in0 % 32 == 0 && B % 32 == 0;
 }
 
 // C[m, B] (row stride ldc) = A[m, R] . W[in0 : in0 + B, :]^T by axpy_rows (and, with w2,

@@ -63,7 +63,7 @@ from jaxmoe.impls.cpu.backward import backward_kernel_status, backward_supports,
 from jaxmoe.impls.cpu.build import TARGET, TARGET_SHARED, cpu_kernel_status
 from jaxmoe.impls.cpu.kinds import GGUF_KINDS, INT4, INT8, operands
 from jaxmoe.invariance import row_blocks
-from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor
+from jaxmoe.quant import FP8_KINDS, GGUF_BLOCKS, QuantizedTensor
 from jaxmoe.routing import Routing
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -99,9 +99,11 @@ def _weight_problem(name: str, w, n_in: int | None = None) -> str | None:
         return None
     if w.kind in GGUF_KINDS:
         return _block_problem(name, w, n_in)
+    if w.kind in FP8_KINDS:
+        return _fp8_problem(name, w)
     if w.kind not in _QKINDS:
         return (
-            f"impl='cpu' reads QuantizedTensor kinds {sorted(_QKINDS) + sorted(GGUF_KINDS)}; {name} is "
+            f"impl='cpu' reads QuantizedTensor kinds {sorted(_QKINDS) + sorted(GGUF_KINDS) + list(FP8_KINDS)}; {name} is "
             f"kind={w.kind!r} (qdata {tuple(w.qdata.shape)}); use impl='xla'"
         )
     code_dtype = _QKINDS[w.kind][1]
@@ -119,6 +121,22 @@ def _weight_problem(name: str, w, n_in: int | None = None) -> str | None:
         return f"impl='cpu': {name} ({w.kind}) scales must be float32, float16 or bfloat16, got {got}"
     if w.biases is not None and jnp.dtype(w.biases.dtype) != jnp.dtype(scales.dtype):
         return f"impl='cpu': {name} ({w.kind}) biases {w.biases.dtype} must have the scales' dtype {scales.dtype}"
+    return None
+
+
+def _fp8_problem(name: str, w: QuantizedTensor) -> str | None:
+    """Why block-scaled FP8 weight ``name`` is malformed for the kernel, or None: codes
+    ``[E, out, in]`` with ``in`` and the block edge multiples of 32 (whole vectors of codes
+    per block); the block scales' shape and dtype `jaxmoe.quant.check_fp8_blocks` checked."""
+    shape, b = tuple(w.qdata.shape), w.group_size
+    where = f"impl='cpu': {name} ({w.kind}, {b} x {b} blocks) of codes {shape}"
+    if len(shape) != 3:
+        return f"{where}: codes must be [E, out, in]"
+    if b % 32 or shape[-1] % 32:
+        return f"{where}: the kernel takes a block edge and an input width that are multiples of 32; use impl='xla'"
+    assert w.scales is not None
+    if jnp.dtype(w.scales.dtype) not in _SCALE_DTYPES:
+        return f"{where}: scales must be float32, float16 or bfloat16, got {w.scales.dtype}"
     return None
 
 
