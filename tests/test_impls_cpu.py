@@ -510,7 +510,11 @@ def block_width(fmts) -> int:
     return max(GGUF_BLOCKS[f][0] if f in GGUF_BLOCKS else int(f.split("_g")[1]) if "_g" in f else 32 for f in fmts)
 
 
-@pytest.mark.parametrize("fmt", BLOCK_KINDS)
+#: The IQ1-3 / TQ kinds (iq_kinds.h): slow here, tests/test_quant_iq.py runs them in the quick subset.
+_IQ = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0")
+
+
+@pytest.mark.parametrize("fmt", [pytest.param(k, marks=pytest.mark.slow) if k in _IQ else k for k in BLOCK_KINDS])
 @pytest.mark.parametrize("t", [1, 9])
 def test_block_kinds_match_float64(fmt, t, rng):
     """Every GGUF block kind, in place: within float rounding of the float64 forward of

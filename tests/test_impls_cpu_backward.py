@@ -15,7 +15,7 @@ from jaxmoe import MoEConfig, RouterConfig, Routing
 from jaxmoe.experts import ExpertWeights, experts_dense, gather_vjp
 from jaxmoe.impls.cpu import backward, cpu_kernel_status, experts_cpu
 from jaxmoe.impls.cpu.backward import backward_kernel_status, backward_supports, cpu_vjp
-from jaxmoe.quant import materialize
+from jaxmoe.quant import GGUF_BLOCKS, materialize
 
 
 def test_kernels_build():
@@ -195,7 +195,8 @@ def test_deterministic(rng):
 @pytest.mark.parametrize(
     "fmts",
     [("q4_k", "q4_k", "q6_k"), ("q5_k", "q6_k", "q4_k"), ("q5_0", "q5_1", "q4_1")]
-    + [("q2_k", "q3_k", "iq4_xs"), ("iq4_nl", "mxfp4", "iq4_nl")],
+    + [("q2_k", "q3_k", "iq4_xs"), ("iq4_nl", "mxfp4", "iq4_nl")]
+    + [("iq2_xxs", "iq2_xs", "iq2_s"), ("iq3_xxs", "iq3_s", "iq1_s"), ("iq1_m", "tq1_0", "tq2_0")],
 )
 @pytest.mark.parametrize("t", [3, 20])
 @pytest.mark.slow
@@ -205,7 +206,7 @@ def test_gguf_block_experts_are_frozen_in_the_kernel(fmts, t, rng):
     the same bytes (float64 reference loop through experts_dense); the experts get zero
     cotangents; the compiled gradient runs the backward custom call (no gather loop).
     F = 96 / 256 with 64-column tasks: blocks split across tasks are decoded whole."""
-    block = 256 if any(f[-1] == "k" for f in fmts) else 32
+    block = max(GGUF_BLOCKS[f][0] for f in fmts)
     d, f = (256, 256) if block == 256 else (64, 96)
     cfg = cfg_of(d, f, 6, 2)
     shapes = {"w_gate": (6, f, d), "w_up": (6, f, d), "w_down": (6, d, f)}  # stored [E, out, in]

@@ -1,11 +1,15 @@
 """The IQ1-3 and ternary GGUF block kinds (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S,
 IQ1_M, TQ1_0, TQ2_0) as resident `QuantizedTensor` kinds: the jnp decode bit-exact with
 ``gguf.quants.dequantize`` over any bytes, named errors for bad buffers, the C++ kernel and
-the XLA impls against a float64 loop over gguf-py's dequantized weights. The GGUF file round
+the C++ kernel and the XLA impls against a float64 loop over gguf-py's dequantized
+weights (the C++ backward: tests/test_impls_cpu_backward.py's frozen-expert test; ggml
+activations: the oracle tests of tests/test_ggml_activations.py / test_impls_cpu_ggml.py). The GGUF file round
 trip (held bytes = file bytes, ``save_gguf(dtype="keep")``) is tests/test_io_gguf.py's
 ``test_quantized_layer_stays_quantized`` (mixes ``iq2_xxs``, ``iq1_s``)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import gguf
 import jax
@@ -14,12 +18,14 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
-from helpers import gguf_block_bytes, np_experts, shrink, skewed_routing
+from helpers import gguf_block_bytes, needs_cpu_kernel, np_experts, shrink, skewed_routing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxmoe
 from jaxmoe.experts import ExpertWeights
+from jaxmoe.impls.cpu import supports as cpu_supports
+from jaxmoe.impls.policy import resolve_impl
 from jaxmoe.params import MoEParams
 from jaxmoe.quant import GGUF_BLOCKS, gguf_block_tensor
 from jaxmoe.routing import Routing
@@ -172,8 +178,6 @@ MIXES = [("iq2_xxs", "iq2_xs", "iq2_s"), ("iq3_xxs", "iq3_s", "iq1_s"), ("iq1_m"
 
 
 def run(params, x, cfg, impl, ids, ws, **kw):
-    import dataclasses
-
     cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, top_k=ids.shape[1]))
     routing = Routing(jnp.asarray(ids), jnp.asarray(ws))
     return np.asarray(jaxmoe.moe_apply(params, jnp.asarray(x), cfg, impl=impl, routing=routing, **kw)), cfg
@@ -191,3 +195,81 @@ def test_xla_impls_match_float64(kinds, impl, rng):
         y, c = run(params, x, cfg, impl, ids, ws)
         want = np_experts(x, ids, ws, ref, c)
         assert np.abs(y - want).max() <= 2e-5 * np.abs(want).max(), (impl, kinds, t)
+
+
+# ----------------------------------------------------------------------------- the C++ kernel
+
+
+def test_cpu_grid_tables_are_gguf_quants_grids():
+    """iq_kinds.h's packed grids and sign table, row for row, against ``gguf.quants``' own
+    (its ``init_grid`` unpacking of ggml's grids; ``IQ2_XXS.ksigns``)."""
+    import re
+    from pathlib import Path
+
+    from pallas_kernels.gguf import grid_tables
+
+    src = (Path(jaxmoe.__file__).parent / "impls" / "cpu" / "iq_kinds.h").read_text()
+
+    def table(name: str) -> np.ndarray:
+        body = re.search(rf"{name}\[(\d+)\] = \{{(.*?)\}};", src, re.S)
+        assert body is not None, name
+        vals = np.array([int(v, 16) for v in re.findall(r"0x[0-9a-f]+", body.group(2))], np.int64)
+        assert len(vals) == int(body.group(1)), name
+        return vals
+
+    names = {
+        "iq2_xxs": "IQ2XXS",
+        "iq2_xs": "IQ2XS",
+        "iq2_s": "IQ2S",
+        "iq3_xxs": "IQ3XXS",
+        "iq3_s": "IQ3S",
+        "iq1_s": "IQ1S",
+    }
+    for kind, n in names.items():
+        grid, ksigns, _ = grid_tables(kind)
+        levels = np.asarray(getattr(gguf.quants, kind.upper()).grid_map, np.float32)
+        bits = 2 if len(levels) <= 4 else 3
+        packed = table(f"kGrid{n}")
+        idx = (packed[:, None] >> (bits * np.arange(grid.shape[1]))) & ((1 << bits) - 1)
+        np.testing.assert_array_equal(levels[idx], grid, err_msg=kind)
+    np.testing.assert_array_equal(table("kKSigns"), grid_tables("iq2_xxs")[1])
+
+
+@needs_cpu_kernel()
+@pytest.mark.parametrize("kinds", MIXES)
+def test_cpu_kernel_matches_float64(kinds, rng):
+    """The C++ kernel reads each kind in place: T = 1 (per-column block decode in the tiles)
+    and T = 40 (a decoded tile buffer per expert), within float rounding of the float64 loop
+    over gguf-py's dequantized weights; ``auto`` takes the kernel for them."""
+    e = 6
+    cfg, params, ref, _ = layer(rng, kinds, e)
+    assert cpu_supports(params.experts, jnp.float32) is None
+    for t in (1, 40):
+        ids, ws = skewed_routing(rng, t, 2, e)
+        x = rng.standard_normal((t, cfg.d_model)).astype(np.float32)
+        y, c = run(params, x, cfg, "cpu", ids, ws)
+        want = np_experts(x, ids, ws, ref, c)
+        assert np.abs(y - want).max() <= 2e-6 * np.abs(want).max(), (kinds, t)
+    assert resolve_impl("auto", 80, "cpu", experts=params.experts) == "cpu"
+
+
+@needs_cpu_kernel()
+@pytest.mark.parametrize("kind", IQ_KINDS)
+def test_cpu_kernel_a_flipped_code_byte_changes_the_output(kind, rng):
+    """One code byte of the down weight of an expert every token uses, flipped: the kernel's
+    output changes, and matches the float64 loop over the flipped bytes (so the test above
+    can fail)."""
+    e = 3
+    cfg, params, ref, raws = layer(rng, ("q4_k", "q4_k", kind), e)
+    ids = np.zeros((5, 1), np.int32)
+    ws = np.ones((5, 1), np.float32)
+    x = rng.standard_normal((5, cfg.d_model)).astype(np.float32)
+    y0, c = run(params, x, cfg, "cpu", ids, ws)
+    bad = raws[2].copy()
+    bad[0, 7, CODE_AT[kind]] ^= 0x0F  # expert 0, output 7, the first block
+    ew = dataclasses.replace(params.experts, w_down=jax.tree.map(jnp.asarray, gguf_block_tensor(bad, kind)))
+    y1, _ = run(dataclasses.replace(params, experts=ew), x, cfg, "cpu", ids, ws)
+    assert not np.array_equal(y0[:, 7], y1[:, 7])
+    np.testing.assert_array_equal(np.delete(y0, 7, axis=1), np.delete(y1, 7, axis=1))
+    want = np_experts(x, ids, ws, {**ref, "w_down": np.swapaxes(gguf_reference(bad, kind), -1, -2)}, c)
+    assert np.abs(y1 - want).max() <= 2e-6 * np.abs(want).max()

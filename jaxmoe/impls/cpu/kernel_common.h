@@ -179,9 +179,11 @@ using fvec = std::vector<float, Aligned64<float>>;
 // One expert weight operand in its stored format.
 enum Kind : int {
   kFloat = 0, kInt8 = 1, kInt4 = 2, kQ4_1 = 3, kQ5_0 = 4, kQ5_1 = 5, kQ4_K = 6, kQ5_K = 7, kQ6_K = 8,
-  kQ2_K = 9, kQ3_K = 10, kIQ4_NL = 11, kIQ4_XS = 12, kMXFP4 = 13
+  kQ2_K = 9, kQ3_K = 10, kIQ4_NL = 11, kIQ4_XS = 12, kMXFP4 = 13,
+  kIQ2_XXS = 14, kIQ2_XS = 15, kIQ2_S = 16, kIQ3_XXS = 17, kIQ3_S = 18, kIQ1_S = 19, kIQ1_M = 20, kTQ1_0 = 21,
+  kTQ2_0 = 22  // iq_kinds.h
 };
-constexpr bool is_gguf(int q) { return q >= kQ4_1 && q <= kMXFP4; }
+constexpr bool is_gguf(int q) { return q >= kQ4_1 && q <= kTQ2_0; }
 // GGUF block kinds: elements and bytes per block (ggml's GGML_QUANT_SIZES).
 constexpr int block_elems(int q) { return q <= kQ5_1 || q == kIQ4_NL || q == kMXFP4 ? 32 : 256; }
 constexpr int block_bytes(int q) {
@@ -195,6 +197,15 @@ constexpr int block_bytes(int q) {
          : q == kQ3_K ? 110
          : q == kIQ4_NL ? 18
          : q == kIQ4_XS ? 136
+         : q == kIQ2_XXS ? 66
+         : q == kIQ2_XS ? 74
+         : q == kIQ2_S ? 82
+         : q == kIQ3_XXS ? 98
+         : q == kIQ3_S ? 110
+         : q == kIQ1_S ? 50
+         : q == kIQ1_M ? 56
+         : q == kTQ1_0 ? 54
+         : q == kTQ2_0 ? 66
                         : 17;  // MXFP4
 }
 enum SType : int { kSF32 = 0, kSF16 = 1, kSBF16 = 2 };
@@ -225,6 +236,15 @@ inline void with_gguf_kind(int kind, Fn&& fn) {
     case kIQ4_NL: return fn(std::integral_constant<int, kIQ4_NL>{});
     case kIQ4_XS: return fn(std::integral_constant<int, kIQ4_XS>{});
     case kMXFP4: return fn(std::integral_constant<int, kMXFP4>{});
+    case kIQ2_XXS: return fn(std::integral_constant<int, kIQ2_XXS>{});
+    case kIQ2_XS: return fn(std::integral_constant<int, kIQ2_XS>{});
+    case kIQ2_S: return fn(std::integral_constant<int, kIQ2_S>{});
+    case kIQ3_XXS: return fn(std::integral_constant<int, kIQ3_XXS>{});
+    case kIQ3_S: return fn(std::integral_constant<int, kIQ3_S>{});
+    case kIQ1_S: return fn(std::integral_constant<int, kIQ1_S>{});
+    case kIQ1_M: return fn(std::integral_constant<int, kIQ1_M>{});
+    case kTQ1_0: return fn(std::integral_constant<int, kTQ1_0>{});
+    case kTQ2_0: return fn(std::integral_constant<int, kTQ2_0>{});
     default: return fn(std::integral_constant<int, kQ6_K>{});
   }
 }
@@ -236,8 +256,6 @@ inline float load_scale(const void* p, int stype, int64_t i) {
     default: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
   }
 }
-
-#include "fp8_kind.h"  // block-scaled FP8 E4M3 (kFP8): decode, scale lookup, operand check
 
 inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept NaN (quiet)
   uint32_t w;
@@ -458,8 +476,10 @@ inline float table_scale(const uint8_t* b, int j) {
   }
 }
 
+#include "iq_kinds.h"  // IQ2_XXS ... TQ2_0 (kinds 14-22): decode_iq_block
+
 template <int Q>
-inline void decode_block(const uint8_t* b, float* __restrict out) {
+inline void decode_kq_block(const uint8_t* b, float* __restrict out) {
 #ifdef JM_LUT16
   if constexpr (Q == kIQ4_NL || Q == kIQ4_XS || Q == kMXFP4) {  // per 32 codes a table, per 16 a permute
     const vf vals = load(Q == kMXFP4 ? kFP4Values : kIQ4Values);
@@ -655,6 +675,14 @@ inline void decode_block(const uint8_t* b, float* __restrict out) {
   }
 }
 
+template <int Q>
+inline void decode_block(const uint8_t* b, float* __restrict out) {
+  if constexpr (Q >= kIQ2_XXS)
+    decode_iq_block<Q>(b, out);
+  else
+    decode_kq_block<Q>(b, out);
+}
+
 // Why a GGUF block operand of kind `kind` (logical [E, in, out], stored [E, out, in / B * BB]
 // uint8, scales inside the blocks) is malformed, or "" (both kernels' bind_weight).
 inline std::string gguf_operand_problem(int kind, int32_t group, ffi::AnyBuffer data, ffi::AnyBuffer scales,
@@ -833,15 +861,6 @@ inline ffi::Error check_weight(const char* op, int32_t group_step, const char* g
     const std::string why = gguf_operand_problem(kind, group, data, scales, qbias, E, in, out);
     if (!why.empty()) return fail(why);
     w.group = block_elems(kind);
-    return ffi::Error::Success();
-  }
-  if (kind == kFP8) {
-    const std::string why = fp8_operand_problem(group, data, scales, qbias, E, in, out);
-    if (!why.empty()) return fail(why);
-    const auto st = scales.element_type();
-    w.stype = st == ffi::DataType::F32 ? kSF32 : st == ffi::DataType::F16 ? kSF16 : kSBF16;
-    w.scales = scales.untyped_data();
-    w.group = group;
     return ffi::Error::Success();
   }
   if (kind != kInt8 && kind != kInt4) return fail("unknown weight kind " + std::to_string(kind));
