@@ -257,6 +257,8 @@ inline float load_scale(const void* p, int stype, int64_t i) {
   }
 }
 
+#include "fp8_kind.h"  // block-scaled FP8 E4M3 (kFP8): decode, scale lookup, operand check
+
 inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept NaN (quiet)
   uint32_t w;
   std::memcpy(&w, &f, 4);
@@ -861,6 +863,15 @@ inline ffi::Error check_weight(const char* op, int32_t group_step, const char* g
     const std::string why = gguf_operand_problem(kind, group, data, scales, qbias, E, in, out);
     if (!why.empty()) return fail(why);
     w.group = block_elems(kind);
+    return ffi::Error::Success();
+  }
+  if (kind == kFP8) {
+    const std::string why = fp8_operand_problem(group, data, scales, qbias, E, in, out);
+    if (!why.empty()) return fail(why);
+    const auto st = scales.element_type();
+    w.stype = st == ffi::DataType::F32 ? kSF32 : st == ffi::DataType::F16 ? kSF16 : kSBF16;
+    w.scales = scales.untyped_data();
+    w.group = group;
     return ffi::Error::Success();
   }
   if (kind != kInt8 && kind != kInt4) return fail("unknown weight kind " + std::to_string(kind));
