@@ -29,7 +29,8 @@ llama.cpp semantics this follows (read from llama.cpp, not from HF):
 - gpt-oss: softmax over the k selected logits of a router with bias, experts with biases
   and the clamped SwiGLU (alpha 1.702, limit 7, hard-coded in llama.cpp).
 
-Tensors Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS and MXFP4
+Tensors Q8_0, Q4_0 and the GGUF block types (`jaxmoe.quant.GGUF_BLOCKS`: Q4_1 ... Q6_K,
+Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4, the IQ1-3 and TQ types)
 stay quantized
 (`jaxmoe.quant.QuantizedTensor`, see `jaxmoe.io.gguf_codec`); everything else is
 dequantized with gguf-py at load. Routers,
@@ -527,7 +528,7 @@ def load_layer(
       layer: the block index ``i`` of ``blk.{i}.*``.
       dtype: dtype of the float expert and shared-expert weights (Q8_0 / Q4_0 and the GGUF
         block types of `jaxmoe.quant.GGUF_BLOCKS`, Q4_1 ... Q6_K, Q2_K, Q3_K, IQ4_NL,
-        IQ4_XS, MXFP4, stay quantized; routers and biases are float32).
+        IQ4_XS, MXFP4, IQ1-3, TQ1_0, TQ2_0, stay quantized; routers and biases are float32).
       on_read: called with each tensor name before its bytes are read.
     """
     reader = open_reader(path)
@@ -624,7 +625,7 @@ def save_gguf(
       layer: the block index the tensors get (``blk.{layer}.*``).
       dtype: ``f32``, ``f16``, ``bf16``, ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``,
         ``mxfp4`` (quantized by gguf-py), ``q2_k``, ``q3_k``, ``q4_k``, ``q5_k``, ``q6_k``,
-        ``iq4_nl``, ``iq4_xs`` (only for weights already stored so), or ``keep``: each
+        ``iq4_nl``, ``iq4_xs``, the IQ1-3 / TQ kinds (only for weights already stored so), or ``keep``: each
         matrix in the type it is stored in exactly
         (`jaxmoe.io.gguf_codec.native_qtype`), so a loaded Q4_K_M layer is written back
         byte for byte. Routers and biases are always F32. Experts already quantized

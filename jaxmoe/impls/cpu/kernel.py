@@ -13,7 +13,8 @@ Weight formats, each read where it lies: float32 / bfloat16 ``[E, in, out]``, an
 group of 32) and ``int4`` (MLX affine 4-bit and GGUF Q4_0: packed nibbles, a scale and a
 bias per group of 32 / 64 / 128), with float32, float16 or bfloat16 scales, and the GGUF
 block kinds ``q4_1``, ``q5_0``, ``q5_1``, ``iq4_nl``, ``mxfp4`` (blocks of 32) and ``q2_k``,
-``q3_k``, ``q4_k``, ``q5_k``, ``q6_k``, ``iq4_xs`` (super-blocks of 256) as the file's block bytes, decoded one block per column inside the
+``q3_k``, ``q4_k``, ``q5_k``, ``q6_k``, ``iq4_xs``, the IQ1-3 / TQ kinds ``iq2_xxs`` ...
+``tq2_0`` (super-blocks of 256; iq_kinds.h) as the file's block bytes, decoded one block per column inside the
 tiles bit-exact with ``gguf.quants.dequantize``; gate, up and down may each have their
 own format (Q4_K_M: gate/up ``q4_k``, down ``q6_k``). Quantized codes are widened and scaled in
 registers inside the tiles (tasks with >= 8 rows dequantize their block of columns into
