@@ -8,9 +8,12 @@ shared expert; F8_E4M3 ``weight`` + float32 ``weight_scale_inv`` per 128 x 128 b
 blocks, FP8 as ``fp8_e4m3``) or, with ``--dequantize``, as float32 (``quantized=False``, the
 former behaviour), and prints the expert bytes held, the file's bytes of those tensors,
 their ratio, the load time, the process's peak RSS and one token's forward time
-(``impl="auto"``). Run each mode in its own process to compare peak RSS.
+(``impl="auto"``). Run each mode in its own process to compare peak RSS. ``--peak`` also
+loads the layer in a fresh process and reports the load's own peak host memory against
+the bytes it holds (`load_peak.measure`).
 
     python benchmarks/safetensors_quantized_load.py --model gpt-oss --experts 8
+    python benchmarks/safetensors_quantized_load.py --model gpt-oss --experts 32 --peak
     python benchmarks/safetensors_quantized_load.py --model deepseek-v3 --experts 4 --dequantize
 """
 
@@ -28,6 +31,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import transformers as T
+from load_peak import describe, measure
 from safetensors.numpy import save_file
 
 import jaxmoe
@@ -103,12 +107,16 @@ def main() -> None:
     ap.add_argument("--model", choices=("gpt-oss", "deepseek-v3"), default="gpt-oss")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--dequantize", action="store_true", help="load with quantized=False (float32 experts)")
+    ap.add_argument("--peak", action="store_true", help="the load's peak host memory, in a fresh process")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
         files = (write_gptoss if a.model == "gpt-oss" else write_dsv3)(Path(tmp), a.experts, rng)
         file_bytes = sum(v.nbytes for v in files.values())
         del files
+        if a.peak:
+            kw = {"quantized": False} if a.dequantize else {}
+            print(f"from_pretrained(layer=0) in a fresh process: {describe(measure(tmp, 0, **kw))}")
         t0 = time.perf_counter()
         cfg, params = jio.load_layer(tmp, layer=0, quantized=False if a.dequantize else None)
         load_s = time.perf_counter() - t0

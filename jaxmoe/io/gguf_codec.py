@@ -227,7 +227,7 @@ def aligned_empty(shape, dtype, align: int = HOST_ALIGN) -> np.ndarray:
     return buf[off : off + n].view(dt).reshape(shape)
 
 
-def _pread_into(fd: int, dst: np.ndarray, offset: int, name: str) -> None:
+def pread_into(fd: int, dst: np.ndarray, offset: int, name: str) -> None:
     """Fills the contiguous array ``dst`` with the file's bytes from ``offset``; a short file is
     a ValueError naming ``name``."""
     mv = dst.reshape(-1).view(np.uint8).data
@@ -278,7 +278,7 @@ class FileTensor:
                 if flat is not None:
                     tmp[...] = flat[i, r0:r1]
                 else:
-                    _pread_into(fd, tmp, self.offset + (i * out + r0) * row * tmp.itemsize, name)
+                    pread_into(fd, tmp, self.offset + (i * out + r0) * row * tmp.itemsize, name)
                 yield i, tmp
         finally:
             if fd >= 0:
@@ -291,7 +291,7 @@ class FileTensor:
         if self.rows is None and self.file is not None:
             fd = os.open(self.file, os.O_RDONLY)
             try:
-                _pread_into(fd, out, self.offset, name)
+                pread_into(fd, out, self.offset, name)
             finally:
                 os.close(fd)
             return out

@@ -44,6 +44,7 @@ import numpy as np
 from jaxmoe.config import MoEConfig
 from jaxmoe.experts import ExpertWeights, SharedWeights
 from jaxmoe.io import hf_config, mlx_codec
+from jaxmoe.io.gguf_codec import aligned_empty
 from jaxmoe.io.safetensors_dir import SafetensorsDir
 from jaxmoe.params import MoEParams
 from jaxmoe.quant import QuantizedTensor, dequantize_fp8_numpy, fp8_block_tensor, gguf_block_tensor
@@ -139,6 +140,24 @@ FP4_VALUES = np.array(
 )
 
 
+#: Output rows re-packed at a time by `mxfp4_tensors`.
+_MXFP4_ROWS = 256
+
+
+def _mxfp4_check(st: SafetensorsDir, name: str, shape: tuple[int, ...]) -> None:
+    """`_mxfp4_parts`' checks from the header alone (no bytes read)."""
+    *lead, out, n_in = shape
+    if n_in % 32:
+        raise ValueError(f"{st.path}: {name}: input width {n_in} is not a multiple of the MXFP4 block 32")
+    for sfx, want in (("_blocks", (*lead, out, n_in // 32, 16)), ("_scales", (*lead, out, n_in // 32))):
+        got = st.shape(name + sfx)
+        if got != want:
+            raise ValueError(f"{st.path}: tensor {name + sfx!r} has shape {got}, expected {want}")
+    dts = (st.dtype(f"{name}_blocks"), st.dtype(f"{name}_scales"))
+    if dts != ("U8", "U8"):
+        raise ValueError(f"{st.path}: {name}_blocks / {name}_scales must be uint8, got {dts[0]} / {dts[1]}")
+
+
 def _mxfp4_parts(st: SafetensorsDir, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     """gpt-oss's ``{name}_blocks (..., out, in/32, 16)`` and ``{name}_scales (..., out, in/32)``,
     checked (shapes, uint8) with errors naming the tensor."""
@@ -177,16 +196,23 @@ def mxfp4_tensors(
     the file's codes and exponents re-packed into GGUF block bytes (`mxfp4_to_gguf_blocks`),
     as many bytes as the file holds for those rows. The 32-element blocks run along ``in``
     in both layouts, so taking rows never splits a block."""
-    blocks, scales = _mxfp4_parts(st, name, shape)
-    return tuple(
-        gguf_block_tensor(
-            mxfp4_to_gguf_blocks(blocks[..., r, :, :], scales[..., r, :]),
-            "mxfp4",
-            shape[-1],
-            name=f"{st.path}: {name}_blocks",
-        )
-        for r in rows
-    )
+    *lead, out, n_in = shape
+    if not lead:
+        blocks, scales = _mxfp4_parts(st, name, shape)
+        parts = [mxfp4_to_gguf_blocks(blocks[r, :, :], scales[r, :]) for r in rows]
+    else:  # expert by expert into the kept buffers: the load holds one expert's bytes beyond them
+        _mxfp4_check(st, name, shape)
+        bn, sn = f"{name}_blocks", f"{name}_scales"
+        n_rows = [len(range(out)[r]) for r in rows]
+        parts = [aligned_empty((*lead, k, n_in // 32 * 17), np.uint8) for k in n_rows]
+        flat = [p.reshape(-1, k, n_in // 32 * 17) for p, k in zip(parts, n_rows)]
+        for j in range(int(np.prod(lead))):
+            blocks, scales = st.get_part(bn, j), st.get_part(sn, j)
+            for f, r in zip(flat, rows):
+                b, s = blocks[r], scales[r]
+                for a in range(0, len(b), _MXFP4_ROWS):  # a few hundred KiB of temporaries at a time
+                    f[j, a : a + _MXFP4_ROWS] = mxfp4_to_gguf_blocks(b[a : a + _MXFP4_ROWS], s[a : a + _MXFP4_ROWS])
+    return tuple(gguf_block_tensor(b, "mxfp4", n_in, name=f"{st.path}: {name}_blocks") for b in parts)
 
 
 def read_mxfp4(st: SafetensorsDir, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -227,6 +253,57 @@ def _stack(ws: list, name: str):
     )
 
 
+class _ExpertStack:
+    """Per-expert weights written one by one into stacked buffers, so that a load holds one
+    expert's bytes beyond the result (a list then `_stack` held every expert twice). Float
+    arrays of one shape and dtype, or ``fp8_e4m3`` `QuantizedTensor` s of one block size and
+    shape, stack in place; anything else (a mix) falls back to `_stack`."""
+
+    def __init__(self, e: int, name: str):
+        self.e, self.name = e, name
+        self.bufs: tuple[np.ndarray, ...] | None = None
+        self.quant: tuple[str, int] | None = None
+        self.items: list | None = None  # the fallback
+
+    @staticmethod
+    def _leaves(w) -> tuple[np.ndarray, ...]:
+        return (np.asarray(w.qdata), np.asarray(w.scales)) if isinstance(w, QuantizedTensor) else (np.asarray(w),)
+
+    def _entry(self, j: int):
+        assert self.bufs is not None
+        if self.quant is None:
+            return self.bufs[0][j]
+        return fp8_block_tensor(self.bufs[0][j], self.bufs[1][j], self.quant[1], self.name)
+
+    def add(self, j: int, w) -> None:
+        if self.items is not None:
+            self.items.append(w)
+            return
+        quant = (w.kind, w.group_size) if isinstance(w, QuantizedTensor) else None
+        leaves = self._leaves(w)
+        if self.bufs is None:
+            if quant is not None and quant[0] != "fp8_e4m3":
+                self.items = [w]
+                return
+            self.quant = quant
+            self.bufs = tuple(aligned_empty((self.e, *x.shape), x.dtype) for x in leaves)
+        fits = quant == self.quant and all(
+            x.shape == b.shape[1:] and x.dtype == b.dtype for x, b in zip(leaves, self.bufs, strict=True)
+        )
+        if not fits:
+            self.items = [self._entry(i) for i in range(j)] + [w]
+            return
+        for x, b in zip(leaves, self.bufs, strict=True):
+            b[j] = x
+
+    def result(self):
+        if self.items is not None or self.bufs is None:
+            return _stack(self.items or [], self.name)
+        if self.quant is None:
+            return self.bufs[0]
+        return fp8_block_tensor(self.bufs[0], self.bufs[1], self.quant[1], self.name)
+
+
 def _experts(
     st: SafetensorsDir, p: str, cfg: MoEConfig, qlookup, dtype, keep_int4: bool, fp8_block=None, keep: bool = True
 ) -> ExpertWeights:
@@ -250,11 +327,11 @@ def _experts(
         extra = f"{p}.experts.{e}.{g_n}.weight"
         if extra in st:
             raise ValueError(f"{st.path}: checkpoint holds more experts than num_experts={e} ({extra!r} exists)")
-        lists = {n: [] for n in (g_n, u_n, d_n)}
+        stacks = {n: _ExpertStack(e, f"{st.path}: {p}.experts.*.{n}") for n in (g_n, u_n, d_n)}
         for j in range(e):
             for n, shp in ((g_n, (f, d)), (u_n, (f, d)), (d_n, (d, f))):
-                lists[n].append(read_linear(st, f"{p}.experts.{j}.{n}", shp, qlookup, False, fp8_block, keep))
-        wg, wu, wd = (_stack(lists[n], f"{st.path}: {p}.experts.*.{n}") for n in (g_n, u_n, d_n))
+                stacks[n].add(j, read_linear(st, f"{p}.experts.{j}.{n}", shp, qlookup, False, fp8_block, keep))
+        wg, wu, wd = (stacks[n].result() for n in (g_n, u_n, d_n))
     elif stacked:
         s = stacked[0]
         wg = read_linear(st, f"{s}.gate_proj", (e, f, d), qlookup, keep_int4, fp8_block, keep)

@@ -24,10 +24,29 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
+from jaxmoe.io.gguf_codec import aligned_empty, pread_into
+
 INDEX_NAME = "model.safetensors.index.json"
 
 #: Stored dtypes numpy has no type for, read through `ml_dtypes` from the memory-mapped file.
 _ML_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+#: Every stored dtype `SafetensorsDir.get_part` reads.
+_NP_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U64": np.uint64,
+    "U32": np.uint32,
+    "U16": np.uint16,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+    **_ML_DTYPES,
+}
 
 
 class SafetensorsDir:
@@ -154,13 +173,14 @@ class SafetensorsDir:
         self._headers[fname] = got
         return got
 
-    def _read_raw(self, fname: str, name: str) -> np.ndarray:
-        """A tensor of a dtype the numpy framework lacks, from its byte range in the file."""
+    def _span(self, fname: str, name: str) -> tuple[Path, int, np.dtype, tuple[int, ...]]:
+        """``(file, byte offset, dtype, shape)`` of tensor ``name`` from the file's header,
+        checked against the file's size."""
         path = self.path / fname
         start, header = self._header(fname)
         info = header.get(name)
         try:
-            dt = np.dtype(_ML_DTYPES[info["dtype"]])
+            dt = np.dtype(_NP_DTYPES[info["dtype"]])
             begin, end = (int(v) for v in info["data_offsets"])
             shape = tuple(int(v) for v in info["shape"])
         except (TypeError, KeyError, ValueError):
@@ -173,9 +193,35 @@ class SafetensorsDir:
             )
         if end - begin != int(np.prod(shape, dtype=object)) * dt.itemsize:
             raise ValueError(f"{path}: tensor {name!r} byte range {end - begin} does not match shape {shape} {dt}")
-        if end == begin:
+        return path, start + begin, dt, shape
+
+    def _read_raw(self, fname: str, name: str) -> np.ndarray:
+        """A tensor of a dtype the numpy framework lacks, from its byte range in the file."""
+        path, offset, dt, shape = self._span(fname, name)
+        if not int(np.prod(shape, dtype=object)):
             return np.zeros(shape, dt)
-        return np.array(np.memmap(path, dtype=dt, mode="r", offset=start + begin, shape=shape))
+        return np.array(np.memmap(path, dtype=dt, mode="r", offset=offset, shape=shape))
+
+    def get_part(self, name: str, j: int, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """``tensor[j]`` (entry ``j`` of the first axis, e.g. one expert of a stacked tensor),
+        read from the file with ``pread`` into a fresh 64-byte-aligned array: the file's pages
+        are never mapped, so a loader that reads a tensor entry by entry holds no more than
+        what it keeps. ``shape``, when given, is checked as in `get`."""
+        fname = self._require(name)
+        path, offset, dt, full = self._span(fname, name)
+        if shape is not None and full != tuple(shape):
+            raise ValueError(f"{self.path}: tensor {name!r} has shape {full}, expected {tuple(shape)}")
+        if not full or not 0 <= j < full[0]:
+            raise ValueError(f"{path}: tensor {name!r} of shape {full} has no entry {j} along its first axis")
+        if j == 0:
+            self.reads.append(name)
+        part = aligned_empty(full[1:], dt)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            pread_into(fd, part, offset + j * part.nbytes, f"{path}: tensor {name!r}")
+        finally:
+            os.close(fd)
+        return part
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """Tensor ``name``; when ``shape`` is given, a mismatch is a ValueError naming both shapes."""
