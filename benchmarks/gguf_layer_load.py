@@ -1,7 +1,8 @@
 """How much of a GGUF file `jaxmoe.from_pretrained(path, layer=i)` reads, and how fast.
 
 Writes a qwen35moe file with ``--layers`` MoE layers of random (valid) experts of GGML type
-``--type`` (default Q8_0; e.g. Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4) at Qwen3.6 widths (d=2048,
+``--type`` (default Q8_0; e.g. Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4, IQ2_XXS ... IQ1_M, TQ1_0,
+TQ2_0) at Qwen3.6 widths (d=2048,
 F=512 or ``--ffn``, shared 512) with ``--experts`` experts, evicts it from the page cache
 (``posix_fadvise(DONTNEED)``), loads one layer, and reports with ``mincore`` how many bytes
 of each layer became resident (only the requested layer's should), and the bytes jaxmoe
@@ -45,6 +46,15 @@ F16_AT = {
     QT.Q6_K: (208,),
     QT.IQ4_NL: (0,),
     QT.IQ4_XS: (0,),
+    QT.IQ2_XXS: (0,),
+    QT.IQ2_XS: (0,),
+    QT.IQ2_S: (0,),
+    QT.IQ3_XXS: (0,),
+    QT.IQ3_S: (0,),
+    QT.IQ1_S: (0,),
+    QT.IQ1_M: (),  # its d is spread over the top nibbles of the 4 scale words (block_bytes)
+    QT.TQ1_0: (52,),
+    QT.TQ2_0: (64,),
 }
 
 
@@ -57,6 +67,12 @@ def block_bytes(rng, shape, qtype=QT.Q8_0):
     b = rng.integers(0, 256, (*lead, out, nb, size), dtype=np.uint8)
     if qtype == QT.MXFP4:
         b[..., 0] = rng.integers(118, 122, (*lead, out, nb), dtype=np.uint8)
+    if qtype == QT.IQ1_M:  # word i of bytes 48:56 holds bits 4 i .. 4 i + 3 of d in its top nibble
+        d = rng.uniform(1e-4, 1e-3, (*lead, out, nb)).astype(np.float16).view(np.uint16)
+        sw = b[..., 48:56].copy().view(np.uint16) & np.uint16(0x0FFF)
+        for i in range(4):
+            sw[..., i] |= ((d >> np.uint16(4 * i)) & np.uint16(0xF)) << np.uint16(12)
+        b[..., 48:56] = sw.view(np.uint8)
     for o in F16_AT.get(qtype, ()):
         b[..., o : o + 2] = rng.uniform(1e-4, 1e-3, (*lead, out, nb, 1)).astype(np.float16).view(np.uint8)
     return b.reshape(*lead, out, nb * size)

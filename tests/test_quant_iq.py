@@ -273,3 +273,31 @@ def test_cpu_kernel_a_flipped_code_byte_changes_the_output(kind, rng):
     np.testing.assert_array_equal(np.delete(y0, 7, axis=1), np.delete(y1, 7, axis=1))
     want = np_experts(x, ids, ws, {**ref, "w_down": np.swapaxes(gguf_reference(bad, kind), -1, -2)}, c)
     assert np.abs(y1 - want).max() <= 2e-6 * np.abs(want).max()
+
+
+# ----------------------------------------------------------------------------- Pallas
+
+
+@pytest.mark.parametrize("t", [3, 40])
+@pytest.mark.slow
+def test_pallas_decodes_them_with_xla_first(t, rng):
+    """The Pallas impl (interpret mode), decode (T k <= 64) and grouped paths: the kinds have
+    no in-kernel decode (not `TILE_KINDS`), so `kernel_weight` decodes them with XLA into
+    float experts before the kernels; the result matches the float64 loop."""
+    from jaxmoe.execution import ExecConfig as Ex
+    from jaxmoe.impls.pallas import experts_pallas
+    from pallas_kernels.gguf import TILE_KINDS
+
+    kinds = ("iq2_xxs", "iq3_s", "tq1_0")
+    assert not set(kinds) & set(TILE_KINDS)
+    e = 6
+    cfg, params, ref, _ = layer(rng, kinds, e)
+    ids, ws = skewed_routing(rng, t, 2, e)
+    cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, top_k=2))
+    x = rng.standard_normal((t, cfg.d_model)).astype(np.float32)
+    run = jax.jit(lambda x, r, ew: experts_pallas(x, r, ew, cfg, Ex(interpret=True)))
+    r = Routing(jnp.asarray(ids), jnp.asarray(ws))
+    y = np.asarray(run(jnp.asarray(x), r, params.experts))
+    want = np_experts(x, ids, ws, ref, cfg)
+    assert np.abs(y - want).max() <= 1e-4 * np.abs(want).max()
+    assert "256x256xf32>" in run.lower(jnp.asarray(x), r, params.experts).as_text()  # the XLA-decoded experts
