@@ -2,14 +2,16 @@
 // IQ3_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0: super-blocks of 256), decoded one block at a time into
 // float32 by decode_iq_block, bit-exact with gguf.quants.dequantize and
 // jaxmoe.quant.dequantize_gguf_blocks: the same float32 products in the same order
-// (-ffp-contract=off), scalar loops over the block (no vector path: these kinds hold a
-// few bits per weight, so the decode is table walks). Included by kernel_common.h before
-// decode_block, which hands these kinds here.
+// (-ffp-contract=off). The grid kinds take 8 elements at a time: a grid row of int8 values
+// widened in an 8-lane vector, times its scale, times its signs (IQ1: plus +-delta, times
+// its scale); the ternary kinds are scalar loops the compiler vectorizes. Included by
+// kernel_common.h before decode_block, which hands these kinds here.
 //
 // The grids are gguf.quants' own tables (its init_grid's unpacking of ggml's iq*_grid),
-// each row packed as level indices (2 bits per element for the 3-level IQ2 / IQ1 grids, 3
-// bits for the 8-level IQ3 grids); tests/test_quant_iq.py checks every row against
-// gguf.quants. Regenerate with the snippet in that test's docstring if gguf-py's grids change.
+// each row packed as level indices (row code = sum_j level_index_j << (bits * j), 2 bits
+// for the 3-level IQ2 / IQ1 grids, 3 bits for the 8-level IQ3 grids), unpacked to int8 rows
+// at compile time; tests/test_quant_iq.py::test_cpu_grid_tables_are_gguf_quants_grids checks
+// every row against gguf.quants (the same rule regenerates them).
 #pragma once
 
 // clang-format off
@@ -431,29 +433,70 @@ inline constexpr uint8_t kKSigns[128] = {
 };
 // clang-format on
 
-inline constexpr float kLevIQ2[3] = {8.f, 25.f, 43.f};  // 0x08, 0x19, 0x2b
-inline constexpr float kLevIQ3XXS[8] = {4.f, 12.f, 20.f, 28.f, 36.f, 44.f, 52.f, 62.f};
-inline constexpr float kLevIQ3S[8] = {1.f, 3.f, 5.f, 7.f, 9.f, 11.f, 13.f, 15.f};
-inline constexpr float kLevIQ1[3] = {-1.f, 0.f, 1.f};
+// The grids as int8 values, 8 bytes a row (IQ3's rows of 4: 4), unpacked from the packed
+// tables at compile time: a row loads as one 8-byte vector, widened to float32 exactly.
+inline constexpr int8_t kLevIQ2[3] = {8, 25, 43};  // 0x08, 0x19, 0x2b
+inline constexpr int8_t kLevIQ3XXS[8] = {4, 12, 20, 28, 36, 44, 52, 62};
+inline constexpr int8_t kLevIQ3S[8] = {1, 3, 5, 7, 9, 11, 13, 15};
+inline constexpr int8_t kLevIQ1[3] = {-1, 0, 1};
 inline constexpr float kIQ1Delta = 0.125f;
 inline constexpr uint8_t kPow3[5] = {1, 3, 9, 27, 81};
 
-// out[0..7] = s * v_j * sign_j of a grid row of 8 (2-bit level indices; sign bit j set: -1):
-// (s * v) * (+-1) as gguf.quants' db * grid * signs.
-inline void iq_row8(uint16_t row, uint8_t signs, float s, float* __restrict out) {
-  for (int j = 0; j < 8; ++j) out[j] = s * kLevIQ2[(row >> (2 * j)) & 3] * ((signs >> j) & 1 ? -1.f : 1.f);
+template <int N, int W>
+struct IqGrid {
+  int8_t v[N][W];
+};
+template <int W, int N, int L>
+constexpr IqGrid<N, W> iq_unpack(const uint16_t (&packed)[N], const int8_t (&lev)[L]) {
+  IqGrid<N, W> g{};
+  const int bits = L <= 4 ? 2 : 3;
+  for (int r = 0; r < N; ++r)
+    for (int j = 0; j < W; ++j) g.v[r][j] = lev[(packed[r] >> (bits * j)) & ((1 << bits) - 1)];
+  return g;
 }
+inline constexpr auto kG2XXS = iq_unpack<8>(kGridIQ2XXS, kLevIQ2);
+inline constexpr auto kG2XS = iq_unpack<8>(kGridIQ2XS, kLevIQ2);
+inline constexpr auto kG2S = iq_unpack<8>(kGridIQ2S, kLevIQ2);
+inline constexpr auto kG3XXS = iq_unpack<4>(kGridIQ3XXS, kLevIQ3XXS);
+inline constexpr auto kG3S = iq_unpack<4>(kGridIQ3S, kLevIQ3S);
+inline constexpr auto kG1S = iq_unpack<8>(kGridIQ1S, kLevIQ1);
+
+// 8 lanes of float32 (GCC vector extensions: one AVX register, two SSE ones).
+typedef float iq_f8 __attribute__((vector_size(32)));
+typedef int32_t iq_i8 __attribute__((vector_size(32)));
+typedef int8_t iq_b8 __attribute__((vector_size(8)));
+
+inline iq_f8 iq_splat(float s) { return iq_f8{} + s; }
+inline iq_f8 iq_widen(iq_b8 q) { return __builtin_convertvector(q, iq_f8); }
+inline iq_f8 iq_row8(const int8_t* row) {  // a grid row of 8
+  iq_b8 q;
+  std::memcpy(&q, row, 8);
+  return iq_widen(q);
+}
+inline iq_f8 iq_rows4(const int8_t* a, const int8_t* b) {  // two grid rows of 4
+  iq_b8 q;
+  std::memcpy(&q, a, 4);
+  std::memcpy(reinterpret_cast<int8_t*>(&q) + 4, b, 4);
+  return iq_widen(q);
+}
+inline iq_f8 iq_signs(uint32_t s) {  // bit j of s set: lane j -1, else +1
+  const iq_i8 bit = ((iq_i8{} + int32_t(s)) >> iq_i8{0, 1, 2, 3, 4, 5, 6, 7}) & 1;
+  return bit != 0 ? iq_splat(-1.f) : iq_splat(1.f);
+}
+inline void iq_store(float* out, iq_f8 v) { std::memcpy(out, &v, sizeof(v)); }
 
 template <int Q>
 inline void decode_iq_block(const uint8_t* b, float* __restrict out) {
+  // IQ2 / IQ3: (db * grid) * sign, IQ1: dl * (grid + delta), lane by lane as gguf.quants
   if constexpr (Q == kIQ2_XXS) {  // d, then per 32: 4 grid-index bytes, a u32 of 4 x 7 sign bits + 4-bit scale
     const float d = f16_at(b);
     for (int ib = 0; ib < 8; ++ib) {
       const uint8_t* g = b + 2 + 8 * ib;
       uint32_t aux;
       std::memcpy(&aux, g + 4, 4);
-      const float db = d * (0.5f + float(aux >> 28)) * 0.25f;
-      for (int l = 0; l < 4; ++l) iq_row8(kGridIQ2XXS[g[l]], kKSigns[(aux >> (7 * l)) & 127], db, out + 32 * ib + 8 * l);
+      const iq_f8 db = iq_splat(d * (0.5f + float(aux >> 28)) * 0.25f);
+      for (int l = 0; l < 4; ++l)
+        iq_store(out + 32 * ib + 8 * l, db * iq_row8(kG2XXS.v[g[l]]) * iq_signs(kKSigns[(aux >> (7 * l)) & 127]));
     }
   } else if constexpr (Q == kIQ2_XS) {  // d, 32 u16 (9-bit grid index, 7-bit sign index), a 4-bit scale per 16
     const float d = f16_at(b);
@@ -461,40 +504,38 @@ inline void decode_iq_block(const uint8_t* b, float* __restrict out) {
       uint16_t q;
       std::memcpy(&q, b + 2 + 2 * i, 2);
       const int sc = (b[66 + i / 4] >> (4 * ((i / 2) & 1))) & 15;
-      const float db = d * (0.5f + float(sc)) * 0.25f;
-      iq_row8(kGridIQ2XS[q & 511], kKSigns[q >> 9], db, out + 8 * i);
+      const iq_f8 db = iq_splat(d * (0.5f + float(sc)) * 0.25f);
+      iq_store(out + 8 * i, db * iq_row8(kG2XS.v[q & 511]) * iq_signs(kKSigns[q >> 9]));
     }
   } else if constexpr (Q == kIQ2_S) {  // d, 32 index bytes, 32 sign bytes, 2 high index bits per 8, scales per 16
     const float d = f16_at(b);
     for (int i = 0; i < 32; ++i) {
       const int idx = b[2 + i] | (((b[66 + i / 4] >> (2 * (i & 3))) & 3) << 8);
       const int sc = (b[74 + i / 4] >> (4 * ((i / 2) & 1))) & 15;
-      const float db = d * (0.5f + float(sc)) * 0.25f;
-      iq_row8(kGridIQ2S[idx], b[34 + i], db, out + 8 * i);
+      const iq_f8 db = iq_splat(d * (0.5f + float(sc)) * 0.25f);
+      iq_store(out + 8 * i, db * iq_row8(kG2S.v[idx]) * iq_signs(b[34 + i]));
     }
   } else if constexpr (Q == kIQ3_XXS) {  // d, 64 index bytes (rows of 4), per 32 a u32 of 4 x 7 sign bits + scale
     const float d = f16_at(b);
     for (int ib = 0; ib < 8; ++ib) {
       uint32_t aux;
       std::memcpy(&aux, b + 66 + 4 * ib, 4);
-      const float db = d * (0.5f + float(aux >> 28)) * 0.5f;
-      for (int l = 0; l < 4; ++l) {
-        const uint8_t signs = kKSigns[(aux >> (7 * l)) & 127];
-        for (int j = 0; j < 8; ++j) {
-          const uint16_t row = kGridIQ3XXS[b[2 + 8 * ib + 2 * l + j / 4]];
-          out[32 * ib + 8 * l + j] = db * kLevIQ3XXS[(row >> (3 * (j & 3))) & 7] * ((signs >> j) & 1 ? -1.f : 1.f);
-        }
-      }
+      const iq_f8 db = iq_splat(d * (0.5f + float(aux >> 28)) * 0.5f);
+      const uint8_t* g = b + 2 + 8 * ib;
+      for (int l = 0; l < 4; ++l)
+        iq_store(out + 32 * ib + 8 * l, db * iq_rows4(kG3XXS.v[g[2 * l]], kG3XXS.v[g[2 * l + 1]]) *
+                                            iq_signs(kKSigns[(aux >> (7 * l)) & 127]));
     }
   } else if constexpr (Q == kIQ3_S) {  // d, 64 index bytes, 8 bytes of index bit 8, 32 sign bytes, scales per 32
     const float d = f16_at(b);
     for (int ib = 0; ib < 8; ++ib) {
       const int sc = (b[106 + ib / 2] >> (4 * (ib & 1))) & 15;
-      const float db = d * float(1 + 2 * sc);
-      for (int e = 32 * ib; e < 32 * ib + 32; ++e) {
-        const int g = e / 4, idx = b[2 + g] | (((b[66 + g / 8] >> (g & 7)) & 1) << 8);
-        const float v = kLevIQ3S[(kGridIQ3S[idx] >> (3 * (e & 3))) & 7];
-        out[e] = db * v * ((b[74 + e / 8] >> (e & 7)) & 1 ? -1.f : 1.f);
+      const iq_f8 db = iq_splat(d * float(1 + 2 * sc));
+      const int qh = b[66 + ib];  // index bit 8 of the sub-block's 8 rows
+      for (int l = 0; l < 4; ++l) {  // elements 32 ib + 8 l ..: rows 8 ib + 2 l, + 1
+        const int r = 2 * l;
+        const int i0 = b[2 + 8 * ib + r] | (((qh >> r) & 1) << 8), i1 = b[3 + 8 * ib + r] | (((qh >> (r + 1)) & 1) << 8);
+        iq_store(out + 32 * ib + 8 * l, db * iq_rows4(kG3S.v[i0], kG3S.v[i1]) * iq_signs(b[74 + 4 * ib + l]));
       }
     }
   } else if constexpr (Q == kIQ1_S) {  // d, 32 index bytes, per 32 a u16: 3 high index bits per 8, scale, delta sign
@@ -502,12 +543,10 @@ inline void decode_iq_block(const uint8_t* b, float* __restrict out) {
     for (int ib = 0; ib < 8; ++ib) {
       uint16_t qh;
       std::memcpy(&qh, b + 34 + 2 * ib, 2);
-      const float dl = d * float(2 * ((qh >> 12) & 7) + 1);
-      const float delta = qh & 0x8000 ? -kIQ1Delta : kIQ1Delta;
-      for (int l = 0; l < 4; ++l) {
-        const uint16_t row = kGridIQ1S[b[2 + 4 * ib + l] | (((qh >> (3 * l)) & 7) << 8)];
-        for (int j = 0; j < 8; ++j) out[32 * ib + 8 * l + j] = dl * (kLevIQ1[(row >> (2 * j)) & 3] + delta);
-      }
+      const iq_f8 dl = iq_splat(d * float(2 * ((qh >> 12) & 7) + 1));
+      const iq_f8 delta = iq_splat(qh & 0x8000 ? -kIQ1Delta : kIQ1Delta);
+      for (int l = 0; l < 4; ++l)
+        iq_store(out + 32 * ib + 8 * l, dl * (iq_row8(kG1S.v[b[2 + 4 * ib + l] | (((qh >> (3 * l)) & 7) << 8)]) + delta));
     }
   } else if constexpr (Q == kIQ1_M) {  // 32 index bytes, a nibble per 8 (3 index bits, delta sign), 4 u16 scales + d
     uint16_t sw[4];
@@ -516,10 +555,9 @@ inline void decode_iq_block(const uint8_t* b, float* __restrict out) {
     const float d = half_to_float(dbits);
     for (int i = 0; i < 32; ++i) {
       const int nib = (b[32 + i / 2] >> (4 * (i & 1))) & 15, s16 = i / 2;
-      const float dl = d * float(2 * ((sw[s16 / 4] >> (3 * (s16 & 3))) & 7) + 1);
-      const float delta = nib & 8 ? -kIQ1Delta : kIQ1Delta;
-      const uint16_t row = kGridIQ1S[b[i] | ((nib & 7) << 8)];
-      for (int j = 0; j < 8; ++j) out[8 * i + j] = dl * (kLevIQ1[(row >> (2 * j)) & 3] + delta);
+      const iq_f8 dl = iq_splat(d * float(2 * ((sw[s16 / 4] >> (3 * (s16 & 3))) & 7) + 1));
+      const iq_f8 delta = iq_splat(nib & 8 ? -kIQ1Delta : kIQ1Delta);
+      iq_store(out + 8 * i, dl * (iq_row8(kG1S.v[b[i] | ((nib & 7) << 8)]) + delta));
     }
   } else if constexpr (Q == kTQ1_0) {  // 48 bytes of 5 trits, 4 of 4, d; trit n of byte x: ((x 3^n mod 256) 3) >> 8
     const float d = f16_at(b + 52);
