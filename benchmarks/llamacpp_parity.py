@@ -25,9 +25,18 @@ tokens (ggml's matrix products take other paths for one row and for more rows); 
 runs the last layer on the last token only (the only one it needs logits for). Files are cached in ``--work``; a rerun
 reuses them (``--fresh`` rebuilds). ``--json`` writes every number.
 
+``--residency`` prints another table instead, with no llama.cpp run (only llama-quantize /
+llama-imatrix for files not cached yet): per arch and file type, the routed experts'
+bytes in the file against what ``jaxmoe.from_pretrained(file, layer=L)`` holds for them
+over every MoE layer (target <= ``RESIDENT_MAX``), and the first MoE layer's load peak in
+a fresh process (``load_peak.py``). The ``IMATRIX_TYPES`` (IQ2_XXS, IQ3_XXS, ...) are
+quantized with an importance matrix of the F32 file over the prompts' text, made by
+``llama-imatrix`` (``cmake --build BUILD --target llama-imatrix`` in llama.cpp's build dir).
+
     B=$(../shared/anchors/llamacpp/setup.sh | tail -1)    # llama.cpp's bin dir, built once
     python benchmarks/llamacpp_parity.py $B                                  # the full table
     python benchmarks/llamacpp_parity.py $B --archs mixtral --types Q4_0,Q4_K_M --per-layer
+    python benchmarks/llamacpp_parity.py $B --residency --types Q8_0,Q4_K_M,Q2_K,IQ2_XXS,IQ3_XXS
 
 Needs torch, transformers (the test extra) and sentencepiece, which llama.cpp's converter
 imports for Mixtral (a stand-in module is put on the converter's path when it is absent).
@@ -47,6 +56,8 @@ import numpy as np
 
 ARCHS = ("qwen3_5_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3")
 TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL", "MXFP4_MOE")
+#: llama-quantize types that need an importance matrix (``llama-imatrix`` in the bin dir).
+IMATRIX_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ1_S", "IQ1_M")
 PROMPTS = (
     "hello",
     "the quick brown fox jumps over the lazy dog",
@@ -55,6 +66,8 @@ PROMPTS = (
     "once more while the experts of every layer take their share of the tokens",
 )
 DUMP_RE = r"^(ffn_norm|attn_post_norm|ffn_moe_out|ffn_out)-\d+$"
+#: ``--residency``: the largest held / file bytes of a quantized file's routed experts (issue 47).
+RESIDENT_MAX = 1.02
 
 
 def io_names(arch: str) -> tuple[str, str]:
@@ -113,8 +126,20 @@ def _converter_env(work: Path) -> dict:
     return env
 
 
-def build_files(arch, types, bin_dir: Path, anchor: Path, work: Path, fresh: bool) -> dict[str, Path]:
-    """The f32 GGUF of ``arch`` and one file per llama.cpp type: ``{"F32": path, TYPE: path}``."""
+def imatrix(bin_dir: Path, f32: Path, out: Path, fresh: bool, threads: int) -> Path:
+    """An importance matrix of ``f32`` from ``llama-imatrix`` over the `PROMPTS` text (once;
+    cached), for the types llama-quantize refuses without one (`IMATRIX_TYPES`)."""
+    if fresh or not out.is_file():
+        text = out.with_suffix(".txt")
+        text.write_text("\n".join(PROMPTS * 8))
+        cmd = [bin_dir / "llama-imatrix", "-m", f32, "-f", text, "-o", out, "-c", 64, "-t", threads, "-ngl", 0]
+        _run(cmd, out.with_suffix(".log"))
+    return out
+
+
+def build_files(arch, types, bin_dir: Path, anchor: Path, work: Path, fresh: bool, threads: int = 2) -> dict[str, Path]:
+    """The f32 GGUF of ``arch`` and one file per llama.cpp type: ``{"F32": path, TYPE: path}``
+    (the `IMATRIX_TYPES` quantized with an importance matrix from ``llama-imatrix``)."""
     d = work / arch
     hf = d / "hf"
     if fresh or not (hf / "config.json").is_file():
@@ -133,7 +158,10 @@ def build_files(arch, types, bin_dir: Path, anchor: Path, work: Path, fresh: boo
     for t in types:
         p = d / f"{t}.gguf"
         if fresh or not p.is_file():
-            _run([bin_dir / "llama-quantize", f32, p, t], d / f"quantize-{t}.log")
+            im = []
+            if t in IMATRIX_TYPES:
+                im = ["--imatrix", imatrix(bin_dir, f32, d / "imatrix.gguf", fresh, threads)]
+            _run([bin_dir / "llama-quantize", *im, f32, p, t], d / f"quantize-{t}.log")
         files[t] = p
     return files
 
@@ -150,6 +178,56 @@ def dump(bin_dir: Path, gguf: Path, prompt: str, out: Path, fresh: bool, threads
         _run(cmd, out / "dump.log", env)
         done.write_text(prompt)
     return out
+
+
+def _load_peak():
+    """benchmarks/load_peak.py (beside this script)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    try:
+        import load_peak
+    finally:
+        sys.path.pop(0)
+    return load_peak
+
+
+def residency(gguf: Path) -> dict:
+    """Bytes of the routed experts (``ffn_{gate,up,down,gate_up}_exps``) in the file against
+    what ``jaxmoe.from_pretrained(file, layer=L)`` holds for them, summed over every MoE
+    layer, the file's expert tensor types, and the load peak of the first MoE layer in a
+    fresh process (`load_peak.measure`)."""
+    import re
+
+    import gguf as gg
+
+    import jaxmoe
+
+    measure = _load_peak().measure
+    pat = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
+    file_bytes, types = 0, set()
+    layers = moe_layers(gguf)
+    for t in gg.GGUFReader(gguf).tensors:
+        m = pat.match(t.name)
+        if m and int(m[1]) in layers:
+            file_bytes += int(t.n_bytes)
+            types.add(t.tensor_type.name)
+    held, kinds = 0, set()
+    for layer in layers:
+        ew = jaxmoe.from_pretrained(gguf, layer=layer).params().experts
+        for w in (ew.w_gate, ew.w_up, ew.w_down):
+            held += int(w.nbytes)
+            kinds.add(str(getattr(w, "kind", getattr(w, "dtype", "?"))))
+    peak = measure(gguf, layer=layers[0])
+    return dict(
+        file=file_bytes,
+        held=held,
+        ratio=held / file_bytes,
+        types=sorted(types),
+        kinds=sorted(kinds),
+        peak_layer=layers[0],
+        peak=peak["peak"],
+        peak_held=peak["held"],
+        peak_ok=peak["meets"],
+    )
 
 
 def moe_layers(gguf: Path) -> list[int]:
@@ -325,12 +403,20 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--fresh", action="store_true", help="rebuild the cached files and dumps")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--residency",
+        action="store_true",
+        help="instead of the parity table (no llama.cpp runs but llama-quantize / llama-imatrix for missing "
+        "files): held / file bytes of the routed experts over every MoE layer and the first MoE layer's load peak",
+    )
     a = ap.parse_args(argv)
     archs = [s for s in a.archs.split(",") if s]
     types = [s for s in a.types.split(",") if s and s.upper() != "F32"]
     for arch in archs:
         io_names(arch)
-    for tool in ("llama-quantize", "llama-moe-dump"):
+    tools = ["llama-quantize"] + ([] if a.residency else ["llama-moe-dump"])
+    tools += ["llama-imatrix"] if any(t in IMATRIX_TYPES for t in types) else []
+    for tool in tools:
         if not (a.bin / tool).is_file():
             raise SystemExit(
                 f"{a.bin / tool} not found: pass llama.cpp's bin dir (../shared/anchors/llamacpp/setup.sh)"
@@ -338,13 +424,15 @@ def main(argv=None) -> int:
     if not (a.anchor / "make_tiny.py").is_file():
         raise SystemExit(f"{a.anchor}/make_tiny.py not found: pass --anchor")
 
+    if a.residency:
+        return residency_table(a, archs, types)
     results, notes = [], []
     explain = a.explain or None
     print(f"# {len(a.prompts)} prompts, impl={a.impl}, bar: ggml <= {a.tol:g} and float / ggml >= {a.min_ratio:g}")
     print("| arch | type | tokens | float mode | ggml mode | float / ggml | meets | tie flips | ggml, flips undone |")
     print("|---|---|---|---|---|---|---|---|---|")
     for arch in archs:
-        files = build_files(arch, types, a.bin, a.anchor, a.work, a.fresh)
+        files = build_files(arch, types, a.bin, a.anchor, a.work, a.fresh, a.threads)
         for t, gguf in files.items():
             dumps = [
                 dump(a.bin, gguf, p, a.work / arch / "dump" / f"{t}-p{i}", a.fresh, a.threads)
@@ -379,6 +467,43 @@ def main(argv=None) -> int:
     bad = [f"{r['arch']} {r['type']}" for r in results if not r["ok"]]
     print(
         f"\n{len(results) - len(bad)} of {len(results)} rows meet the bar" + (f"; not: {', '.join(bad)}" if bad else "")
+    )
+    return 0 if not bad else 1
+
+
+def residency_table(a, archs: list[str], types: list[str]) -> int:
+    """``--residency``: one row per arch and file type (`residency`); exit status 1 when a
+    quantized row's held / file exceeds ``RESIDENT_MAX`` or a load peak its bound."""
+    lp = _load_peak()
+    RATIO, SLACK = lp.RATIO, lp.SLACK  # noqa: N806
+
+    print("# held / file: the routed experts of every MoE layer; load peak: the first MoE layer, fresh process")
+    print(
+        "| arch | type | expert tensor types | file KiB | held KiB | held / file | kept as | load peak MiB (layer) | peak within bound |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    results = []
+    for arch in archs:
+        files = build_files(arch, types, a.bin, a.anchor, a.work, a.fresh, a.threads)
+        for t, gguf in files.items():
+            r = dict(arch=arch, type=t, **residency(gguf))
+            results.append(r)
+            print(
+                f"| {arch} | {t} | {' + '.join(r['types'])} | {r['file'] / 1024:.0f} | {r['held'] / 1024:.0f} | "
+                f"{r['ratio']:.2f} | {', '.join(r['kinds'])} | {r['peak'] / 2**20:.1f} ({r['peak_layer']}) | "
+                f"{'yes' if r['peak_ok'] else '**no**'} |",
+                flush=True,
+            )
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=1))
+    bad = [
+        f"{r['arch']} {r['type']}"
+        for r in results
+        if (r["type"] != "F32" and r["ratio"] > RESIDENT_MAX) or not r["peak_ok"]
+    ]
+    print(
+        f"\n{len(results) - len(bad)} of {len(results)} rows: held / file <= {RESIDENT_MAX} (quantized files) and "
+        f"load peak <= {RATIO} x held + {SLACK >> 20} MiB" + (f"; not: {', '.join(bad)}" if bad else "")
     )
     return 0 if not bad else 1
 
