@@ -15,8 +15,10 @@ load their 32-byte code chunks contiguously and expand each word to the elements
 codes it holds (broadcast + reshape); other tiles gather each element's code from the word
 that holds its byte (element ``k`` of a row sits at a byte offset computed from ``k``
 alone; IQ4_NL / IQ4_XS codes become their table values by selects). Each 32 (Q6_K, Q2_K,
-Q3_K: 16) elements' scale and min come from the block header. MXFP4's 17-byte blocks do not
-fit the word view: it has no tile decode (`TILE_KINDS`).
+Q3_K: 16) elements' scale and min come from the block header. MXFP4's 17-byte blocks can
+leave a row an odd number of bytes, so its words view each expert's rows as one run
+(`expert_words`, ``[E, N * row_bytes / 2]``) and its tiles gather each code's byte and each
+block's E8M0 byte from there (`FLAT_KINDS`).
 `dequantize_gguf_blocks` is the pure-jnp reference, bit-exact with
 ``gguf.quants.dequantize`` (the same float32 operations in the same order); ggml's
 ``dequantize_row_*`` (ggml-quants.c) define both.
@@ -62,8 +64,7 @@ GGUF_BLOCKS: dict[str, tuple[int, int]] = {
 GRID_KINDS: tuple[str, ...] = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
 TERNARY_KINDS: tuple[str, ...] = ("tq1_0", "tq2_0")
 #: Elements sharing one scale (and min) inside a block: the granularity of `load_tile`, for
-#: the kinds it decodes in-kernel (`TILE_KINDS`). MXFP4 is decoded by `dequantize_gguf_blocks`
-#: only (the Pallas impl decodes it with XLA before its kernels).
+#: the kinds it decodes in-kernel (`TILE_KINDS`).
 SCALE_GROUP: dict[str, int] = {
     "q4_1": 32,
     "q5_0": 32,
@@ -75,10 +76,13 @@ SCALE_GROUP: dict[str, int] = {
     "q3_k": 16,
     "iq4_nl": 32,
     "iq4_xs": 32,
+    "mxfp4": 32,
 }
-#: GGUF block kinds `load_tile` decodes in-kernel (MXFP4's 17-byte blocks do not fit the
-#: uint16 word view).
+#: GGUF block kinds `load_tile` decodes in-kernel.
 TILE_KINDS: tuple[str, ...] = tuple(SCALE_GROUP)
+#: Kinds whose words view each expert's bytes as one run (``[E, N * row_bytes / 2]``, `expert_words`):
+#: MXFP4's 17-byte blocks leave a row an odd number of bytes.
+FLAT_KINDS: tuple[str, ...] = ("mxfp4",)
 #: IQ4_NL / IQ4_XS code -> value (ggml's ``kvalues_iq4nl``).
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 #: MXFP4 code -> twice its E2M1 value (ggml's ``kvalues_mxfp4``; the block scale is halved to match).
@@ -117,6 +121,13 @@ def as_words(raw: jax.Array) -> jax.Array:
     """Block bytes ``[..., R]`` uint8 (``R`` even) -> ``[..., R / 2]`` uint16, little-endian."""
     *lead, r = raw.shape
     return jax.lax.bitcast_convert_type(raw.reshape(*lead, r // 2, 2), jnp.uint16)
+
+
+def expert_words(raw: jax.Array) -> jax.Array:
+    """Block bytes ``[E, N, R]`` uint8 (``N R`` even) -> each expert's bytes as one run of
+    uint16 words ``[E, N R / 2]`` (`FLAT_KINDS`): a free bitcast whatever the parity of ``R``."""
+    e, n, r = raw.shape
+    return as_words(raw.reshape(e, n * r))
 
 
 def words_to_bytes(words: jax.Array) -> jax.Array:
@@ -407,6 +418,54 @@ def _iq4_value(q: jax.Array) -> jax.Array:
     return v
 
 
+def _mxfp4_bits(q: jax.Array, ex8: jax.Array) -> jax.Array:
+    """MXFP4 codes ``q`` (int32 0..15) and their block's E8M0 byte ``ex8`` (int32, broadcast)
+    -> float32 ``v * 2^(e - 128)`` (``v`` the doubled E2M1 value, `MXFP4_VALUES`), assembled
+    with integer ops as `_mxfp4` does (no float32 subnormal arithmetic, which XLA:CPU flushes):
+    bit-exact with `dequantize_gguf_blocks` (``v = 0`` gives +0)."""
+    m = q & 7
+    v = jnp.where(m < 5, m, jnp.where(m == 5, 6, jnp.where(m == 6, 8, 12))).astype(jnp.float32)  # exact
+    bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+    mant = bits & jnp.uint32(0x007FFFFF)
+    ex = (bits >> 23).astype(jnp.int32) + ex8 - 128  # v >= 0: no sign bit in `bits`
+    sub = (mant | jnp.uint32(0x00800000)) >> jnp.clip(1 - ex, 0, 31).astype(jnp.uint32)
+    mag = jnp.where(ex >= 255, jnp.uint32(0x7F800000), jnp.where(ex >= 1, ex.astype(jnp.uint32) << 23 | mant, sub))
+    sign = jnp.where(q >= 8, jnp.uint32(0x80000000), jnp.uint32(0))
+    out = jax.lax.bitcast_convert_type(sign | mag, jnp.float32)
+    return jnp.where(m == 0, jnp.float32(0), out)
+
+
+def _load_mxfp4_tile(k_total: int, n_total: int, ref, e, k0, n0, bk: int, bn: int, dtype) -> jax.Array:
+    """`load_tile` for MXFP4: ``ref`` is each expert's bytes as one run of uint16 words
+    ``[E, N * row_bytes / 2]`` (`expert_words`); element ``k`` of row ``n`` is nibble
+    ``k % 32 // 16`` of byte ``n row_bytes + 17 (k // 32) + 1 + k % 16``, its block's E8M0
+    exponent byte ``n row_bytes + 17 (k // 32)``. Offsets inside one expert (``N row_bytes``
+    bytes: 3.3e7 for gpt-oss-120b's gate_up) fit int32; the expert's own offset is
+    ``e * N row_bytes / 2`` words, under 2^31 while the array is under 2^32 bytes (past
+    that Pallas's Triton lowering takes 64-bit offsets itself)."""
+    row_bytes = k_total // 32 * 17
+    n_words = n_total * row_bytes // 2
+    ns = n0 + jnp.arange(bn, dtype=jnp.int32)
+    n_ok = ns < n_total
+    rows = jnp.minimum(ns, n_total - 1)[:, None] * row_bytes  # [bn, 1] byte offset of each row
+    t = jnp.arange(bk, dtype=jnp.int32)
+    k = k0 + t
+    k_ok = k < k_total
+    ng = bk // 32
+    gk = k0 + 32 * jnp.arange(ng, dtype=jnp.int32)
+    g_ok = gk < k_total
+
+    def byte(off, ok):  # byte at offsets off [bn, c] (int32), 0 where masked
+        w = plgpu.load(ref.at[e, jnp.minimum(off // 2, n_words - 1)], mask=n_ok[:, None] & ok[None, :], other=0)
+        return (w.astype(jnp.int32) >> (8 * (off % 2))) & 0xFF
+
+    code_off = rows + (k // 32 * 17 + 1 + k % 16)[None, :]
+    q = (byte(code_off, k_ok) >> (4 * (k % 32 // 16))[None, :]) & 0xF  # [bn, bk]
+    ex8 = byte(rows + (gk // 32 * 17)[None, :], g_ok)  # [bn, ng]
+    out = _mxfp4_bits(q.reshape(bn, ng, 32), ex8[:, :, None]).reshape(bn, bk)
+    return jnp.where(n_ok[:, None] & k_ok[None, :], out, 0.0).astype(dtype)
+
+
 def load_tile(kind: str, k_total: int, n_total: int, ref, e, k0, n0, bk: int, bn: int, dtype) -> jax.Array:
     """Rows ``n0 .. n0 + bn`` (outputs), elements ``k0 .. k0 + bk`` (inputs) of expert ``e``
     of a GGUF block weight, decoded (in-kernel): ``[bn, bk]`` in ``dtype`` (float32 math).
@@ -414,8 +473,10 @@ def load_tile(kind: str, k_total: int, n_total: int, ref, e, k0, n0, bk: int, bn
     ``ref`` is the ``[E, N, row_bytes / 2]`` uint16 word view (`as_words`); ``k0`` a
     multiple of ``bk``, ``bk`` a multiple of `MIN_BLOCK_K` (a tile may cover part of a
     super-block or several blocks). Rows past ``n_total`` and elements past ``k_total``
-    read as zero.
+    read as zero. MXFP4 (`FLAT_KINDS`) takes ``[E, N * row_bytes / 2]`` words (`expert_words`).
     """
+    if kind == "mxfp4":
+        return _load_mxfp4_tile(k_total, n_total, ref, e, k0, n0, bk, bn, dtype)
     block, block_bytes = GGUF_BLOCKS[kind]
     g = SCALE_GROUP[kind]
     n_words = k_total // block * block_bytes // 2

@@ -10,9 +10,13 @@ kernel as one of these layouts (`WeightLayout.kind`):
 - ``int4`` (MLX affine, Q4_0 as scale d / bias -8d): ``p [E, N, K/2]`` uint8 (low nibble
   = even element), ``s, b [E, N, K/g]``; a tile is ``s * q + b``.
 - a GGUF block kind decoded in-kernel (``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q5_k``,
-  ``q6_k``, ``q2_k``, ``q3_k``, ``iq4_nl``, ``iq4_xs``; `gguf.TILE_KINDS`): the file's block bytes ``[E, N, n_blocks * block_bytes]`` uint8,
-  scales and mins inside the blocks, read as uint16 words and decoded per tile by
-  `gguf.load_tile`.
+  ``q6_k``, ``q2_k``, ``q3_k``, ``iq4_nl``, ``iq4_xs``, ``mxfp4``; `gguf.TILE_KINDS`): the file's block bytes ``[E, N, n_blocks * block_bytes]`` uint8,
+  scales and mins inside the blocks, read as uint16 words (MXFP4: each expert's bytes as one
+  run of words, `gguf.expert_words`) and decoded per tile by `gguf.load_tile`.
+- ``fp8_e4m3`` (block-scaled FP8): ``q [E, N, K]`` uint8 (the ``float8_e4m3fn`` codes'
+  bytes) and ``s [E, ceil(N/b), ceil(K/b)]``, one scale per ``b x b`` block (``b`` a
+  multiple of 32); a tile is each code's exact float32 value (bit arithmetic) times its
+  block's scale, one rounding.
 
 The weights stay in this form in device memory; `load_tile` dequantizes one tile in
 registers (float32 math, then the compute dtype). `weight_operands` checks a weight and
@@ -43,8 +47,10 @@ from pallas_kernels.tuning import is_pow2
 
 #: Quantized kinds with separate scale (and bias) arrays, decoded by code planes.
 PLANE_KINDS = ("int8", "int4")
+#: Block-scaled FP8 kinds (codes' bytes and ``[E, ceil(N/b), ceil(K/b)]`` scales).
+FP8_KINDS = ("fp8_e4m3",)
 #: Kinds of a `QuantWeight`.
-QUANT_KINDS = (*PLANE_KINDS, *gguf.TILE_KINDS)
+QUANT_KINDS = (*PLANE_KINDS, *gguf.TILE_KINDS, *FP8_KINDS)
 KINDS = ("dense", *QUANT_KINDS)
 #: Code arrays with at least this many elements are loaded as int32 words (see the module doc).
 WORD_MIN_ELEMENTS = 2**31
@@ -63,7 +69,8 @@ class QuantWeight:
       qdata: ``int8``: ``[E, N, K]`` int8 codes; ``int4``: ``[E, N, K/2]`` uint8, element
         ``2j`` in the low nibble of byte ``j``; a GGUF block kind: ``[E, N, K / block *
         block_bytes]`` uint8, the file's blocks.
-      scales: ``[E, N, K/g]`` floating point; None for a GGUF block kind.
+      scales: ``[E, N, K/g]`` floating point; None for a GGUF block kind; ``fp8_e4m3``:
+        ``[E, ceil(N/b), ceil(K/b)]`` (``qdata``: ``[E, N, K]`` uint8, the codes' bytes).
       biases: ``int4``: ``[E, N, K/g]`` floating point (``W = scales * q + biases``);
         ``int8`` and GGUF block kinds: None (``W = scales * q``).
       kind: ``"int8"``, ``"int4"`` or a `gguf.TILE_KINDS` key.
@@ -112,12 +119,12 @@ class WeightLayout:
 
     @property
     def num_arrays(self) -> int:
-        return {"dense": 1, "int8": 2, "int4": 3}.get(self.kind, 1)
+        return {"dense": 1, "int8": 2, "int4": 3, "fp8_e4m3": 2}.get(self.kind, 1)
 
     def min_block_k(self) -> int:
         """Smallest K step the layout allows (a whole quantization group; GGUF block
         kinds: `gguf.MIN_BLOCK_K` elements, part of a block's scale groups)."""
-        if self.kind in GGUF_BLOCKS:
+        if self.kind in GGUF_BLOCKS or self.kind in FP8_KINDS:
             return gguf.MIN_BLOCK_K
         return self.group_size if self.kind != "dense" else 1
 
@@ -180,10 +187,37 @@ def _gguf_operands(w: QuantWeight, name: str, num_experts, k, n) -> tuple[Weight
         if want is not None and got != want:
             raise ValueError(f"{where}: logical shape {shape} has {what}={got}, expected {want}")
     layout = WeightLayout(w.kind, e, shape[1], rows, block, word=2)
+    if w.kind in gguf.FLAT_KINDS:
+        if rows * row_bytes % 2:
+            raise ValueError(
+                f"{where}: an expert's {rows} rows of {row_bytes} bytes are an odd number of bytes; the kernels "
+                f"read them as uint16 words (decode it with XLA instead)"
+            )
+        return layout, (gguf.expert_words(jnp.asarray(w.qdata)),)
     return layout, (gguf.as_words(jnp.asarray(w.qdata)),)
 
 
+def _fp8_operands(w: QuantWeight, name: str, e: int, k: int, n: int) -> tuple[WeightLayout, tuple[jax.Array, ...]]:
+    b = w.group_size
+    where = f"{name} (fp8_e4m3, {b} x {b} blocks)"
+    if b <= 0 or b % gguf.MIN_BLOCK_K:
+        raise ValueError(f"{where}: the kernels take a block edge that is a multiple of {gguf.MIN_BLOCK_K}")
+    if w.qdata.dtype != jnp.uint8:
+        raise ValueError(f"{where}: qdata must be the codes' bytes, uint8 [E, N, K], got {w.qdata.dtype}")
+    want = (e, -(-n // b), -(-k // b))
+    s = w.scales
+    if s is None or tuple(s.shape) != want or not jnp.issubdtype(s.dtype, jnp.floating) or w.biases is not None:
+        got = "None" if s is None else f"{tuple(s.shape)} {s.dtype}"
+        raise ValueError(
+            f"{where}: scales must be floating point of shape {want} (one per block; no biases), got {got} "
+            f"(truncated or wrong-sized scale buffer?)"
+        )
+    return WeightLayout("fp8_e4m3", e, k, n, b), (w.qdata, s)
+
+
 def _quant_operands(w: QuantWeight, name: str, e: int, k: int, n: int) -> tuple[WeightLayout, tuple[jax.Array, ...]]:
+    if w.kind in FP8_KINDS:
+        return _fp8_operands(w, name, e, k, n)
     g = w.group_size
     if not is_pow2(g) or g < 2:
         raise ValueError(f"{name}: quantization group size must be a power of two, got {g}")
@@ -238,10 +272,15 @@ def dequantize_reference(layout: WeightLayout, arrays, dtype=jnp.float32) -> jax
     if layout.kind == "dense":
         return arrays[0].astype(dtype)
     if layout.kind in GGUF_BLOCKS:
-        w = gguf.dequantize_gguf_rows(gguf.words_to_bytes(arrays[0]), layout.kind)  # [E, N, K]
+        raw = gguf.words_to_bytes(arrays[0]).reshape(layout.num_experts, layout.n, -1)
+        w = gguf.dequantize_gguf_rows(raw, layout.kind)  # [E, N, K]
         return jnp.swapaxes(w, 1, 2).astype(dtype)
     e, k, n, g = layout.num_experts, layout.k, layout.n, layout.group_size
     codes = word_bytes(arrays[0]) if layout.word != 1 else arrays[0]
+    if layout.kind in FP8_KINDS:  # ml_dtypes' float8 -> float32 (exact) times the block's scale
+        c = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
+        s = jnp.repeat(jnp.repeat(arrays[1].astype(jnp.float32), g, axis=1), g, axis=2)[:, :n, :k]
+        return jnp.swapaxes(c * s, 1, 2).astype(dtype)
     if layout.kind == "int8":
         q = jax.lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.float32)
     else:
@@ -269,7 +308,7 @@ def load_codes(layout: WeightLayout, ref, e, n0, ns, c0, bn: int, nc: int) -> ja
     ``[bn, nc]`` integers (int8 codes, int4 bytes 0..255); codes past the row read as
     zero. With word loads (``layout.word == 4``; ``c0``, ``nc`` multiples of 4) the int32
     words are loaded and their bytes unpacked (little-endian) to int32 values."""
-    per_row = layout.k if layout.kind == "int8" else layout.k // 2
+    per_row = layout.k // 2 if layout.kind == "int4" else layout.k
     if layout.word == 1:
         cs = c0 + jnp.arange(nc, dtype=jnp.int32)
         m = (ns < layout.n)[:, None] & (cs < per_row)[None, :]
@@ -302,6 +341,8 @@ def load_tile(layout: WeightLayout, refs, e, k0, n0, bk: int, bn: int, dtype):
         return t.astype(dtype), True
     if layout.kind in GGUF_BLOCKS:
         return gguf.load_tile(layout.kind, layout.k, layout.n, refs[0], e, k0, n0, bk, bn, dtype), False
+    if layout.kind in FP8_KINDS:
+        return load_fp8_tile(layout, refs, e, k0, n0, ns, bk, bn, dtype), False
     g = layout.group_size
     ng = bk // g
     gs = k0 // g + jnp.arange(ng, dtype=jnp.int32)
@@ -322,6 +363,36 @@ def load_tile(layout: WeightLayout, refs, e, k0, n0, bk: int, bn: int, dtype):
     q = interleave(planes)  # word loads: 8 nibble planes
     w = (q.reshape(bn, ng, g) * s[:, :, None] + b[:, :, None]).reshape(bn, bk)
     return w.astype(dtype), False
+
+
+def fp8_values(c: jax.Array) -> jax.Array:
+    """E4M3 code bytes (int32 0..255) -> their exact float32 values by integer ops (a normal
+    code's exponent and mantissa moved into float32's fields, exponent + 120; a subnormal
+    one its mantissa times 2^-9; S.1111.111 NaN): the values of ``ml_dtypes.float8_e4m3fn``."""
+    mag = c & 0x7F
+    normal = jax.lax.bitcast_convert_type((mag << 20) + (120 << 23), jnp.float32)
+    v = jnp.where(mag < 8, mag.astype(jnp.float32) * jnp.float32(2.0**-9), normal)
+    v = jnp.where(mag == 0x7F, jnp.float32(jnp.nan), v)
+    return jnp.where(c >= 128, -v, v)
+
+
+def load_fp8_tile(layout: WeightLayout, refs, e, k0, n0, ns, bk: int, bn: int, dtype) -> jax.Array:
+    """A ``[bn, bk]`` tile of a block-scaled FP8 weight (in-kernel; ``bk`` a multiple of 32,
+    the block edge ``b`` too, so each 32 codes share one scale): codes' exact values
+    (`fp8_values`) times their block's scale ``s[e, n // b, k // b]``, one rounding.
+    Codes past K and rows past N read as zero."""
+    b = layout.group_size
+    ng = bk // gguf.MIN_BLOCK_K
+    q = load_codes(layout, refs[0], e, n0, ns, k0, bn, bk).astype(jnp.int32) & 0xFF  # [bn, bk]
+    gk = k0 + gguf.MIN_BLOCK_K * jnp.arange(ng, dtype=jnp.int32)
+    rows = jnp.minimum(ns, layout.n - 1) // b
+    cols = jnp.minimum(gk, layout.k - 1) // b
+    sm = (ns < layout.n)[:, None] & (gk < layout.k)[None, :]
+    s = plgpu.load(refs[1].at[e, rows[:, None], cols[None, :]], mask=sm, other=0).astype(jnp.float32)  # [bn, ng]
+    w = fp8_values(q).reshape(bn, ng, gguf.MIN_BLOCK_K) * s[:, :, None]
+    ks = k0 + jnp.arange(bk, dtype=jnp.int32)
+    w = jnp.where((ks < layout.k)[None, :], w.reshape(bn, bk), 0.0)
+    return w.astype(dtype)
 
 
 def split_tf32(a: jax.Array) -> tuple[jax.Array, jax.Array]:

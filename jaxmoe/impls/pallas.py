@@ -33,9 +33,9 @@ unweighted expert outputs ``z [T * k, d]`` float32 (the only residual besides th
 with ``weight_on_input`` it comes from the gate/up kernel and nothing is saved).
 Quantized experts (`jaxmoe.experts.experts_frozen`) are frozen: the input and routing
 gradients read the quantized weights tile by tile in the kernels (int8 / int4 and the GGUF
-block kinds, as in the forward) and the experts get `jaxmoe.experts.frozen_cotangent`.
-MXFP4, the one GGUF kind without an in-kernel decode, and block-scaled FP8 reach the
-kernels as float weights decoded by XLA (`kernel_weight`).
+block kinds, MXFP4 and block-scaled FP8, as in the forward) and the experts get
+`jaxmoe.experts.frozen_cotangent`. The GGUF IQ1-3 / TQ kinds reach the kernels as float
+weights decoded by XLA (`kernel_weight`).
 """
 
 from __future__ import annotations
@@ -67,17 +67,22 @@ from pallas_kernels.swiglu import gate_up_swiglu
 def kernel_weight(w: jax.Array | QuantizedTensor, dtype=jnp.float32) -> jax.Array | QuantWeight:
     """An expert weight ``[E, K, N]`` as the kernels take it: a float array unchanged, a
     `QuantizedTensor` as the `QuantWeight` of the same arrays (int8 / int4 codes with their
-    scales; a GGUF block kind the kernels decode in-kernel (`pallas_kernels.gguf.TILE_KINDS`:
-    every kind but ``mxfp4``) as the file's block bytes, decoded tile by tile: no float copy
-    of any expert). MXFP4 (17-byte blocks, which the kernels' uint16 word view cannot
-    address) is decoded with XLA (`jaxmoe.quant.materialize`) into a float ``[E, K, N]``
-    array in ``dtype`` (the compute dtype) before the kernels: a transient float copy of
-    every expert of that weight; so is block-scaled FP8 (``fp8_e4m3``), which the kernels
-    do not decode either."""
+    scales; a GGUF block kind the kernels decode in-kernel (`pallas_kernels.gguf.TILE_KINDS`,
+    MXFP4 included) as the file's block bytes; block-scaled FP8 (``fp8_e4m3``) as its codes'
+    bytes with its block scales: decoded tile by tile, no float copy of any expert). A kind
+    without an in-kernel decode, FP8 with a block edge that is not a multiple of 32, or
+    MXFP4 whose expert holds an odd number of bytes is decoded with XLA
+    (`jaxmoe.quant.materialize`) into a float ``[E, K, N]`` array in ``dtype`` (the compute
+    dtype) before the kernels: a transient float copy of every expert of that weight."""
     if not isinstance(w, QuantizedTensor):
         return w
-    if w.kind not in QUANT_KINDS:  # MXFP4, block-scaled FP8: no in-kernel decode
+    odd_mxfp4 = w.kind == "mxfp4" and w.qdata.shape[-2] * w.qdata.shape[-1] % 2
+    if w.kind not in QUANT_KINDS or odd_mxfp4 or (w.kind == "fp8_e4m3" and w.group_size % 32):
         return materialize(w, dtype)
+    if w.kind == "fp8_e4m3":
+        assert w.scales is not None
+        codes = jax.lax.bitcast_convert_type(jnp.asarray(w.qdata), jnp.uint8)
+        return QuantWeight(codes, jnp.asarray(w.scales), None, kind=w.kind, group_size=w.group_size)
     if w.kind in GGUF_BLOCKS:
         return QuantWeight(jnp.asarray(w.qdata), None, None, kind=w.kind, group_size=w.group_size)
     if w.scales is None:
