@@ -469,19 +469,48 @@ typedef int8_t iq_b8 __attribute__((vector_size(8)));
 inline iq_f8 iq_splat(float s) { return iq_f8{} + s; }
 inline iq_f8 iq_widen(iq_b8 q) { return __builtin_convertvector(q, iq_f8); }
 inline iq_f8 iq_row8(const int8_t* row) {  // a grid row of 8
+#if defined(__AVX2__)
+  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row))));
+  iq_f8 r;
+  std::memcpy(&r, &v, sizeof(r));
+  return r;
+#else
   iq_b8 q;
   std::memcpy(&q, row, 8);
   return iq_widen(q);
+#endif
 }
 inline iq_f8 iq_rows4(const int8_t* a, const int8_t* b) {  // two grid rows of 4
+#if defined(__AVX2__)
+  int32_t lo, hi;
+  std::memcpy(&lo, a, 4);
+  std::memcpy(&hi, b, 4);
+  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(int64_t(uint32_t(lo)) | (int64_t(hi) << 32))));
+  iq_f8 r;
+  std::memcpy(&r, &v, sizeof(r));
+  return r;
+#else
   iq_b8 q;
   std::memcpy(&q, a, 4);
   std::memcpy(reinterpret_cast<int8_t*>(&q) + 4, b, 4);
   return iq_widen(q);
+#endif
 }
-inline iq_f8 iq_signs(uint32_t s) {  // bit j of s set: lane j -1, else +1
-  const iq_i8 bit = ((iq_i8{} + int32_t(s)) >> iq_i8{0, 1, 2, 3, 4, 5, 6, 7}) & 1;
-  return bit != 0 ? iq_splat(-1.f) : iq_splat(1.f);
+// +-1 per sign byte: bit j set, lane j -1 (a table of 256 rows, built at compile time)
+struct IqSigns {
+  float v[256][8];
+};
+constexpr IqSigns iq_sign_table() {
+  IqSigns t{};
+  for (int s = 0; s < 256; ++s)
+    for (int j = 0; j < 8; ++j) t.v[s][j] = (s >> j) & 1 ? -1.f : 1.f;
+  return t;
+}
+alignas(32) inline constexpr IqSigns kIqSigns = iq_sign_table();
+inline iq_f8 iq_signs(uint32_t s) {
+  iq_f8 r;
+  std::memcpy(&r, kIqSigns.v[s & 255], sizeof(r));
+  return r;
 }
 inline void iq_store(float* out, iq_f8 v) { std::memcpy(out, &v, sizeof(v)); }
 
@@ -553,11 +582,13 @@ inline void decode_iq_block(const uint8_t* b, float* __restrict out) {
     std::memcpy(sw, b + 48, 8);
     const uint16_t dbits = uint16_t((sw[0] >> 12) | ((sw[1] >> 8) & 0x00f0) | ((sw[2] >> 4) & 0x0f00) | (sw[3] & 0xf000));
     const float d = half_to_float(dbits);
-    for (int i = 0; i < 32; ++i) {
-      const int nib = (b[32 + i / 2] >> (4 * (i & 1))) & 15, s16 = i / 2;
+    for (int s16 = 0; s16 < 16; ++s16) {  // per 16 elements a scale; per 8 a nibble of qh[s16]
       const iq_f8 dl = iq_splat(d * float(2 * ((sw[s16 / 4] >> (3 * (s16 & 3))) & 7) + 1));
-      const iq_f8 delta = iq_splat(nib & 8 ? -kIQ1Delta : kIQ1Delta);
-      iq_store(out + 8 * i, dl * (iq_row8(kG1S.v[b[i] | ((nib & 7) << 8)]) + delta));
+      for (int h = 0; h < 2; ++h) {
+        const int i = 2 * s16 + h, nib = (b[32 + s16] >> (4 * h)) & 15;
+        const iq_f8 delta = iq_splat(nib & 8 ? -kIQ1Delta : kIQ1Delta);
+        iq_store(out + 8 * i, dl * (iq_row8(kG1S.v[b[i] | ((nib & 7) << 8)]) + delta));
+      }
     }
   } else if constexpr (Q == kTQ1_0) {  // 48 bytes of 5 trits, 4 of 4, d; trit n of byte x: ((x 3^n mod 256) 3) >> 8
     const float d = f16_at(b + 52);
