@@ -183,6 +183,9 @@ def _cases() -> list[Case]:
         if kind in GGUF_BLOCKS:  # the file's block bytes, decoded in the kernels
             block, block_bytes = GGUF_BLOCKS[kind]
             return QuantizedTensor(S((e, n_out, n_in // block * block_bytes), jnp.uint8), None, None, kind, block)
+        if kind == "fp8_e4m3":  # block-scaled FP8, 128 x 128 blocks (DeepSeek-V3), float32 scales
+            sc = S((e, -(-n_out // 128), -(-n_in // 128)), jnp.float32)
+            return QuantizedTensor(S((e, n_out, n_in), jnp.float8_e4m3fn), sc, None, "fp8_e4m3", 128)
         return S((e, n_in, n_out), dt)
 
     def experts(cfg, kind, dt, gs):
@@ -272,7 +275,7 @@ def _cases() -> list[Case]:
         args = (S((t, d), dt), S((t * k, f), dt), S((t * k, d), dt), S((t * k,), jnp.float32), S((t, k), jnp.int32))
         return fn, (*args, *w)
 
-    for kind in ("f32", "bf16", "f16", "int8", "int4", *GGUF_BLOCKS):
+    for kind in ("f32", "bf16", "f16", "int8", "int4", *GGUF_BLOCKS, "fp8_e4m3"):
         for which in ("gmm", "gate_up_swiglu", "down_project", "decode_gate_up", "decode_down"):
             add(f"kernel/{which}/{kind}", "kernel", functools.partial(each_kernel, which, kind))
 
@@ -302,10 +305,17 @@ def _cases() -> list[Case]:
     # DeepSeek-V3 in Q8_0: 256 x 2048 x 7168 = 3.76e9 int8 codes per projection (>= 2^31)
     # (bf16 weights of that size are over 2^32 bytes: Pallas uses 64-bit offsets, the control)
     # and in Q4_K_M (2.1e9 / 3.1e9 bytes of blocks: read as uint16 words, < 2^31 of them)
+    # and in block-scaled FP8 as shipped (3.76e9 one-byte codes: int32 word loads)
     c = jaxmoe.load_config("deepseek-v3")
-    for kind in ("q8_0", "bf16", "q4_k_m"):
+    for kind in ("q8_0", "bf16", "q4_k_m", "fp8_e4m3"):
         for t in (1, 2048):
             add(f"size/deepseek-v3/{kind}/T{t}", "size", functools.partial(layer, c, t, kind, jnp.bfloat16, 32))
+    # gpt-oss-120b in MXFP4 as shipped: 128 experts x 2880 x 2880, 1530-byte rows, each expert's
+    # 4.4e6 bytes one run of uint16 words (1.1e9 bytes per projection)
+    c = jaxmoe.load_config("gpt-oss-20b")  # gpt-oss-120b's experts: the 20b's widths, 128 of them
+    c = dc.replace(c, router=dc.replace(c.router, num_experts=128))
+    for t in (1, 2048):
+        add(f"size/gpt-oss-120b/mxfp4/T{t}", "size", functools.partial(layer, c, t, "mxfp4", jnp.bfloat16, 32))
     # Mixtral-8x7B with 4-bit experts (register pressure of the int4 dequant at the real widths)
     c = jaxmoe.load_config("mixtral-8x7b")
     for t in (1, 2048):
@@ -334,7 +344,7 @@ def _cases() -> list[Case]:
         for t in (2, 40):
             c = small_cfg("qwen3-30b-a3b", 128, 64, 8, 2, **kw)
             add(f"backward/{variant}/bf16/T{t}", "kernel", functools.partial(backward, c, t, "bf16", jnp.bfloat16, 64))
-    for kind in ("f32", "q8_0", "int4", "q4_k_m"):
+    for kind in ("f32", "q8_0", "int4", "q4_k_m", "mxfp4", "fp8_e4m3"):
         c = small_cfg("qwen3-30b-a3b", *((256, 256) if kind == "q4_k_m" else (128, 64)), 8, 2)
         add(
             f"backward/plain/{kind}/T40",

@@ -19,6 +19,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from helpers import gguf_block_weight, gpu_target
@@ -27,12 +28,13 @@ import jaxmoe
 from jaxmoe.dispatch import plan_dispatch
 from jaxmoe.execution import ExecConfig
 from jaxmoe.impls.pallas import experts_pallas, kernel_weight
-from jaxmoe.quant import QuantizedTensor, quantize_int4_affine, quantize_int8
+from jaxmoe.quant import QuantizedTensor, fp8_block_tensor, quantize_int4_affine, quantize_int8
 from pallas_kernels import tuning
 from pallas_kernels.decode import decode_down, decode_gate_up
 from pallas_kernels.down import down_project
 from pallas_kernels.gmm import gmm
 from pallas_kernels.launch import DecodeLaunch, Launch, Plan
+from pallas_kernels.quant import QuantWeight
 from pallas_kernels.swiglu import gate_up_swiglu
 
 TRITON_CALL = re.compile(r"__gpu\$xla\.gpu\.triton|triton_kernel_call")
@@ -49,8 +51,13 @@ def assert_triton(txt: str, n: int):
     assert found == n, f"expected {n} Triton custom calls, found {found}"
 
 
-#: GGUF mixes of super-block kinds (widths of whole super-blocks), and IQ4_NL (blocks of 32).
-GGUF_MIXES = {"q4_k_m": ("q4_k", "q4_k", "q6_k"), "q2_q3_iq4xs": ("q2_k", "q3_k", "iq4_xs"), "iq4_nl": ("iq4_nl",) * 3}
+#: GGUF mixes of super-block kinds (widths of whole super-blocks), and IQ4_NL, MXFP4 (blocks of 32).
+GGUF_MIXES = {
+    "q4_k_m": ("q4_k", "q4_k", "q6_k"),
+    "q2_q3_iq4xs": ("q2_k", "q3_k", "iq4_xs"),
+    "iq4_nl": ("iq4_nl",) * 3,
+    "mxfp4": ("mxfp4",) * 3,
+}
 
 
 def weights(rng, e, d, f, kind, dtype=jnp.float32):
@@ -58,6 +65,17 @@ def weights(rng, e, d, f, kind, dtype=jnp.float32):
         kinds = GGUF_MIXES.get(kind, (kind,) * 3)
         return [gguf_block_weight(rng, kk, s)[0] for kk, s in zip(kinds, ((e, f, d), (e, f, d), (e, d, f)))]
     ws = [rng.standard_normal(s).astype(np.float32) / 8 for s in ((e, d, f), (e, d, f), (e, f, d))]
+    if kind == "fp8_e4m3":  # block-scaled FP8, 32 x 32 blocks (partial ones past f = 64's edge do not occur)
+        return [
+            fp8_block_tensor(
+                jnp.asarray(np.swapaxes(w, 1, 2).astype(ml_dtypes.float8_e4m3fn)),
+                jnp.asarray(
+                    np.exp2(rng.uniform(-4, 0, (w.shape[0], -(-w.shape[2] // 32), -(-w.shape[1] // 32)))), jnp.float32
+                ),
+                32,
+            )
+            for w in ws
+        ]
     if kind == "int8":
         return [quantize_int8(w) for w in ws]
     if kind == "int4":
@@ -101,12 +119,14 @@ def test_impl_variants_lower(rng, variant, t):
     assert_triton(lower_text(functools.partial(experts_pallas, cfg=cfg, ex=ExecConfig(interpret=False)), x, r, ew), 2)
 
 
-@pytest.mark.parametrize("kind", ["f32", "bf16", "f16", "int8", "int4", "q5_1", "q4_k_m", "q2_q3_iq4xs", "iq4_nl"])
+@pytest.mark.parametrize(
+    "kind", ["f32", "bf16", "f16", "int8", "int4", "q5_1", "q4_k_m", "q2_q3_iq4xs", "iq4_nl", "mxfp4", "fp8_e4m3"]
+)
 @pytest.mark.slow
 def test_each_kernel_lowers(rng, kind):
     """gmm, gate_up_swiglu, down_project, decode_gate_up, decode_down, one call each (GGUF
-    block kinds: Q5_1, IQ4_NL, and Q4_K_M's Q4_K / Q6_K or Q2_K / Q3_K / IQ4_XS at widths of
-    whole super-blocks)."""
+    block kinds: Q5_1, IQ4_NL, MXFP4, and Q4_K_M's Q4_K / Q6_K or Q2_K / Q3_K / IQ4_XS at widths of
+    whole super-blocks; block-scaled FP8: decoded in the kernels, no XLA decode before)."""
     d, f, e, t, k = (256, 256, 4, 20, 2) if kind in ("q4_k_m", "q2_q3_iq4xs") else (128, 64, 4, 20, 2)
     dt = {"bf16": jnp.bfloat16, "f16": jnp.float16}.get(kind, jnp.float32)
     wg, wu, wd = (kernel_weight(w) for w in weights(rng, e, d, f, kind, dt))
@@ -125,6 +145,8 @@ def test_each_kernel_lowers(rng, kind):
         (lambda a, w1, w2: decode_gate_up(a, ids, w1, w2, launch=dc), (x, wg, wu)),
         (lambda a, w, s: decode_down(a, ids, w, row_scale=s, launch=dc), (h, wd, ws)),
     ]
+    if kind in ("mxfp4", "fp8_e4m3"):  # the weights reach the kernels as their bytes
+        assert all(isinstance(w, QuantWeight) and w.kind == kind for w in (wg, wu, wd))
     for fn, args in calls:
         assert_triton(lower_text(fn, *args), 1)
 
