@@ -25,6 +25,7 @@ from jaxmoe.config import load_config as load_preset_config
 from jaxmoe.io import gguf as jgguf
 from jaxmoe.io import gguf_codec as gq
 from jaxmoe.io.errors import CheckpointError
+from jaxmoe.io.inspect import inspect_gguf
 from jaxmoe.offload.store import GGUFStore
 from jaxmoe.params import MoEParams
 from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor, quantize_int4_affine
@@ -507,6 +508,8 @@ def test_quantized_layer_stays_quantized(mix, rng, tmp_path):
         assert [getattr(w, "kind", None) for w in (sh.w_gate, sh.w_up, sh.w_down)] == shared_kinds
         resident = sum(int(a.nbytes) for a in jax.tree.leaves(loaded))
         assert resident == layer_bytes  # no float copy anywhere (router / gate vector are F32 in the file too)
+        # `jaxmoe inspect` says so before loading: its held bytes of the layer's tensors
+        assert sum(r.held or 0 for r in inspect_gguf(path).tensors if r.layer == c.layer) == resident
         assert ew.w_gate.nbytes == int(file_tensors[f"blk.{c.layer}.ffn_gate_exps.weight"].n_bytes)
     block = jaxmoe.from_pretrained(path, layer=c.layer, ex=jaxmoe.ExecConfig())  # float activations
     for t in (1, 9):

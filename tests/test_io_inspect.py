@@ -72,6 +72,8 @@ def test_inspect_gguf(tmp_path, rng, capsys):
     sh = rows[(1, "ffn_up_shexp.weight")]
     assert (sh["dtype"], sh["shape"], sh["nbytes"]) == ("F16", [F, D], F * D * 2)
     assert rows[(1, "ffn_gate_inp.weight")]["nbytes"] == E * D * 4
+    # the bytes from_pretrained holds: Q8_0's as the file's, F16 as float32
+    assert gate["held"] == gate["nbytes"] and sh["held"] == F * D * 4
     assert rows[(0, "ffn_up.weight")]["shape"] == [96, D]
     assert (1, "attn_norm.weight") not in rows
     # The human table names the same things.

@@ -2,7 +2,9 @@
 
 For a GGUF file: the architecture, the MoE config jaxmoe derives from its metadata (the
 llama.cpp semantics of `jaxmoe.io.gguf`), and per layer whether it is MoE or dense and
-each expert / router / shared-expert tensor's GGUF type, shape and bytes.
+each expert / router / shared-expert tensor's GGUF type, shape, bytes and the bytes
+``jaxmoe.from_pretrained`` holds for it (`held_bytes`: the file's bytes for the types that
+stay in their blocks, float32 for the rest).
 
 For a Hugging Face or MLX checkpoint directory: ``model_type`` and the MoE fields of
 ``config.json`` (a nested ``text_config`` included), and per layer each MoE tensor's
@@ -102,6 +104,7 @@ class TensorRow:
     shape: tuple[int, ...]
     nbytes: int
     count: int = 1
+    held: int | None = None  # GGUF: the bytes from_pretrained holds (`held_bytes`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +135,24 @@ class Report:
         return d
 
 
+def held_bytes(qtype, shape: tuple[int, ...], nbytes: int) -> int:
+    """The bytes ``jaxmoe.from_pretrained`` (float32 dtype) holds for a GGUF tensor of
+    ``qtype``, numpy ``shape`` and ``nbytes`` file bytes: the file's bytes for Q8_0 (int8
+    codes and float16 scales: 34 bytes per 32 values, as the file) and the block types kept
+    as their bytes (`jaxmoe.io.gguf_codec.BLOCK_TYPES`); Q4_0 becomes packed nibbles with a
+    float16 scale and bias per 32 (20 bytes per 18; float32 scales, 24 per 18, for a tensor
+    with a scale above 8188, which the header does not tell); float32 for every other type."""
+    from gguf import GGMLQuantizationType as QT
+
+    from jaxmoe.io import gguf_codec as gc
+
+    if qtype == QT.Q8_0 or qtype in gc.BLOCK_TYPES:
+        return nbytes
+    if qtype == QT.Q4_0:
+        return nbytes // 18 * 20
+    return 4 * int(np.prod(shape, dtype=np.int64))
+
+
 def inspect_gguf(path: str | Path) -> Report:
     """The `Report` of a GGUF file (header only; no tensor data is read)."""
     reader = jg.open_reader(path)
@@ -160,6 +181,7 @@ def inspect_gguf(path: str | Path) -> Report:
                 t.tensor_type.name,
                 tuple(int(x) for x in reversed(t.shape.tolist())),
                 int(t.n_bytes),
+                held=held_bytes(t.tensor_type, tuple(int(x) for x in t.shape.tolist()), int(t.n_bytes)),
             )
         )
     if n_layers is None:
@@ -274,12 +296,13 @@ def render(report: Report, console, layers: list[int] | None = None) -> None:
         ("count", dict(justify="right")),
         ("bytes", dict(justify="right")),
         ("size", dict(justify="right")),
+        *([("held", dict(justify="right"))] if report.format == "gguf" else []),
     ):
         tab.add_column(col, **kw)
     by_layer: dict[int, list[TensorRow]] = {}
     for r in report.tensors:
         by_layer.setdefault(r.layer, []).append(r)
-    total = 0
+    total = held = 0
     empty = []
     for layer in sorted(set(report.layers) | set(by_layer)):
         if layers is not None and layer not in layers:
@@ -290,6 +313,7 @@ def render(report: Report, console, layers: list[int] | None = None) -> None:
             empty.append(layer)
         for i, r in enumerate(rows):
             total += r.nbytes
+            held += r.held or 0
             tab.add_row(
                 str(layer) if i == 0 else "",
                 kind if i == 0 else "",
@@ -299,12 +323,15 @@ def render(report: Report, console, layers: list[int] | None = None) -> None:
                 str(r.count),
                 str(r.nbytes),
                 _human(r.nbytes),
+                *([_human(r.held) if r.held is not None else "?"] if report.format == "gguf" else []),
             )
         tab.add_section()
     console.print(tab)
     if empty:
         console.print(f"layers without MoE tensors in this checkpoint: {_ranges(empty)}")
     console.print(f"MoE tensor bytes shown: {total} ({_human(total)})")
+    if report.format == "gguf":
+        console.print(f"bytes from_pretrained holds for them (float32 dtype): {held} ({_human(held)})")
 
 
 def _ranges(xs: list[int]) -> str:
