@@ -254,7 +254,9 @@ def test_cpu_kernel_matches_float64(kinds, rng):
 
 
 @needs_cpu_kernel()
-@pytest.mark.parametrize("kind", IQ_KINDS)
+@pytest.mark.parametrize(
+    "kind", [k if k in ("iq2_xs", "iq1_m", "tq1_0") else pytest.param(k, marks=pytest.mark.slow) for k in IQ_KINDS]
+)
 def test_cpu_kernel_a_flipped_code_byte_changes_the_output(kind, rng):
     """One code byte of the down weight of an expert every token uses, flipped: the kernel's
     output changes, and matches the float64 loop over the flipped bytes (so the test above
