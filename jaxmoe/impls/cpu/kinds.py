@@ -2,7 +2,6 @@
 and the backward (`jaxmoe.impls.cpu.backward`): the format numbers (the ``kind_*``
 attributes; ``enum Kind`` in ``kernel_common.h``) and `operands`."""
 
-import jax
 import jax.numpy as jnp
 
 from jaxmoe.quant import FP8_KINDS, GGUF_BLOCKS, QuantizedTensor
@@ -43,17 +42,16 @@ def operands(w) -> tuple[tuple, int, int]:
     """``((data, scales, qbias), kind, group)`` of one weight: a float array with empty
     scales (kind `FLOAT`, group 0); GGUF blocks as their raw bytes (the scales are inside
     the blocks; group = the block's elements); int8 / int4 codes with their scales and
-    biases (empty when absent); block-scaled FP8 as its codes' bytes with its block scales
+    biases (empty when absent); block-scaled FP8 as its float8 codes with its block scales
     (group = the block edge). The kind must be one the kernels read (callers check)."""
     empty = jnp.zeros((0,), jnp.float32)
     if not isinstance(w, QuantizedTensor):
         return (w, empty, empty), FLOAT, 0
     if w.kind in GGUF_KINDS:
         return (w.qdata, empty, empty), GGUF_KINDS[w.kind], GGUF_BLOCKS[w.kind][0]
-    if w.kind in FP8_KINDS:  # the float8 codes' bytes (a bitcast), the [E, ceil(out/b), ceil(in/b)] scales
-        codes = jax.lax.bitcast_convert_type(jnp.asarray(w.qdata), jnp.uint8)
+    if w.kind in FP8_KINDS:  # the float8 codes as stored (a bitcast to uint8 made XLA copy them), their scales
         assert w.scales is not None
-        return (codes, w.scales, empty), FP8, w.group_size
+        return (w.qdata, w.scales, empty), FP8, w.group_size
     scales = w.scales
     assert scales is not None  # int8 / int4 always carry scales
     qb = w.biases if w.biases is not None else jnp.zeros((0,), scales.dtype)
