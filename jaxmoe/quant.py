@@ -6,12 +6,13 @@ way GGUF, MLX and torch store it:
 
 - ``kind="int8"`` (GGUF Q8_0): ``qdata [..., out, in]`` int8, ``scales [..., out, in/g]``,
   ``W[i, o] = scales[o, i // g] * qdata[o, i]``; ``biases`` is None.
-- ``kind="int4"`` (MLX affine, GGUF Q4_0): ``qdata [..., out, in/2]`` uint8, element
+- ``kind="int4"`` (MLX affine): ``qdata [..., out, in/2]`` uint8, element
   ``2j`` in the low nibble of byte ``j`` and ``2j+1`` in the high nibble (the byte
   order of MLX's uint32 words on a little-endian machine), ``scales``/``biases``
   ``[..., out, in/g]``, ``W[i, o] = scales[o, i//g] * q[o, i] + biases[o, i//g]``.
-  Q4_0 is ``scale = d, bias = -8 d``.
-- GGUF block kinds ``"q4_1"``, ``"q5_0"``, ``"q5_1"``, ``"iq4_nl"``, ``"mxfp4"`` (blocks of
+  (GGUF Q4_0 is the block kind ``"q4_0"`` below; an int4 tensor with ``scale = d, bias =
+  -8 d`` is exactly Q4_0 too, and exports as such.)
+- GGUF block kinds ``"q4_0"``, ``"q4_1"``, ``"q5_0"``, ``"q5_1"``, ``"iq4_nl"``, ``"mxfp4"`` (blocks of
   32) and ``"q2_k"``, ``"q3_k"``, ``"q4_k"``, ``"q5_k"``, ``"q6_k"``, ``"iq4_xs"``, the grid
   kinds ``"iq2_xxs"``, ``"iq2_xs"``, ``"iq2_s"``, ``"iq3_xxs"``, ``"iq3_s"``, ``"iq1_s"``,
   ``"iq1_m"`` and the ternary ``"tq1_0"``, ``"tq2_0"`` (super-blocks of 256; the grids and

@@ -37,6 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 #: GGUF block kinds kept as their raw block bytes: ``kind -> (elements per block, bytes per block)``
 #: (ggml's ``GGML_QUANT_SIZES``).
 GGUF_BLOCKS: dict[str, tuple[int, int]] = {
+    "q4_0": (32, 18),
     "q4_1": (32, 20),
     "q5_0": (32, 22),
     "q5_1": (32, 24),
@@ -66,6 +67,7 @@ TERNARY_KINDS: tuple[str, ...] = ("tq1_0", "tq2_0")
 #: Elements sharing one scale (and min) inside a block: the granularity of `load_tile`, for
 #: the kinds it decodes in-kernel (`TILE_KINDS`).
 SCALE_GROUP: dict[str, int] = {
+    "q4_0": 32,
     "q4_1": 32,
     "q5_0": 32,
     "q5_1": 32,
@@ -223,6 +225,9 @@ def dequantize_gguf_blocks(b: jax.Array, kind: str) -> jax.Array:
         qh = (_bits(b[..., 0:32], 8, 32) & 0x01) ^ 0x01  # the offset 4 applies where the mask bit is 0
         q = (ql.astype(jnp.int8) - (qh << 2).astype(jnp.int8)).astype(f32).reshape(*b.shape[:-1], 16, 16)
         return (dl * q).reshape(*b.shape[:-1], 256)
+    if kind == "q4_0":  # d, 16 bytes of nibbles (low then high): d * (q - 8)
+        d = _f16(b[..., 0:2])[..., None]
+        return d * (_nibbles(b[..., 2:18], 16).astype(jnp.int8) - jnp.int8(8)).astype(f32)
     if kind == "iq4_nl":  # d, 16 bytes of nibbles (low then high) indexing the non-linear table
         d = _f16(b[..., 0:2])[..., None]
         q = jnp.asarray(IQ4_VALUES, jnp.int8)[_nibbles(b[..., 2:18], 16)].astype(f32)
@@ -590,6 +595,10 @@ def load_tile(kind: str, k_total: int, n_total: int, ref, e, k0, n0, bk: int, bn
             hi = bits(gbase + 104 + g16 % 4, 2 * (g16 // 4), 2, g_ok)
             scale = _half(words(gbase + 108, g_ok)) * ((lo | (hi << 4)) - 32).astype(jnp.float32)
             out = scale[:, :, None] * q.astype(jnp.float32).reshape(bn, ng, g)
+    elif kind == "q4_0":  # d, 16 bytes: element l in nibble l // 16 of byte 2 + l % 16; d * (q - 8)
+        q = bits(base + 2 + p % 16, 4 * (p // 16), 4, k_ok)
+        d = _half(words(gbase, g_ok))[:, :, None]
+        out = d * (q.reshape(bn, ng, g) - 8).astype(jnp.float32)
     elif kind in ("iq4_nl", "iq4_xs"):  # 32 elements per 16 bytes: low nibbles, then high ones
         l = p % 32
         qs = base + (2 if kind == "iq4_nl" else 8 + 16 * (p // 32)) + l % 16

@@ -118,14 +118,14 @@ def assert_same_params(expected, *others):
 def gguf_block_bytes(rng, qtype, shape, d_range=(1e-3, 4e-3)):
     """Random, valid GGUF block bytes for a logical numpy ``shape`` ``[..., out, in]`` of the
     block type ``qtype``: random codes and packed scales, finite float16 super-block scales
-    drawn from ``d_range`` (Q4_1 / Q5_0 / Q5_1 / MXFP4 through ``gguf.quants.quantize`` of
+    drawn from ``d_range`` (Q4_0 / Q4_1 / Q5_0 / Q5_1 / MXFP4 through ``gguf.quants.quantize`` of
     random floats; the IQ1-3 / TQ kinds: random bytes with that scale). Returns uint8 ``[..., out, in / block * block_bytes]``."""
     import gguf
     from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as QT
 
     block, size = GGML_QUANT_SIZES[qtype]
-    if qtype in (QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.MXFP4):
+    if qtype in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.MXFP4):
         return gguf.quants.quantize((rng.standard_normal(shape) * 0.1).astype(np.float32), qtype)
     n_blocks = int(np.prod(shape)) // block
     b = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)

@@ -221,7 +221,7 @@ def test_a_failing_compiler_is_reported(monkeypatch, tmp_path):
 # Formats: GGUF Q8_0 / Q4_0 bytes from gguf.quants (reference: gguf.quants.dequantize),
 # MLX affine 4-bit uint32 words with float16 / bfloat16 / float32 scales (reference: a
 # float64 unpack of the words here), jaxmoe's int8 with float32 scales, and plain floats.
-FORMATS = ("q8_0", "q4_0", "mlx4_g32", "mlx4_g64", "mlx4_g128", "int8_f32", "bf16", "f32")
+FORMATS = ("q8_0", "q4_0_int4", "mlx4_g32", "mlx4_g64", "mlx4_g128", "int8_f32", "bf16", "f32")
 
 
 def np_unpack_words(words: np.ndarray) -> np.ndarray:
@@ -231,9 +231,10 @@ def np_unpack_words(words: np.ndarray) -> np.ndarray:
 
 
 def make_weight(fmt: str, w: np.ndarray, rng):
-    """Logical ``w [E, in, out]`` float32 -> (weight in ``fmt``, its float64 value [E, in, out])."""
+    """Logical ``w [E, in, out]`` float32 -> (weight in ``fmt``, its float64 value [E, in, out]).
+    ``q4_0_int4``: GGUF Q4_0 bytes as an int4 tensor (scale d, bias -8 d); ``q4_0`` the block kind."""
     t = np.ascontiguousarray(np.swapaxes(w, -1, -2))  # [E, out, in]: the stored orientation
-    if fmt in ("q8_0", "q4_0"):
+    if fmt in ("q8_0", "q4_0_int4"):
         qt = gguf.GGMLQuantizationType.Q8_0 if fmt == "q8_0" else gguf.GGMLQuantizationType.Q4_0
         raw = gguf.quants.quantize(t, qt)
         qw = (q8_0_to_quantized if fmt == "q8_0" else q4_0_to_quantized)(raw)
@@ -262,7 +263,7 @@ def make_weight(fmt: str, w: np.ndarray, rng):
         qt = QT[fmt.upper()]
         scale = float(np.abs(w).mean()) / 4
         raw = gguf_block_bytes(rng, qt, t.shape, d_range=(0.5 * scale / 8, 1.5 * scale / 8))
-        if qt in (QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.MXFP4):
+        if qt in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.MXFP4):
             raw = gguf.quants.quantize(t, qt)
         qw = gguf_block_tensor(jnp.asarray(raw), fmt, n_in=t.shape[-1], name=fmt)
         ref = gguf.quants.dequantize(raw, qt).astype(np.float64)
@@ -317,7 +318,9 @@ def test_quantized_formats_match_float64(fmt, d, f, rng):
 
 
 @pytest.mark.parametrize("t", [1, 7, 8, 9, 130])
-@pytest.mark.parametrize("fmts", [("q4_0", "q4_0", "q8_0"), ("mlx4_g64", "mlx4_g64", "mlx4_g64"), ("q8_0",) * 3])
+@pytest.mark.parametrize(
+    "fmts", [("q4_0_int4", "q4_0_int4", "q8_0"), ("mlx4_g64", "mlx4_g64", "mlx4_g64"), ("q8_0",) * 3]
+)
 @pytest.mark.slow
 def test_quantized_one_expert_takes_every_token(t, fmts, rng):
     """k = 1 onto one expert: register dequantization (< 8 rows), the dequantized tile
@@ -328,7 +331,9 @@ def test_quantized_one_expert_takes_every_token(t, fmts, rng):
     check_quantized(cfg, ew, ref, ids, rng.uniform(0.1, 1.0, size=(t, 1)).astype(np.float32), rng, tol=2e-6)
 
 
-@pytest.mark.parametrize("fmts", [("bf16", "q4_0", "q8_0"), ("q8_0", "f32", "mlx4_g32"), ("mlx4_g128", "q8_0", "bf16")])
+@pytest.mark.parametrize(
+    "fmts", [("bf16", "q4_0_int4", "q8_0"), ("q8_0", "f32", "mlx4_g32"), ("mlx4_g128", "q8_0", "bf16")]
+)
 def test_mixed_formats_and_empty_experts(fmts, rng):
     cfg = cfg_of(128, 128, 12, 4)
     ew, ref = quantized_case(cfg, fmts, rng)
@@ -339,7 +344,7 @@ def test_quantized_biases_and_clamped_activation(rng):
     base = shrink(jaxmoe.load_config("gpt-oss-20b"), d=64, f=96)
     assert base.activation == "swiglu_oai" and base.expert_bias
     # large gate/up pre-activations (gain 30) so the clamps at +-limit are hit
-    ew, ref = quantized_case(base, ("q4_0", "mlx4_g32", "q8_0"), rng, bias=True, gain=30.0)
+    ew, ref = quantized_case(base, ("q4_0_int4", "mlx4_g32", "q8_0"), rng, bias=True, gain=30.0)
     ids, ws = uniform_routing(rng, 17, base.top_k, base.num_experts)
     x_probe = rng.normal(size=(4, base.d_model))
     assert (np.abs(x_probe @ ref["w_gate"][0]) > base.swiglu_limit).mean() > 0.05  # the clamp is hit
@@ -351,7 +356,7 @@ def test_quantized_with_bf16_activations(rng):
     """bf16 activations: the kernel keeps the dequantized weights in float32 and rounds
     h to bfloat16 (as the bf16 compute dtype does), so it is within bf16 rounding."""
     cfg = cfg_of(128, 64, 8, 2)
-    ew, ref = quantized_case(cfg, ("q4_0", "q4_0", "q8_0"), rng)
+    ew, ref = quantized_case(cfg, ("q4_0_int4", "q4_0_int4", "q8_0"), rng)
     assert supports(ew, jnp.bfloat16) is None
     check_quantized(cfg, ew, ref, *uniform_routing(rng, 21, 2, 8), rng, dtype=jnp.bfloat16, tol=2e-2)
 
@@ -360,7 +365,7 @@ def test_column_tails_of_quantized_blocks(rng):
     """Task blocks of 7 and 5 columns: dot tiles of 4 / 2 columns plus single-column tails."""
     assert cpu_kernel_status()[0]  # grouped_swiglu itself does not build the kernel
     cfg = cfg_of(64, 96, 5, 2)
-    ew, ref = quantized_case(cfg, ("mlx4_g32", "q8_0", "q4_0"), rng)
+    ew, ref = quantized_case(cfg, ("mlx4_g32", "q8_0", "q4_0_int4"), rng)
     for t in (3, 11):
         ids, ws = uniform_routing(rng, t, 2, 5)
         x = rng.normal(size=(t, 64)).astype(np.float32)
@@ -398,7 +403,7 @@ def test_hypothesis_quantized_shapes_and_routings(df, t, k, fmt_up, fmt_down, se
 def test_a_mutated_code_or_scale_is_caught(what, rng):
     """The comparison is sharp enough to see one changed nibble or scale of a used expert."""
     cfg = cfg_of(64, 64, 4, 1)
-    ew, ref = quantized_case(cfg, ("q4_0", "q4_0", "q4_0"), rng)
+    ew, ref = quantized_case(cfg, ("q4_0_int4", "q4_0_int4", "q4_0_int4"), rng)
     ids = np.full((5, 1), 2, np.int32)
     ws = np.ones((5, 1), np.float32)
     check_quantized(cfg, ew, ref, ids, ws, np.random.default_rng(1), tol=2e-6)  # unmutated: passes
@@ -417,7 +422,7 @@ def test_a_mutated_code_or_scale_is_caught(what, rng):
 
 def test_auto_takes_cpu_for_quantized_experts(rng):
     cfg = cfg_of(64, 64, 4, 2)
-    ew, _ = quantized_case(cfg, ("q4_0", "mlx4_g64", "q8_0"), rng)
+    ew, _ = quantized_case(cfg, ("q4_0_int4", "mlx4_g64", "q8_0"), rng)
     assert policy.resolve_impl("auto", 64, platform="cpu", experts=ew) == "cpu"
     assert policy.resolve_impl("auto", 2, platform="cpu", experts=ew) == "cpu"
 
@@ -683,7 +688,7 @@ def np_shared(x, ref, gate):
     return ((g / (1 + np.exp(-g)) * u) @ ref["w_down"]) / (1 + np.exp(-(x @ gate)))[:, None]
 
 
-@pytest.mark.parametrize("fmts", [("q8_0", "q4_0", "mlx4_g64"), Q4_K_M, ("q5_0", "q5_k", "q4_1"), ("bf16",) * 3])
+@pytest.mark.parametrize("fmts", [("q8_0", "q4_0_int4", "mlx4_g64"), Q4_K_M, ("q5_0", "q5_k", "q4_1"), ("bf16",) * 3])
 @pytest.mark.parametrize("t", [1, 11])
 @pytest.mark.slow
 def test_quantized_shared_expert_in_the_kernel(fmts, t, rng):
@@ -714,7 +719,7 @@ def test_quantized_shared_expert_in_the_kernel(fmts, t, rng):
     )
 
 
-@pytest.mark.parametrize("fmts", [("q8_0", "q4_0", "mlx4_g64"), ("bf16",) * 3])
+@pytest.mark.parametrize("fmts", [("q8_0", "q4_0_int4", "mlx4_g64"), ("bf16",) * 3])
 @pytest.mark.slow
 def test_shared_expert_in_the_routed_call_gradients(fmts, rng):
     """``jax.grad`` through ``moe_apply(impl="cpu")`` with the shared expert in the routed
@@ -756,7 +761,7 @@ def test_routed_and_shared_call_names_bad_shared_operands(rng):
     assert cpu_kernel_status()[0]  # registers the handlers
     cfg = dataclasses.replace(cfg_of(64, 64, 3, 1), shared_expert_dim=64, num_shared_experts=1, shared_expert_gate=True)
     ew, _ = quantized_case(cfg, ("f32",) * 3, rng)
-    sw, _, _ = quantized_shared(64, 64, ("q8_0", "q4_0", "q8_0"), rng)
+    sw, _, _ = quantized_shared(64, 64, ("q8_0", "q4_0_int4", "q8_0"), rng)
     xs = jnp.asarray(rng.normal(size=(6, 64)).astype(np.float32))
     x = xs[:4]
     offsets, sizes = jnp.array([0, 2, 4]), jnp.array([2, 2, 2])
@@ -785,7 +790,7 @@ def test_quantized_shared_expert_outside_the_kernel_stays_xla(rng):
     from jaxmoe.impls.cpu import shared_supported
 
     cfg = dataclasses.replace(cfg_of(64, 64, 6, 2), shared_expert_dim=64, num_shared_experts=1, shared_expert_gate=True)
-    sw, ref, gate = quantized_shared(64, 64, ("q8_0", "q4_0", "q8_0"), rng)
+    sw, ref, gate = quantized_shared(64, 64, ("q8_0", "q4_0_int4", "q8_0"), rng)
     p = dataclasses.replace(random_params(cfg, rng), shared=sw)
     x = jnp.asarray(rng.normal(size=(5, 64)).astype(np.float32))
     hlo = jax.jit(lambda p, x: jaxmoe.moe_apply(p, x, cfg, impl="gather")).lower(p, x).as_text()

@@ -195,7 +195,7 @@ def test_deterministic(rng):
 @pytest.mark.parametrize(
     "fmts",
     [("q4_k", "q4_k", "q6_k"), ("q5_k", "q6_k", "q4_k"), ("q5_0", "q5_1", "q4_1")]
-    + [("q2_k", "q3_k", "iq4_xs"), ("iq4_nl", "mxfp4", "iq4_nl")]
+    + [("q2_k", "q3_k", "iq4_xs"), ("iq4_nl", "mxfp4", "iq4_nl"), ("q4_0", "q4_0", "q4_0")]
     + [("iq2_xxs", "iq2_xs", "iq2_s"), ("iq3_xxs", "iq3_s", "iq1_s"), ("iq1_m", "tq1_0", "tq2_0")],
 )
 @pytest.mark.parametrize("t", [3, 20])

@@ -34,7 +34,22 @@ from jaxmoe.impls.cpu import kernel as cpu_kernel
 pytestmark = needs_cpu_kernel()
 
 #: every weight kind the kernel has the mode for (``f32`` / ``bf16``: float experts)
-KINDS = ("int8", "int4", "q5_0", "iq4_nl", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "bf16", "f32")
+KINDS = (
+    "int8",
+    "int4",
+    "q4_0",
+    "q5_0",
+    "iq4_nl",
+    "mxfp4",
+    "q2_k",
+    "q3_k",
+    "q4_k",
+    "q5_k",
+    "q6_k",
+    "iq4_xs",
+    "bf16",
+    "f32",
+)
 KINDS += ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0")  # float path
 #: the quick subset (``-m "not slow"``): one kind per activation format
 _QUICK = ("q4_k", "bf16", "f32")  # q8_0: test_hidden_activation_is_requantized

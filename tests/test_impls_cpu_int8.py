@@ -28,7 +28,7 @@ from jaxmoe.impls.cpu import experts_cpu
 from jaxmoe.impls.cpu.kernel import grouped_swiglu_saving
 from jaxmoe.quant import quantize_activations_q8
 
-INT_FORMATS = ("q8_0", "q4_0", "mlx4_g32", "mlx4_g64", "mlx4_g128", "int8_f32")
+INT_FORMATS = ("q8_0", "q4_0_int4", "mlx4_g32", "mlx4_g64", "mlx4_g128", "int8_f32")
 K_FORMATS = ("q4_k", "q6_k")  # GGUF super-blocks with integer dot products too (AVX2 builds)
 
 
@@ -125,7 +125,9 @@ def test_k_quants_match_float64_of_q8_activations(fmts, t, rng):
 
 
 @pytest.mark.parametrize("t", [1, 7, 8, 9, 130])
-@pytest.mark.parametrize("fmts", [("q4_0", "q4_0", "q8_0"), ("mlx4_g64",) * 3, ("q8_0",) * 3, ("q4_k", "q4_k", "q6_k")])
+@pytest.mark.parametrize(
+    "fmts", [("q4_0_int4", "q4_0_int4", "q8_0"), ("mlx4_g64",) * 3, ("q8_0",) * 3, ("q4_k", "q4_k", "q6_k")]
+)
 @pytest.mark.slow
 def test_one_expert_takes_every_token(t, fmts, rng):
     """k = 1 onto one expert: row tiles of 1..4 and row chunks (> 128 rows)."""
@@ -137,12 +139,12 @@ def test_one_expert_takes_every_token(t, fmts, rng):
 @pytest.mark.parametrize(
     "fmts",
     [
-        ("bf16", "q4_0", "q8_0"),
+        ("bf16", "q4_0_int4", "q8_0"),
         ("q8_0", "f32", "mlx4_g32"),
         ("q5_k", "mlx4_g32", "q4_1"),
-        ("q4_0", "q8_0", "q4_0"),
+        ("q4_0_int4", "q8_0", "q4_0_int4"),
         ("q4_k", "q8_0", "q6_k"),
-        ("q4_k", "q4_0", "q5_0"),
+        ("q4_k", "q4_0_int4", "q5_0"),
     ],
 )
 def test_mixed_kinds_and_empty_experts(fmts, rng):
@@ -158,7 +160,7 @@ def test_biases_and_clamped_activation(rng):
     base = shrink(jaxmoe.load_config("gpt-oss-20b"), d=64, f=96)
     assert base.activation == "swiglu_oai" and base.expert_bias
     ids, ws = uniform_routing(rng, 17, base.top_k, base.num_experts)
-    y, *_ = check_int8(base, ("q4_0", "mlx4_g32", "q8_0"), ids, ws, rng, tol=2e-5, bias=True, gain=30.0)
+    y, *_ = check_int8(base, ("q4_0_int4", "mlx4_g32", "q8_0"), ids, ws, rng, tol=2e-5, bias=True, gain=30.0)
     assert np.isfinite(y).all()
 
 
@@ -167,8 +169,8 @@ def test_biases_and_clamped_activation(rng):
     st.sampled_from([(32, 64), (64, 32), (96, 160), (160, 96)]),
     st.integers(1, 40),
     st.integers(1, 3),
-    st.sampled_from(("q8_0", "q4_0", "mlx4_g32", "int8_f32")),
-    st.sampled_from(("q8_0", "q4_0", "mlx4_g32", "int8_f32")),
+    st.sampled_from(("q8_0", "q4_0_int4", "mlx4_g32", "int8_f32")),
+    st.sampled_from(("q8_0", "q4_0_int4", "mlx4_g32", "int8_f32")),
     st.integers(0, 2**31 - 1),
 )
 @pytest.mark.slow
@@ -190,7 +192,7 @@ def gate_up_products(cfg, ew, x, ids, ws):
     return np.asarray(gu), np.asarray(xs), np.asarray(plan.group_offsets), np.asarray(plan.group_sizes)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "mlx4_g64", "q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q4_0_int4", "q8_0", "mlx4_g64", "q4_k", "q6_k"])
 def test_gate_up_products_exact_and_within_the_documented_error(fmt, rng):
     """The products before the activation: within float rounding of Q8(x) . W, and off the
     float-activation product by at most sum_k |W[k]| dx_k / 2 (docs/design.md, "int8 activations")."""
@@ -219,7 +221,7 @@ def test_error_against_float_activations_is_small(rng):
     """What a user gives up: the layer output against float activations, relative to its
     size (measured ~1% for random data; a Q4_0 weight's own error is larger)."""
     cfg = cfg_of(256, 256, 8, 2)
-    ew, ref = quantized_case(cfg, ("q4_0",) * 3, rng)
+    ew, ref = quantized_case(cfg, ("q4_0_int4",) * 3, rng)
     ids, ws = uniform_routing(rng, 16, 2, 8)
     x = rng.normal(size=(16, 256)).astype(np.float32)
     y8 = run_int8(cfg, ew, x, ids, ws)
@@ -232,16 +234,16 @@ def test_a_mutated_nibble_is_caught(rng):
     cfg = cfg_of(64, 64, 4, 1)
     ids = np.full((5, 1), 2, np.int32)
     ws = rng.uniform(0.5, 1.0, size=(5, 1)).astype(np.float32)
-    y, want, ew, ref, x = check_int8(cfg, ("q4_0",) * 3, ids, ws, rng)
+    y, want, ew, ref, x = check_int8(cfg, ("q4_0_int4",) * 3, ids, ws, rng)
     q = np.asarray(ew.w_down.qdata).copy()
     q[2, 7, 3] ^= 0x40  # one high nibble of expert 2's down projection
     bad = dataclasses.replace(ew, w_down=dataclasses.replace(ew.w_down, qdata=jnp.asarray(q)))
     y_bad = run_int8(cfg, bad, x, ids, ws)
-    _, slack = np_experts_q8(x, ids, ws, ref, cfg, ("q4_0",) * 3)
+    _, slack = np_experts_q8(x, ids, ws, ref, cfg, ("q4_0_int4",) * 3)
     assert (np.abs(y_bad - want) > 3e-6 * np.abs(want).max() + slack).any()
 
 
-@pytest.mark.parametrize("fmts", [("q4_0", "q4_0", "q8_0"), ("mlx4_g64",) * 3, ("q4_k", "q4_k", "q6_k")])
+@pytest.mark.parametrize("fmts", [("q4_0_int4", "q4_0_int4", "q8_0"), ("mlx4_g64",) * 3, ("q4_k", "q4_k", "q6_k")])
 @pytest.mark.slow
 def test_batch_invariant(fmts, rng):
     """A token's output is the same bits alone and inside batches of other sizes (every row
@@ -259,7 +261,7 @@ def test_batch_invariant(fmts, rng):
 
 def test_nan_stays_in_its_token(rng):
     cfg = cfg_of(64, 64, 4, 2)
-    ew, _ = quantized_case(cfg, ("q4_0", "q4_0", "q8_0"), rng)
+    ew, _ = quantized_case(cfg, ("q4_0_int4", "q4_0_int4", "q8_0"), rng)
     x = rng.normal(size=(6, 64)).astype(np.float32)
     x[2, 5] = np.nan
     x[4, 40] = np.inf
@@ -292,7 +294,7 @@ def test_the_option_is_checked(rng):
         cfg_of(64, 64, 4, 2, int8_activations=True)
     # auto: the mode is the host strategy's; on the CPU that is the kernel
     cfg = cfg_of(64, 64, 4, 2)
-    ew, _ = quantized_case(cfg, ("q4_0",) * 3, rng)
+    ew, _ = quantized_case(cfg, ("q4_0_int4",) * 3, rng)
     ids, ws = uniform_routing(rng, 3, 2, 4)
     x = jnp.asarray(rng.normal(size=(3, 64)).astype(np.float32))
     r = Routing(jnp.asarray(ids), jnp.asarray(ws))
@@ -305,7 +307,7 @@ def test_gradients_pass_straight_through(rng):
     """jax.grad of an int8-activation layer: the backward treats Q8 as the identity, so the
     input and routing-weight gradients are those of float activations up to Q8's error."""
     cfg = cfg_of(128, 64, 6, 2)
-    ew, _ = quantized_case(cfg, ("q4_0", "q4_0", "q8_0"), rng)
+    ew, _ = quantized_case(cfg, ("q4_0_int4", "q4_0_int4", "q8_0"), rng)
     ids, ws = uniform_routing(rng, 5, 2, 6)
     x = jnp.asarray(rng.normal(size=(5, 128)).astype(np.float32))
 

@@ -428,10 +428,12 @@ def test_weight_conversion_bit_exact_with_gguf_dequantize(qtype, rng):
     got = np.swapaxes(np.asarray(w.dequantize(jnp.float32) if isinstance(w, QuantizedTensor) else w), -1, -2)
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, want.astype(np.float32))
-    if qtype in (QT.Q8_0, QT.Q4_0):  # kept quantized, and back to the very same bytes
-        assert isinstance(w, QuantizedTensor) and w.kind == ("int8" if qtype == QT.Q8_0 else "int4")
-        back = gq.quantized_to_q8_0(w) if qtype == QT.Q8_0 else gq.quantized_to_q4_0(w)
-        np.testing.assert_array_equal(back, data)
+    if qtype == QT.Q8_0:  # kept quantized, and back to the very same bytes
+        assert isinstance(w, QuantizedTensor) and w.kind == "int8"
+        np.testing.assert_array_equal(gq.quantized_to_q8_0(w), data)
+    if qtype == QT.Q4_0:  # the file's bytes, as they are (18 per 32 weights)
+        assert isinstance(w, QuantizedTensor) and w.kind == "q4_0" and w.nbytes == np.asarray(data).nbytes
+        np.testing.assert_array_equal(np.asarray(w.qdata), data)
 
 
 Q4_K_M = Case(  # llama.cpp's Q4_K_M mix: gate/up Q4_K, down Q6_K; fallbacks Q5_0 / Q8_0 per tensor
@@ -562,8 +564,10 @@ def test_q4_0_nibble_order(rng):
 
 
 def test_q4_0_extreme_scales_are_exact(rng):
-    """|d| > 8188: the bias -8 d overflows float16, so scales and biases are kept in float32;
-    still bit-exact with gguf-py and back to the same bytes. Normal scales stay float16."""
+    """|d| > 8188: the loader and the store keep the block bytes (kind q4_0), bit-exact with
+    gguf-py; as an int4 tensor (q4_0_to_quantized) the bias -8 d overflows float16, so scales
+    and biases are float32 there, still bit-exact and back to the same bytes. Normal scales
+    stay float16."""
     w = rng.standard_normal((3, 4, 64)).astype(np.float32)
     w[0, 1, 5] = -1.2e5  # its block gets d = 15000 > 65504 / 8
     w[2, 3, 40] = 9e4  # d = -11250
@@ -575,6 +579,12 @@ def test_q4_0_extreme_scales_are_exact(rng):
     dev = gq.weight_from_gguf(raw, QT.Q4_0, jnp.float32)  # the loader's path: jax leaves
     assert isinstance(host.qdata, np.ndarray) and isinstance(dev.qdata, jax.Array)
     for qt in (host, dev):
+        assert qt.kind == "q4_0" and qt.scales is None
+        np.testing.assert_array_equal(np.asarray(qt.qdata), raw)
+        got = np.swapaxes(np.asarray(qt.dequantize(jnp.float32)), -1, -2)
+        np.testing.assert_array_equal(got, want)
+    i4 = gq.q4_0_to_quantized(raw)
+    for qt in (i4, jax.tree.map(jnp.asarray, i4)):
         assert qt.scales.dtype == np.float32 and qt.biases.dtype == np.float32
         assert np.isfinite(np.asarray(qt.biases)).all()
         got = np.swapaxes(np.asarray(qt.dequantize(jnp.float32)), -1, -2)

@@ -130,9 +130,19 @@ def test_one_mutation_changes_the_output(kind, rng):
     block, size = GGUF_BLOCKS[kind]
     raw = gguf_block_bytes(rng, qtype(kind), (2, block))
     base = np.asarray(gguf_block_tensor(raw, kind).dequantize())
-    code_at = {"q4_1": 10, "q5_0": 12, "q5_1": 14, "q4_k": 50, "q5_k": 90, "q6_k": 20, "q2_k": 30, "q3_k": 50}
+    code_at = {
+        "q4_0": 10,
+        "q4_1": 10,
+        "q5_0": 12,
+        "q5_1": 14,
+        "q4_k": 50,
+        "q5_k": 90,
+        "q6_k": 20,
+        "q2_k": 30,
+        "q3_k": 50,
+    }
     code_at = code_at.get(kind) or {"iq4_nl": 10, "iq4_xs": 50, "mxfp4": 10}.get(kind) or IQ_CODE_AT[kind]
-    scale_at = {"q4_1": 1, "q5_0": 1, "q5_1": 3, "q4_k": 6, "q5_k": 6, "q6_k": 195, "q2_k": 3, "q3_k": 100}
+    scale_at = {"q4_0": 1, "q4_1": 1, "q5_0": 1, "q5_1": 3, "q4_k": 6, "q5_k": 6, "q6_k": 195, "q2_k": 3, "q3_k": 100}
     scale_at = scale_at.get(kind, {"iq4_nl": 1, "iq4_xs": 5, "mxfp4": 0, **IQ_SCALE_AT}.get(kind))
     assert scale_at is not None, kind
     for at, flip in ((code_at, 0x0F), (scale_at, 0x05)):
@@ -218,6 +228,7 @@ def layer(rng, kinds: tuple[str, str, str], e: int, d: int, f: int):
         (("q4_1", "q5_0", "q5_1"), 64, 96),
         (("q2_k", "q3_k", "iq4_xs"), 256, 256),
         (("iq4_nl", "mxfp4", "mxfp4"), 64, 96),
+        (("q4_0", "q4_0", "q4_0"), 64, 96),
     ],
 )
 @pytest.mark.parametrize("impl", ["xla", "xla_tiled", "gather", "dense", "auto"])

@@ -85,7 +85,7 @@ def to_f64(w, index=None) -> np.ndarray:
     return a.astype(np.float64)
 
 
-_VEC_DOT = {"int8": "q8_0", "int4": "q8_0", "q5_0": "q8_0", "iq4_nl": "q8_0", "mxfp4": "q8_0"}
+_VEC_DOT = {"int8": "q8_0", "int4": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0", "iq4_nl": "q8_0", "mxfp4": "q8_0"}
 _VEC_DOT.update({k: "q8_1" for k in ("q4_1", "q5_1")})
 _VEC_DOT.update({k: "q8_K" for k in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")})
 # ggml-cpu.c's type_traits_cpu: every IQ1-3 and TQ type's vec_dot_type is GGML_TYPE_Q8_K

@@ -6,20 +6,16 @@ store (`jaxmoe.offload.store.GGUFStore`), so both decode the same bytes the same
 GGUF stores a matrix as numpy ``[..., out, in]`` (GGUF lists dims fastest first), with
 quantization blocks along ``in``. jaxmoe weights are logical ``[..., in, out]`` (the
 ``x @ W`` convention), and a `jaxmoe.quant.QuantizedTensor` stores them out-major with
-blocks along ``in``: the GGUF layout itself, so Q8_0 and Q4_0 map onto it block by block.
+blocks along ``in``: the GGUF layout itself, so Q8_0 maps onto it block by block.
 
 - Q8_0 (32 elements in 34 bytes: f16 ``d``, 32 int8 ``q``; ``w = d * q``) ->
   ``kind="int8"``, group 32, the f16 scales kept as they are.
-- Q4_0 (32 elements in 18 bytes: f16 ``d``, 16 bytes; byte ``i`` holds element ``i`` in
-  its low nibble and element ``i + 16`` in its high nibble; ``w = d * (q - 8)``) ->
-  ``kind="int4"``, group 32, ``scale = d``, ``bias = -8 d`` (both exact in float32; kept
-  in float16 when ``8 |d|`` fits, i.e. ``|d| <= 8188``, else both float32, since
-  ``-8 d`` would overflow float16 to ``-inf``), nibbles repacked to jaxmoe's order
-  (element ``2j`` low, ``2j + 1`` high).
-- Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4 (blocks of 32) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS
-  (super-blocks of 256) -> a GGUF block `QuantizedTensor` (``kind="q4_1"`` ... ``"mxfp4"``)
+- Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4 (blocks of 32) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS
+  (super-blocks of 256) -> a GGUF block `QuantizedTensor` (``kind="q4_0"`` ... ``"mxfp4"``)
   holding the file's block bytes of each row unchanged (`jaxmoe.quant.GGUF_BLOCKS`):
-  resident bytes = file bytes.
+  resident bytes = file bytes. (`q4_0_to_quantized` still gives Q4_0 as an ``int4`` tensor,
+  ``scale = d``, ``bias = -8 d``, nibbles repacked to jaxmoe's order; `quantized_to_q4_0`
+  writes such a tensor back as Q4_0.)
 - F32, F16, BF16, F64 and every other type `gguf.quants.dequantize` handles (MXFP4, IQ*,
   Q2_K, Q3_K, ...) -> a float array, via ``gguf.quants.dequantize`` (so bit-exact with it).
 
@@ -50,7 +46,7 @@ from jaxmoe.quant import FP8_KINDS, GGUF_BLOCKS, QuantizedTensor, dequantize_fp8
 #: GGUF types kept as raw block bytes (a GGUF block `QuantizedTensor` of the same name, lower case).
 BLOCK_TYPES = tuple(QT[k.upper()] for k in GGUF_BLOCKS)
 #: GGUF types kept quantized in device memory.
-KEPT_QUANTIZED = (QT.Q8_0, QT.Q4_0, *BLOCK_TYPES)
+KEPT_QUANTIZED = (QT.Q8_0, *BLOCK_TYPES)
 #: GGUF types the reader returns as plain numpy floats.
 _PLAIN_FLOATS = (QT.F32, QT.F16, QT.F64)
 #: ``save_gguf(dtype=...)`` names.
@@ -184,7 +180,7 @@ def block_tensor_from_gguf(
 def matrix_from_gguf(data: np.ndarray, qtype: QT, name: str = "weight") -> np.ndarray | QuantizedTensor:
     """One GGUF matrix (reader data, numpy ``[..., out, in]``) -> a host weight ``[..., in, out]``.
 
-    Q8_0 / Q4_0 and the `BLOCK_TYPES` stay quantized (a `QuantizedTensor` with numpy
+    Q8_0 and the `BLOCK_TYPES` (Q4_0 among them) stay quantized (a `QuantizedTensor` with numpy
     leaves); F32 / F16 keep their stored dtype; every other type is dequantized with
     gguf-py to float32. ``name`` appears in errors.
     """
@@ -192,8 +188,6 @@ def matrix_from_gguf(data: np.ndarray, qtype: QT, name: str = "weight") -> np.nd
         return block_tensor_from_gguf(data, qtype, name)
     if qtype == QT.Q8_0:
         return q8_0_to_quantized(data)
-    if qtype == QT.Q4_0:
-        return q4_0_to_quantized(data)
     w = np.asarray(data) if qtype in (QT.F32, QT.F16) else dequantize_raw(data, qtype)
     return np.ascontiguousarray(np.swapaxes(w, -1, -2))
 
@@ -304,7 +298,7 @@ class FileTensor:
 def host_weight_from_file(t: FileTensor, dtype=None, name: str = "weight") -> np.ndarray | QuantizedTensor:
     """A GGUF matrix read from its file into host buffers that jax can take in place (leaves
     `HOST_ALIGN`-aligned): the `KEPT_QUANTIZED` types as a `QuantizedTensor` (block bytes as
-    they are, Q8_0 / Q4_0 split matrix by matrix), every other type dequantized matrix by
+    they are, Q8_0 split matrix by matrix), every other type dequantized matrix by
     matrix and transposed to ``[..., in, out]`` in ``dtype`` (float32 when None). No more
     than one matrix's bytes beyond the result is allocated at a time: a load peaks near the
     bytes it keeps."""
@@ -324,16 +318,6 @@ def host_weight_from_file(t: FileTensor, dtype=None, name: str = "weight") -> np
             qf[i] = blocks[..., 2:].reshape(rows, nb * _QK).view(np.int8)
             df[i] = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
         return QuantizedTensor(q, d, None, "int8", _QK)
-    if qt == QT.Q4_0:
-        if row % _Q4_BYTES:
-            raise ValueError(f"{name}: Q4_0 row of {row} bytes is not a whole number of {_Q4_BYTES}-byte blocks")
-        nb = row // _Q4_BYTES
-        packed = aligned_empty((*lead, rows, nb * _QK // 2), np.uint8)
-        d = aligned_empty((*lead, rows, nb), np.float16)
-        pf, df = packed.reshape(-1, rows, nb * _QK // 2), d.reshape(-1, rows, nb)
-        for i, m in t.matrices(name):
-            pf[i], df[i] = _q4_0_parts(m)  # d: float16 values, exact
-        return _q4_0_tensor(packed, d)
     dt = np.dtype(np.float32 if dtype is None else dtype)
     if t.data.dtype == np.uint8:  # bytes of a block type
         block, size = GGML_QUANT_SIZES[qt]

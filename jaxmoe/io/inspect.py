@@ -139,17 +139,14 @@ def held_bytes(qtype, shape: tuple[int, ...], nbytes: int) -> int:
     """The bytes ``jaxmoe.from_pretrained`` (float32 dtype) holds for a GGUF tensor of
     ``qtype``, numpy ``shape`` and ``nbytes`` file bytes: the file's bytes for Q8_0 (int8
     codes and float16 scales: 34 bytes per 32 values, as the file) and the block types kept
-    as their bytes (`jaxmoe.io.gguf_codec.BLOCK_TYPES`); Q4_0 becomes packed nibbles with a
-    float16 scale and bias per 32 (20 bytes per 18; float32 scales, 24 per 18, for a tensor
-    with a scale above 8188, which the header does not tell); float32 for every other type."""
+    as their bytes (`jaxmoe.io.gguf_codec.BLOCK_TYPES`, Q4_0 among them); float32 for every
+    other type."""
     from gguf import GGMLQuantizationType as QT
 
     from jaxmoe.io import gguf_codec as gc
 
     if qtype == QT.Q8_0 or qtype in gc.BLOCK_TYPES:
         return nbytes
-    if qtype == QT.Q4_0:
-        return nbytes // 18 * 20
     return 4 * int(np.prod(shape, dtype=np.int64))
 
 

@@ -20,9 +20,8 @@ Two backends:
   ``blk.{l}.ffn_{gate,up,down}_exps.weight`` ``(E, F, d)`` / ``(E, d, F)``, sliced per
   expert and turned to the ``x @ W`` convention by the GGUF block codec the loader uses
   (`jaxmoe.io.gguf_codec`). F32 / F16 stay float; Q8_0 becomes an ``int8``
-  `QuantizedTensor` and Q4_0 an ``int4`` one (``scale = d, bias = -8 d``, float16, or
-  float32 for an expert with ``|d| > 8188``), Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K a GGUF
-  block one (the raw block bytes), all bit-exact against ``gguf.quants.dequantize``; other
+  `QuantizedTensor`, Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K (and the other
+  `jaxmoe.quant.GGUF_BLOCKS` types) a GGUF block one (the raw block bytes), all bit-exact against ``gguf.quants.dequantize``; other
   types are dequantized with gguf-py.
   `write_gguf_store` writes such a file (with the jaxmoe config as JSON metadata).
 

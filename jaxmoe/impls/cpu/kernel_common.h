@@ -181,11 +181,12 @@ enum Kind : int {
   kFloat = 0, kInt8 = 1, kInt4 = 2, kQ4_1 = 3, kQ5_0 = 4, kQ5_1 = 5, kQ4_K = 6, kQ5_K = 7, kQ6_K = 8,
   kQ2_K = 9, kQ3_K = 10, kIQ4_NL = 11, kIQ4_XS = 12, kMXFP4 = 13,
   kIQ2_XXS = 14, kIQ2_XS = 15, kIQ2_S = 16, kIQ3_XXS = 17, kIQ3_S = 18, kIQ1_S = 19, kIQ1_M = 20, kTQ1_0 = 21,
-  kTQ2_0 = 22  // iq_kinds.h
+  kTQ2_0 = 22,  // iq_kinds.h
+  kQ4_0 = 23
 };
-constexpr bool is_gguf(int q) { return q >= kQ4_1 && q <= kTQ2_0; }
+constexpr bool is_gguf(int q) { return q >= kQ4_1 && q <= kQ4_0; }
 // GGUF block kinds: elements and bytes per block (ggml's GGML_QUANT_SIZES).
-constexpr int block_elems(int q) { return q <= kQ5_1 || q == kIQ4_NL || q == kMXFP4 ? 32 : 256; }
+constexpr int block_elems(int q) { return q <= kQ5_1 || q == kIQ4_NL || q == kMXFP4 || q == kQ4_0 ? 32 : 256; }
 constexpr int block_bytes(int q) {
   return q == kQ4_1   ? 20
          : q == kQ5_0 ? 22
@@ -195,7 +196,7 @@ constexpr int block_bytes(int q) {
          : q == kQ6_K ? 210
          : q == kQ2_K ? 84
          : q == kQ3_K ? 110
-         : q == kIQ4_NL ? 18
+         : q == kIQ4_NL || q == kQ4_0 ? 18
          : q == kIQ4_XS ? 136
          : q == kIQ2_XXS ? 66
          : q == kIQ2_XS ? 74
@@ -245,6 +246,7 @@ inline void with_gguf_kind(int kind, Fn&& fn) {
     case kIQ1_M: return fn(std::integral_constant<int, kIQ1_M>{});
     case kTQ1_0: return fn(std::integral_constant<int, kTQ1_0>{});
     case kTQ2_0: return fn(std::integral_constant<int, kTQ2_0>{});
+    case kQ4_0: return fn(std::integral_constant<int, kQ4_0>{});
     default: return fn(std::integral_constant<int, kQ6_K>{});
   }
 }
@@ -452,14 +454,17 @@ inline vf k_codes8(const uint8_t* b, int s, int h) {
 #endif
 #endif
 
-// IQ4_NL / IQ4_XS / MXFP4: the 4-bit codes index a table of signed values (ggml's
-// kvalues_iq4nl; MXFP4: twice the E2M1 values, kvalues_mxfp4), and the scale of sub-block j
-// (32 elements) is: IQ4_NL d (f16); IQ4_XS d * (ls_j - 32) (6-bit ls_j: low 4 bits from
+// IQ4_NL / IQ4_XS / MXFP4 / Q4_0: the 4-bit codes index a table of signed values (ggml's
+// kvalues_iq4nl; MXFP4: twice the E2M1 values, kvalues_mxfp4; Q4_0: q - 8), and the scale of
+// sub-block j (32 elements) is: IQ4_NL, Q4_0 d (f16); IQ4_XS d * (ls_j - 32) (6-bit ls_j: low 4 bits from
 // nibble j % 2 of byte 4 + j / 2, top 2 from bits 2 j of the u16 at byte 2); MXFP4 the
 // E8M0 exponent e of byte 0 halved (ggml_e8m0_to_fp32_half: 2^(e - 128), subnormal for e < 2).
 alignas(64) inline constexpr float kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                       1,    13,   25,  38,  53,  69,  89,  113};
 alignas(64) inline constexpr float kFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+alignas(64) inline constexpr float kQ40Values[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+// The 32-element table kinds (one scale per block, codes from byte 2 or 1).
+constexpr bool is_table32(int q) { return q == kIQ4_NL || q == kMXFP4 || q == kQ4_0; }
 template <int Q>
 inline float table_scale(const uint8_t* b, int j) {
   if constexpr (Q == kMXFP4) {
@@ -468,7 +473,7 @@ inline float table_scale(const uint8_t* b, int j) {
     float d;
     std::memcpy(&d, &bits, 4);
     return d;
-  } else if constexpr (Q == kIQ4_NL) {
+  } else if constexpr (Q == kIQ4_NL || Q == kQ4_0) {
     return f16_at(b);
   } else {
     uint16_t sh;
@@ -483,9 +488,9 @@ inline float table_scale(const uint8_t* b, int j) {
 template <int Q>
 inline void decode_kq_block(const uint8_t* b, float* __restrict out) {
 #ifdef JM_LUT16
-  if constexpr (Q == kIQ4_NL || Q == kIQ4_XS || Q == kMXFP4) {  // per 32 codes a table, per 16 a permute
-    const vf vals = load(Q == kMXFP4 ? kFP4Values : kIQ4Values);
-    const uint8_t* qs = b + (Q == kIQ4_XS ? 8 : Q == kIQ4_NL ? 2 : 1);
+  if constexpr (is_table32(Q) || Q == kIQ4_XS) {  // per 32 codes a table, per 16 a permute
+    const vf vals = load(Q == kMXFP4 ? kFP4Values : Q == kQ4_0 ? kQ40Values : kIQ4Values);
+    const uint8_t* qs = b + (Q == kIQ4_XS ? 8 : Q == kMXFP4 ? 1 : 2);
     for (int j = 0; j < (Q == kIQ4_XS ? 8 : 1); ++j) {  // the table's entries: one rounding of s * v each
       const vf t = splat(table_scale<Q>(b, j)) * vals;
       const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * j)));
@@ -606,15 +611,17 @@ inline void decode_kq_block(const uint8_t* b, float* __restrict out) {
     }
     return;
   }
-  if constexpr (Q == kIQ4_NL || Q == kIQ4_XS || Q == kMXFP4) {
+  if constexpr (is_table32(Q) || Q == kIQ4_XS) {
     // 4-bit codes indexing a table of signed values (stored + z): IQ4 kvalues_iq4nl (z = 128),
-    // MXFP4 twice the E2M1 values (z = 12) with the E8M0 scale halved (ggml_e8m0_to_fp32_half)
+    // MXFP4 twice the E2M1 values (z = 12) with the E8M0 scale halved (ggml_e8m0_to_fp32_half),
+    // Q4_0 the code itself (z = 8: d (q - 8))
     static constexpr uint8_t kIQ4[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
     static constexpr uint8_t kFP4[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
-    const uint8_t* tab = Q == kMXFP4 ? kFP4 : kIQ4;
-    const float z = Q == kMXFP4 ? 12.f : 128.f;
+    static constexpr uint8_t kQ40[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const uint8_t* tab = Q == kMXFP4 ? kFP4 : Q == kQ4_0 ? kQ40 : kIQ4;
+    const float z = Q == kMXFP4 ? 12.f : Q == kQ4_0 ? 8.f : 128.f;
     const int nsub = Q == kIQ4_XS ? 8 : 1;
-    const uint8_t* qs = b + (Q == kIQ4_XS ? 8 : Q == kIQ4_NL ? 2 : 1);
+    const uint8_t* qs = b + (Q == kIQ4_XS ? 8 : Q == kMXFP4 ? 1 : 2);
     for (int j = 0; j < nsub; ++j)  // 32 elements per 16 bytes: low nibbles, then high ones
       for (int l = 0; l < 16; ++l) {
         q[32 * j + l] = tab[qs[16 * j + l] & 15];
@@ -679,7 +686,7 @@ inline void decode_kq_block(const uint8_t* b, float* __restrict out) {
 
 template <int Q>
 inline void decode_block(const uint8_t* b, float* __restrict out) {
-  if constexpr (Q >= kIQ2_XXS)
+  if constexpr (Q >= kIQ2_XXS && Q <= kTQ2_0)
     decode_iq_block<Q>(b, out);
   else
     decode_kq_block<Q>(b, out);

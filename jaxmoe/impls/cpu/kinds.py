@@ -29,6 +29,7 @@ GGUF_KINDS = {
     "iq1_m": 20,
     "tq1_0": 21,
     "tq2_0": 22,
+    "q4_0": 23,
 }
 assert set(GGUF_KINDS) <= set(GGUF_BLOCKS)
 #: Block-scaled FP8 E4M3 (``kFP8`` in fp8_kind.h; outside the GGUF numbers).
