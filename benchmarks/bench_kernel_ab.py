@@ -99,7 +99,7 @@ def case(a, cfg, fmt: str, t: int, rng):
     d, e, k = cfg.d_model, cfg.num_experts, cfg.top_k
     if a.what == "layer":
         return (
-            lambda p, x: jaxmoe.moe_apply(p, x, cfg, ExecConfig(activations="int8" if a.int8 else "float")),
+            lambda p, x: jaxmoe.moe_apply(p, x, cfg, ExecConfig(activations=a.activations)),
             p,
             lambda: (jnp.asarray(rng.standard_normal((t, d), np.float32)),),
         )
@@ -127,7 +127,18 @@ def main(argv=None) -> int:
         action="store_true",
         help="ExecConfig(activations='int8') (integer dot products; the base must take the int_dot attribute)",
     )
+    ap.add_argument(
+        "--activations",
+        choices=["float", "int8", "ggml"],
+        default=None,
+        help="the layer's ExecConfig.activations (--what layer; default float, int8 with --int8)",
+    )
     a = ap.parse_args(argv)
+    if a.activations is None:
+        a.activations = "int8" if a.int8 else "float"
+    elif a.activations == "ggml" and a.what != "layer":
+        ap.error("--activations ggml: with --what layer (the kernel call alone takes float or int8 rows)")
+    a.int8 = a.activations == "int8"
     ok, msg = build.cpu_kernel_status()
     if not ok:
         raise SystemExit(f"the C++ kernel did not build: {msg}")
@@ -141,7 +152,7 @@ def main(argv=None) -> int:
                 f"{a.base} has no routed + shared handler (the layer's shared expert now runs in the "
                 "routed call); compare --what kernel, or a base from 4 Dec 2026 on"
             )
-    acts = "int8 activations" if a.int8 else "float activations"
+    acts = f"{a.activations} activations"
     print(
         f"{a.what}: working tree against {a.base}; E={cfg.num_experts}, {acts}, new tokens every call, A B alternating"
     )
