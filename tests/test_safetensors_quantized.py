@@ -323,8 +323,8 @@ def _fp8_file_bytes(t: dict, part: str) -> int:
 def test_dsv3_fp8_checkpoint_kept_in_its_bytes(tmp_path, rng):
     """DeepSeek-V3 FP8 (128 x 128 blocks, partial along d and F): routed and shared experts
     load as ``fp8_e4m3`` holding the file's codes + scales bytes; the layer matches the
-    float64 loop on every XLA strategy, ``auto`` and ``pallas`` (interpret mode; XLA decodes
-    the weights before its kernels); the XLA strategies form no float copy of all experts."""
+    float64 loop on every XLA strategy, ``auto`` and ``pallas`` (interpret mode; its kernels
+    decode the FP8 tiles); the XLA strategies form no float copy of all experts."""
     q, t = _dsv3_checkpoint(tmp_path / "ck", rng)
     cfg, params = jio.load_layer(q, layer=1)
     ew, sw = params.experts, params.shared
@@ -353,8 +353,8 @@ def test_dsv3_fp8_checkpoint_kept_in_its_bytes(tmp_path, rng):
 def test_dsv3_fp8_flipped_bytes_errors_and_gradient(tmp_path, rng):
     """A flipped code or a changed scale of a selected expert changes the output (to the
     float64 reference of the changed file); truncated / mis-sized scales and codes are
-    ValueErrors naming the tensor; ``impl='cpu'`` and ``activations='ggml'`` refuse the kind
-    by name; ``quantized=False`` and non-square blocks dequantize; the input gradient flows
+    ValueErrors naming the tensor; ``impl='cpu'`` refuses an input width (F = 80) that is not
+    a multiple of 32 by name and ``activations='ggml'`` the kind; ``quantized=False`` and non-square blocks dequantize; the input gradient flows
     through frozen FP8 experts (xla's custom VJP) and equals ``dense``'s; the experts' cotangents
     are zeros of each leaf's dtype (float8 codes included) whatever the strategy."""
     b = 32
@@ -388,7 +388,7 @@ def test_dsv3_fp8_flipped_bytes_errors_and_gradient(tmp_path, rng):
         q3 = _write(tmp_path / "bad", config, {**t, key: np.ascontiguousarray(bad)})
         with pytest.raises(ValueError, match=re.escape(f"'{key}' has shape {bad.shape}")):
             jio.load_layer(q3, layer=1)
-    with pytest.raises(ValueError, match=r"impl='cpu' reads QuantizedTensor kinds .*kind='fp8_e4m3'"):
+    with pytest.raises(ValueError, match=r"impl='cpu': w_down \(fp8_e4m3, 32 x 32 blocks\).*multiples of 32"):
         jaxmoe.moe_apply(params, x, cfg, impl="cpu")
     with pytest.raises(ValueError, match=r"no ggml vec_dot_type for weight kind 'fp8_e4m3'"):
         jaxmoe.moe_apply(params, x, cfg, ExecConfig(impl="xla", activations="ggml"))
@@ -468,7 +468,8 @@ def test_qwen3_fp8_checkpoint_held_bytes(tmp_path, rng):
 
 @pytest.mark.slow
 def test_qwen3_fp8_layer_matches_float64(tmp_path, rng):
-    """The Qwen3 FP8 layer (``auto``: the C++ kernel lacks the kind, so an XLA strategy) against
+    """The Qwen3 FP8 layer (``auto``: F = 48 is not a multiple of 32, which the C++ kernel
+    needs, so an XLA strategy) against
     the float64 loop over ``ml_dtypes`` decodes of the file's codes and bfloat16 scales."""
     q, t = _qwen3_fp8_checkpoint(tmp_path / "ck", rng)
     p = "model.layers.0.mlp"
