@@ -25,9 +25,9 @@ ids, in their stored format) plus the shared expert and router by the call's tim
 ``--dtype`` picks the experts' format, routed and shared (as in a GGUF file and in
 ``ggml_moe_layer``; ``--shared-f32`` keeps the shared expert float32), a comma list runs
 each in turn: ``f32``,
-``bf16``, ``q8_0`` (int8 codes, float16 scale per 32), ``q4_0`` (int4, float16 scale
-and bias per 32), ``mlx4_g64`` (MLX affine 4-bit, group 64), the GGUF block kinds
-``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q5_k``, ``q6_k`` (the file's block bytes) and
+``bf16``, ``q8_0`` (int8 codes, float16 scale per 32), ``q4_0_int4`` (Q4_0 held as int4,
+float16 scale and bias per 32, as GGUF Q4_0 loaded before it was a block kind), ``mlx4_g64``
+(MLX affine 4-bit, group 64), the GGUF block kinds ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q5_k``, ``q6_k`` (the file's block bytes) and
 ``q4_k_m`` (gate/up q4_k, down q6_k, as in a Q4_K_M file); quantized experts hold
 random codes (speed does not depend on the values; the outputs are still checked against
 ``xla``). ``--ggml BIN`` also runs llama.cpp's MoE layer graph (``ggml_moe_layer`` from
@@ -87,8 +87,8 @@ def parse_labels(text: str) -> list[str]:
 
 #: GGUF block kinds kept as the file's block bytes (``q4_k_m``: gate/up q4_k, down q6_k, as a
 #: Q4_K_M file stores the experts).
-BLOCK_DTYPES = ("q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k_m")
-DTYPES = ("f32", "bf16", "q8_0", "q4_0", "mlx4_g64", *BLOCK_DTYPES)
+BLOCK_DTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k_m")
+DTYPES = ("f32", "bf16", "q8_0", "q4_0_int4", "mlx4_g64", *BLOCK_DTYPES)
 #: The ggml type each expert format is compared with (ggml_moe_layer takes one type for all
 #: three matrices: q4_k_m is compared with q4_K, whose down projection reads fewer bytes).
 GGML_TYPE = {
@@ -96,6 +96,7 @@ GGML_TYPE = {
     "bf16": "bf16",
     "q8_0": "q8_0",
     "q4_0": "q4_0",
+    "q4_0_int4": "q4_0",
     "mlx4_g64": "q4_0",
     "q4_1": "q4_1",
     "q5_0": "q5_0",

@@ -271,7 +271,15 @@ def gguf_random_weight(kind: str, e: int, i: int, o: int, seed: int) -> Quantize
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, (e, o, i // block, size), dtype=np.uint8)
     scale = (rng.uniform(0.5, 1.5, (e, o, i // block, 1)) * 0.02 / math.sqrt(i) / 16).astype(np.float16)
-    at = {"q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (size - 2,)}[kind]
+    at = {
+        "q4_0": (0,),
+        "q4_1": (0, 2),
+        "q5_0": (0,),
+        "q5_1": (0, 2),
+        "q4_k": (0, 2),
+        "q5_k": (0, 2),
+        "q6_k": (size - 2,),
+    }[kind]
     for off in at:
         b[..., off : off + 2] = scale.view(np.uint8)
     return gguf_block_tensor(jnp.asarray(b.reshape(e, o, -1)), kind, n_in=i)

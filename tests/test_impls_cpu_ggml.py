@@ -266,7 +266,7 @@ def test_weight_on_input_converts_the_weighted_rows():
 
 
 @pytest.mark.parametrize(
-    "kind", ["int8", *(pytest.param(k, marks=pytest.mark.slow) for k in ("int4", "q4_k", "q6_k", "q4_k_m"))]
+    "kind", ["int8", *(pytest.param(k, marks=pytest.mark.slow) for k in ("int4", "q4_0", "q4_k", "q6_k", "q4_k_m"))]
 )
 def test_codes_multiplied_in_integers(kind, monkeypatch):
     """int8 / int4 experts (ggml format Q8_0) and Q4_K / Q6_K (Q8_K, its codes made in the
@@ -282,4 +282,7 @@ def test_codes_multiplied_in_integers(kind, monkeypatch):
     flt = _run(p, x, cfg, "cpu")
     jax.clear_caches()
     _check(flt, want, slack)
-    assert not np.array_equal(got, flt)
+    # (a build without AVX2, $JAXMOE_CXXFLAGS=-march=x86-64, multiplies Q4_0 / Q4_K / Q6_K
+    # blocks by the float path over the converted values: the same bits)
+    if kind in ("int8", "int4") or not {"-march=x86-64", "-march=x86-64-v2"} & set(build.extra_flags()):
+        assert not np.array_equal(got, flt)

@@ -746,6 +746,7 @@ void matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t ld
             block_elems(w.kind)};
     if (w.int_dot && w.kind == kQ4_K) return int_dot_gguf<kQ4_K>(*qa, q, K, m, ncols, c, ldc);
     if (w.int_dot && w.kind == kQ6_K) return int_dot_gguf<kQ6_K>(*qa, q, K, m, ncols, c, ldc);
+    if (w.int_dot && w.kind == kQ4_0) return int_dot_gguf<kQ4_0>(*qa, q, K, m, ncols, c, ldc);
     return with_gguf_kind(w.kind, [&](auto Q) { gguf_matmul<Q.value>(a, lda, q, K, m, ncols, c, ldc, pack); });
   }
   if (w.kind == kFP8) return fp8_matmul(w, e, col0, a, lda, m, ncols, c, ldc, pack);
@@ -1091,15 +1092,18 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
   }
   thread_local QRowsBuf qx_buf[2][kOrders], qh_buf[2][kOrders];
   const bool ggml = int_dot == kIntDotGgml;
-  // the rule a weight's rows are quantized by: ggml's format of its kind (Q8_0: int8 / int4,
-  // Q8_K: Q4_K / Q6_K, reading the unconverted rows), else the int8 mode's
-  auto rule = [ggml](int kind) { return !ggml ? kRuleInt8 : (kind == kInt8 || kind == kInt4) ? kRuleQ8_0 : kRuleQ8_K; };
+  // the rule a weight's rows are quantized by: ggml's format of its kind (Q8_0: int8 / int4 /
+  // Q4_0, Q8_K: Q4_K / Q6_K, reading the unconverted rows), else the int8 mode's
+  auto rule = [ggml](int kind) {
+    return !ggml ? kRuleInt8 : (kind == kInt8 || kind == kInt4 || kind == kQ4_0) ? kRuleQ8_0 : kRuleQ8_K;
+  };
   if (int_dot)  // each integer-capable weight reads its input quantized in its kind's order
     for (int i = 0; i < n; ++i) {
       Problem& p = *parts[i];
-      for (Weight* w : {&p.wg, &p.wu, &p.wd})  // ggml: the kinds whose ggml format is Q8_0 or Q8_K
-        w->int_dot = act_order(w->kind) >= 0 &&
-                     (!ggml || w->kind == kInt8 || w->kind == kInt4 || w->kind == kQ4_K || w->kind == kQ6_K);
+      for (Weight* w : {&p.wg, &p.wu, &p.wd})  // ggml: the kinds whose ggml format is Q8_0 or Q8_K (Q4_0: ggml only)
+        w->int_dot = act_order(w->kind) >= 0 && (!ggml ? w->kind != kQ4_0
+                                                       : w->kind == kInt8 || w->kind == kInt4 || w->kind == kQ4_0 ||
+                                                             w->kind == kQ4_K || w->kind == kQ6_K);
       if (ggml && !(p.wg.int_dot && p.wu.int_dot) && rule(p.wg.kind) == kRuleQ8_K)  // (ggml_x_unconverted)
         p.wg.int_dot = p.wu.int_dot = false;  // xs holds converted rows: the float path for both
       for (const Weight* w : {&p.wg, &p.wu}) {

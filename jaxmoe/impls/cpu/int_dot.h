@@ -87,9 +87,9 @@ inline int act_order(int kind) {
   if (kind == kInt4) return kOrderSplit4;
   if (kind == kQ6_K) return kOrderNatural;
 #if defined(__AVX2__)
-  if (kind == kQ4_K) return kOrderK4;
+  if (kind == kQ4_K || kind == kQ4_0) return kOrderK4;
 #else
-  if (kind == kQ4_K) return kOrderNatural;  // int_dot_gguf's portable path
+  if (kind == kQ4_K || kind == kQ4_0) return kOrderNatural;  // int_dot_gguf's portable path
 #endif
   return -1;
 }
@@ -460,6 +460,62 @@ void ktile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, int6
 }
 #endif
 
+#if defined(__AVX2__)
+// The same tile for GGUF Q4_0 blocks (W = d (q - 8) per block of 32, ggml format Q8_0;
+// w.stride the row's bytes). Per pair of blocks, their two 16-byte runs of nibbles in one
+// vector ([block 0 | block 1]), low nibbles (elements 0..15) and high ones (16..31) as two
+// vectors: kOrderK4's order, so one dot2_u4s8 per pair and row. The offset 8 comes off in
+// integers: 8 sum(xq) per lane, once per row and pair (dot2_u4s8 of eights), so each lane
+// holds the exact sum of (q - 8) xq over its elements, times f16(d) dx as ggml's vec_dot.
+template <int MR, int NC>
+void q40tile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
+  constexpr int64_t BB = block_bytes(kQ4_0);
+  const int64_t xq_stride = x.pairs * 64, xd_stride = x.pairs * 8, full = (K / kQBlock) / 2;
+  const uint8_t* rows[NC];
+  for (int j = 0; j < NC; ++j) rows[j] = reinterpret_cast<const uint8_t*>(w.base + (j0 + j) * w.stride);
+  const char* next = w.base + (j0 + NC) * w.stride;  // the next tile's columns, and far_cols into L2
+  const char* far = far_cols(w, j0, NC);
+  __m256 acc[MR][NC];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j) acc[i][j] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(15), eight = _mm256_set1_epi8(8);
+  for (int64_t p = 0; p < x.pairs; ++p) {
+    const bool tail = p == full;  // an odd block count: block 2 p + 1 is padding (zero codes and dx)
+    const int64_t kb = 2 * p * BB;
+    if (p % 2 == 0)
+      for (int j = 0; j < NC; ++j) {
+        __builtin_prefetch(next + j * w.stride + kb);
+        __builtin_prefetch(next + j * w.stride + kb + 64);
+        __builtin_prefetch(far + j * w.stride + kb, 0, 2);
+        __builtin_prefetch(far + j * w.stride + kb + 64, 0, 2);
+      }
+    __m256i x0[MR], x1[MR], off[MR];
+    __m256 dx[MR];
+    for (int i = 0; i < MR; ++i) {
+      const int8_t* xq = x.q + i * xq_stride + p * 64;
+      x0[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq));
+      x1[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq + 32));
+      off[i] = dot2_u4s8(eight, x0[i], eight, x1[i]);
+      dx[i] = _mm256_load_ps(x.dxv + i * xd_stride + p * 8);
+    }
+    for (int j = 0; j < NC; ++j) {
+      const uint8_t* b0 = rows[j] + kb;
+      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + 2));
+      const __m128i q1 = tail ? _mm_setzero_si128() : _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + BB + 2));
+      const __m256i v = _mm256_set_m128i(q1, q0);
+      const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      const __m256 sw = _mm256_set_m128(_mm_set1_ps(tail ? 0.f : f16_at(b0 + BB)), _mm_set1_ps(f16_at(b0)));
+      for (int i = 0; i < MR; ++i) {
+        const __m256i q = _mm256_sub_epi32(dot2_u4s8(lo, x0[i], hi, x1[i]), off[i]);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(sw, dx[i]), acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j) c[i * ldc + j0 + j] = hsum8(acc[i][j]);
+}
+#endif
+
 // Runs tile(MR, NC, i0, j0) over row tiles of 4 (then fewer) x 2 columns (1 x 4 for a single
 // row), as int_dot_matmul and int_dot_gguf do.
 template <typename Tile>
@@ -483,12 +539,15 @@ inline void int_dot_tiles(int64_t m, int64_t ncols, Tile&& tile) {
   }
 }
 
-// C[m, ncols] = Q8(X)[m, K] . W[:, 0 : ncols] for Q4_K / Q6_K blocks.
+// C[m, ncols] = Q8(X)[m, K] . W[:, 0 : ncols] for Q4_K / Q6_K / Q4_0 blocks.
 template <int Q>
 void int_dot_gguf(const QRows& x, const QCols& w, int64_t K, int64_t m, int64_t ncols, float* c, int64_t ldc) {
 #if defined(__AVX2__)
   int_dot_tiles(m, ncols, [&](auto MRc, auto NCc, int64_t i0, int64_t j0) {
-    ktile<decltype(MRc)::value, decltype(NCc)::value, Q>(x.at(i0), w, j0, K, c + i0 * ldc, ldc);
+    if constexpr (Q == kQ4_0)
+      q40tile<decltype(MRc)::value, decltype(NCc)::value>(x.at(i0), w, j0, K, c + i0 * ldc, ldc);
+    else
+      ktile<decltype(MRc)::value, decltype(NCc)::value, Q>(x.at(i0), w, j0, K, c + i0 * ldc, ldc);
   });
 #else
   // Portable builds: Q8(x) as float rows (dx * xq; the natural order keeps element k at
