@@ -279,6 +279,9 @@ def gguf_random_weight(kind: str, e: int, i: int, o: int, seed: int) -> Quantize
         "q4_k": (0, 2),
         "q5_k": (0, 2),
         "q6_k": (size - 2,),
+        "q2_k": (size - 4, size - 2),
+        "q3_k": (size - 2,),
+        "iq4_xs": (0,),
     }[kind]
     for off in at:
         b[..., off : off + 2] = scale.view(np.uint8)

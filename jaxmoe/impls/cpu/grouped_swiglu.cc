@@ -747,6 +747,10 @@ void matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t ld
     if (w.int_dot && w.kind == kQ4_K) return int_dot_gguf<kQ4_K>(*qa, q, K, m, ncols, c, ldc);
     if (w.int_dot && w.kind == kQ6_K) return int_dot_gguf<kQ6_K>(*qa, q, K, m, ncols, c, ldc);
     if (w.int_dot && w.kind == kQ4_0) return int_dot_gguf<kQ4_0>(*qa, q, K, m, ncols, c, ldc);
+    if (w.int_dot && is_q8k_codes_kind(w.kind))  // int_dot_k.h
+      return with_gguf_kind(w.kind, [&](auto Q) {
+        if constexpr (is_q8k_codes_kind(Q.value)) int_dot_gguf_k<Q.value>(*qa, q, K, m, ncols, c, ldc);
+      });
     return with_gguf_kind(w.kind, [&](auto Q) { gguf_matmul<Q.value>(a, lda, q, K, m, ncols, c, ldc, pack); });
   }
   if (w.kind == kFP8) return fp8_matmul(w, e, col0, a, lda, m, ncols, c, ldc, pack);
@@ -1103,7 +1107,8 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
       for (Weight* w : {&p.wg, &p.wu, &p.wd})  // ggml: the kinds whose ggml format is Q8_0 or Q8_K (Q4_0: ggml only)
         w->int_dot = act_order(w->kind) >= 0 && (!ggml ? w->kind != kQ4_0
                                                        : w->kind == kInt8 || w->kind == kInt4 || w->kind == kQ4_0 ||
-                                                             w->kind == kQ4_K || w->kind == kQ6_K);
+                                                             w->kind == kQ4_K || w->kind == kQ6_K ||
+                                                             is_q8k_codes_kind(w->kind));
       if (ggml && !(p.wg.int_dot && p.wu.int_dot) && rule(p.wg.kind) == kRuleQ8_K)  // (ggml_x_unconverted)
         p.wg.int_dot = p.wu.int_dot = false;  // xs holds converted rows: the float path for both
       for (const Weight* w : {&p.wg, &p.wu}) {

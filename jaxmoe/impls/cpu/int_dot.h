@@ -85,7 +85,7 @@ constexpr int kOrders = 3;
 inline int act_order(int kind) {
   if (kind == kInt8) return kOrderNatural;
   if (kind == kInt4) return kOrderSplit4;
-  if (kind == kQ6_K) return kOrderNatural;
+  if (kind == kQ6_K || kind == kQ2_K || kind == kQ3_K || kind == kQ5_K || kind == kIQ4_XS) return kOrderNatural;
 #if defined(__AVX2__)
   if (kind == kQ4_K || kind == kQ4_0) return kOrderK4;
 #else
@@ -575,3 +575,5 @@ void int_dot_matmul(const QRows& x, const QCols& wq, int64_t K, int64_t m, int64
                                                           ldc);
   });
 }
+
+#include "int_dot_k.h"  // Q2_K / Q3_K / Q5_K / IQ4_XS against Q8_K codes

@@ -33,9 +33,9 @@ the gate / up weights' format before the call (``ggml_round`` in XLA; the shared
 rows by its own), the hidden activations by the down weight's format inside the call
 (the ``h_fmt`` attribute: bf16, q8_0 or q8_K blocks, the same float32 operations as
 ``ggml_round``). int8 / int4 experts (Q8_0 format) then multiply the Q8_0 codes in
-integers as ggml does (`GGML_INT_DOT`), and Q4_K / Q6_K the Q8_K codes, which the call
-makes from the unconverted rows (gate and up both Q4_K / Q6_K; h for such a down
-weight); the other kinds take the float path over the converted values. Gradients straight through the conversions (the float backward).
+integers as ggml does (`GGML_INT_DOT`), and Q2_K ... Q6_K / IQ4_XS the Q8_K codes, which
+the call makes from the unconverted rows (gate and up both of those kinds; h for such a
+down weight); the other kinds take the float path over the converted values. Gradients straight through the conversions (the float backward).
 
 Also ``swiglu`` and ``swiglu_oai``, optional biases, ``weight_on_input``. Gradients: a
 `jax.custom_vjp` whose forward keeps each pair's gate | up products (``[T k, 2F]``
@@ -150,7 +150,7 @@ GGML_H_FMT = {"f32": 0, "bf16": 1, "q8_0": 2, "q8_K": 3}
 GGML_INT_DOT = True
 #: Kinds whose integer dots read ggml's Q8_K codes, made in the call from the unconverted
 #: rows (int_dot.h): their input rows are passed unconverted when gate and up both are one.
-_Q8K_INT_DOT = ("q4_k", "q6_k")
+_Q8K_INT_DOT = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
 
 
 def _unconverted_input(ew) -> bool:
