@@ -28,7 +28,7 @@ each in turn: ``f32``,
 ``bf16``, ``q8_0`` (int8 codes, float16 scale per 32), ``q4_0_int4`` (Q4_0 held as int4,
 float16 scale and bias per 32, as GGUF Q4_0 loaded before it was a block kind), ``mlx4_g64``
 (MLX affine 4-bit, group 64), the GGUF block kinds ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``q2_k``, ``q3_k``, ``q4_k``, ``q5_k``, ``q6_k``,
-``iq4_xs`` (the file's block bytes) and
+``iq4_xs``, ``iq4_nl``, ``mxfp4`` (the file's block bytes) and
 ``q4_k_m`` (gate/up q4_k, down q6_k, as in a Q4_K_M file); quantized experts hold
 random codes (speed does not depend on the values; the outputs are still checked against
 ``xla``). ``--ggml BIN`` also runs llama.cpp's MoE layer graph (``ggml_moe_layer`` from
@@ -88,7 +88,21 @@ def parse_labels(text: str) -> list[str]:
 
 #: GGUF block kinds kept as the file's block bytes (``q4_k_m``: gate/up q4_k, down q6_k, as a
 #: Q4_K_M file stores the experts).
-BLOCK_DTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "q4_k_m")
+BLOCK_DTYPES = (
+    "q4_0",
+    "q4_1",
+    "q5_0",
+    "q5_1",
+    "q2_k",
+    "q3_k",
+    "q4_k",
+    "q5_k",
+    "q6_k",
+    "iq4_xs",
+    "iq4_nl",
+    "mxfp4",
+    "q4_k_m",
+)
 DTYPES = ("f32", "bf16", "q8_0", "q4_0_int4", "mlx4_g64", *BLOCK_DTYPES)
 #: The ggml type each expert format is compared with (ggml_moe_layer takes one type for all
 #: three matrices: q4_k_m is compared with q4_K, whose down projection reads fewer bytes).
@@ -107,6 +121,8 @@ GGML_TYPE = {
     "q4_k": "q4_K",
     "q5_k": "q5_K",
     "iq4_xs": "iq4_xs",
+    "iq4_nl": "iq4_nl",
+    "mxfp4": "mxfp4",
     "q6_k": "q6_K",
     "q4_k_m": "q4_K",
 }

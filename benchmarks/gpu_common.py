@@ -282,9 +282,13 @@ def gguf_random_weight(kind: str, e: int, i: int, o: int, seed: int) -> Quantize
         "q2_k": (size - 4, size - 2),
         "q3_k": (size - 2,),
         "iq4_xs": (0,),
+        "iq4_nl": (0,),
+        "mxfp4": (),
     }[kind]
     for off in at:
         b[..., off : off + 2] = scale.view(np.uint8)
+    if kind == "mxfp4":  # the E8M0 exponent byte: scales 2^(e - 128) near the others'
+        b[..., 0] = rng.integers(116, 120, b.shape[:-1], dtype=np.uint8)
     return gguf_block_tensor(jnp.asarray(b.reshape(e, o, -1)), kind, n_in=i)
 
 

@@ -271,12 +271,25 @@ def test_weight_on_input_converts_the_weighted_rows():
         "int8",
         *(
             pytest.param(k, marks=pytest.mark.slow)
-            for k in ("int4", "q4_0", "q4_k", "q6_k", "q4_k_m", "q2_k", "q3_k", "q5_k", "iq4_xs", "q4_k+q5_k")
+            for k in (
+                "int4",
+                "q4_0",
+                "iq4_nl",
+                "mxfp4",
+                "q4_k",
+                "q6_k",
+                "q4_k_m",
+                "q2_k",
+                "q3_k",
+                "q5_k",
+                "iq4_xs",
+                "q4_k+q5_k",
+            )
         ),
     ],
 )
 def test_codes_multiplied_in_integers(kind, monkeypatch):
-    """int8 / int4 experts (ggml format Q8_0) and Q2_K ... Q6_K / IQ4_XS (Q8_K, its codes made
+    """int8 / int4 / Q4_0 / IQ4_NL / MXFP4 experts (ggml format Q8_0) and Q2_K ... Q6_K / IQ4_XS (Q8_K, its codes made
     in the call from the unconverted rows) multiply the codes in integers (`GGML_INT_DOT`): other
     bits than the float path over the converted values, and both meet the oracle (a kernel
     that clamps the Q8_0 or the Q8_K codes to +-126 fails it)."""
@@ -289,7 +302,7 @@ def test_codes_multiplied_in_integers(kind, monkeypatch):
     flt = _run(p, x, cfg, "cpu")
     jax.clear_caches()
     _check(flt, want, slack)
-    # (a build without AVX2, $JAXMOE_CXXFLAGS=-march=x86-64, multiplies Q4_0 / the Q8_K kinds'
+    # (a build without AVX2, $JAXMOE_CXXFLAGS=-march=x86-64, multiplies Q4_0 / IQ4_NL / MXFP4 / the Q8_K kinds'
     # blocks by the float path over the converted values: the same bits)
     if kind in ("int8", "int4") or not {"-march=x86-64", "-march=x86-64-v2"} & set(build.extra_flags()):
         assert not np.array_equal(got, flt)

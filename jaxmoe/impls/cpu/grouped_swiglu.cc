@@ -747,6 +747,8 @@ void matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t ld
     if (w.int_dot && w.kind == kQ4_K) return int_dot_gguf<kQ4_K>(*qa, q, K, m, ncols, c, ldc);
     if (w.int_dot && w.kind == kQ6_K) return int_dot_gguf<kQ6_K>(*qa, q, K, m, ncols, c, ldc);
     if (w.int_dot && w.kind == kQ4_0) return int_dot_gguf<kQ4_0>(*qa, q, K, m, ncols, c, ldc);
+    if (w.int_dot && w.kind == kIQ4_NL) return int_dot_gguf<kIQ4_NL>(*qa, q, K, m, ncols, c, ldc);
+    if (w.int_dot && w.kind == kMXFP4) return int_dot_gguf<kMXFP4>(*qa, q, K, m, ncols, c, ldc);
     if (w.int_dot && is_q8k_codes_kind(w.kind))  // int_dot_k.h
       return with_gguf_kind(w.kind, [&](auto Q) {
         if constexpr (is_q8k_codes_kind(Q.value)) int_dot_gguf_k<Q.value>(*qa, q, K, m, ncols, c, ldc);
@@ -1099,14 +1101,15 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
   // the rule a weight's rows are quantized by: ggml's format of its kind (Q8_0: int8 / int4 /
   // Q4_0, Q8_K: Q4_K / Q6_K, reading the unconverted rows), else the int8 mode's
   auto rule = [ggml](int kind) {
-    return !ggml ? kRuleInt8 : (kind == kInt8 || kind == kInt4 || kind == kQ4_0) ? kRuleQ8_0 : kRuleQ8_K;
+    return !ggml ? kRuleInt8 : (kind == kInt8 || kind == kInt4 || is_table32(kind)) ? kRuleQ8_0 : kRuleQ8_K;
   };
   if (int_dot)  // each integer-capable weight reads its input quantized in its kind's order
     for (int i = 0; i < n; ++i) {
       Problem& p = *parts[i];
-      for (Weight* w : {&p.wg, &p.wu, &p.wd})  // ggml: the kinds whose ggml format is Q8_0 or Q8_K (Q4_0: ggml only)
-        w->int_dot = act_order(w->kind) >= 0 && (!ggml ? w->kind != kQ4_0
-                                                       : w->kind == kInt8 || w->kind == kInt4 || w->kind == kQ4_0 ||
+      for (Weight* w : {&p.wg, &p.wu, &p.wd})  // ggml: the kinds whose ggml format is Q8_0 or Q8_K (Q4_0,
+        // IQ4_NL, MXFP4: ggml only)
+        w->int_dot = act_order(w->kind) >= 0 && (!ggml ? !is_table32(w->kind)
+                                                       : w->kind == kInt8 || w->kind == kInt4 || is_table32(w->kind) ||
                                                              w->kind == kQ4_K || w->kind == kQ6_K ||
                                                              is_q8k_codes_kind(w->kind));
       if (ggml && !(p.wg.int_dot && p.wu.int_dot) && rule(p.wg.kind) == kRuleQ8_K)  // (ggml_x_unconverted)

@@ -87,9 +87,9 @@ inline int act_order(int kind) {
   if (kind == kInt4) return kOrderSplit4;
   if (kind == kQ6_K || kind == kQ2_K || kind == kQ3_K || kind == kQ5_K || kind == kIQ4_XS) return kOrderNatural;
 #if defined(__AVX2__)
-  if (kind == kQ4_K || kind == kQ4_0) return kOrderK4;
+  if (kind == kQ4_K || is_table32(kind)) return kOrderK4;
 #else
-  if (kind == kQ4_K || kind == kQ4_0) return kOrderNatural;  // int_dot_gguf's portable path
+  if (kind == kQ4_K || is_table32(kind)) return kOrderNatural;  // int_dot_gguf's portable path
 #endif
   return -1;
 }
@@ -461,15 +461,22 @@ void ktile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, int6
 #endif
 
 #if defined(__AVX2__)
-// The same tile for GGUF Q4_0 blocks (W = d (q - 8) per block of 32, ggml format Q8_0;
-// w.stride the row's bytes). Per pair of blocks, their two 16-byte runs of nibbles in one
-// vector ([block 0 | block 1]), low nibbles (elements 0..15) and high ones (16..31) as two
-// vectors: kOrderK4's order, so one dot2_u4s8 per pair and row. The offset 8 comes off in
-// integers: 8 sum(xq) per lane, once per row and pair (dot2_u4s8 of eights), so each lane
-// holds the exact sum of (q - 8) xq over its elements, times f16(d) dx as ggml's vec_dot.
-template <int MR, int NC>
-void q40tile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
-  constexpr int64_t BB = block_bytes(kQ4_0);
+// The same tile for the GGUF blocks of 32 with one scale and 4-bit codes (ggml format Q8_0;
+// w.stride the row's bytes): Q4_0 (W = d (q - 8)), IQ4_NL (W = d kvalues_iq4nl[q]), MXFP4
+// (W = 2^(e - 128) kvalues_mxfp4[q]). Per pair of blocks, their two 16-byte runs of nibbles in
+// one vector ([block 0 | block 1]), low nibbles (elements 0..15) and high ones (16..31) as two
+// vectors: kOrderK4's order. Q4_0: one dot2_u4s8 per pair and row, the offset 8 taken off in
+// integers (8 sum(xq) per lane, once per row and pair, a dot2_u4s8 of eights); IQ4_NL /
+// MXFP4: the codes' values by a byte shuffle of the table, then the sign trick as for int8
+// (|v| <= 127: no int16 sum saturates). Each lane holds an exact integer sum, times the
+// block's scale times dx, as ggml's vec_dot.
+alignas(16) inline constexpr int8_t kIQ4Bytes[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                     1,    13,   25,  38,  53,  69,  89,  113};
+alignas(16) inline constexpr int8_t kFP4Bytes[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+template <int MR, int NC, int Q>
+void b32tile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
+  static_assert(is_table32(Q), "b32tile: Q4_0, IQ4_NL or MXFP4 blocks");
+  constexpr int64_t BB = block_bytes(Q), QS = Q == kMXFP4 ? 1 : 2;  // block bytes, where the nibbles start
   const int64_t xq_stride = x.pairs * 64, xd_stride = x.pairs * 8, full = (K / kQBlock) / 2;
   const uint8_t* rows[NC];
   for (int j = 0; j < NC; ++j) rows[j] = reinterpret_cast<const uint8_t*>(w.base + (j0 + j) * w.stride);
@@ -479,6 +486,8 @@ void q40tile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, in
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NC; ++j) acc[i][j] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(15), eight = _mm256_set1_epi8(8);
+  const __m256i table = _mm256_broadcastsi128_si256(
+      _mm_load_si128(reinterpret_cast<const __m128i*>(Q == kMXFP4 ? kFP4Bytes : kIQ4Bytes)));
   for (int64_t p = 0; p < x.pairs; ++p) {
     const bool tail = p == full;  // an odd block count: block 2 p + 1 is padding (zero codes and dx)
     const int64_t kb = 2 * p * BB;
@@ -495,19 +504,30 @@ void q40tile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, in
       const int8_t* xq = x.q + i * xq_stride + p * 64;
       x0[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq));
       x1[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq + 32));
-      off[i] = dot2_u4s8(eight, x0[i], eight, x1[i]);
+      if constexpr (Q == kQ4_0) off[i] = dot2_u4s8(eight, x0[i], eight, x1[i]);
       dx[i] = _mm256_load_ps(x.dxv + i * xd_stride + p * 8);
     }
     for (int j = 0; j < NC; ++j) {
       const uint8_t* b0 = rows[j] + kb;
-      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + 2));
-      const __m128i q1 = tail ? _mm_setzero_si128() : _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + BB + 2));
+      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + QS));
+      const __m128i q1 = tail ? _mm_setzero_si128() : _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + BB + QS));
       const __m256i v = _mm256_set_m128i(q1, q0);
       const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      const __m256 sw = _mm256_set_m128(_mm_set1_ps(tail ? 0.f : f16_at(b0 + BB)), _mm_set1_ps(f16_at(b0)));
-      for (int i = 0; i < MR; ++i) {
-        const __m256i q = _mm256_sub_epi32(dot2_u4s8(lo, x0[i], hi, x1[i]), off[i]);
-        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(sw, dx[i]), acc[i][j]);
+      const __m256 sw =
+          _mm256_set_m128(_mm_set1_ps(tail ? 0.f : table_scale<Q>(b0 + BB, 0)), _mm_set1_ps(table_scale<Q>(b0, 0)));
+      if constexpr (Q == kQ4_0) {
+        for (int i = 0; i < MR; ++i) {
+          const __m256i q = _mm256_sub_epi32(dot2_u4s8(lo, x0[i], hi, x1[i]), off[i]);
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(sw, dx[i]), acc[i][j]);
+        }
+      } else {
+        const __m256i wl = _mm256_shuffle_epi8(table, lo), wh = _mm256_shuffle_epi8(table, hi);
+        const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
+        for (int i = 0; i < MR; ++i) {
+          const __m256i q = _mm256_add_epi32(dot_u8s8(al, _mm256_sign_epi8(x0[i], wl)),
+                                             dot_u8s8(ah, _mm256_sign_epi8(x1[i], wh)));
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(sw, dx[i]), acc[i][j]);
+        }
       }
     }
   }
@@ -539,13 +559,13 @@ inline void int_dot_tiles(int64_t m, int64_t ncols, Tile&& tile) {
   }
 }
 
-// C[m, ncols] = Q8(X)[m, K] . W[:, 0 : ncols] for Q4_K / Q6_K / Q4_0 blocks.
+// C[m, ncols] = Q8(X)[m, K] . W[:, 0 : ncols] for Q4_K / Q6_K / Q4_0 / IQ4_NL / MXFP4 blocks.
 template <int Q>
 void int_dot_gguf(const QRows& x, const QCols& w, int64_t K, int64_t m, int64_t ncols, float* c, int64_t ldc) {
 #if defined(__AVX2__)
   int_dot_tiles(m, ncols, [&](auto MRc, auto NCc, int64_t i0, int64_t j0) {
-    if constexpr (Q == kQ4_0)
-      q40tile<decltype(MRc)::value, decltype(NCc)::value>(x.at(i0), w, j0, K, c + i0 * ldc, ldc);
+    if constexpr (is_table32(Q))
+      b32tile<decltype(MRc)::value, decltype(NCc)::value, Q>(x.at(i0), w, j0, K, c + i0 * ldc, ldc);
     else
       ktile<decltype(MRc)::value, decltype(NCc)::value, Q>(x.at(i0), w, j0, K, c + i0 * ldc, ldc);
   });
