@@ -21,6 +21,11 @@
 //                 when L = 256)
 //   out_pages<L>  4 out-major rows a page apart side by side, the next tile the rows after
 //                 them: each page read front to back
+//   out_rows<L>   one out-major row after the other (one stream front to back, as ggml's
+//                 threads read a run of rows)
+//   out_adj_pf<L> out_adj with the prefetches of jaxmoe's quantized few-row tiles (the next
+//                 tile's rows into L1, the rows 24 KiB ahead into L2)
+//   out_rows_pf<L> out_rows with the same prefetches
 #include <immintrin.h>
 
 #include <algorithm>
@@ -98,6 +103,29 @@ void out_tiles(const float* w, const float* x, float* y) {
     }
 }
 
+// NC out-major rows side by side (NC = 1: row after row, one stream front to back), with
+// (kPrefetch) the quantized tiles' software prefetches of jaxmoe's kernel (qtile / itile):
+// each 64 bytes, the same bytes of the next tile's rows into L1 and of the rows kFar bytes
+// ahead (at least two tiles) into L2.
+template <int L, int NC, bool kPrefetch>
+void out_rows(const float* w, const float* x, float* y) {
+  constexpr int64_t n = kElems / L, kFar = 24 << 10, far_rows = std::max<int64_t>(2 * NC, kFar / (L * 4));
+  for (int64_t g = 0; g < n; g += NC) {
+    v16 a[NC] = {};
+    const float* next = w + (g + NC) * L;
+    const float* far = w + (g + far_rows) * L;
+    for (int64_t k = 0; k < L; k += 16) {
+      if (kPrefetch && g + far_rows + NC <= n)
+        for (int s = 0; s < NC; ++s) {
+          __builtin_prefetch(next + s * L + k);
+          __builtin_prefetch(far + s * L + k, 0, 2);
+        }
+      for (int s = 0; s < NC; ++s) a[s] = fma16(ld(x + k % kRows), ld(w + (g + s) * L + k), a[s]);
+    }
+    for (int s = 0; s < NC; ++s) y[(g + s) % kRows] = hsum(a[s]);
+  }
+}
+
 struct Variant {
   const char* name;
   void (*fn)(const float*, const float*, float*);
@@ -119,7 +147,13 @@ int main(int argc, char** argv) {
                         {"out_adj<256>", out_tiles<256, false>},
                         {"out_pages<256>", out_tiles<256, true>},
                         {"out_adj<512>", out_tiles<512, false>},
-                        {"out_pages<512>", out_tiles<512, true>}};
+                        {"out_pages<512>", out_tiles<512, true>},
+                        {"out_rows<256>", out_rows<256, 1, false>},
+                        {"out_rows<512>", out_rows<512, 1, false>},
+                        {"out_adj_pf<256>", out_rows<256, 4, true>},
+                        {"out_adj_pf<512>", out_rows<512, 4, true>},
+                        {"out_rows_pf<256>", out_rows<256, 1, true>},
+                        {"out_rows_pf<512>", out_rows<512, 1, true>}};
   constexpr int nv = sizeof(vs) / sizeof(vs[0]), kPerCall = 24;
   double best[nv], total[nv] = {};
   std::fill(best, best + nv, 1e30);
