@@ -1106,9 +1106,10 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
   if (int_dot)  // each integer-capable weight reads its input quantized in its kind's order
     for (int i = 0; i < n; ++i) {
       Problem& p = *parts[i];
-      for (Weight* w : {&p.wg, &p.wu, &p.wd})  // ggml: the kinds whose ggml format is Q8_0 or Q8_K (Q4_0,
-        // IQ4_NL, MXFP4: ggml only)
-        w->int_dot = act_order(w->kind) >= 0 && (!ggml ? !is_table32(w->kind)
+      for (Weight* w : {&p.wg, &p.wu, &p.wd})  // ggml: the kinds whose ggml format is Q8_0 or Q8_K; the int8
+        // mode: int8, int4, Q4_K and Q6_K (the others multiply float activations there)
+        w->int_dot = act_order(w->kind) >= 0 && (!ggml ? w->kind == kInt8 || w->kind == kInt4 || w->kind == kQ4_K ||
+                                                             w->kind == kQ6_K
                                                        : w->kind == kInt8 || w->kind == kInt4 || is_table32(w->kind) ||
                                                              w->kind == kQ4_K || w->kind == kQ6_K ||
                                                              is_q8k_codes_kind(w->kind));
