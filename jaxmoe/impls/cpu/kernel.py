@@ -338,8 +338,10 @@ def grouped_swiglu(
     bfloat16; ``int_dot`` (bool): integer-coded weights multiply int8-quantized
     activations (``ExecConfig(activations="int8")``); ``blocks``: the columns of a gate/up
     and of a down task (`BLOCKS`); ``h_fmt``: the hidden activations converted to a ggml
-    format before the down projection (`GGML_H_FMT`'s numbers; 0: none).
+    format before the down projection (`GGML_H_FMT`'s numbers; 0: none). Builds and
+    registers the kernel on first use (RuntimeError naming why when it cannot).
     """
+    _require_kernel("grouped_swiglu")
     return _call(xs, offsets, sizes, ew, cfg, round_h, *blocks, save=False, int_dot=int_dot, h_fmt=(h_fmt, 0))[0]
 
 
@@ -347,8 +349,17 @@ def grouped_swiglu_saving(xs, offsets, sizes, ew: ExpertWeights, cfg: MoEConfig,
     """`grouped_swiglu` that also returns ``gu [P, 2F]`` float32: each row's gate | up
     products before the biases (``xs W_g``, ``xs W_u``), the residual the backward reads
     instead of recomputing them (rows no expert owns are unspecified)."""
+    _require_kernel("grouped_swiglu_saving")
     ys, gate_up, _ = _call(xs, offsets, sizes, ew, cfg, round_h, UP_BLOCK, DOWN_BLOCK, save=True, int_dot=int_dot)
     return ys, gate_up
+
+
+def _require_kernel(name: str) -> None:
+    """Builds and registers the kernel (once per process); RuntimeError naming why it is
+    unavailable, instead of XLA's missing-handler error when the custom call runs."""
+    ok, msg = cpu_kernel_status()
+    if not ok:
+        raise RuntimeError(f"{name}: the C++ kernel is unavailable: {msg}")
 
 
 def _weight_operands(ew: ExpertWeights, prefix: str = "") -> tuple[list, dict]:
