@@ -238,3 +238,26 @@ def each_impl(impls):
     yield from (i for i in impls if i != "cpu" or reason is None)
     if "cpu" in impls and reason is not None:
         pytest.skip(f"impl='cpu' not checked: {reason}")
+
+
+#: A code byte of the first block of each IQ1-3 / TQ kind (flipping it changes the decode).
+IQ_CODE_AT = {
+    "iq2_xxs": 3,
+    "iq2_xs": 4,
+    "iq2_s": 5,
+    "iq3_xxs": 4,
+    "iq3_s": 5,
+    "iq1_s": 4,
+    "iq1_m": 3,
+    "tq1_0": 3,
+    "tq2_0": 3,
+}
+
+
+def same_bits(got, want) -> None:
+    """Equal as float32 bit patterns, any NaN equal to any NaN."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
-from helpers import gguf_block_bytes, np_experts, shrink, skewed_routing
+from helpers import IQ_CODE_AT, gguf_block_bytes, np_experts, same_bits, shrink, skewed_routing
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -25,32 +25,11 @@ from jaxmoe.quant import GGUF_BLOCKS, QuantizedTensor, dequantize_gguf_rows, ggu
 from jaxmoe.routing import Routing
 
 KINDS = list(GGUF_BLOCKS)
-#: A code byte and a scale byte (its low bits) of each IQ1-3 / TQ kind's first block.
-IQ_CODE_AT = {
-    "iq2_xxs": 3,
-    "iq2_xs": 4,
-    "iq2_s": 5,
-    "iq3_xxs": 4,
-    "iq3_s": 5,
-    "iq1_s": 4,
-    "iq1_m": 3,
-    "tq1_0": 3,
-    "tq2_0": 3,
-}
 IQ_SCALE_AT = {k: 0 for k in IQ_CODE_AT} | {"iq1_m": 49, "tq1_0": 52, "tq2_0": 64}
 
 
 def qtype(kind: str) -> QT:
     return QT[kind.upper()]
-
-
-def same_bits(got, want) -> None:
-    """Equal as float32 bit patterns, any NaN equal to any NaN."""
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert got.shape == want.shape
-    nan = np.isnan(want)
-    np.testing.assert_array_equal(np.isnan(got), nan)
-    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
 
 
 def gguf_reference(raw: np.ndarray, kind: str) -> np.ndarray:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
-from helpers import gguf_block_bytes, needs_cpu_kernel, np_experts, shrink, skewed_routing
+from helpers import IQ_CODE_AT, gguf_block_bytes, needs_cpu_kernel, np_experts, same_bits, shrink, skewed_routing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,33 +33,12 @@ from jaxmoe.routing import Routing
 IQ_KINDS = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0")
 #: Where each kind's float16 ``d`` sits (IQ1_M: spread over the top nibbles of bytes 49, 51, 53, 55).
 D_AT = {k: 0 for k in IQ_KINDS} | {"tq1_0": 52, "tq2_0": 64, "iq1_m": None}
-#: A grid-index / code byte of the first block of each kind.
-CODE_AT = {
-    "iq2_xxs": 3,
-    "iq2_xs": 4,
-    "iq2_s": 5,
-    "iq3_xxs": 4,
-    "iq3_s": 5,
-    "iq1_s": 4,
-    "iq1_m": 3,
-    "tq1_0": 3,
-    "tq2_0": 3,
-}
 EXTREMES = (0x7BFF, 0xFBFF, 0x0001, 0x8001, 0x7C00, 0xFC00, 0x7E00, 0x8000, 0x0400)
 
 
 def gguf_reference(raw: np.ndarray, kind: str) -> np.ndarray:
     with np.errstate(all="ignore"):
         return gguf.quants.dequantize(raw, QT[kind.upper()])
-
-
-def same_bits(got, want) -> None:
-    """Equal as float32 bit patterns, any NaN equal to any NaN."""
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert got.shape == want.shape
-    nan = np.isnan(want)
-    np.testing.assert_array_equal(np.isnan(got), nan)
-    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
 
 
 def set_d(blocks: np.ndarray, kind: str, bits: int) -> None:
@@ -127,7 +106,7 @@ def test_a_flipped_code_or_scale_changes_the_output(kind, rng):
     raw = gguf_block_bytes(rng, QT[kind.upper()], (2, 256))
     base = decode(raw, kind)
     d_at = D_AT[kind] if D_AT[kind] is not None else 49  # IQ1_M: bits 4-7 of d in byte 49's top nibble
-    for at, flip in ((CODE_AT[kind], 0x0F), (d_at, 0x05 if kind != "iq1_m" else 0x50)):
+    for at, flip in ((IQ_CODE_AT[kind], 0x0F), (d_at, 0x05 if kind != "iq1_m" else 0x50)):
         bad = raw.copy()
         bad[1, at] ^= flip
         got = decode(bad, kind)
@@ -268,7 +247,7 @@ def test_cpu_kernel_a_flipped_code_byte_changes_the_output(kind, rng):
     x = rng.standard_normal((5, cfg.d_model)).astype(np.float32)
     y0, c = run(params, x, cfg, "cpu", ids, ws)
     bad = raws[2].copy()
-    bad[0, 7, CODE_AT[kind]] ^= 0x0F  # expert 0, output 7, the first block
+    bad[0, 7, IQ_CODE_AT[kind]] ^= 0x0F  # expert 0, output 7, the first block
     ew = dataclasses.replace(params.experts, w_down=jax.tree.map(jnp.asarray, gguf_block_tensor(bad, kind)))
     y1, _ = run(dataclasses.replace(params, experts=ew), x, cfg, "cpu", ids, ws)
     assert not np.array_equal(y0[:, 7], y1[:, 7])
