@@ -384,6 +384,17 @@ void itile(const QRows& x, const QCols& w, const float* sg, int64_t j0, int64_t 
       c[i * ldc + j0 + j] = qb ? out[i][j] + bias_dot(qb + (j0 + j) * w.ng, sg + i * w.ng, w.ng) : out[i][j];
 }
 
+// Block `blk` (BB bytes) of the next tile's NC columns into L1 and of the columns at `far`
+// into L2, as the super-block tiles (ktile, k8tile) advance.
+template <int NC, int BB>
+inline void prefetch_kblock(const char* next, const char* far, int64_t stride, int64_t blk) {
+  for (int j = 0; j < NC; ++j)
+    for (int o = 0; o < BB; o += 64) {
+      __builtin_prefetch(next + j * stride + blk * BB + o);
+      __builtin_prefetch(far + j * stride + blk * BB + o, 0, 2);
+    }
+}
+
 #if defined(__AVX2__)
 // The same tile for GGUF Q4_K and Q6_K blocks (super-blocks of 256; w.stride the row's
 // bytes). Q4_K (W = d sc_s q - dmin m_s per sub-block s of 32): per pair of sub-blocks, 32
@@ -406,11 +417,7 @@ void ktile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, int6
     for (int j = 0; j < NC; ++j) acc[i][j] = macc[i][j] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(15);
   for (int64_t blk = 0; blk < K / 256; ++blk) {
-    for (int j = 0; j < NC; ++j)
-      for (int o = 0; o < BB; o += 64) {
-        __builtin_prefetch(next + j * w.stride + blk * BB + o);
-        __builtin_prefetch(far + j * w.stride + blk * BB + o, 0, 2);
-      }
+    prefetch_kblock<NC, BB>(next, far, w.stride, blk);
     if constexpr (Q == kQ4_K) {
       alignas(32) float dsc[NC][8], dmn[NC][8];
       for (int j = 0; j < NC; ++j) {

@@ -116,11 +116,7 @@ void k8tile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, int
     for (int j = 0; j < NC; ++j) acc[i][j] = macc[i][j] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi8(1);
   for (int64_t blk = 0; blk < K / 256; ++blk) {
-    for (int j = 0; j < NC; ++j)
-      for (int o = 0; o < BB; o += 64) {
-        __builtin_prefetch(next + j * w.stride + blk * BB + o);
-        __builtin_prefetch(far + j * w.stride + blk * BB + o, 0, 2);
-      }
+    prefetch_kblock<NC, BB>(next, far, w.stride, blk);
     alignas(64) int8_t qb[NC][256];
     alignas(32) float ds[NC][16], dm[NC][16], dmn[NC][8];
     for (int j = 0; j < NC; ++j) {
