@@ -784,15 +784,15 @@ struct Problem : Experts {
   float* glogit;       // [P] scratch for those logits when sgate is set
   int64_t E;
   int64_t rows;  // P
-  QRows qx[kOrders], qh[kOrders];  // int8 activations (int_dot.h): xs and h in the orders used
+  QRows qx[kSlots], qh[kSlots];  // int8 activations (int_dot.h): xs and h in the (order, rule) slots used
   int32_t h_fmt = 0;               // the ggml format h is converted to (kHfmt*), 0: none
 };
 
 // The quantized rows weight w reads (in its kind's order), from row row0 on; null for float
 // activations.
-inline const QRows* rows_for(const Weight& w, const QRows* by_order, int64_t row0, QRows& out) {
+inline const QRows* rows_for(const Weight& w, const QRows* by_slot, int64_t row0, QRows& out) {
   if (!w.int_dot) return nullptr;
-  out = by_order[act_order(w.kind)].at(row0);
+  out = by_slot[w.qslot].at(row0);
   return &out;
 }
 
@@ -1096,7 +1096,7 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
       down_tasks.push_back(t);
     }
   }
-  thread_local QRowsBuf qx_buf[2][kOrders], qh_buf[2][kOrders];
+  thread_local QRowsBuf qx_buf[2][kSlots], qh_buf[2][kSlots];
   const bool ggml = int_dot == kIntDotGgml;
   // the rule a weight's rows are quantized by: ggml's format of its kind (Q8_0: int8 / int4 /
   // Q4_0, Q8_K: Q4_K / Q6_K, reading the unconverted rows), else the int8 mode's
@@ -1115,18 +1115,22 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
                                                              is_q8k_codes_kind(w->kind));
       if (ggml && !(p.wg.int_dot && p.wu.int_dot) && rule(p.wg.kind) == kRuleQ8_K)  // (ggml_x_unconverted)
         p.wg.int_dot = p.wu.int_dot = false;  // xs holds converted rows: the float path for both
+      for (Weight* w : {&p.wg, &p.wu, &p.wd})  // rows are shared by the weights of one order and rule
+        w->qslot = int8_t(act_order(w->kind) + kOrders * (rule(w->kind) == kRuleQ8_K));
       for (const Weight* w : {&p.wg, &p.wu}) {
-        const int o = act_order(w->kind);
-        if (w->int_dot && !p.qx[o].q)
-          quantize_owned_rows(pool, p, p.E, p.xs, p.d, o, p.qx[o] = qx_buf[i][o].view(p.rows, p.d), rule(w->kind));
+        const int s = w->qslot;
+        if (w->int_dot && !p.qx[s].q)
+          quantize_owned_rows(pool, p, p.E, p.xs, p.d, act_order(w->kind), p.qx[s] = qx_buf[i][s].view(p.rows, p.d),
+                              rule(w->kind));
       }
     }
   parallel_tasks(pool, up_tasks, [parts](const Task& t) { run_gate_up(*parts[t.part], t); });
   for (int i = 0; i < n; ++i) {  // Q8_K integer dots read h unconverted: quantized before the pass below
     Problem& p = *parts[i];
     if (p.wd.int_dot && rule(p.wd.kind) == kRuleQ8_K) {
-      const int o = act_order(p.wd.kind);
-      quantize_owned_rows(pool, p, p.E, p.h, p.F, o, p.qh[o] = qh_buf[i][o].view(p.rows, p.F), kRuleQ8_K);
+      const int s = p.wd.qslot;
+      quantize_owned_rows(pool, p, p.E, p.h, p.F, act_order(p.wd.kind), p.qh[s] = qh_buf[i][s].view(p.rows, p.F),
+                          kRuleQ8_K);
     }
   }
   std::vector<Task> h_tasks;  // ggml activations: h converted to the down weight's format, 64 rows a task
@@ -1145,8 +1149,9 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
   for (int i = 0; i < n; ++i) {
     Problem& p = *parts[i];
     if (p.wd.int_dot && rule(p.wd.kind) != kRuleQ8_K) {
-      const int o = act_order(p.wd.kind);
-      quantize_owned_rows(pool, p, p.E, p.h, p.F, o, p.qh[o] = qh_buf[i][o].view(p.rows, p.F), rule(p.wd.kind));
+      const int s = p.wd.qslot;
+      quantize_owned_rows(pool, p, p.E, p.h, p.F, act_order(p.wd.kind), p.qh[s] = qh_buf[i][s].view(p.rows, p.F),
+                          rule(p.wd.kind));
     }
   }
   parallel_tasks(pool, down_tasks, [parts](const Task& t) { run_down(*parts[t.part], t); });

@@ -80,16 +80,17 @@ enum ActOrder : int { kOrderNatural = 0, kOrderSplit4 = 1, kOrderK4 = 2 };
 // f16(d)) or ggml's Q8_K (one d per 256 elements, each block of 32 taking it as its dx).
 enum QRule : int { kRuleInt8 = 0, kRuleQ8_0 = 1, kRuleQ8_K = 2 };
 constexpr int kOrders = 3;
+constexpr int kSlots = 2 * kOrders;  // quantized rows per (order, Q8_K rule or not)
 
 // The order weight kind Q reads its quantized activations in, or -1 when it takes float ones.
 inline int act_order(int kind) {
   if (kind == kInt8) return kOrderNatural;
   if (kind == kInt4) return kOrderSplit4;
-  if (kind == kQ6_K || kind == kQ2_K || kind == kQ3_K || kind == kQ5_K || kind == kIQ4_XS) return kOrderNatural;
+  if (kind == kQ6_K || kind == kQ2_K || kind == kQ3_K || kind == kQ5_K) return kOrderNatural;
 #if defined(__AVX2__)
-  if (kind == kQ4_K || is_table32(kind)) return kOrderK4;
+  if (kind == kQ4_K || is_table32(kind) || kind == kIQ4_XS) return kOrderK4;
 #else
-  if (kind == kQ4_K || is_table32(kind)) return kOrderNatural;  // int_dot_gguf's portable path
+  if (kind == kQ4_K || is_table32(kind) || kind == kIQ4_XS) return kOrderNatural;  // the portable float paths
 #endif
   return -1;
 }

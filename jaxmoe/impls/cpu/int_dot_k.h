@@ -1,20 +1,22 @@
 // Integer dot products for the K-quant kinds whose ggml vec_dot_type is Q8_K and whose
 // blocks int_dot.h's ktile does not read: Q2_K, Q3_K, Q5_K and IQ4_XS (ggml's
 // ggml_vec_dot_q2_K_q8_K, q3_K_q8_K, q5_K_q8_K and iq4_xs_q8_K). Included at the end of
-// int_dot.h (QRows in the natural order, quantized by kRuleQ8_K: the Q8_K codes of the
-// unconverted rows, each block of 32 taking its super-block's d as dx; sb = dx sum(xq)).
+// int_dot.h (QRows quantized by kRuleQ8_K: the Q8_K codes of the unconverted rows, each
+// block of 32 taking its super-block's d as dx; the natural order, IQ4_XS kOrderK4).
 //
-// Per super-block and column the block's codes are built as 256 bytes (kcodes), with a
-// float scale per group of 16 (Q2_K, Q3_K) or of 32 (Q5_K, IQ4_XS: the same scale in both
-// halves), then per activation block of 32 one integer dot per row and column: lanes
-// 0..3 hold the sums over elements 0..15, lanes 4..7 over 16..31 (dot_u8s8), times the
-// group's scale and dx. Unsigned codes (Q2_K 0..3, Q5_K 0..31) go straight into the
-// unsigned operand; signed ones (Q3_K q - 4, IQ4_XS kvalues_iq4nl, |v| <= 127) take the
-// sign trick as Q6_K does. The mins (W = d sc q - dmin m): Q5_K per sub-block of 32 from
-// sb as Q4_K; Q2_K per group of 16 from the integer sums of xq over each group (a
-// dot_u8s8 of ones, once per row and block), times dmin m and dx. IQ4_XS's codes come
-// from its 16-entry table by a byte shuffle (vpshufb). Without AVX2 the float path over
-// the Q8_K values (int_dot_gguf's portable path).
+// As ggml computes them: per super-block, column and row one exact integer sum of code x
+// activation code x group scale, then times d dx in float32. Per activation block of 32
+// the column's 32 codes are built in a register (KBlock::code) and multiplied in int16
+// pairs (vpmaddubsw: unsigned codes, Q2_K 0..3 and Q5_K 0..31, straight; signed ones,
+// Q3_K q - 4 and IQ4_XS kvalues_iq4nl by a byte shuffle, by the sign trick as Q6_K; no
+// pair sum saturates, |w| x 127 x 2 <= 32258), then times the int16 scales of the block's
+// two groups of 16 (one byte shuffle picks them, GroupScales) and summed into int32 lanes
+// (vpmaddwd, or vpdpwssd with VNNI). The mins (W = d sc q - dmin m): Q2_K per group of
+// 16, Q5_K per sub-block of 32, as an integer dot of the mins with the sums of 16
+// activation codes (bsums, made once per call of int_dot_gguf_k), times dmin dx. The
+// scale bytes are unpacked in registers (a vector reloaded from bytes just stored stalls
+// the store forwarding). Without AVX2 the float path over the Q8_K values (int_dot_gguf's
+// portable path).
 #pragma once
 
 constexpr bool is_q8k_codes_kind(int kind) {
@@ -22,135 +24,185 @@ constexpr bool is_q8k_codes_kind(int kind) {
 }
 
 #if defined(__AVX2__)
-// One super-block's codes (256 bytes, element order) and group scales: ds[16] (per 16
-// elements; groups of 32 written twice), dm[16] the Q2_K mins per 16, dmn[8] the Q5_K
-// mins per 32.
-template <int Q>
-inline void kcodes(const uint8_t* b, int8_t* __restrict qb, float* __restrict ds, float* __restrict dm,
-                   float* __restrict dmn) {
-  if constexpr (Q == kQ2_K) {  // scales 16 bytes (low nibble scale, high min), qs 64, d f16, dmin f16
-    const uint8_t* sc = b;
-    const float d = f16_at(b + 80), dmin = f16_at(b + 82);
-    const __m256i m3 = _mm256_set1_epi8(3);
-    for (int c = 0; c < 2; ++c) {  // elements 128 c + 32 j + l: bits 2 j of qs[32 c + l]
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
-      for (int j = 0; j < 4; ++j)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(qb + 128 * c + 32 * j),
-                           _mm256_and_si256(_mm256_srli_epi16(v, 2 * j), m3));
-    }
-    for (int g = 0; g < 16; ++g) {
-      ds[g] = d * float(sc[g] & 15);
-      dm[g] = dmin * float(sc[g] >> 4);
-    }
-    (void)dmn;
-  } else if constexpr (Q == kQ3_K) {  // hmask 32 bytes, qs 64, 12 packed 6-bit scales, d f16
-    const uint8_t* s = b + 96;
-    const float d = f16_at(b + 108);
-    const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
-    const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
-    for (int c = 0; c < 2; ++c) {  // element 32 k + l (k = 4 c + j): bits 2 j of qs[32 c + l] | bit k of hm[l] << 2, - 4
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + 32 * c));
-      for (int j = 0; j < 4; ++j) {
-        const int k = 4 * c + j;
-        const __m256i bit = _mm256_set1_epi8(char(1 << k));
-        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
-        const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(v, 2 * j), m3);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(qb + 32 * k), _mm256_sub_epi8(lo, _mm256_andnot_si256(set, four)));
-      }
-    }
-    for (int g = 0; g < 16; ++g) {  // scale g: low 4 bits from s[g % 8] (nibble g / 8), top 2 from s[8 + g % 4]
-      const int lo = (s[g & 7] >> (4 * (g >> 3))) & 15, hi = (s[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
-      ds[g] = d * float((lo | (hi << 4)) - 32);
-    }
-    (void)dm;
-    (void)dmn;
-  } else if constexpr (Q == kQ5_K) {  // d, dmin, 12 scale bytes, qh 32, qs 128
-    alignas(32) float dsc[8];
-    k_scales_mins(b + 4, f16_at(b), f16_at(b + 2), dsc, dmn);
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-    const __m256i low4 = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);
-    for (int p = 0; p < 4; ++p) {  // sub-block 2p: low nibbles of qs[32 p..], 2p + 1: high; bit j of qh[l] << 4
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * p));
-      const __m256i nib[2] = {_mm256_and_si256(v, low4), _mm256_and_si256(_mm256_srli_epi16(v, 4), low4)};
-      for (int h = 0; h < 2; ++h) {
-        const int j = 2 * p + h;
-        const __m256i bit = _mm256_set1_epi8(char(1 << j));
-        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
-        const __m256i q5 = _mm256_or_si256(nib[h], _mm256_and_si256(set, sixteen));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(qb + 32 * j), q5);
-      }
-    }
-    for (int j = 0; j < 8; ++j) ds[2 * j] = ds[2 * j + 1] = dsc[j];
-    (void)dm;
-  } else {  // IQ4_XS: d f16, scales_h u16, scales_l 4 bytes, qs 128; per 32: kvalues_iq4nl[nibble]
-    const __m256i tab = _mm256_broadcastsi128_si256(
-        _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
-    const __m256i low4 = _mm256_set1_epi8(15);
-    for (int p = 0; p < 4; ++p) {  // sub-blocks 2p, 2p + 1: 16 bytes each, low nibbles elements 0..15, high 16..31
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 8 + 32 * p));
-      const __m256i lo = _mm256_shuffle_epi8(tab, _mm256_and_si256(v, low4));
-      const __m256i hi = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(qb + 64 * p), _mm256_permute2x128_si256(lo, hi, 0x20));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(qb + 64 * p + 32), _mm256_permute2x128_si256(lo, hi, 0x31));
-    }
-    for (int j = 0; j < 8; ++j) ds[2 * j] = ds[2 * j + 1] = table_scale<kIQ4_XS>(b, j);
-    (void)dm;
-    (void)dmn;
-  }
+// acc + the int16 pairs p16 times the int16 scales s16, summed in pairs into int32 lanes.
+inline __m256i madd_acc(__m256i acc, __m256i p16, __m256i s16) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, p16, s16);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, p16, s16);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p16, s16));
+#endif
 }
 
+// A super-block's 16 int16 group scales (one per 16 elements) as two vectors: groups 0..7
+// in both 128-bit lanes, then 8..15; block b (elements 32 b ..) reads its two groups by
+// one byte shuffle (2 b in the low lane: elements 0..15, 2 b + 1 in the high lane).
+struct GroupScales {
+  __m256i half[2];
+  static GroupScales of(__m256i s16) {
+    return {{_mm256_permute2x128_si256(s16, s16, 0x00), _mm256_permute2x128_si256(s16, s16, 0x11)}};
+  }
+  __m256i block(int b) const {
+    const int k = b & 3;
+    const __m256i ctl = _mm256_set_m128i(_mm_set1_epi16(int16_t(((4 * k + 3) << 8) | (4 * k + 2))),
+                                         _mm_set1_epi16(int16_t(((4 * k + 1) << 8) | (4 * k))));
+    return _mm256_shuffle_epi8(half[b >> 2], ctl);
+  }
+};
+
+// 8 scale bytes (one per 32 elements, low 8 bytes of s) as 16 int16 group scales.
+inline __m256i scales_per32(__m128i s, bool is_signed) {
+  const __m128i twice = _mm_unpacklo_epi8(s, s);
+  return is_signed ? _mm256_cvtepi8_epi16(twice) : _mm256_cvtepu8_epi16(twice);
+}
+
+// One super-block of one column, what k8tile multiplies: its group scales (integers), the
+// mins per group of 16 (Q2_K, Q5_K; integers), d and dmin; code(b) builds block b's 32
+// codes as bytes (unsigned for Q2_K / Q5_K, signed for Q3_K / IQ4_XS).
+template <int Q>
+struct KBlock {
+  const uint8_t* b;
+  GroupScales sc;
+  __m256i mins;
+  float d, dmin;
+
+  static KBlock at(const uint8_t* b) {
+    KBlock o;
+    o.b = b;
+    o.sc = GroupScales::of(scales(b, o.mins, o.d, o.dmin));
+    return o;
+  }
+  static __m256i scales(const uint8_t* b, __m256i& mins, float& d, float& dmin) {
+    const __m128i low4 = _mm_set1_epi8(15);
+    if constexpr (Q == kQ2_K) {  // scales 16 bytes (low nibble scale, high min), qs 64, d f16, dmin f16
+      const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+      mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), low4));
+      d = f16_at(b + 80);
+      dmin = f16_at(b + 82);
+      return _mm256_cvtepu8_epi16(_mm_and_si128(s, low4));
+    } else if constexpr (Q == kQ3_K) {  // hmask 32, qs 64, 12 bytes of 6-bit scales (- 32), d f16
+      uint32_t a[3];
+      std::memcpy(a, b + 96, 12);
+      const uint32_t nib = 0x0f0f0f0fu, two = 0x03030303u;
+      // scale g: the low 4 bits from byte g % 8 (nibble g / 8), the top 2 from byte 8 + g % 4 (bits 2 (g / 4))
+      const __m128i s = _mm_setr_epi32(int(((a[0] >> 0) & nib) | (((a[2] >> 0) & two) << 4)),
+                                       int(((a[1] >> 0) & nib) | (((a[2] >> 2) & two) << 4)),
+                                       int(((a[0] >> 4) & nib) | (((a[2] >> 4) & two) << 4)),
+                                       int(((a[1] >> 4) & nib) | (((a[2] >> 6) & two) << 4)));
+      mins = _mm256_setzero_si256();
+      d = f16_at(b + 108);
+      dmin = 0.f;
+      return _mm256_cvtepi8_epi16(_mm_sub_epi8(s, _mm_set1_epi8(32)));
+    } else if constexpr (Q == kQ5_K) {  // d, dmin, 12 scale bytes, qh 32, qs 128
+      const __m128i v = k_scale_min_bytes(b + 4);  // bytes: sc 0..7, mn 0..7
+      mins = scales_per32(_mm_srli_si128(v, 8), false);
+      d = f16_at(b);
+      dmin = f16_at(b + 2);
+      return scales_per32(v, false);
+    } else {  // IQ4_XS: d f16, scales_h u16, scales_l 4 bytes, qs 128; ls - 32 per 32
+      // ls_j = nibble j of scales_l | bits 2j, 2j + 1 of scales_h << 4, spread to byte j of a
+      // 64-bit word in registers (bytes built in memory and reloaded as a vector stall the
+      // store forwarding)
+      uint16_t sh;
+      uint32_t sl;
+      std::memcpy(&sh, b + 2, 2);
+      std::memcpy(&sl, b + 4, 4);
+      uint64_t lo = sl, hi = sh;
+      lo = (lo | (lo << 16)) & 0x0000FFFF0000FFFFull;
+      lo = (lo | (lo << 8)) & 0x00FF00FF00FF00FFull;
+      lo = (lo | (lo << 4)) & 0x0F0F0F0F0F0F0F0Full;
+      hi = (hi | (hi << 24)) & 0x000000FF000000FFull;
+      hi = (hi | (hi << 12)) & 0x000F000F000F000Full;
+      hi = (hi | (hi << 6)) & 0x0303030303030303ull;
+      const __m128i ls = _mm_sub_epi8(_mm_cvtsi64_si128(int64_t(lo | (hi << 4))), _mm_set1_epi8(32));
+      mins = _mm256_setzero_si256();
+      d = f16_at(b);
+      dmin = 0.f;
+      // kOrderK4: blocks 2p and 2p + 1 hold sub-blocks 2p (low lane) and 2p + 1 (high lane),
+      // so groups 4p .. 4p + 3 take ls[2p], ls[2p + 1], ls[2p], ls[2p + 1]
+      return _mm256_cvtepi8_epi16(_mm_unpacklo_epi16(ls, ls));
+    }
+  }
+  __m256i code(int k) const {
+    if constexpr (Q == kQ2_K) {  // element 128 c + 32 j + l: bits 2 j of qs[32 c + l]
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (k >> 2)));
+      return _mm256_and_si256(_mm256_srli_epi16(v, 2 * (k & 3)), _mm256_set1_epi8(3));
+    } else if constexpr (Q == kQ3_K) {  // element 32 k + l: bits 2 j of qs[32 c + l] | bit k of hm[l] << 2, - 4
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + 32 * (k >> 2)));
+      const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+      const __m256i bit = _mm256_set1_epi8(char(1 << k));
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+      const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (k & 3)), _mm256_set1_epi8(3));
+      return _mm256_sub_epi8(lo, _mm256_andnot_si256(set, _mm256_set1_epi8(4)));
+    } else if constexpr (Q == kQ5_K) {  // sub-block 2p: low nibbles of qs[32 p..], 2p + 1: high; bit k of qh[l] << 4
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * (k >> 1)));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      const __m256i nib = _mm256_and_si256(k & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+      const __m256i bit = _mm256_set1_epi8(char(1 << k));
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+      return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    } else {  // IQ4_XS, kOrderK4: sub-blocks 2p, 2p + 1 in 32 bytes, low nibbles (elements 0..15) for
+      // block 2p, high ones (16..31) for block 2p + 1, as the activations are laid out
+      const __m256i tab = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Bytes)));
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 8 + 32 * (k >> 1)));
+      return _mm256_shuffle_epi8(tab, _mm256_and_si256(k & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15)));
+    }
+  }
+};
+
 // C[MR, NC] (columns j0.. at stride ldc) = Q8_K(X)[MR, K] . W columns j0.. for Q2_K / Q3_K
-// / Q5_K / IQ4_XS blocks (w.stride the row's bytes).
+// / Q5_K / IQ4_XS blocks (w.stride the row's bytes), as ggml's vec_dot: per super-block and
+// row an exact integer sum of code x activation x group scale (int16 pair sums, vpmaddubsw,
+// times the scales, vpmaddwd / vpdpwssd), then times d dx in float; the mins' term likewise
+// from bsums ([MR, K / 16] sums of 16 activation codes, at stride K / 16), times dmin dx.
 template <int MR, int NC, int Q>
-void k8tile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
+void k8tile(const QRows& x, const int16_t* bsums, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
   static_assert(is_q8k_codes_kind(Q), "k8tile: Q2_K, Q3_K, Q5_K or IQ4_XS blocks");
   constexpr int BB = block_bytes(Q);
   constexpr bool kUnsigned = Q == kQ2_K || Q == kQ5_K;
-  const int64_t xq_stride = x.pairs * 64, xd_stride = x.pairs * 8;
+  const int64_t xq_stride = x.pairs * 64, xd_stride = x.pairs * 8, nbs = K / 16;
   const uint8_t* rows[NC];
   for (int j = 0; j < NC; ++j) rows[j] = reinterpret_cast<const uint8_t*>(w.base + (j0 + j) * w.stride);
   const char* next = w.base + (j0 + NC) * w.stride;  // the next tile's columns, and far_cols into L2
   const char* far = far_cols(w, j0, NC);
-  __m256 acc[MR][NC], macc[MR][NC];
+  __m256 acc[MR][NC];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NC; ++j) acc[i][j] = macc[i][j] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi8(1);
+    for (int j = 0; j < NC; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < K / 256; ++blk) {
     prefetch_kblock<NC, BB>(next, far, w.stride, blk);
-    alignas(64) int8_t qb[NC][256];
-    alignas(32) float ds[NC][16], dm[NC][16], dmn[NC][8];
-    for (int j = 0; j < NC; ++j) {
-      kcodes<Q>(rows[j] + blk * BB, qb[j], ds[j], dm[j], dmn[j]);
-      if constexpr (Q == kQ5_K)
-        for (int i = 0; i < MR; ++i)
-          macc[i][j] = _mm256_fmadd_ps(_mm256_load_ps(dmn[j]), _mm256_loadu_ps(x.sb + i * x.nblk + 8 * blk), macc[i][j]);
-    }
+    KBlock<Q> kb[NC];
+    for (int j = 0; j < NC; ++j) kb[j] = KBlock<Q>::at(rows[j] + blk * BB);
+    __m256i isum[MR][NC];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NC; ++j) isum[i][j] = _mm256_setzero_si256();
     for (int b = 0; b < 8; ++b) {
-      const int64_t xb = 8 * blk + b;  // the activation block
       __m256i xv[MR];
-      __m256 dx[MR], xs[MR];
-      for (int i = 0; i < MR; ++i) {
-        xv[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(x.q + i * xq_stride + (xb / 2) * 64 + 32 * (xb % 2)));
-        dx[i] = _mm256_broadcast_ss(x.dxv + i * xd_stride + (xb / 2) * 8 + 4 * (xb % 2));
-        if constexpr (Q == kQ2_K) xs[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_u8s8(ones, xv[i])), dx[i]);
-      }
+      for (int i = 0; i < MR; ++i)
+        xv[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(x.q + i * xq_stride + 256 * blk + 32 * b));
       for (int j = 0; j < NC; ++j) {
-        const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(qb[j] + 32 * b));
+        const __m256i wv = kb[j].code(b), s16 = kb[j].sc.block(b);
         const __m256i aw = kUnsigned ? wv : _mm256_abs_epi8(wv);
-        const __m256 sw = _mm256_set_m128(_mm_set1_ps(ds[j][2 * b + 1]), _mm_set1_ps(ds[j][2 * b]));
-        __m256 mw;
-        if constexpr (Q == kQ2_K) mw = _mm256_set_m128(_mm_set1_ps(dm[j][2 * b + 1]), _mm_set1_ps(dm[j][2 * b]));
         for (int i = 0; i < MR; ++i) {
-          const __m256i q32 = kUnsigned ? dot_u8s8(aw, xv[i]) : dot_u8s8(aw, _mm256_sign_epi8(xv[i], wv));
-          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q32), _mm256_mul_ps(sw, dx[i]), acc[i][j]);
-          if constexpr (Q == kQ2_K) macc[i][j] = _mm256_fmadd_ps(xs[i], mw, macc[i][j]);
+          const __m256i p16 = _mm256_maddubs_epi16(aw, kUnsigned ? xv[i] : _mm256_sign_epi8(xv[i], wv));
+          isum[i][j] = madd_acc(isum[i][j], p16, s16);
         }
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      const float dx = x.dxv[i * xd_stride + 32 * blk];  // the super-block's d, every block's dx
+      __m256i bs{};
+      if constexpr (kUnsigned) bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums + i * nbs + 16 * blk));
+      for (int j = 0; j < NC; ++j) {
+        if constexpr (kUnsigned)
+          acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(-(dx * kb[j].dmin)), _mm256_cvtepi32_ps(_mm256_madd_epi16(kb[j].mins, bs)),
+                                      acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(dx * kb[j].d), _mm256_cvtepi32_ps(isum[i][j]), acc[i][j]);
       }
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NC; ++j)
-      c[i * ldc + j0 + j] = kUnsigned ? hsum8(acc[i][j]) - hsum8(macc[i][j]) : hsum8(acc[i][j]);
+    for (int j = 0; j < NC; ++j) c[i * ldc + j0 + j] = hsum8(acc[i][j]);
 }
 #endif
 
@@ -158,8 +210,20 @@ void k8tile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, int
 template <int Q>
 void int_dot_gguf_k(const QRows& x, const QCols& w, int64_t K, int64_t m, int64_t ncols, float* c, int64_t ldc) {
 #if defined(__AVX2__)
+  thread_local std::vector<int16_t> bsums;  // sums of 16 activation codes (the mins' term of Q2_K / Q5_K)
+  const int64_t nbs = K / 16;
+  bsums.resize(size_t(m * nbs));
+  for (int64_t i = 0; i < m && Q != kIQ4_XS; ++i) {  // (natural order; IQ4_XS has no mins)
+    const int8_t* q = x.q + i * x.pairs * 64;
+    for (int64_t g = 0; g < nbs; ++g) {
+      int s = 0;
+      for (int l = 0; l < 16; ++l) s += q[16 * g + l];
+      bsums[size_t(i * nbs + g)] = int16_t(s);
+    }
+  }
   int_dot_tiles(m, ncols, [&](auto MRc, auto NCc, int64_t i0, int64_t j0) {
-    k8tile<decltype(MRc)::value, decltype(NCc)::value, Q>(x.at(i0), w, j0, K, c + i0 * ldc, ldc);
+    k8tile<decltype(MRc)::value, decltype(NCc)::value, Q>(x.at(i0), bsums.data() + i0 * nbs, w, j0, K, c + i0 * ldc,
+                                                          ldc);
   });
 #else
   thread_local fvec abuf, pack;  // the float path over the Q8_K values, as int_dot_gguf's portable path

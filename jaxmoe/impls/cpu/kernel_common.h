@@ -220,6 +220,7 @@ struct Weight {
   int stype;
   int64_t in, out, group;
   bool int_dot = false;  // forward, int8 / int4 codes: integer dots over int8 activations (int_dot.h)
+  int8_t qslot = 0;      // which quantized rows it reads (run_problems: its order and rule)
 };
 
 // fn(std::integral_constant<int, Q>{}) for GGUF block kind `kind` (Q a template argument:
@@ -286,17 +287,24 @@ inline float f16_at(const uint8_t* p) {
 // mn_j = s[j + 4] & 63 for j < 4; for j >= 4 the low 4 bits come from s[j + 4] (sc: its
 // low nibble, mn: its high one) and the top 2 bits from s[j - 4] (sc) / s[j] (mn) >> 6.
 // All 16 six-bit values at once, four bytes per 32-bit word (no per-sub-block branches).
-inline void k_scales_mins(const uint8_t* s, float d, float dmin, float* __restrict dsc, float* __restrict dmn) {
 #if defined(__AVX2__)
-  // In vector registers (lanes u0 u1 u2 from the 12 bytes; the 16-byte load stays inside
-  // the block): built as four scalar words and reloaded as one vector, the load could not
-  // be forwarded from the two 8-byte stores and stalled (~19% of a Q4_K T = 8 call, perf).
+// The 12 packed bytes at s as 16 bytes: the 6-bit scales 0..7, then the mins 0..7. In
+// vector registers (lanes u0 u1 u2 from the 12 bytes; the 16-byte load stays inside the
+// block): built as four scalar words and reloaded as one vector, the load could not be
+// forwarded from the two 8-byte stores and stalled (~19% of a Q4_K T = 8 call, perf).
+inline __m128i k_scale_min_bytes(const uint8_t* s) {
   const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
   const __m128i a = _mm_srlv_epi32(_mm_shuffle_epi32(u, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
   const __m128i lo = _mm_and_si128(a, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
   const __m128i b = _mm_srli_epi32(_mm_shuffle_epi32(u, _MM_SHUFFLE(1, 1, 0, 0)), 6);
   const __m128i top = _mm_slli_epi32(_mm_and_si128(b, _mm_setr_epi32(0, 0x03030303, 0, 0x03030303)), 4);
-  const __m128i v = _mm_or_si128(lo, top);  // bytes: sc 0..7, mn 0..7
+  return _mm_or_si128(lo, top);
+}
+#endif
+
+inline void k_scales_mins(const uint8_t* s, float d, float dmin, float* __restrict dsc, float* __restrict dmn) {
+#if defined(__AVX2__)
+  const __m128i v = k_scale_min_bytes(s);  // bytes: sc 0..7, mn 0..7
   const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
   const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
   _mm256_storeu_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(d), sc));
