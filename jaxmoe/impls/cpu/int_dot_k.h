@@ -22,6 +22,9 @@
 constexpr bool is_q8k_codes_kind(int kind) {
   return kind == kQ2_K || kind == kQ3_K || kind == kQ5_K || kind == kIQ4_XS;
 }
+// Q2_K and Q5_K: unsigned codes with mins (W = d sc q - dmin m); Q3_K and IQ4_XS: signed
+// codes, no mins.
+constexpr bool has_mins(int kind) { return kind == kQ2_K || kind == kQ5_K; }
 
 #if defined(__AVX2__)
 // acc + the int16 pairs p16 times the int16 scales s16, summed in pairs into int32 lanes.
@@ -51,11 +54,8 @@ struct GroupScales {
   }
 };
 
-// 8 scale bytes (one per 32 elements, low 8 bytes of s) as 16 int16 group scales.
-inline __m256i scales_per32(__m128i s, bool is_signed) {
-  const __m128i twice = _mm_unpacklo_epi8(s, s);
-  return is_signed ? _mm256_cvtepi8_epi16(twice) : _mm256_cvtepu8_epi16(twice);
-}
+// 8 unsigned scale bytes (one per 32 elements, low 8 bytes of s) as 16 int16 group scales.
+inline __m256i scales_per32(__m128i s) { return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s, s)); }
 
 // One super-block of one column, what k8tile multiplies: its group scales (integers), the
 // mins per group of 16 (Q2_K, Q5_K; integers), d and dmin; code(b) builds block b's 32
@@ -74,8 +74,8 @@ struct KBlock {
     return o;
   }
   static __m256i scales(const uint8_t* b, __m256i& mins, float& d, float& dmin) {
-    const __m128i low4 = _mm_set1_epi8(15);
     if constexpr (Q == kQ2_K) {  // scales 16 bytes (low nibble scale, high min), qs 64, d f16, dmin f16
+      const __m128i low4 = _mm_set1_epi8(15);
       const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
       mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), low4));
       d = f16_at(b + 80);
@@ -96,10 +96,10 @@ struct KBlock {
       return _mm256_cvtepi8_epi16(_mm_sub_epi8(s, _mm_set1_epi8(32)));
     } else if constexpr (Q == kQ5_K) {  // d, dmin, 12 scale bytes, qh 32, qs 128
       const __m128i v = k_scale_min_bytes(b + 4);  // bytes: sc 0..7, mn 0..7
-      mins = scales_per32(_mm_srli_si128(v, 8), false);
+      mins = scales_per32(_mm_srli_si128(v, 8));
       d = f16_at(b);
       dmin = f16_at(b + 2);
-      return scales_per32(v, false);
+      return scales_per32(v);
     } else {  // IQ4_XS: d f16, scales_h u16, scales_l 4 bytes, qs 128; ls - 32 per 32
       // ls_j = nibble j of scales_l | bits 2j, 2j + 1 of scales_h << 4, spread to byte j of a
       // 64-bit word in registers (bytes built in memory and reloaded as a vector stall the
@@ -160,7 +160,7 @@ template <int MR, int NC, int Q>
 void k8tile(const QRows& x, const int16_t* bsums, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
   static_assert(is_q8k_codes_kind(Q), "k8tile: Q2_K, Q3_K, Q5_K or IQ4_XS blocks");
   constexpr int BB = block_bytes(Q);
-  constexpr bool kUnsigned = Q == kQ2_K || Q == kQ5_K;
+  constexpr bool kUnsigned = has_mins(Q);
   const int64_t xq_stride = x.pairs * 64, xd_stride = x.pairs * 8, nbs = K / 16;
   const uint8_t* rows[NC];
   for (int j = 0; j < NC; ++j) rows[j] = reinterpret_cast<const uint8_t*>(w.base + (j0 + j) * w.stride);
@@ -213,7 +213,7 @@ void int_dot_gguf_k(const QRows& x, const QCols& w, int64_t K, int64_t m, int64_
   thread_local std::vector<int16_t> bsums;  // sums of 16 activation codes (the mins' term of Q2_K / Q5_K)
   const int64_t nbs = K / 16;
   bsums.resize(size_t(m * nbs));
-  for (int64_t i = 0; i < m && Q != kIQ4_XS; ++i) {  // (natural order; IQ4_XS has no mins)
+  for (int64_t i = 0; i < m && has_mins(Q); ++i) {  // (Q2_K / Q5_K: the natural order)
     const int8_t* q = x.q + i * x.pairs * 64;
     for (int64_t g = 0; g < nbs; ++g) {
       int s = 0;
