@@ -141,13 +141,19 @@ def test_mxfp4_repack_decodes_as_hf_layout(rng):
 
 
 @pytest.mark.slow
-def test_gptoss_mxfp4_checkpoint_kept_in_its_bytes(tmp_path, rng):
+def test_gptoss_mxfp4_checkpoint_kept_in_its_bytes(tmp_path, rng, monkeypatch):
     """gpt-oss's MXFP4 experts load as ``mxfp4`` `QuantizedTensor` s holding the file's bytes of
     ``*_blocks`` + ``*_scales``, decode to the old dequantizing loader's values, and the layer
-    matches a float64 loop over the HF layout's decode on every XLA strategy and ``auto``."""
+    matches a float64 loop over the HF layout's decode on every XLA strategy and ``auto``.
+    Read a few file rows at a time (an odd count, so that a chunk splits gate / up pairs),
+    the bytes are the same."""
     q, t = _gptoss_checkpoint(tmp_path / "ck", rng)
     cfg, params = jio.load_layer(q, layer=0)
     ew = params.experts
+    monkeypatch.setattr(jaxmoe.io.hf, "_MXFP4_ROWS", 7)
+    chunked = jio.load_layer(q, layer=0)[1].experts
+    for a, b in zip((ew.w_gate, ew.w_up, ew.w_down), (chunked.w_gate, chunked.w_up, chunked.w_down)):
+        np.testing.assert_array_equal(np.asarray(b.qdata), np.asarray(a.qdata))
     assert all(isinstance(w, QuantizedTensor) and w.kind == "mxfp4" for w in (ew.w_gate, ew.w_up, ew.w_down))
     file_bytes = sum(v.nbytes for k, v in t.items() if k.endswith(("_blocks", "_scales")))
     assert ew.w_gate.nbytes + ew.w_up.nbytes + ew.w_down.nbytes == file_bytes

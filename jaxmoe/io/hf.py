@@ -200,18 +200,19 @@ def mxfp4_tensors(
     if not lead:
         blocks, scales = _mxfp4_parts(st, name, shape)
         parts = [mxfp4_to_gguf_blocks(blocks[r, :, :], scales[r, :]) for r in rows]
-    else:  # expert by expert into the kept buffers: the load holds one expert's bytes beyond them
+    else:  # _MXFP4_ROWS file rows at a time into the kept buffers: a few MiB beyond them
         _mxfp4_check(st, name, shape)
         bn, sn = f"{name}_blocks", f"{name}_scales"
-        n_rows = [len(range(out)[r]) for r in rows]
-        parts = [aligned_empty((*lead, k, n_in // 32 * 17), np.uint8) for k in n_rows]
-        flat = [p.reshape(-1, k, n_in // 32 * 17) for p, k in zip(parts, n_rows)]
+        kept = [np.arange(out)[r] for r in rows]  # the file rows of each part, increasing
+        parts = [aligned_empty((*lead, len(k), n_in // 32 * 17), np.uint8) for k in kept]
+        flat = [p.reshape(-1, len(k), n_in // 32 * 17) for p, k in zip(parts, kept)]
         for j in range(int(np.prod(lead))):
-            blocks, scales = st.get_part(bn, j), st.get_part(sn, j)
-            for f, r in zip(flat, rows):
-                b, s = blocks[r], scales[r]
-                for a in range(0, len(b), _MXFP4_ROWS):  # a few hundred KiB of temporaries at a time
-                    f[j, a : a + _MXFP4_ROWS] = mxfp4_to_gguf_blocks(b[a : a + _MXFP4_ROWS], s[a : a + _MXFP4_ROWS])
+            for a in range(0, out, _MXFP4_ROWS):
+                b = min(a + _MXFP4_ROWS, out)
+                blocks, scales = st.get_part(bn, j, rows=(a, b)), st.get_part(sn, j, rows=(a, b))
+                for f, k in zip(flat, kept):
+                    lo, hi = np.searchsorted(k, (a, b))
+                    f[j, lo:hi] = mxfp4_to_gguf_blocks(blocks[k[lo:hi] - a], scales[k[lo:hi] - a])
     return tuple(gguf_block_tensor(b, "mxfp4", n_in, name=f"{st.path}: {name}_blocks") for b in parts)
 
 

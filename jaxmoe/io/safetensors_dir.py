@@ -202,23 +202,32 @@ class SafetensorsDir:
             return np.zeros(shape, dt)
         return np.array(np.memmap(path, dtype=dt, mode="r", offset=offset, shape=shape))
 
-    def get_part(self, name: str, j: int, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """``tensor[j]`` (entry ``j`` of the first axis, e.g. one expert of a stacked tensor),
-        read from the file with ``pread`` into a fresh 64-byte-aligned array: the file's pages
-        are never mapped, so a loader that reads a tensor entry by entry holds no more than
-        what it keeps. ``shape``, when given, is checked as in `get`."""
+    def get_part(
+        self, name: str, j: int, shape: tuple[int, ...] | None = None, rows: tuple[int, int] | None = None
+    ) -> np.ndarray:
+        """``tensor[j]`` (entry ``j`` of the first axis, e.g. one expert of a stacked tensor), or
+        with ``rows = (start, stop)`` only ``tensor[j, start:stop]``, read from the file with
+        ``pread`` into a fresh 64-byte-aligned array: the file's pages are never mapped, so a
+        loader that reads a tensor piece by piece holds no more than what it keeps. ``shape``,
+        when given, is checked as in `get`."""
         fname = self._require(name)
         path, offset, dt, full = self._span(fname, name)
         if shape is not None and full != tuple(shape):
             raise ValueError(f"{self.path}: tensor {name!r} has shape {full}, expected {tuple(shape)}")
         if not full or not 0 <= j < full[0]:
             raise ValueError(f"{path}: tensor {name!r} of shape {full} has no entry {j} along its first axis")
-        if j == 0:
+        entry = full[1:]
+        start, stop = (0, entry[0] if entry else 1) if rows is None else rows
+        if rows is not None and (not entry or not 0 <= start <= stop <= entry[0]):
+            raise ValueError(f"{path}: tensor {name!r} of shape {full} has no rows [{start}, {stop}) in entry {j}")
+        if j == 0 and start == 0:
             self.reads.append(name)
-        part = aligned_empty(full[1:], dt)
+        row_bytes = int(np.prod(entry[1:], dtype=np.int64)) * dt.itemsize
+        part = aligned_empty(entry if rows is None else (stop - start, *entry[1:]), dt)
         fd = os.open(path, os.O_RDONLY)
         try:
-            pread_into(fd, part, offset + j * part.nbytes, f"{path}: tensor {name!r}")
+            entry_bytes = row_bytes * (entry[0] if entry else 1)
+            pread_into(fd, part, offset + j * entry_bytes + start * row_bytes, f"{path}: tensor {name!r}")
         finally:
             os.close(fd)
         return part
