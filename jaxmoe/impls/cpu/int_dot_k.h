@@ -176,6 +176,9 @@ void k8tile(const QRows& x, const int16_t* bsums, const QCols& w, int64_t j0, in
     __m256i isum[MR][NC];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NC; ++j) isum[i][j] = _mm256_setzero_si256();
+    // unrolled: constant shifts and scale shuffles, kb[] kept in registers (the loop kept
+    // reloads them from the stack and shifts by a variable count)
+#pragma GCC unroll 8
     for (int b = 0; b < 8; ++b) {
       __m256i xv[MR];
       for (int i = 0; i < MR; ++i)
