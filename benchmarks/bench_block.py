@@ -39,7 +39,12 @@ and median against median. ``--rounds R`` times each cell R times, jaxmoe's repe
 ggml process taking turns (new tokens every call throughout): on a VM whose speed drifts
 over minutes one round can catch either side in a slow spell; the table then gives
 jaxmoe's best and median over all its calls and ggml's best and the median of its runs'
-medians.
+medians. ``--warmup W`` makes W untimed calls of each implementation (new tokens too)
+before each round's timed ones: on a VM whose second vCPU has idled (as while a ggml
+process ran), the first calls find the intra-op pool's thread slow to wake and run about
+as fast as one thread, for about ten calls at T = 1 (docs/log/2026-12-07-pool-wake.md); a
+model's decode calls its layers back to back, as ggml times its repeats after one warm-up
+graph run.
 
     python benchmarks/bench_block.py                      # full layer, ~3.2 GB of f32 weights (+3.2 GB for HF)
     python benchmarks/bench_block.py --tokens 1,8 --impls xla,gather,hf
@@ -159,6 +164,9 @@ def parse_args(argv=None):
     ap.add_argument("--ggml", default=None, metavar="BIN", help="ggml_moe_layer binary to time in the same run")
     ap.add_argument(
         "--rounds", type=int, default=1, help="time each cell this many times, jaxmoe and ggml taking turns"
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=0, help="untimed calls of each impl (new tokens) before each round's timed ones"
     )
     ap.add_argument(
         "--shared-f32",
@@ -363,7 +371,8 @@ def run_format(a, cfg, p, impls, bw, rbw, rate, fmt):
 
     rows = []
     for t in a.tokens:
-        n_inputs = 1 if a.hot else 1 + a.repeats * len(impls) * a.rounds  # cold: new tokens for every call
+        # cold: new tokens for every call, warm-up calls included
+        n_inputs = 1 if a.hot else 1 + (a.repeats + a.warmup) * len(impls) * a.rounds
         inputs = [jax.random.normal(jax.random.key(1000 * t + r), (t, d), jnp.float32) for r in range(n_inputs)]
         touched = [len(np.unique(np.asarray(route(p, x)))) for x in inputs]
         read = [n * expert_bytes + fixed_bytes for n in touched]
@@ -408,6 +417,10 @@ def run_format(a, cfg, p, impls, bw, rbw, rate, fmt):
         nxt = 1
         ggml_runs = []
         for rnd in range(a.rounds):
+            for impl in names:
+                for _ in range(a.warmup if impl != "ragged_dot" or t < 64 else 0):
+                    jax.block_until_ready(fns[impl](inputs[0 if a.hot else nxt]))
+                    nxt += 0 if a.hot else 1
             for r in range(a.repeats):
                 for impl in names[r % len(names) :] + names[: r % len(names)]:
                     if r >= (1 if impl == "ragged_dot" and t >= 64 else a.repeats) or (impl == "ragged_dot" and rnd):
