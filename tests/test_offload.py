@@ -647,3 +647,82 @@ def test_gguf_store_reads_a_file_written_by_jaxmoe_save_gguf(cfg, rng, tmp_path)
         x, OffloadConfig(0), make_predictor("next_router", resident=model.resident, router_cfg=store.cfg.router)
     )
     np.testing.assert_array_equal(out.outputs, ref.outputs)
+
+
+def _kept_experts(ew, rng):
+    """``ew``'s float experts as checkpoints hold them: w_gate MXFP4 and w_up Q4_0 (GGUF block
+    bytes from gguf.quants.quantize), w_down block-scaled FP8 E4M3 (blocks of 16, random
+    scales); with an independent float64 decode of each (gguf.quants / ml_dtypes)."""
+    import ml_dtypes
+
+    from jaxmoe.quant import fp8_block_tensor, gguf_block_tensor
+
+    QT = gguf.GGMLQuantizationType
+    kept, f64 = {}, {}
+    for name, qt in (("w_gate", QT.MXFP4), ("w_up", QT.Q4_0)):
+        wt = np.swapaxes(np.asarray(getattr(ew, name), np.float32), 1, 2)  # [E, out, in]
+        raw = gguf.quants.quantize(wt, qt)
+        kept[name] = gguf_block_tensor(raw, qt.name, wt.shape[-1])
+        f64[name] = np.swapaxes(gguf.quants.dequantize(raw, qt).astype(np.float64), 1, 2)
+    wt = np.swapaxes(np.asarray(ew.w_down, np.float32), 1, 2)  # [E, D, F]
+    e, o, i = wt.shape
+    scales = rng.uniform(0.5, 2.0, (e, o // 16, i // 16)).astype(np.float32) * np.abs(wt).max() / 448
+    full = np.repeat(np.repeat(scales, 16, axis=1), 16, axis=2)
+    codes = (wt / full).astype(ml_dtypes.float8_e4m3fn)
+    kept["w_down"] = fp8_block_tensor(codes, scales, 16)
+    f64["w_down"] = np.swapaxes(codes.astype(np.float64) * full, 1, 2)
+    return dataclasses.replace(ew, **kept), f64
+
+
+def test_keep_store_streams_checkpoint_kinds_in_their_bytes(cfg, rng, tmp_path):
+    """``write_safetensors_store(kind="keep")``: experts held as MXFP4, Q4_0 block bytes and
+    block-scaled FP8 are written part by part and read back byte for byte (FP8 codes stored
+    as uint8 and viewed back), the streamed stack matches a float64 loop over an independent
+    decode and the resident run bit for bit, and a flipped byte or a store.json that lies
+    about a part's shape is a named error."""
+    layers, f64 = [], []
+    for res, ew in fresh_layers(cfg, rng):
+        kept, dec = _kept_experts(ew, rng)
+        layers.append((res, kept))
+        f64.append(dec)
+    store = write_safetensors_store(tmp_path / "keep", cfg, layers, kind="keep")
+    assert store.kind == "keep"
+    for l, e in ((0, 3), (2, 11)):
+        got = store.load_expert(l, e)
+        for name in ("w_gate", "w_up", "w_down"):
+            w, want = getattr(got, name), getattr(layers[l][1], name)
+            assert isinstance(w, jaxmoe.QuantizedTensor) and w.kind == want.kind and w.shape == want.shape[1:]
+            assert w.qdata.dtype == want.qdata.dtype
+            np.testing.assert_array_equal(np.asarray(w.qdata).view(np.uint8), np.asarray(want.qdata[e]).view(np.uint8))
+            if want.scales is not None:
+                np.testing.assert_array_equal(np.asarray(w.scales), np.asarray(want.scales[e]))
+    x = rng.standard_normal((4, D)).astype(np.float32)
+    model = OffloadedModel(store)
+    ref = model.run_resident(x)
+    want, _ = reference_stack(layers, x, cfg, dequant=lambda l, name: f64[l][name])
+    np.testing.assert_allclose(ref.outputs, want, rtol=2e-5, atol=2e-5)
+    out, _ = model.run_offloaded(x, OffloadConfig(2 * store.expert_nbytes(), "lru"), make_predictor("prev_token"))
+    np.testing.assert_array_equal(out.outputs, ref.outputs)
+
+    path = tmp_path / "keep" / "layer_0001.safetensors"
+    blob = bytearray(path.read_bytes())
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as h:
+        n = len(h.get_slice("experts.5.w_down.qdata")[:].tobytes())
+    blob[-1 - n // 2 - 8] ^= 0x40  # somewhere in the last tensors' bytes
+    path.write_bytes(bytes(blob))
+    with pytest.raises(ExpertStoreError, match=r"layer 1, expert \d+: tensor experts\.\d+\.[\w.]+ in .* is corrupt"):
+        s = SafetensorsStore(tmp_path / "keep")
+        for e in range(E):
+            s.load_expert(1, e)
+    info = json.loads((tmp_path / "keep" / "store.json").read_text())
+    info["projections"]["w_up"]["parts"]["qdata"][0][1] += 18
+    (tmp_path / "keep" / "store.json").write_text(json.dumps(info))
+    with pytest.raises(ExpertStoreError, match=r"layer 0, expert 2: tensor experts\.2\.w_up\.qdata .* has shape"):
+        SafetensorsStore(tmp_path / "keep").load_expert(0, 2)
+    with pytest.raises(ValueError, match="layer 1's experts .* differ from layer 0's"):
+        bad = [layers[0], (layers[1][0], dataclasses.replace(layers[1][1], w_up=layers[1][1].w_gate))]
+        write_safetensors_store(tmp_path / "bad", cfg, bad, kind="keep")
+    with pytest.raises(ValueError, match=r"quantized 'mxfp4' but kind='int8' \(kind='keep'"):
+        write_safetensors_store(tmp_path / "bad2", cfg, layers[:1], kind="int8")

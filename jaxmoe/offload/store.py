@@ -15,7 +15,9 @@ Two backends:
   (``experts.{e}.w_gate`` or ``experts.{e}.w_gate.qdata/.scales/.biases``), a 64-bit
   checksum of every tensor in the file's header metadata, ``resident.safetensors`` and
   ``store.json`` (config, layer count, storage kind). Tensors are read through
-  ``safetensors.safe_open(...).get_slice`` (memory-mapped).
+  ``safetensors.safe_open(...).get_slice`` (memory-mapped). ``kind="keep"`` writes
+  the experts as they are held (a checkpoint's MXFP4 or FP8 experts in their bytes) and
+  records each projection's kind and part shapes in ``store.json``.
 - `GGUFStore`: a GGUF file read with ``gguf.GGUFReader`` (memory-mapped): llama.cpp's
   ``blk.{l}.ffn_{gate,up,down}_exps.weight`` ``(E, F, d)`` / ``(E, d, F)``, sliced per
   expert and turned to the ``x @ W`` convention by the GGUF block codec the loader uses
@@ -40,6 +42,7 @@ from typing import Any
 
 import gguf
 import jax
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
@@ -54,6 +57,10 @@ from jaxmoe.quant import QuantizedTensor, quantize_int4_affine, quantize_int8
 PROJS = ("w_gate", "w_up", "w_down")
 BIASES = ("b_gate", "b_up", "b_down")
 STORE_KINDS = ("float32", "float16", "int8", "int4")
+#: `write_safetensors_store`'s kind that writes every projection as it is held: a
+#: `QuantizedTensor` of any kind (GGUF block bytes, MXFP4, block-scaled FP8, ...) part by
+#: part, a float array in its dtype.
+KEEP = "keep"
 FORMAT = "jaxmoe-offload-v1"
 
 
@@ -171,6 +178,39 @@ def _quantize(w: np.ndarray, kind: str, group_size: int):
     return quantize_int4_affine(w, group_size)
 
 
+def _stored(a: np.ndarray) -> np.ndarray:
+    """``a`` as safetensors' numpy writer takes it: a dtype numpy lacks (``ml_dtypes``'
+    float8 / bfloat16) as unsigned integers of its width, the bytes unchanged."""
+    a = np.ascontiguousarray(a)
+    return a if a.dtype.isbuiltin == 1 else a.view(f"u{a.dtype.itemsize}")
+
+
+def _dtype(name: str) -> np.dtype:
+    """The dtype named ``name`` (numpy's or ``ml_dtypes``')."""
+    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+
+
+def _parts(w) -> dict[str, np.ndarray]:
+    """A kept projection's parts: ``qdata`` / ``scales`` / ``biases`` of a `QuantizedTensor`
+    (the ones it has), ``value`` of a float array."""
+    if not isinstance(w, QuantizedTensor):
+        return {"value": np.asarray(w)}
+    parts = {"qdata": w.qdata, "scales": w.scales, "biases": w.biases}
+    return {k: np.asarray(v) for k, v in parts.items() if v is not None}
+
+
+def _keep_spec(ew: ExpertWeights) -> dict:
+    """``store.json``'s record of kept projections: per projection its kind (``float`` for
+    an array), group size and each part's per-expert shape and dtype."""
+    spec = {}
+    for name in PROJS:
+        w = getattr(ew, name)
+        parts = {k: [list(v.shape[1:]), v.dtype.name] for k, v in _parts(w).items()}
+        q = isinstance(w, QuantizedTensor)
+        spec[name] = {"kind": w.kind if q else "float", "group_size": w.group_size if q else 0, "parts": parts}
+    return spec
+
+
 def write_safetensors_store(
     root, cfg: MoEConfig, layers: list, *, kind: str = "float32", group_size: int = 32
 ) -> SafetensorsStore:
@@ -180,23 +220,41 @@ def write_safetensors_store(
       root: directory (created).
       cfg: the per-layer `MoEConfig` (every layer shares it).
       layers: one ``(ResidentLayer, ExpertWeights)`` per layer; float weights ``[E, d, F]``
-        etc., or already `QuantizedTensor` leaves (then ``kind`` must name their kind).
-      kind: ``float32``, ``float16``, ``int8`` (Q8_0 rule) or ``int4`` (MLX affine rule).
-      group_size: quantization group along the input dimension.
+        etc., or already `QuantizedTensor` leaves (then ``kind`` must name their kind, or
+        be ``keep``).
+      kind: ``float32``, ``float16``, ``int8`` (Q8_0 rule), ``int4`` (MLX affine rule), or
+        ``keep``: every projection as it is held, its bytes unchanged (each `QuantizedTensor`
+        of any kind, e.g. gpt-oss MXFP4 or DeepSeek-V3 FP8 from `jaxmoe.from_pretrained`,
+        and float arrays in their dtype); every layer must hold the same kinds and shapes.
+      group_size: quantization group along the input dimension (not used by ``keep``).
     """
-    if kind not in STORE_KINDS:
-        raise ValueError(f"write_safetensors_store: unknown kind {kind!r}; expected one of {STORE_KINDS}")
+    if kind not in (*STORE_KINDS, KEEP):
+        raise ValueError(f"write_safetensors_store: unknown kind {kind!r}; expected one of {(*STORE_KINDS, KEEP)}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     resident: dict[str, np.ndarray] = {}
+    spec = _keep_spec(layers[0][1]) if kind == KEEP and layers else None
     for l, (res, ew) in enumerate(layers):
         ew.check(cfg)
         tensors: dict[str, np.ndarray] = {}
+        if spec is not None and _keep_spec(ew) != spec:
+            raise ValueError(
+                f"write_safetensors_store(kind='keep'): layer {l}'s experts {_keep_spec(ew)} differ from "
+                f"layer 0's {spec}"
+            )
         for name in PROJS:
             w = getattr(ew, name)
+            if kind == KEEP:
+                for part, v in _parts(w).items():
+                    for e in range(cfg.num_experts):
+                        tensors[f"experts.{e}.{name}.{part}"] = _stored(v[e])
+                continue
             if isinstance(w, QuantizedTensor):
                 if w.kind != kind:
-                    raise ValueError(f"layer {l}: ExpertWeights.{name} is quantized {w.kind!r} but kind={kind!r}")
+                    raise ValueError(
+                        f"layer {l}: ExpertWeights.{name} is quantized {w.kind!r} but kind={kind!r} "
+                        "(kind='keep' writes it as it is)"
+                    )
                 q = w
             else:
                 q = _quantize(np.asarray(w, np.float32), kind, group_size)
@@ -240,6 +298,8 @@ def write_safetensors_store(
         "num_layers": len(layers),
         "config": cfg.to_dict(),
     }
+    if spec is not None:
+        info["projections"] = spec
     (root / "store.json").write_text(json.dumps(info, indent=1))
     return SafetensorsStore(root)
 
@@ -263,9 +323,15 @@ class SafetensorsStore(ExpertStore):
             self.num_layers = int(info["num_layers"])
             self.kind = info["kind"]
             self.group_size = int(info["group_size"])
-        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            self.projections = info["projections"] if self.kind == KEEP else None
+            if self.projections is not None:
+                for name in PROJS:
+                    for shape, dt in self.projections[name]["parts"].values():
+                        _dtype(dt)
+                        tuple(int(v) for v in shape)
+        except (KeyError, TypeError, ValueError, AttributeError, json.JSONDecodeError) as e:
             raise ExpertStoreError(f"expert store {self.path}: store.json is malformed ({e!r})") from None
-        if self.kind not in STORE_KINDS:
+        if self.kind not in (*STORE_KINDS, KEEP):
             raise ExpertStoreError(f"expert store {self.path}: unknown kind {self.kind!r}")
         self.verify = verify
         self._handles: dict[int, tuple[Any, dict[str, int]]] = {}
@@ -321,6 +387,8 @@ class SafetensorsStore(ExpertStore):
         d, f = self.cfg.d_model, self.cfg.expert_dim
         n_in, n_out = (f, d) if name == "w_down" else (d, f)
         key = f"experts.{expert}.{name}"
+        if self.projections is not None:
+            return self._kept(layer, expert, name, (n_in, n_out))
         if self.kind in ("float32", "float16"):
             return self._tensor(layer, expert, key, (n_in, n_out), self.kind)
         g = self.group_size
@@ -332,6 +400,33 @@ class SafetensorsStore(ExpertStore):
         s = self._tensor(layer, expert, key + ".scales", (n_out, n_in // g), np.float32)
         b = self._tensor(layer, expert, key + ".biases", (n_out, n_in // g), np.float32)
         return QuantizedTensor(q, s, b, "int4", g)
+
+    def _kept(self, layer: int, expert: int, name: str, shape: tuple[int, int]):
+        """Projection ``name`` of a ``keep`` store: its parts as `store.json` records them,
+        viewed back as their dtypes, then checked as a `QuantizedTensor` of ``shape``."""
+        assert self.projections is not None
+        spec = self.projections[name]
+        key = f"experts.{expert}.{name}"
+        parts = {}
+        for part, (pshape, dt) in spec["parts"].items():
+            want = _dtype(dt)
+            stored = want if want.isbuiltin == 1 else np.dtype(f"u{want.itemsize}")
+            parts[part] = self._tensor(layer, expert, f"{key}.{part}", tuple(pshape), stored).view(want)
+        try:
+            if spec["kind"] == "float":
+                w = parts["value"]
+            else:
+                w = QuantizedTensor(
+                    parts["qdata"], parts.get("scales"), parts.get("biases"), spec["kind"], int(spec["group_size"])
+                )
+        except (KeyError, ValueError) as e:
+            raise ExpertStoreError(f"layer {layer}, expert {expert}: {key} in {self.path} is malformed ({e})") from None
+        if tuple(w.shape) != shape:
+            raise ExpertStoreError(
+                f"layer {layer}, expert {expert}: {key} in {self.path} has logical shape {tuple(w.shape)}, "
+                f"expected {shape}"
+            )
+        return w
 
     def load_expert(self, layer: int, expert: int) -> ExpertWeights:
         self._check_index(layer, expert)
