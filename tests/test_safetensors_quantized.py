@@ -494,3 +494,35 @@ def test_qwen3_fp8_layer_matches_float64(tmp_path, rng):
             want[i] += w * (W["down_proj"] @ (g / (1 + np.exp(-g)) * u))
     err = np.abs(np.asarray(y, np.float64) - want).max() / np.abs(want).max()
     assert err < 2e-6, err
+
+
+@pytest.mark.slow
+def test_gptoss_checkpoint_streams_from_a_keep_store(tmp_path, rng):
+    """`write_checkpoint_store`: gpt-oss's MXFP4 experts go to an offload store in the bytes the
+    loader holds (held = the file's blocks + scales), and the streamed stack equals the
+    loaded layer applied to the RMS-normed input (the store's norm weights are ones)."""
+    from jaxmoe.offload import OffloadConfig, OffloadedModel, make_predictor, write_checkpoint_store
+    from jaxmoe.offload.driver import rms_norm
+
+    q, t = _gptoss_checkpoint(tmp_path / "ck", rng)
+    store = write_checkpoint_store(q, tmp_path / "store", layers=[0, 0])  # the same layer twice
+    assert store.num_layers == 2 and store.kind == "keep"
+    _, params = jio.load_layer(q, layer=0)
+    e = int(rng.integers(GE))
+    got = store.load_expert(1, e)
+    for name in ("w_gate", "w_up", "w_down"):
+        w, want = getattr(got, name), getattr(params.experts, name)
+        assert isinstance(w, QuantizedTensor) and w.kind == "mxfp4"
+        np.testing.assert_array_equal(np.asarray(w.qdata), np.asarray(want.qdata[e]))
+    file_bytes = sum(v.nbytes for k, v in t.items() if k.endswith(("_blocks", "_scales")))
+    assert store.expert_nbytes() * GE == file_bytes + sum(v.nbytes for k, v in t.items() if k.endswith("_proj_bias"))
+    x = rng.standard_normal((3, GD)).astype(np.float32)
+    model = OffloadedModel(store, num_layers=1)
+    ref = model.run_resident(x)
+    loaded = jaxmoe.from_pretrained(q, layer=0, ex=jaxmoe.ExecConfig())
+    xn = np.asarray(rms_norm(x, np.ones(GD, np.float32)))
+    np.testing.assert_allclose(ref.outputs, x + np.asarray(loaded(xn)), rtol=1e-5, atol=1e-5)
+    out, _ = model.run_offloaded(x, OffloadConfig(GE // 2 * store.expert_nbytes()), make_predictor("prev_token"))
+    np.testing.assert_array_equal(out.outputs, ref.outputs)
+    with pytest.raises(ValueError, match="layer 3 is outside"):
+        write_checkpoint_store(q, tmp_path / "bad", layers=[3])

@@ -31,6 +31,7 @@ from jaxmoe.offload.store import (
     SafetensorsStore,
     open_store,
     random_layers,
+    write_checkpoint_store,
     write_gguf_store,
     write_safetensors_store,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "open_store",
     "random_layers",
     "write_gguf_store",
+    "write_checkpoint_store",
     "write_safetensors_store",
     "load_hidden",
     "load_trace",

@@ -219,7 +219,8 @@ def write_safetensors_store(
     Args:
       root: directory (created).
       cfg: the per-layer `MoEConfig` (every layer shares it).
-      layers: one ``(ResidentLayer, ExpertWeights)`` per layer; float weights ``[E, d, F]``
+      layers: one ``(ResidentLayer, ExpertWeights)`` per layer (a list, or any iterable,
+        e.g. a generator that loads one layer at a time); float weights ``[E, d, F]``
         etc., or already `QuantizedTensor` leaves (then ``kind`` must name their kind, or
         be ``keep``).
       kind: ``float32``, ``float16``, ``int8`` (Q8_0 rule), ``int4`` (MLX affine rule), or
@@ -233,15 +234,19 @@ def write_safetensors_store(
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     resident: dict[str, np.ndarray] = {}
-    spec = _keep_spec(layers[0][1]) if kind == KEEP and layers else None
-    for l, (res, ew) in enumerate(layers):
+    spec = None
+    num_layers = 0
+    for l, (res, ew) in enumerate(layers):  # any iterable: one layer held at a time
+        num_layers += 1
         ew.check(cfg)
         tensors: dict[str, np.ndarray] = {}
-        if spec is not None and _keep_spec(ew) != spec:
-            raise ValueError(
-                f"write_safetensors_store(kind='keep'): layer {l}'s experts {_keep_spec(ew)} differ from "
-                f"layer 0's {spec}"
-            )
+        if kind == KEEP:
+            spec = spec or _keep_spec(ew)
+            if _keep_spec(ew) != spec:
+                raise ValueError(
+                    f"write_safetensors_store(kind='keep'): layer {l}'s experts {_keep_spec(ew)} differ from "
+                    f"layer 0's {spec}"
+                )
         for name in PROJS:
             w = getattr(ew, name)
             if kind == KEEP:
@@ -295,13 +300,51 @@ def write_safetensors_store(
         "format": FORMAT,
         "kind": kind,
         "group_size": group_size,
-        "num_layers": len(layers),
+        "num_layers": num_layers,
         "config": cfg.to_dict(),
     }
     if spec is not None:
         info["projections"] = spec
     (root / "store.json").write_text(json.dumps(info, indent=1))
     return SafetensorsStore(root)
+
+
+def write_checkpoint_store(checkpoint, root, layers=None) -> SafetensorsStore:
+    """A checkpoint's MoE layers as a ``keep`` `SafetensorsStore` at ``root``, loaded one
+    layer at a time by `jaxmoe.io.load_layer` (GGUF, Hugging Face safetensors, MLX): each
+    layer's routed experts in the bytes the loader holds (gpt-oss MXFP4, block-scaled FP8,
+    GGUF blocks, ...), its router and shared expert resident. Store layer ``i`` is the
+    checkpoint's MoE layer ``layers[i]`` (default: every MoE layer of the checkpoint's
+    config, dense ones left out). The loaders read the MoE block only, not the norm before
+    it: the store's norm weights are ones (the GGUF store does the same).
+
+    Raises ValueError naming the layer for a dense layer index or a layer whose config or
+    expert kinds differ from the first one's."""
+    from jaxmoe.io import load_config, load_layer
+
+    whole = load_config(checkpoint)
+    layers = [l for l in range(whole.num_layers) if whole.is_moe_layer(l)] if layers is None else list(layers)
+    if not layers:
+        raise ValueError(f"write_checkpoint_store: {checkpoint} has no MoE layer to store")
+    for l in layers:
+        if not whole.is_moe_layer(int(l)):
+            raise ValueError(f"write_checkpoint_store: layer {l} of {checkpoint} is dense, not MoE")
+    first_cfg, first = load_layer(checkpoint, layer=int(layers[0]))
+
+    def stack():
+        for i, l in enumerate(layers):
+            cfg, p = (first_cfg, first) if i == 0 else load_layer(checkpoint, layer=int(l))
+            if cfg != first_cfg:
+                raise ValueError(
+                    f"write_checkpoint_store: layer {l} of {checkpoint} has config {cfg}, unlike layer "
+                    f"{layers[0]}'s {first_cfg}"
+                )
+            yield (
+                ResidentLayer(np.ones(cfg.d_model, np.float32), p.w_router, p.b_router, p.selection_bias, p.shared),
+                p.experts,
+            )
+
+    return write_safetensors_store(root, first_cfg, stack(), kind=KEEP)
 
 
 class SafetensorsStore(ExpertStore):
@@ -702,6 +745,7 @@ __all__ = [
     "open_store",
     "random_layers",
     "stack_experts",
+    "write_checkpoint_store",
     "write_gguf_store",
     "write_safetensors_store",
 ]
