@@ -744,7 +744,11 @@ void matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t ld
     const int64_t row_bytes = K / block_elems(w.kind) * block_bytes(w.kind);
     QCols q{static_cast<const char*>(w.data) + (e * N + col0) * row_bytes, row_bytes, nullptr, nullptr, 0, 0,
             block_elems(w.kind)};
+    if (w.int_dot && w.kind == kQ4_K && w.qslot >= kOrders)  // ggml: Q8_K rows (natural order), int_dot_k.h
+      return int_dot_gguf_k<kQ4_K>(*qa, q, K, m, ncols, c, ldc);
     if (w.int_dot && w.kind == kQ4_K) return int_dot_gguf<kQ4_K>(*qa, q, K, m, ncols, c, ldc);
+    if (w.int_dot && w.kind == kQ6_K && w.qslot >= kOrders)  // ggml: Q8_K rows, int_dot_k.h
+      return int_dot_gguf_k<kQ6_K>(*qa, q, K, m, ncols, c, ldc);
     if (w.int_dot && w.kind == kQ6_K) return int_dot_gguf<kQ6_K>(*qa, q, K, m, ncols, c, ldc);
     if (w.int_dot && w.kind == kQ4_0) return int_dot_gguf<kQ4_0>(*qa, q, K, m, ncols, c, ldc);
     if (w.int_dot && w.kind == kIQ4_NL) return int_dot_gguf<kIQ4_NL>(*qa, q, K, m, ncols, c, ldc);
@@ -1103,12 +1107,15 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
   auto rule = [ggml](int kind) {
     return !ggml ? kRuleInt8 : (kind == kInt8 || kind == kInt4 || is_table32(kind)) ? kRuleQ8_0 : kRuleQ8_K;
   };
+  // the order a weight's rows are quantized in: its kind's (act_order), but Q4_K's in the
+  // ggml mode natural (k8tile reads its nibble halves as whole blocks of 32)
+  auto order = [ggml](int kind) { return ggml && kind == kQ4_K ? int(kOrderNatural) : act_order(kind); };
   if (int_dot)  // each integer-capable weight reads its input quantized in its kind's order
     for (int i = 0; i < n; ++i) {
       Problem& p = *parts[i];
       for (Weight* w : {&p.wg, &p.wu, &p.wd})  // ggml: the kinds whose ggml format is Q8_0 or Q8_K; the int8
         // mode: int8, int4, Q4_K and Q6_K (the others multiply float activations there)
-        w->int_dot = act_order(w->kind) >= 0 && (!ggml ? w->kind == kInt8 || w->kind == kInt4 || w->kind == kQ4_K ||
+        w->int_dot = order(w->kind) >= 0 && (!ggml ? w->kind == kInt8 || w->kind == kInt4 || w->kind == kQ4_K ||
                                                              w->kind == kQ6_K
                                                        : w->kind == kInt8 || w->kind == kInt4 || is_table32(w->kind) ||
                                                              w->kind == kQ4_K || w->kind == kQ6_K ||
@@ -1116,11 +1123,11 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
       if (ggml && !(p.wg.int_dot && p.wu.int_dot) && rule(p.wg.kind) == kRuleQ8_K)  // (ggml_x_unconverted)
         p.wg.int_dot = p.wu.int_dot = false;  // xs holds converted rows: the float path for both
       for (Weight* w : {&p.wg, &p.wu, &p.wd})  // rows are shared by the weights of one order and rule
-        w->qslot = int8_t(act_order(w->kind) + kOrders * (rule(w->kind) == kRuleQ8_K));
+        w->qslot = int8_t(order(w->kind) + kOrders * (rule(w->kind) == kRuleQ8_K));
       for (const Weight* w : {&p.wg, &p.wu}) {
         const int s = w->qslot;
         if (w->int_dot && !p.qx[s].q)
-          quantize_owned_rows(pool, p, p.E, p.xs, p.d, act_order(w->kind), p.qx[s] = qx_buf[i][s].view(p.rows, p.d),
+          quantize_owned_rows(pool, p, p.E, p.xs, p.d, order(w->kind), p.qx[s] = qx_buf[i][s].view(p.rows, p.d),
                               rule(w->kind));
       }
     }
@@ -1129,7 +1136,7 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
     Problem& p = *parts[i];
     if (p.wd.int_dot && rule(p.wd.kind) == kRuleQ8_K) {
       const int s = p.wd.qslot;
-      quantize_owned_rows(pool, p, p.E, p.h, p.F, act_order(p.wd.kind), p.qh[s] = qh_buf[i][s].view(p.rows, p.F),
+      quantize_owned_rows(pool, p, p.E, p.h, p.F, order(p.wd.kind), p.qh[s] = qh_buf[i][s].view(p.rows, p.F),
                           kRuleQ8_K);
     }
   }
@@ -1150,7 +1157,7 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
     Problem& p = *parts[i];
     if (p.wd.int_dot && rule(p.wd.kind) != kRuleQ8_K) {
       const int s = p.wd.qslot;
-      quantize_owned_rows(pool, p, p.E, p.h, p.F, act_order(p.wd.kind), p.qh[s] = qh_buf[i][s].view(p.rows, p.F),
+      quantize_owned_rows(pool, p, p.E, p.h, p.F, order(p.wd.kind), p.qh[s] = qh_buf[i][s].view(p.rows, p.F),
                           rule(p.wd.kind));
     }
   }

@@ -1,8 +1,9 @@
-// Integer dot products for the K-quant kinds whose ggml vec_dot_type is Q8_K and whose
-// blocks int_dot.h's ktile does not read: Q2_K, Q3_K, Q5_K and IQ4_XS (ggml's
-// ggml_vec_dot_q2_K_q8_K, q3_K_q8_K, q5_K_q8_K and iq4_xs_q8_K). Included at the end of
-// int_dot.h (QRows quantized by kRuleQ8_K: the Q8_K codes of the unconverted rows, each
-// block of 32 taking its super-block's d as dx; the natural order, IQ4_XS kOrderK4).
+// Integer dot products for the K-quant kinds whose ggml vec_dot_type is Q8_K: Q2_K, Q3_K,
+// Q5_K and IQ4_XS, and in the ggml mode Q4_K and Q6_K (ggml's ggml_vec_dot_q2_K_q8_K ...
+// q6_K_q8_K and iq4_xs_q8_K; the int8 mode's Q4_K / Q6_K, a dx per block of 32, are
+// int_dot.h's ktile). Included at the end of int_dot.h (QRows quantized by kRuleQ8_K: the
+// Q8_K codes of the unconverted rows, each block of 32 taking its super-block's d as dx;
+// the natural order, IQ4_XS kOrderK4).
 //
 // As ggml computes them: per super-block, column and row one exact integer sum of code x
 // activation code x group scale, then times d dx in float32. Per activation block of 32
@@ -12,7 +13,8 @@
 // pair sum saturates, |w| x 127 x 2 <= 32258), then times the int16 scales of the block's
 // two groups of 16 (one byte shuffle picks them, GroupScales) and summed into int32 lanes
 // (vpmaddwd, or vpdpwssd with VNNI). The mins (W = d sc q - dmin m): Q2_K per group of
-// 16, Q5_K per sub-block of 32, as an integer dot of the mins with the sums of 16
+// 16, Q4_K / Q5_K per sub-block of 32, Q6_K's offset 32 as 32 sc per group of 16 (its
+// codes taken unsigned, 0..63), as an integer dot of the mins with the sums of 16
 // activation codes (bsums, made once per call of int_dot_gguf_k), times dmin dx. The
 // scale bytes are unpacked in registers (a vector reloaded from bytes just stored stalls
 // the store forwarding). Without AVX2 the float path over the Q8_K values (int_dot_gguf's
@@ -22,9 +24,12 @@
 constexpr bool is_q8k_codes_kind(int kind) {
   return kind == kQ2_K || kind == kQ3_K || kind == kQ5_K || kind == kIQ4_XS;
 }
-// Q2_K and Q5_K: unsigned codes with mins (W = d sc q - dmin m); Q3_K and IQ4_XS: signed
-// codes, no mins.
-constexpr bool has_mins(int kind) { return kind == kQ2_K || kind == kQ5_K; }
+// What k8tile reads: those, and Q4_K in the ggml mode (its rows then in the natural order;
+// the int8 mode's Q4_K, a dx per block of 32, is ktile's).
+constexpr bool is_k8tile_kind(int kind) { return is_q8k_codes_kind(kind) || kind == kQ4_K || kind == kQ6_K; }
+// Q2_K, Q4_K and Q5_K: unsigned codes with mins (W = d sc q - dmin m); Q6_K the same way
+// (W = d sc q - d 32 sc, q unsigned 0..63); Q3_K and IQ4_XS: signed codes, no mins.
+constexpr bool has_mins(int kind) { return kind == kQ2_K || kind == kQ4_K || kind == kQ5_K || kind == kQ6_K; }
 
 #if defined(__AVX2__)
 // acc + the int16 pairs p16 times the int16 scales s16, summed in pairs into int32 lanes.
@@ -94,12 +99,17 @@ struct KBlock {
       d = f16_at(b + 108);
       dmin = 0.f;
       return _mm256_cvtepi8_epi16(_mm_sub_epi8(s, _mm_set1_epi8(32)));
-    } else if constexpr (Q == kQ5_K) {  // d, dmin, 12 scale bytes, qh 32, qs 128
+    } else if constexpr (Q == kQ4_K || Q == kQ5_K) {  // d, dmin, 12 scale bytes, (Q5_K: qh 32), qs 128
       const __m128i v = k_scale_min_bytes(b + 4);  // bytes: sc 0..7, mn 0..7
       mins = scales_per32(_mm_srli_si128(v, 8));
       d = f16_at(b);
       dmin = f16_at(b + 2);
       return scales_per32(v);
+    } else if constexpr (Q == kQ6_K) {  // ql 128, qh 64, 16 int8 scales (one per 16), d f16
+      const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+      mins = _mm256_slli_epi16(sc, 5);  // 32 sc: d sc (q - 32) = d sc q - d (32 sc)
+      d = dmin = f16_at(b + 208);
+      return sc;
     } else {  // IQ4_XS: d f16, scales_h u16, scales_l 4 bytes, qs 128; ls - 32 per 32
       // ls_j = nibble j of scales_l | bits 2j, 2j + 1 of scales_h << 4, spread to byte j of a
       // 64-bit word in registers (bytes built in memory and reloaded as a vector stall the
@@ -135,6 +145,19 @@ struct KBlock {
       const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
       const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (k & 3)), _mm256_set1_epi8(3));
       return _mm256_sub_epi8(lo, _mm256_andnot_si256(set, _mm256_set1_epi8(4)));
+    } else if constexpr (Q == kQ4_K) {  // sub-block 2p: low nibbles of qs[32 p..], 2p + 1: high
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (k >> 1)));
+      return _mm256_and_si256(k & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+    } else if constexpr (Q == kQ6_K) {  // block 4h + s: nibble s / 2 of ql[64 h + 32 (s & 1) + l], bits 2s of qh[32 h + l]
+      const int h = k >> 2, s = k & 3;
+      const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (s & 1)));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      const __m256i t = s == 0   ? _mm256_slli_epi16(qh, 4)
+                        : s == 1 ? _mm256_slli_epi16(qh, 2)
+                        : s == 2 ? qh
+                                 : _mm256_srli_epi16(qh, 2);
+      return _mm256_or_si256(_mm256_and_si256(s >= 2 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(15)),
+                             _mm256_and_si256(t, _mm256_set1_epi8(0x30)));
     } else if constexpr (Q == kQ5_K) {  // sub-block 2p: low nibbles of qs[32 p..], 2p + 1: high; bit k of qh[l] << 4
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * (k >> 1)));
       const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
@@ -158,7 +181,7 @@ struct KBlock {
 // from bsums ([MR, K / 16] sums of 16 activation codes, at stride K / 16), times dmin dx.
 template <int MR, int NC, int Q>
 void k8tile(const QRows& x, const int16_t* bsums, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
-  static_assert(is_q8k_codes_kind(Q), "k8tile: Q2_K, Q3_K, Q5_K or IQ4_XS blocks");
+  static_assert(is_k8tile_kind(Q), "k8tile: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS blocks");
   constexpr int BB = block_bytes(Q);
   constexpr bool kUnsigned = has_mins(Q);
   const int64_t xq_stride = x.pairs * 64, xd_stride = x.pairs * 8, nbs = K / 16;
