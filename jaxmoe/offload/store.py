@@ -241,11 +241,11 @@ def write_safetensors_store(
         ew.check(cfg)
         tensors: dict[str, np.ndarray] = {}
         if kind == KEEP:
-            spec = spec or _keep_spec(ew)
-            if _keep_spec(ew) != spec:
+            mine = _keep_spec(ew)
+            spec = spec or mine
+            if mine != spec:
                 raise ValueError(
-                    f"write_safetensors_store(kind='keep'): layer {l}'s experts {_keep_spec(ew)} differ from "
-                    f"layer 0's {spec}"
+                    f"write_safetensors_store(kind='keep'): layer {l}'s experts {mine} differ from layer 0's {spec}"
                 )
         for name in PROJS:
             w = getattr(ew, name)
@@ -329,11 +329,12 @@ def write_checkpoint_store(checkpoint, root, layers=None) -> SafetensorsStore:
     for l in layers:
         if not whole.is_moe_layer(int(l)):
             raise ValueError(f"write_checkpoint_store: layer {l} of {checkpoint} is dense, not MoE")
-    first_cfg, first = load_layer(checkpoint, layer=int(layers[0]))
+    loaded = [load_layer(checkpoint, layer=int(layers[0]))]  # popped when written: one layer held at a time
+    first_cfg = loaded[0][0]
 
     def stack():
         for i, l in enumerate(layers):
-            cfg, p = (first_cfg, first) if i == 0 else load_layer(checkpoint, layer=int(l))
+            cfg, p = loaded.pop() if i == 0 else load_layer(checkpoint, layer=int(l))
             if cfg != first_cfg:
                 raise ValueError(
                     f"write_checkpoint_store: layer {l} of {checkpoint} has config {cfg}, unlike layer "
