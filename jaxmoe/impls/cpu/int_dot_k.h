@@ -8,13 +8,13 @@
 // As ggml computes them: per super-block, column and row one exact integer sum of code x
 // activation code x group scale, then times d dx in float32. Per activation block of 32
 // the column's 32 codes are built in a register (KBlock::code) and multiplied in int16
-// pairs (vpmaddubsw: unsigned codes, Q2_K 0..3 and Q5_K 0..31, straight; signed ones,
-// Q3_K q - 4 and IQ4_XS kvalues_iq4nl by a byte shuffle, by the sign trick as Q6_K; no
+// pairs (vpmaddubsw: unsigned codes, Q2_K 0..3, Q3_K 0..7, Q4_K 0..15, Q5_K 0..31, Q6_K
+// 0..63, straight; IQ4_XS's signed kvalues_iq4nl, by a byte shuffle, by the sign trick; no
 // pair sum saturates, |w| x 127 x 2 <= 32258), then times the int16 scales of the block's
 // two groups of 16 (one byte shuffle picks them, GroupScales) and summed into int32 lanes
 // (vpmaddwd, or vpdpwssd with VNNI). The mins (W = d sc q - dmin m): Q2_K per group of
-// 16, Q4_K / Q5_K per sub-block of 32, Q6_K's offset 32 as 32 sc per group of 16 (its
-// codes taken unsigned, 0..63), as an integer dot of the mins with the sums of 16
+// 16, Q4_K / Q5_K per sub-block of 32, the offsets of Q3_K (4) and Q6_K (32) as 4 sc and
+// 32 sc per group of 16 (their codes taken unsigned), as an integer dot of the mins with the sums of 16
 // activation codes (bsums, made once per call of int_dot_gguf_k), times dmin dx. The
 // scale bytes are unpacked in registers (a vector reloaded from bytes just stored stalls
 // the store forwarding). Without AVX2 the float path over the Q8_K values (int_dot_gguf's
@@ -27,9 +27,11 @@ constexpr bool is_q8k_codes_kind(int kind) {
 // What k8tile reads: those, and Q4_K in the ggml mode (its rows then in the natural order;
 // the int8 mode's Q4_K, a dx per block of 32, is ktile's).
 constexpr bool is_k8tile_kind(int kind) { return is_q8k_codes_kind(kind) || kind == kQ4_K || kind == kQ6_K; }
-// Q2_K, Q4_K and Q5_K: unsigned codes with mins (W = d sc q - dmin m); Q6_K the same way
-// (W = d sc q - d 32 sc, q unsigned 0..63); Q3_K and IQ4_XS: signed codes, no mins.
-constexpr bool has_mins(int kind) { return kind == kQ2_K || kind == kQ4_K || kind == kQ5_K || kind == kQ6_K; }
+// Q2_K, Q4_K and Q5_K: unsigned codes with mins (W = d sc q - dmin m); Q3_K and Q6_K the
+// same way (W = d sc u - d o sc, u unsigned, o = 4 / 32); IQ4_XS: signed codes, no mins.
+constexpr bool has_mins(int kind) {
+  return kind == kQ2_K || kind == kQ3_K || kind == kQ4_K || kind == kQ5_K || kind == kQ6_K;
+}
 
 #if defined(__AVX2__)
 // acc + the int16 pairs p16 times the int16 scales s16, summed in pairs into int32 lanes.
@@ -63,8 +65,8 @@ struct GroupScales {
 inline __m256i scales_per32(__m128i s) { return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s, s)); }
 
 // One super-block of one column, what k8tile multiplies: its group scales (integers), the
-// mins per group of 16 (Q2_K, Q5_K; integers), d and dmin; code(b) builds block b's 32
-// codes as bytes (unsigned for Q2_K / Q5_K, signed for Q3_K / IQ4_XS).
+// mins per group of 16 (has_mins kinds; integers), d and dmin; code(b) builds block b's 32
+// codes as bytes (unsigned for the has_mins kinds, signed for IQ4_XS).
 template <int Q>
 struct KBlock {
   const uint8_t* b;
@@ -95,10 +97,10 @@ struct KBlock {
                                        int(((a[1] >> 0) & nib) | (((a[2] >> 2) & two) << 4)),
                                        int(((a[0] >> 4) & nib) | (((a[2] >> 4) & two) << 4)),
                                        int(((a[1] >> 4) & nib) | (((a[2] >> 6) & two) << 4)));
-      mins = _mm256_setzero_si256();
-      d = f16_at(b + 108);
-      dmin = 0.f;
-      return _mm256_cvtepi8_epi16(_mm_sub_epi8(s, _mm_set1_epi8(32)));
+      const __m256i sc = _mm256_cvtepi8_epi16(_mm_sub_epi8(s, _mm_set1_epi8(32)));
+      mins = _mm256_slli_epi16(sc, 2);  // 4 sc: d sc (u - 4) = d sc u - d (4 sc), u = q + 4 in 0..7
+      d = dmin = f16_at(b + 108);
+      return sc;
     } else if constexpr (Q == kQ4_K || Q == kQ5_K) {  // d, dmin, 12 scale bytes, (Q5_K: qh 32), qs 128
       const __m128i v = k_scale_min_bytes(b + 4);  // bytes: sc 0..7, mn 0..7
       mins = scales_per32(_mm_srli_si128(v, 8));
@@ -138,13 +140,14 @@ struct KBlock {
     if constexpr (Q == kQ2_K) {  // element 128 c + 32 j + l: bits 2 j of qs[32 c + l]
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (k >> 2)));
       return _mm256_and_si256(_mm256_srli_epi16(v, 2 * (k & 3)), _mm256_set1_epi8(3));
-    } else if constexpr (Q == kQ3_K) {  // element 32 k + l: bits 2 j of qs[32 c + l] | bit k of hm[l] << 2, - 4
+    } else if constexpr (Q == kQ3_K) {  // element 32 k + l: u = bits 2 j of qs[32 c + l] | bit k of hm[l] << 2
+      // (unsigned, 0..7; the offset 4 is the mins' term); the 16-bit shifts bring each
+      // byte's own bit k to bit 2
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + 32 * (k >> 2)));
       const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
-      const __m256i bit = _mm256_set1_epi8(char(1 << k));
-      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
       const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (k & 3)), _mm256_set1_epi8(3));
-      return _mm256_sub_epi8(lo, _mm256_andnot_si256(set, _mm256_set1_epi8(4)));
+      const __m256i hi = k >= 2 ? _mm256_srli_epi16(hm, k - 2) : _mm256_slli_epi16(hm, 2 - k);
+      return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(4)));
     } else if constexpr (Q == kQ4_K) {  // sub-block 2p: low nibbles of qs[32 p..], 2p + 1: high
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (k >> 1)));
       return _mm256_and_si256(k & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
