@@ -217,17 +217,19 @@ class SafetensorsDir:
         if not full or not 0 <= j < full[0]:
             raise ValueError(f"{path}: tensor {name!r} of shape {full} has no entry {j} along its first axis")
         entry = full[1:]
-        start, stop = (0, entry[0] if entry else 1) if rows is None else rows
-        if rows is not None and (not entry or not 0 <= start <= stop <= entry[0]):
-            raise ValueError(f"{path}: tensor {name!r} of shape {full} has no rows [{start}, {stop}) in entry {j}")
-        if j == 0 and start == 0:
+        entry_bytes = int(np.prod(entry, dtype=np.int64)) * dt.itemsize
+        shape, skip = entry, 0
+        if rows is not None:
+            start, stop = rows
+            if not entry or not 0 <= start <= stop <= entry[0]:
+                raise ValueError(f"{path}: tensor {name!r} of shape {full} has no rows [{start}, {stop}) in entry {j}")
+            shape, skip = (stop - start, *entry[1:]), start * (entry_bytes // entry[0] if entry[0] else 0)
+        if j == 0 and skip == 0:
             self.reads.append(name)
-        row_bytes = int(np.prod(entry[1:], dtype=np.int64)) * dt.itemsize
-        part = aligned_empty(entry if rows is None else (stop - start, *entry[1:]), dt)
+        part = aligned_empty(shape, dt)
         fd = os.open(path, os.O_RDONLY)
         try:
-            entry_bytes = row_bytes * (entry[0] if entry else 1)
-            pread_into(fd, part, offset + j * entry_bytes + start * row_bytes, f"{path}: tensor {name!r}")
+            pread_into(fd, part, offset + j * entry_bytes + skip, f"{path}: tensor {name!r}")
         finally:
             os.close(fd)
         return part

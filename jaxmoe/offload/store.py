@@ -190,13 +190,13 @@ def _dtype(name: str) -> np.dtype:
     return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
 
 
-def _parts(w) -> dict[str, np.ndarray]:
-    """A kept projection's parts: ``qdata`` / ``scales`` / ``biases`` of a `QuantizedTensor`
-    (the ones it has), ``value`` of a float array."""
+def _parts(w) -> dict[str, Any]:
+    """A kept projection's parts, as held (numpy or jax arrays): ``qdata`` / ``scales`` /
+    ``biases`` of a `QuantizedTensor` (the ones it has), ``value`` of a float array."""
     if not isinstance(w, QuantizedTensor):
-        return {"value": np.asarray(w)}
+        return {"value": w}
     parts = {"qdata": w.qdata, "scales": w.scales, "biases": w.biases}
-    return {k: np.asarray(v) for k, v in parts.items() if v is not None}
+    return {k: v for k, v in parts.items() if v is not None}
 
 
 def _keep_spec(ew: ExpertWeights) -> dict:
@@ -205,7 +205,7 @@ def _keep_spec(ew: ExpertWeights) -> dict:
     spec = {}
     for name in PROJS:
         w = getattr(ew, name)
-        parts = {k: [list(v.shape[1:]), v.dtype.name] for k, v in _parts(w).items()}
+        parts = {k: [list(v.shape[1:]), np.dtype(v.dtype).name] for k, v in _parts(w).items()}
         q = isinstance(w, QuantizedTensor)
         spec[name] = {"kind": w.kind if q else "float", "group_size": w.group_size if q else 0, "parts": parts}
     return spec
@@ -252,7 +252,7 @@ def write_safetensors_store(
             if kind == KEEP:
                 for part, v in _parts(w).items():
                     for e in range(cfg.num_experts):
-                        tensors[f"experts.{e}.{name}.{part}"] = _stored(v[e])
+                        tensors[f"experts.{e}.{name}.{part}"] = _stored(np.asarray(v[e]))
                 continue
             if isinstance(w, QuantizedTensor):
                 if w.kind != kind:

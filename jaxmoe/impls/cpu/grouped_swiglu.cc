@@ -744,19 +744,15 @@ void matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t ld
     const int64_t row_bytes = K / block_elems(w.kind) * block_bytes(w.kind);
     QCols q{static_cast<const char*>(w.data) + (e * N + col0) * row_bytes, row_bytes, nullptr, nullptr, 0, 0,
             block_elems(w.kind)};
-    if (w.int_dot && w.kind == kQ4_K && w.qslot >= kOrders)  // ggml: Q8_K rows (natural order), int_dot_k.h
-      return int_dot_gguf_k<kQ4_K>(*qa, q, K, m, ncols, c, ldc);
-    if (w.int_dot && w.kind == kQ4_K) return int_dot_gguf<kQ4_K>(*qa, q, K, m, ncols, c, ldc);
-    if (w.int_dot && w.kind == kQ6_K && w.qslot >= kOrders)  // ggml: Q8_K rows, int_dot_k.h
-      return int_dot_gguf_k<kQ6_K>(*qa, q, K, m, ncols, c, ldc);
+    if (w.int_dot && is_k8tile_kind(w.kind) && slot_is_q8k(w.qslot))  // ggml's Q8_K rows: int_dot_k.h
+      return with_gguf_kind(w.kind, [&](auto Q) {
+        if constexpr (is_k8tile_kind(Q.value)) int_dot_gguf_k<Q.value>(*qa, q, K, m, ncols, c, ldc);
+      });
+    if (w.int_dot && w.kind == kQ4_K) return int_dot_gguf<kQ4_K>(*qa, q, K, m, ncols, c, ldc);  // the int8 mode
     if (w.int_dot && w.kind == kQ6_K) return int_dot_gguf<kQ6_K>(*qa, q, K, m, ncols, c, ldc);
     if (w.int_dot && w.kind == kQ4_0) return int_dot_gguf<kQ4_0>(*qa, q, K, m, ncols, c, ldc);
     if (w.int_dot && w.kind == kIQ4_NL) return int_dot_gguf<kIQ4_NL>(*qa, q, K, m, ncols, c, ldc);
     if (w.int_dot && w.kind == kMXFP4) return int_dot_gguf<kMXFP4>(*qa, q, K, m, ncols, c, ldc);
-    if (w.int_dot && is_q8k_codes_kind(w.kind))  // int_dot_k.h
-      return with_gguf_kind(w.kind, [&](auto Q) {
-        if constexpr (is_q8k_codes_kind(Q.value)) int_dot_gguf_k<Q.value>(*qa, q, K, m, ncols, c, ldc);
-      });
     return with_gguf_kind(w.kind, [&](auto Q) { gguf_matmul<Q.value>(a, lda, q, K, m, ncols, c, ldc, pack); });
   }
   if (w.kind == kFP8) return fp8_matmul(w, e, col0, a, lda, m, ncols, c, ldc, pack);
@@ -1107,9 +1103,7 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
   auto rule = [ggml](int kind) {
     return !ggml ? kRuleInt8 : (kind == kInt8 || kind == kInt4 || is_table32(kind)) ? kRuleQ8_0 : kRuleQ8_K;
   };
-  // the order a weight's rows are quantized in: its kind's (act_order), but Q4_K's in the
-  // ggml mode natural (k8tile reads its nibble halves as whole blocks of 32)
-  auto order = [ggml](int kind) { return ggml && kind == kQ4_K ? int(kOrderNatural) : act_order(kind); };
+  auto order = [&rule](int kind) { return act_order(kind, rule(kind)); };  // the order its rows are quantized in
   if (int_dot)  // each integer-capable weight reads its input quantized in its kind's order
     for (int i = 0; i < n; ++i) {
       Problem& p = *parts[i];
@@ -1118,12 +1112,11 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
         w->int_dot = order(w->kind) >= 0 && (!ggml ? w->kind == kInt8 || w->kind == kInt4 || w->kind == kQ4_K ||
                                                              w->kind == kQ6_K
                                                        : w->kind == kInt8 || w->kind == kInt4 || is_table32(w->kind) ||
-                                                             w->kind == kQ4_K || w->kind == kQ6_K ||
-                                                             is_q8k_codes_kind(w->kind));
+                                                             is_k8tile_kind(w->kind));
       if (ggml && !(p.wg.int_dot && p.wu.int_dot) && rule(p.wg.kind) == kRuleQ8_K)  // (ggml_x_unconverted)
         p.wg.int_dot = p.wu.int_dot = false;  // xs holds converted rows: the float path for both
       for (Weight* w : {&p.wg, &p.wu, &p.wd})  // rows are shared by the weights of one order and rule
-        w->qslot = int8_t(order(w->kind) + kOrders * (rule(w->kind) == kRuleQ8_K));
+        w->qslot = int8_t(act_slot(order(w->kind), rule(w->kind)));
       for (const Weight* w : {&p.wg, &p.wu}) {
         const int s = w->qslot;
         if (w->int_dot && !p.qx[s].q)

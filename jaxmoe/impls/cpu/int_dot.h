@@ -82,18 +82,25 @@ enum QRule : int { kRuleInt8 = 0, kRuleQ8_0 = 1, kRuleQ8_K = 2 };
 constexpr int kOrders = 3;
 constexpr int kSlots = 2 * kOrders;  // quantized rows per (order, Q8_K rule or not)
 
-// The order weight kind Q reads its quantized activations in, or -1 when it takes float ones.
-inline int act_order(int kind) {
+// The order weight kind Q reads its quantized activations in, quantized by `rule`, or -1
+// when it takes float ones. Q4_K's Q8_K rows (the ggml mode, int_dot_k.h's k8tile) are in
+// the natural order: there its nibble halves are whole blocks of 32.
+inline int act_order(int kind, int rule) {
   if (kind == kInt8) return kOrderNatural;
   if (kind == kInt4) return kOrderSplit4;
   if (kind == kQ6_K || kind == kQ2_K || kind == kQ3_K || kind == kQ5_K) return kOrderNatural;
 #if defined(__AVX2__)
+  if (kind == kQ4_K && rule == kRuleQ8_K) return kOrderNatural;
   if (kind == kQ4_K || is_table32(kind) || kind == kIQ4_XS) return kOrderK4;
 #else
   if (kind == kQ4_K || is_table32(kind) || kind == kIQ4_XS) return kOrderNatural;  // the portable float paths
 #endif
   return -1;
 }
+// Which of a call's kSlots sets of quantized rows a weight reads: one per (order, Q8_K rule
+// or not); slot_is_q8k tells a Q8_K set (the ggml mode's K-quant rows) from the others.
+inline int act_slot(int order, int rule) { return order + kOrders * (rule == kRuleQ8_K); }
+inline bool slot_is_q8k(int slot) { return slot >= kOrders; }
 
 // ggml's Q8_K of 256 elements (quantize_q8_K / jaxmoe.ggml_activations.quantize_q8_K, the
 // same float32 operations as round_q8_K_block): the codes into q, returns d (0 for an

@@ -21,12 +21,11 @@
 // portable path).
 #pragma once
 
-constexpr bool is_q8k_codes_kind(int kind) {
-  return kind == kQ2_K || kind == kQ3_K || kind == kQ5_K || kind == kIQ4_XS;
+// What k8tile reads: Q2_K, Q3_K, Q5_K and IQ4_XS, and Q4_K and Q6_K in the ggml mode (their
+// Q8_K rows; the int8 mode's Q4_K / Q6_K, a dx per block of 32, are ktile's).
+constexpr bool is_k8tile_kind(int kind) {
+  return kind == kQ2_K || kind == kQ3_K || kind == kQ4_K || kind == kQ5_K || kind == kQ6_K || kind == kIQ4_XS;
 }
-// What k8tile reads: those, and Q4_K in the ggml mode (its rows then in the natural order;
-// the int8 mode's Q4_K, a dx per block of 32, is ktile's).
-constexpr bool is_k8tile_kind(int kind) { return is_q8k_codes_kind(kind) || kind == kQ4_K || kind == kQ6_K; }
 // Q2_K, Q4_K and Q5_K: unsigned codes with mins (W = d sc q - dmin m); Q3_K and Q6_K the
 // same way (W = d sc u - d o sc, u unsigned, o = 4 / 32); IQ4_XS: signed codes, no mins.
 constexpr bool has_mins(int kind) {
@@ -239,10 +238,10 @@ void k8tile(const QRows& x, const int16_t* bsums, const QCols& w, int64_t j0, in
 template <int Q>
 void int_dot_gguf_k(const QRows& x, const QCols& w, int64_t K, int64_t m, int64_t ncols, float* c, int64_t ldc) {
 #if defined(__AVX2__)
-  thread_local std::vector<int16_t> bsums;  // sums of 16 activation codes (the mins' term of Q2_K / Q5_K)
+  thread_local std::vector<int16_t> bsums;  // sums of 16 activation codes (the has_mins kinds' mins' term)
   const int64_t nbs = K / 16;
   bsums.resize(size_t(m * nbs));
-  for (int64_t i = 0; i < m && has_mins(Q); ++i) {  // (Q2_K / Q5_K: the natural order)
+  for (int64_t i = 0; i < m && has_mins(Q); ++i) {  // (the has_mins kinds: the natural order)
     const int8_t* q = x.q + i * x.pairs * 64;
     for (int64_t g = 0; g < nbs; ++g) {
       int s = 0;
