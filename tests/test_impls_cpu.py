@@ -26,6 +26,7 @@ from jaxmoe.experts import ExpertWeights
 from jaxmoe.impls import policy
 from jaxmoe.impls.common import combine, sorted_inputs
 from jaxmoe.impls.cpu import build, cpu_kernel_status, experts_cpu, grouped_swiglu, supports
+from jaxmoe.impls.cpu import kernel as cpu_kernel
 from jaxmoe.impls.xla import experts_xla
 from jaxmoe.io import mlx_codec
 from jaxmoe.io.gguf_codec import q4_0_to_quantized, q8_0_to_quantized
@@ -456,6 +457,36 @@ def test_unsorted_or_overlapping_group_ranges_are_rejected(rng):
             jax.block_until_ready(grouped_swiglu(xs, jnp.array(offsets), jnp.array(sizes), ew, cfg))
 
 
+def test_the_combines_operands_are_checked(rng):
+    """The call's combine refuses a sorted row outside xs, a wrong count of rows or weights,
+    and a token count that does not divide the rows, naming the operand."""
+    assert cpu_kernel_status()[0]
+    cfg = cfg_of(32, 32, 3, 2)
+    ew, _ = quantized_case(cfg, ("f32",) * 3, rng)
+    xs = jnp.asarray(rng.normal(size=(6, 32)).astype(np.float32))
+    offsets, sizes = jnp.array([0, 2, 4]), jnp.array([2, 2, 2])
+    w = jnp.asarray(rng.uniform(size=(3, 2)).astype(np.float32))
+
+    def run(inv, w, tokens):
+        args = (xs, offsets, sizes, ew, cfg, False, 8, 8, False)
+        return jax.block_until_ready(cpu_kernel._call(*args, to_tokens=(jnp.asarray(inv), w, tokens))[0])
+
+    ys = np.asarray(grouped_swiglu(xs, offsets, sizes, ew, cfg))
+    inv = np.array([3, 0, 5, 1, 2, 4], np.int32)
+    got = np.asarray(run(inv, w, 3))
+    want = (ys[inv].reshape(3, 2, 32) * np.asarray(w)[..., None]).sum(axis=1)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for bad, ww, tokens, msg in (
+        ([3, 0, 6, 1, 2, 4], w, 3, r"inv\[2\] = 6 is outside the sorted rows \[0, 6\)"),
+        ([3, 0, -1, 1, 2, 4], w, 3, r"inv\[2\] = -1 is outside"),
+        ([3, 0, 5, 1, 2], w, 3, "inv must hold one sorted row per pair: 6 entries, got 5"),
+        (inv, w[:2], 3, r"w must be \[T k\] = \[6\] or empty, got 4 entries"),
+        (inv, w, 4, "y must be \\[T, d\\] with T dividing the 6 rows"),
+    ):
+        with pytest.raises(Exception, match=msg):
+            run(bad, ww, tokens)
+
+
 # ----------------------------------------------------------------------------- build hygiene
 FAKE_CXX = """#!/bin/sh
 [ "$1" = "--version" ] && {{ echo fake 1; exit 0; }}
@@ -802,3 +833,27 @@ def test_quantized_shared_expert_outside_the_kernel_stays_xla(rng):
     assert not shared_supported(odd, jnp.float32)  # group 16: the kernel takes multiples of 32
     y_odd = jaxmoe.moe_apply(dataclasses.replace(p, shared=odd), x, cfg, impl="auto")
     np.testing.assert_allclose(np.asarray(y_odd), np.asarray(y_auto), rtol=0, atol=0.05 * np.abs(y_auto).max())
+
+
+@pytest.mark.parametrize("weight_on_input", [False, True])
+@given(t=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=8, deadline=None)
+def test_the_call_combines_as_the_invariant_combine(weight_on_input, t, seed):
+    """The rows combined back to tokens inside the call are the bits of `combine`'s
+    batch-invariant form over the call's sorted rows: slots added in order, a dropped pair
+    (id outside ``[0, E)``) adding exactly +0 whatever its row holds, the routing weights
+    applied unless they were applied on the input."""
+    rng = np.random.default_rng(seed)
+    cfg = cfg_of(64, 32, 6, 3, weight_on_input=weight_on_input)
+    p = random_params(cfg, rng)
+    ids, ws = uniform_routing(rng, t, 3, 6)
+    ids[rng.random(ids.shape) < 0.2] = 6  # dropped pairs
+    ws[rng.random(ws.shape) < 0.2] *= -1.0  # signed products: zero sums keep their sign rule
+    x = jnp.asarray(rng.normal(size=(t, 64)).astype(np.float32))
+    r = Routing(jnp.asarray(ids), jnp.asarray(ws))
+    got = np.asarray(jax.jit(lambda x, r: experts_cpu(x, r, p.experts, cfg))(x, r))  # jit: ids unchecked
+    plan = plan_dispatch(r.expert_ids, 6, 1)
+    xs = sorted_inputs(x, r, plan, cfg)
+    ys = grouped_swiglu(xs, plan.group_offsets[:6], plan.group_sizes, p.experts, cfg)
+    want = np.asarray(jax.jit(lambda ys: combine(ys, r, plan, cfg, invariant=True))(ys))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -19,12 +19,19 @@
 //     qbias   [E, out, in/g] same dtype as scales         ([0] for kinds 0, 1, 3..8)
 //     W[i, o] = scales[o, i/g] * q[o, i] + qbias[o, i/g]  (kinds 1, 2; kinds 3..8 decode as ggml)
 //   b_gate [E, F] | [0], b_up [E, F] | [0], b_down [E, d] | [0]   f32 biases
+//   (the shared handler: the shared expert's operands here, see GroupedSwigluSharedImpl)
+//   inv     [T k] | [0] s32  the sorted row of each pair t k + j (dispatch.py's plan.inv), or
+//                            empty: no combine
+//   w       [T k] | [0] f32  each pair's routing weight, or empty (weights on the input)
 // Outputs:
 //   ys  [P, d] f32   ys[r] = down(act(gate(xs[r]), up(xs[r]))) of r's expert
 //   h   [P, F] f32   scratch (the hidden activations), allocated by XLA
 //   gu  [P, 2F] | [0] f32  when not empty: each row's gate | up products before the biases
 //                    (x W_g, x W_u), the residual the backward reads instead of recomputing them;
 //                    rows no expert owns are left unwritten
+//   (the shared handler: the shared expert's ys and h here)
+//   y   [T, d] | [0] f32  with inv: the combine, y[t] = sum over j in order of
+//                    ys[inv[t k + j]] * w[t k + j], +0 for a dropped pair (combine_rows)
 // Attributes:
 //   act      0 = silu(g) * u, 1 = gpt-oss (clip(u,-L,L)+1) * g' * sigmoid(alpha g'), g' = min(g, L)
 //   alpha, limit  the gpt-oss constants
@@ -39,7 +46,8 @@
 //            0 none, 1 bf16, 2 q8_0, 3 q8_K (the shared call: sh_fmt for the shared expert)
 //
 // Work: phase 1 = tasks (expert, row chunk, block of F columns) computing h; phase 2 =
-// tasks (expert, row chunk, block of d columns) computing y. Float weights: register
+// tasks (expert, row chunk, block of d columns) computing ys; then, with inv, the combine
+// (tasks of 16 tokens; on the calling thread alone when it is small). Float weights: register
 // tiles of MR rows x NV vectors along the output columns; a task with >= 8 rows packs
 // its in-major block to float32 first, one with fewer streams it (up to 3 rows: row by
 // row, in address order; 4 to 7: in chunks of whole rows swept by register tiles), and
@@ -786,6 +794,11 @@ struct Problem : Experts {
   int64_t rows;  // P
   QRows qx[kSlots], qh[kSlots];  // int8 activations (int_dot.h): xs and h in the (order, rule) slots used
   int32_t h_fmt = 0;               // the ggml format h is converted to (kHfmt*), 0: none
+  // The combine in the call (the routed experts' rows back to tokens), or inv null: none.
+  const int32_t* cinv = nullptr;  // [T k] the sorted row of each pair t k + j
+  const float* cw = nullptr;      // [T k] each pair's routing weight, or null (weights on the input)
+  float* cy = nullptr;            // [T, d] the result
+  int64_t ctokens = 0, ck = 0, cvalid = 0;  // T, k, the rows the experts own (a pair is valid below it)
 };
 
 // The quantized rows weight w reads (in its kind's order), from row row0 on; null for float
@@ -871,6 +884,38 @@ void run_down(const Problem& p, const Task& t) {
       const float s = 1.f / (1.f + std::exp(-p.glogit[t.row0 + i]));
       for (int64_t j = 0; j < t.cols; ++j) y[i * d + j] = y[i * d + j] * s;
     }
+}
+
+// Tokens [t0, t1) of the combine (jaxmoe.impls.common.combine in its batch-invariant form,
+// jaxmoe.invariance.slot_sum): y[t] = p_0 + p_1 + ... + p_{k-1}, added in slot order, with
+// p_j = ys[inv[t k + j]] * w[t k + j] (no w: the row itself) for a valid pair and +0 for a
+// dropped one (whose row is never read): a product and a sum each rounded (built with
+// -ffp-contract=off), the same float32 operations as the jnp form.
+void combine_rows(const Problem& p, int64_t t0, int64_t t1) {
+  const int64_t d = p.d, k = p.ck;
+  for (int64_t t = t0; t < t1; ++t) {
+    float* out = p.cy + t * d;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t q = t * k + j;
+      const int64_t r = p.cinv[q];
+      if (r >= p.cvalid) {  // a dropped pair adds +0 (a -0 sum becomes +0, as in jnp)
+        for (int64_t i = 0; i < d; ++i) out[i] = j == 0 ? 0.f : out[i] + 0.f;
+        continue;
+      }
+      const float* row = p.ys + r * d;
+      if (p.cw) {
+        const float w = p.cw[q];
+        if (j == 0)
+          for (int64_t i = 0; i < d; ++i) out[i] = row[i] * w;
+        else
+          for (int64_t i = 0; i < d; ++i) out[i] = out[i] + row[i] * w;
+      } else if (j == 0) {
+        std::memcpy(out, row, sizeof(float) * size_t(d));
+      } else {
+        for (int64_t i = 0; i < d; ++i) out[i] = out[i] + row[i];
+      }
+    }
+  }
 }
 
 // Experts with rows but fewer than kPackRows of them (they stream their weights).
@@ -1155,6 +1200,57 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
     }
   }
   parallel_tasks(pool, down_tasks, [parts](const Task& t) { run_down(*parts[t.part], t); });
+  std::vector<Task> c_tasks;  // the combine: tasks of 16 tokens; a small one on this thread alone
+  int64_t c_work = 0;
+  for (int i = 0; i < n; ++i) {
+    const Problem& p = *parts[i];
+    if (!p.cinv) continue;
+    for (int64_t t = 0; t < p.ctokens; t += 16)
+      c_tasks.push_back(Task{0, int32_t(t), int32_t(std::min<int64_t>(16, p.ctokens - t)), 0, 0, i});
+    c_work += p.ctokens * p.ck * p.d;
+  }
+  auto combine_task = [parts](const Task& t) { combine_rows(*parts[t.part], t.row0, t.row0 + t.rows); };
+  if (c_work < (int64_t(1) << 17))
+    for (const Task& t : c_tasks) combine_task(t);
+  else
+    parallel_tasks(pool, c_tasks, combine_task);
+}
+
+// The combine's operands (inv [T k] s32 and w [T k] f32 | [0], the result y [T, d]), checked,
+// then bound into `p`: an empty inv (and y) is no combine.
+ffi::Error bind_combine(ffi::Buffer<ffi::S32>& cinv, ffi::Buffer<ffi::F32>& cw, ffi::ResultBuffer<ffi::F32>& cy,
+                        Problem& p) {
+  const std::string pre = "jaxmoe_grouped_swiglu: the combine's ";
+  const int64_t P = p.rows;
+  if (cinv.element_count() == 0) {
+    if (cy->element_count() != 0 || cw.element_count() != 0)
+      return ffi::Error::InvalidArgument(pre + "y and w must be empty without inv");
+    return ffi::Error::Success();
+  }
+  auto yd = cy->dimensions();
+  if (yd.size() != 2 || yd[1] != p.d || yd[0] < 1 || P % yd[0] != 0)
+    return ffi::Error::InvalidArgument(pre + "y must be [T, d] with T dividing the " + std::to_string(P) +
+                                       " rows of xs and d = " + std::to_string(p.d));
+  if (cinv.element_count() != size_t(P))
+    return ffi::Error::InvalidArgument(pre + "inv must hold one sorted row per pair: " + std::to_string(P) +
+                                       " entries, got " + std::to_string(cinv.element_count()));
+  if (cw.element_count() != 0 && cw.element_count() != size_t(P))
+    return ffi::Error::InvalidArgument(pre + "w must be [T k] = [" + std::to_string(P) + "] or empty, got " +
+                                       std::to_string(cw.element_count()) + " entries");
+  const int32_t* inv = cinv.typed_data();
+  for (int64_t q = 0; q < P; ++q)
+    if (inv[q] < 0 || inv[q] >= P)
+      return ffi::Error::InvalidArgument(pre + "inv[" + std::to_string(q) + "] = " + std::to_string(inv[q]) +
+                                         " is outside the sorted rows [0, " + std::to_string(P) + ")");
+  int64_t owned = 0;
+  for (int64_t e = 0; e < p.E; ++e) owned += p.sizes[e];
+  p.cinv = inv;
+  p.cw = cw.element_count() ? cw.typed_data() : nullptr;
+  p.cy = cy->typed_data();
+  p.ctokens = yd[0];
+  p.ck = P / yd[0];
+  p.cvalid = owned;
+  return ffi::Error::Success();
 }
 
 // The routed experts' arguments: checked, then bound into `p`.
@@ -1184,8 +1280,9 @@ ffi::Error GroupedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi
                              ffi::Buffer<ffi::S32> sizes, ffi::AnyBuffer wg, ffi::AnyBuffer sg, ffi::AnyBuffer qg,
                              ffi::AnyBuffer wu, ffi::AnyBuffer su, ffi::AnyBuffer qu, ffi::AnyBuffer wd,
                              ffi::AnyBuffer sd, ffi::AnyBuffer qd, ffi::Buffer<ffi::F32> bg, ffi::Buffer<ffi::F32> bu,
-                             ffi::Buffer<ffi::F32> bd, ffi::ResultBuffer<ffi::F32> ys, ffi::ResultBuffer<ffi::F32> hbuf,
-                             ffi::ResultBuffer<ffi::F32> gubuf,
+                             ffi::Buffer<ffi::F32> bd, ffi::Buffer<ffi::S32> cinv, ffi::Buffer<ffi::F32> cw,
+                             ffi::ResultBuffer<ffi::F32> ys, ffi::ResultBuffer<ffi::F32> hbuf,
+                             ffi::ResultBuffer<ffi::F32> gubuf, ffi::ResultBuffer<ffi::F32> cy,
                              int32_t act, float alpha, float limit, int32_t round_h, int32_t kind_gate,
                              int32_t kind_up, int32_t kind_down, int32_t group_gate, int32_t group_up,
                              int32_t group_down, int32_t up_block, int32_t down_block, int32_t int_dot,
@@ -1197,6 +1294,7 @@ ffi::Error GroupedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi
   Problem p;
   if (auto err = bind_routed(xs, offsets, sizes, w3, b3, ys, hbuf, gubuf, at, up_block, down_block, p); err.failure())
     return err;
+  if (auto err = bind_combine(cinv, cw, cy, p); err.failure()) return err;
   Problem* parts[1] = {&p};
   if (int_dot < 0 || int_dot > kIntDotGgml)
     return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: int_dot must be 0, 1 (int8) or 2 (ggml), got " +
@@ -1217,9 +1315,9 @@ ffi::Error GroupedSwigluSharedImpl(
     ffi::Buffer<ffi::F32> bd, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer swg, ffi::AnyBuffer ssg, ffi::AnyBuffer sqg,
     ffi::AnyBuffer swu, ffi::AnyBuffer ssu, ffi::AnyBuffer squ, ffi::AnyBuffer swd, ffi::AnyBuffer ssd,
     ffi::AnyBuffer sqd, ffi::Buffer<ffi::F32> sbg, ffi::Buffer<ffi::F32> sbu, ffi::Buffer<ffi::F32> sbd,
-    ffi::Buffer<ffi::F32> gate, ffi::ResultBuffer<ffi::F32> ys, ffi::ResultBuffer<ffi::F32> hbuf,
-    ffi::ResultBuffer<ffi::F32> gubuf, ffi::ResultBuffer<ffi::F32> sys, ffi::ResultBuffer<ffi::F32> shbuf,
-    int32_t act, float alpha, float limit, int32_t round_h, int32_t kind_gate, int32_t kind_up, int32_t kind_down,
+    ffi::Buffer<ffi::F32> gate, ffi::Buffer<ffi::S32> cinv, ffi::Buffer<ffi::F32> cw, ffi::ResultBuffer<ffi::F32> ys,
+    ffi::ResultBuffer<ffi::F32> hbuf, ffi::ResultBuffer<ffi::F32> gubuf, ffi::ResultBuffer<ffi::F32> sys,
+    ffi::ResultBuffer<ffi::F32> shbuf, ffi::ResultBuffer<ffi::F32> cy, int32_t act, float alpha, float limit, int32_t round_h, int32_t kind_gate, int32_t kind_up, int32_t kind_down,
     int32_t group_gate, int32_t group_up, int32_t group_down, int32_t skind_gate, int32_t skind_up,
     int32_t skind_down, int32_t sgroup_gate, int32_t sgroup_up, int32_t sgroup_down, int32_t up_block,
     int32_t down_block, int32_t int_dot, int32_t h_fmt, int32_t sh_fmt) {
@@ -1234,6 +1332,7 @@ ffi::Error GroupedSwigluSharedImpl(
   Problem p, s;
   if (auto err = bind_routed(xs, offsets, sizes, w3, b3, ys, hbuf, gubuf, at, up_block, down_block, p); err.failure())
     return err;
+  if (auto err = bind_combine(cinv, cw, cy, p); err.failure()) return err;
   auto xd = x.dimensions();
   if (xd.size() != 2 || xd[1] != p.d)
     return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: the shared expert's x must be [T, d] with d = " +
@@ -1269,9 +1368,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeGroupedSwiglu, GroupedSwigluImpl,
                               bind_expert_attrs(bind_experts(ffi::Ffi::Bind()
                                                                  .Ctx<ffi::ThreadPool>()
                                                                  .Arg<ffi::Buffer<ffi::F32>>())  // xs
-                                                    .Ret<ffi::Buffer<ffi::F32>>()                // ys
-                                                    .Ret<ffi::Buffer<ffi::F32>>()                // h (scratch)
-                                                    .Ret<ffi::Buffer<ffi::F32>>())  // gu (residual, or empty)
+                                                    .Arg<ffi::Buffer<ffi::S32>>()  // the combine's inv [T k] | [0]
+                                                    .Arg<ffi::Buffer<ffi::F32>>()  // its w [T k] | [0]
+                                                    .Ret<ffi::Buffer<ffi::F32>>()  // ys
+                                                    .Ret<ffi::Buffer<ffi::F32>>()  // h (scratch)
+                                                    .Ret<ffi::Buffer<ffi::F32>>()  // gu (residual, or empty)
+                                                    .Ret<ffi::Buffer<ffi::F32>>())  // y [T, d] (combined) | [0]
                                   .Attr<int32_t>("up_block")
                                   .Attr<int32_t>("down_block")
                                   .Attr<int32_t>("int_dot")
@@ -1285,11 +1387,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeGroupedSwigluShared, GroupedSwigluSharedImpl
                                                                               .Arg<ffi::Buffer<ffi::F32>>())  // xs
                                                                  .Arg<ffi::Buffer<ffi::F32>>())  // x (shared rows)
                                                     .Arg<ffi::Buffer<ffi::F32>>()  // shared gate [d] | [0]
+                                                    .Arg<ffi::Buffer<ffi::S32>>()  // the combine's inv [T k] | [0]
+                                                    .Arg<ffi::Buffer<ffi::F32>>()  // its w [T k] | [0]
                                                     .Ret<ffi::Buffer<ffi::F32>>()  // ys
                                                     .Ret<ffi::Buffer<ffi::F32>>()  // h (scratch)
                                                     .Ret<ffi::Buffer<ffi::F32>>()  // gu (residual, or empty)
                                                     .Ret<ffi::Buffer<ffi::F32>>()  // ys of the shared expert
-                                                    .Ret<ffi::Buffer<ffi::F32>>())  // h of the shared expert
+                                                    .Ret<ffi::Buffer<ffi::F32>>()  // h of the shared expert
+                                                    .Ret<ffi::Buffer<ffi::F32>>())  // y [T, d] (combined) | [0]
                                   .Attr<int32_t>("skind_gate")
                                   .Attr<int32_t>("skind_up")
                                   .Attr<int32_t>("skind_down")

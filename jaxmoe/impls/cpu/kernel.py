@@ -4,7 +4,7 @@ XLA:CPU copies every expert slice ``W[e]`` before its dot (docs/log/2026-11-29-x
 the plain-XLA path pays a weight copy per touched expert. ``grouped_swiglu.cc`` (beside
 this module) reads the selected experts' weights in place instead: tasks over (expert, column
 block) with float32 register tiles, on XLA's intra-op thread pool. Everything around
-it (routing, sorting the pairs, a float32 shared expert, the weighted combine) stays in
+it (routing, sorting the pairs, a float32 shared expert) stays in
 XLA; a quantized or bfloat16-stored shared expert runs in the same call
 (`experts_shared_cpu`, which `jaxmoe.moe_apply` takes), or on its own (`shared_expert_cpu`).
 
@@ -387,11 +387,16 @@ def _call(
     shared: tuple[jax.Array, SharedWeights] | None = None,
     int_dot: int = 0,
     h_fmt: tuple[int, int] = (0, 0),
+    to_tokens: tuple[jax.Array, jax.Array | None, int] | None = None,
 ):
     """The custom call: ``(ys, gate_up, None)``, and with ``shared = (x [T, d], sw)`` the
     shared expert in the same call: ``(ys, gate_up, ys_shared [T, d])`` (gated by
     ``sw.gate`` unless it is None). ``h_fmt``: the ``h_fmt`` / ``sh_fmt`` attributes (the
-    routed and the shared expert's hidden activations converted to a ggml format)."""
+    routed and the shared expert's hidden activations converted to a ggml format).
+    ``to_tokens = (inv [T k], w [T, k] | None, T)``: the call also combines the rows back to
+    tokens (`jaxmoe.impls.common.combine`'s batch-invariant form: ``inv`` the sorted row
+    of each pair, ``w`` the routing weights, None when they were applied on the input) and
+    returns that ``y [T, d]`` in place of ``ys``."""
     p, f = xs.shape[0], ew.w_gate.shape[-1]  # F of these weights (a shared expert has its own)
     weights, attrs = _weight_operands(ew)
     no_bias = (jnp.zeros((0,), jnp.float32),) * 3
@@ -411,6 +416,14 @@ def _call(
         attrs.update(sattrs, sh_fmt=np.int32(h_fmt[1]))
         t, fs = x.shape[0], one.w_gate.shape[-1]
         results += [jax.ShapeDtypeStruct((t, xs.shape[1]), jnp.float32), jax.ShapeDtypeStruct((t, fs), jnp.float32)]
+    if to_tokens is None or p == 0:
+        cargs = [jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32)]
+        results.append(jax.ShapeDtypeStruct((0,), jnp.float32))
+    else:
+        inv, w, tokens = to_tokens
+        cw = jnp.zeros((0,), jnp.float32) if w is None else w.astype(jnp.float32).reshape(-1)
+        cargs = [inv.astype(jnp.int32).reshape(-1), cw]
+        results.append(jax.ShapeDtypeStruct((tokens, xs.shape[1]), jnp.float32))
     call = jax.ffi.ffi_call(TARGET if shared is None else TARGET_SHARED, tuple(results), vmap_method="sequential")
     out = call(
         xs.astype(jnp.float32),
@@ -419,6 +432,7 @@ def _call(
         *weights,
         *biases,
         *extra,
+        *cargs,
         act=np.int32(0 if cfg.activation == "swiglu" else 1),
         alpha=np.float32(cfg.swiglu_alpha),
         limit=np.float32(cfg.swiglu_limit),
@@ -429,7 +443,8 @@ def _call(
         h_fmt=np.int32(h_fmt[0]),
         **attrs,
     )
-    return out[0], out[2], (out[3] if shared is not None else None)
+    first = out[-1] if to_tokens is not None and p > 0 else out[0]
+    return first, out[2], (out[3] if shared is not None else None)
 
 
 def shared_supported(sw: SharedWeights, dtype) -> bool:
@@ -650,7 +665,7 @@ def _forward(
                 xsh = x.astype(jnp.float32) if _unconverted_input(sw) else ggml_round(x, sfmt)
             shared = (xsh, dataclasses.replace(sw, gate=None))
             h_fmt = (h_fmt[0], GGML_H_FMT[vec_dot_format(sw.w_down)])
-    ys, gate_up, ys_shared = _call(
+    out, gate_up, ys_shared = _call(
         xs,
         plan.group_offsets[:e],
         plan.group_sizes,
@@ -663,8 +678,11 @@ def _forward(
         shared,
         {"int8": 1, "ggml": 2 if GGML_INT_DOT else 0}.get(mode[0], 0),
         h_fmt,
+        (plan.inv, None if cfg.weight_on_input else routing.weights, x.shape[0]),
     )
-    y = combine(ys, routing, plan, cfg, invariant=mode[1])
+    # out: the rows combined back to tokens in the call (combine's batch-invariant form, whatever
+    # mode[1]); with no pairs, the empty ys
+    y = out if plan.num_pairs > 0 else combine(out, routing, plan, cfg, invariant=mode[1])
     if ys_shared is not None:
         if ggml and sw is not None and sw.gate is not None:  # per row block, as _shared_cpu: batch-invariant
             ys_shared = row_blocks(lambda r, gate: r[0] * shared_gate(r[1], gate), (ys_shared, x), sw.gate)
