@@ -791,14 +791,15 @@ struct Problem : Experts {
   const float* sgate;  // the shared expert's gate vector [d] (ys[r] *= sigmoid(xs[r] . sgate)), or null
   float* glogit;       // [P] scratch for those logits when sgate is set
   int64_t E;
-  int64_t rows;  // P
+  int64_t rows;   // P
+  int64_t owned;  // the rows the experts own (the sum of sizes)
   QRows qx[kSlots], qh[kSlots];  // int8 activations (int_dot.h): xs and h in the (order, rule) slots used
   int32_t h_fmt = 0;               // the ggml format h is converted to (kHfmt*), 0: none
   // The combine in the call (the routed experts' rows back to tokens), or inv null: none.
   const int32_t* cinv = nullptr;  // [T k] the sorted row of each pair t k + j
   const float* cw = nullptr;      // [T k] each pair's routing weight, or null (weights on the input)
   float* cy = nullptr;            // [T, d] the result
-  int64_t ctokens = 0, ck = 0, cvalid = 0;  // T, k, the rows the experts own (a pair is valid below it)
+  int64_t ctokens = 0, ck = 0;    // T, k (a pair is valid when its sorted row is below `owned`)
 };
 
 // The quantized rows weight w reads (in its kind's order), from row row0 on; null for float
@@ -898,7 +899,7 @@ void combine_rows(const Problem& p, int64_t t0, int64_t t1) {
     for (int64_t j = 0; j < k; ++j) {
       const int64_t q = t * k + j;
       const int64_t r = p.cinv[q];
-      if (r >= p.cvalid) {  // a dropped pair adds +0 (a -0 sum becomes +0, as in jnp)
+      if (r >= p.owned) {  // a dropped pair adds +0 (a -0 sum becomes +0, as in jnp)
         for (int64_t i = 0; i < d; ++i) out[i] = j == 0 ? 0.f : out[i] + 0.f;
         continue;
       }
@@ -1103,6 +1104,7 @@ ffi::Error bind_problem(const std::string& what, const float* xs, int64_t P, int
   p.gu = gu;
   p.E = E;
   p.rows = P;
+  p.owned = covered;
   set_expert_attrs(p, d, F, at.act, at.alpha, at.limit, at.round_h);
   if (at.h_fmt < kHNone || at.h_fmt > kHQ8_K)
     return ffi::Error::InvalidArgument(pre + "h_fmt must be 0 (none), 1 (bf16), 2 (q8_0) or 3 (q8_K), got " +
@@ -1242,14 +1244,11 @@ ffi::Error bind_combine(ffi::Buffer<ffi::S32>& cinv, ffi::Buffer<ffi::F32>& cw, 
     if (inv[q] < 0 || inv[q] >= P)
       return ffi::Error::InvalidArgument(pre + "inv[" + std::to_string(q) + "] = " + std::to_string(inv[q]) +
                                          " is outside the sorted rows [0, " + std::to_string(P) + ")");
-  int64_t owned = 0;
-  for (int64_t e = 0; e < p.E; ++e) owned += p.sizes[e];
   p.cinv = inv;
   p.cw = cw.element_count() ? cw.typed_data() : nullptr;
   p.cy = cy->typed_data();
   p.ctokens = yd[0];
   p.ck = P / yd[0];
-  p.cvalid = owned;
   return ffi::Error::Success();
 }
 

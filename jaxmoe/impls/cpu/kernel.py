@@ -59,7 +59,7 @@ from jaxmoe.dispatch import plan_dispatch
 from jaxmoe.execution import ExecConfig
 from jaxmoe.experts import ExpertWeights, SharedWeights, shared_expert, shared_frozen, shared_gate, zero_cotangent
 from jaxmoe.ggml_activations import FORMATS, ggml_round, vec_dot_format
-from jaxmoe.impls.common import check_inputs, combine, sorted_inputs
+from jaxmoe.impls.common import check_inputs, sorted_inputs
 from jaxmoe.impls.cpu.backward import backward_kernel_status, backward_supports, cpu_vjp, grouped_swiglu_bwd
 from jaxmoe.impls.cpu.build import TARGET, TARGET_SHARED, cpu_kernel_status
 from jaxmoe.impls.cpu.kinds import GGUF_KINDS, INT4, INT8, operands
@@ -416,10 +416,10 @@ def _call(
         attrs.update(sattrs, sh_fmt=np.int32(h_fmt[1]))
         t, fs = x.shape[0], one.w_gate.shape[-1]
         results += [jax.ShapeDtypeStruct((t, xs.shape[1]), jnp.float32), jax.ShapeDtypeStruct((t, fs), jnp.float32)]
-    if to_tokens is None or p == 0:
+    if to_tokens is None:
         cargs = [jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32)]
         results.append(jax.ShapeDtypeStruct((0,), jnp.float32))
-    else:
+    else:  # (no pairs: inv empty, the call's "no combine", and y [0, d] as it is)
         inv, w, tokens = to_tokens
         cw = jnp.zeros((0,), jnp.float32) if w is None else w.astype(jnp.float32).reshape(-1)
         cargs = [inv.astype(jnp.int32).reshape(-1), cw]
@@ -443,8 +443,7 @@ def _call(
         h_fmt=np.int32(h_fmt[0]),
         **attrs,
     )
-    first = out[-1] if to_tokens is not None and p > 0 else out[0]
-    return first, out[2], (out[3] if shared is not None else None)
+    return out[-1 if to_tokens is not None else 0], out[2], (out[3] if shared is not None else None)
 
 
 def shared_supported(sw: SharedWeights, dtype) -> bool:
@@ -665,7 +664,8 @@ def _forward(
                 xsh = x.astype(jnp.float32) if _unconverted_input(sw) else ggml_round(x, sfmt)
             shared = (xsh, dataclasses.replace(sw, gate=None))
             h_fmt = (h_fmt[0], GGML_H_FMT[vec_dot_format(sw.w_down)])
-    out, gate_up, ys_shared = _call(
+    # y: the rows combined back to tokens in the call (combine's batch-invariant form, whatever mode[1])
+    y, gate_up, ys_shared = _call(
         xs,
         plan.group_offsets[:e],
         plan.group_sizes,
@@ -680,9 +680,6 @@ def _forward(
         h_fmt,
         (plan.inv, None if cfg.weight_on_input else routing.weights, x.shape[0]),
     )
-    # out: the rows combined back to tokens in the call (combine's batch-invariant form, whatever
-    # mode[1]); with no pairs, the empty ys
-    y = out if plan.num_pairs > 0 else combine(out, routing, plan, cfg, invariant=mode[1])
     if ys_shared is not None:
         if ggml and sw is not None and sw.gate is not None:  # per row block, as _shared_cpu: batch-invariant
             ys_shared = row_blocks(lambda r, gate: r[0] * shared_gate(r[1], gate), (ys_shared, x), sw.gate)
