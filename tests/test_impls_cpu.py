@@ -785,8 +785,9 @@ def test_shared_expert_in_the_routed_call_gradients(fmts, rng):
 
 def test_routed_and_shared_call_names_bad_shared_operands(rng):
     """The routed + shared custom call checks the shared expert's own operands before it
-    runs and names the one at fault: a gate of the wrong length, rows of the wrong width
-    (and the routed experts' operands keep their checks)."""
+    runs and names the one at fault: a gate of the wrong length, rows of the wrong width,
+    gate rows ``gx`` of the wrong shape, a combine over another token count than the shared
+    expert's rows (and the routed experts' operands keep their checks)."""
     from jaxmoe.impls.cpu import kernel
 
     assert cpu_kernel_status()[0]  # registers the handlers
@@ -794,24 +795,54 @@ def test_routed_and_shared_call_names_bad_shared_operands(rng):
     ew, _ = quantized_case(cfg, ("f32",) * 3, rng)
     sw, _, _ = quantized_shared(64, 64, ("q8_0", "q4_0_int4", "q8_0"), rng)
     xs = jnp.asarray(rng.normal(size=(6, 64)).astype(np.float32))
-    x = xs[:4]
+    x = xs[:3]
     offsets, sizes = jnp.array([0, 2, 4]), jnp.array([2, 2, 2])
+    inv = jnp.asarray(rng.permutation(6).astype(np.int32))
 
-    def run(x, sw, offsets=offsets):
+    def run(x, sw, offsets=offsets, gx=None, tokens=3):
         out = kernel._call(
-            xs, offsets, sizes, ew, cfg, False, kernel.UP_BLOCK, kernel.DOWN_BLOCK, False, shared=(x, sw)
+            xs,
+            offsets,
+            sizes,
+            ew,
+            cfg,
+            False,
+            kernel.UP_BLOCK,
+            kernel.DOWN_BLOCK,
+            False,
+            shared=(x, sw, gx),
+            to_tokens=(inv[: 2 * tokens] % 6, None, tokens),
         )
         return jax.block_until_ready(out[2])
 
     assert np.isfinite(run(x, sw)).all()
     long_gate = jnp.asarray(rng.normal(size=(65,)).astype(np.float32))
-    for x_bad, sw_bad, offs, msg in (
-        (x, dataclasses.replace(sw, gate=long_gate), offsets, r"shared gate must be \[d\] or empty, d = 64"),
-        (jnp.concatenate([x, x], axis=1), sw, offsets, r"shared expert's x must be \[T, d\] with d = 64"),
-        (x, sw, jnp.array([0, 1, 4]), "sorted by expert and disjoint"),
+    for x_bad, sw_bad, offs, gx, tokens, msg in (
+        (x, dataclasses.replace(sw, gate=long_gate), offsets, None, 3, r"shared gate must be \[d\] or empty, d = 64"),
+        (jnp.concatenate([x, x], axis=1), sw, offsets, None, 3, r"shared expert's x must be \[T, d\] with d = 64"),
+        (x, sw, jnp.array([0, 1, 4]), None, 3, "sorted by expert and disjoint"),
+        (x, sw, offsets, xs[:4], 3, r"gate's rows gx must be \[T, d\] = \[3, 64\]"),
+        (x, sw, offsets, None, 2, "the combine's inv must hold one sorted row per pair"),
     ):
         with pytest.raises(Exception, match=msg):
-            run(x_bad, sw_bad, offs)
+            run(x_bad, sw_bad, offs, gx, tokens)
+    # a combine of 6 tokens (k = 1) with the shared expert's 3 rows
+    with pytest.raises(Exception, match="the combine's y has 6 tokens but the shared expert's x has 3"):
+        jax.block_until_ready(
+            kernel._call(
+                xs,
+                offsets,
+                sizes,
+                ew,
+                cfg,
+                False,
+                kernel.UP_BLOCK,
+                kernel.DOWN_BLOCK,
+                False,
+                shared=(x, sw, None),
+                to_tokens=(inv, None, 6),
+            )[0]
+        )
 
 
 @pytest.mark.slow

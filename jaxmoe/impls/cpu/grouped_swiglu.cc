@@ -788,8 +788,9 @@ struct Problem : Experts {
   float* h;   // [P, F] scratch (an XLA-allocated result)
   float* gu;  // [P, 2F] gate | up residual, or null
   float* ys;  // [P, d]
-  const float* sgate;  // the shared expert's gate vector [d] (ys[r] *= sigmoid(xs[r] . sgate)), or null
+  const float* sgate;  // the shared expert's gate vector [d] (ys[r] *= sigmoid(gx[r] . sgate)), or null
   float* glogit;       // [P] scratch for those logits when sgate is set
+  const float* gx = nullptr;  // [P, d] the rows the gate reads, or null: xs (ggml mode: xs are converted)
   int64_t E;
   int64_t rows;   // P
   int64_t owned;  // the rows the experts own (the sum of sizes)
@@ -799,6 +800,7 @@ struct Problem : Experts {
   const int32_t* cinv = nullptr;  // [T k] the sorted row of each pair t k + j
   const float* cw = nullptr;      // [T k] each pair's routing weight, or null (weights on the input)
   float* cy = nullptr;            // [T, d] the result
+  const float* cadd = nullptr;    // [T, d] added to each token's sum (the shared expert's ys), or null
   int64_t ctokens = 0, ck = 0;    // T, k (a pair is valid when its sorted row is below `owned`)
 };
 
@@ -837,8 +839,10 @@ void run_gate_up(const Problem& p, const Task& t) {
   gbuf.resize(size_t(t.rows) * t.cols);
   ubuf.resize(size_t(t.rows) * t.cols);
   QRows qg, qu;
-  if (p.sgate && t.col0 == 0)  // one task per row chunk starts at column 0: each logit once
-    for (int64_t i = 0; i < t.rows; ++i) p.glogit[t.row0 + i] = row_dot(x + i * d, p.sgate, d);
+  if (p.sgate && t.col0 == 0) {  // one task per row chunk starts at column 0: each logit once
+    const float* gx = p.gx ? p.gx + int64_t(t.row0) * d : x;
+    for (int64_t i = 0; i < t.rows; ++i) p.glogit[t.row0 + i] = row_dot(gx + i * d, p.sgate, d);
+  }
   matmul(p.wg, e, t.col0, x, d, t.rows, t.cols, gbuf.data(), t.cols, pack,
          rows_for(p.wg, p.qx, t.row0, qg));
   matmul(p.wu, e, t.col0, x, d, t.rows, t.cols, ubuf.data(), t.cols, pack,
@@ -891,7 +895,8 @@ void run_down(const Problem& p, const Task& t) {
 // jaxmoe.invariance.slot_sum): y[t] = p_0 + p_1 + ... + p_{k-1}, added in slot order, with
 // p_j = ys[inv[t k + j]] * w[t k + j] (no w: the row itself) for a valid pair and +0 for a
 // dropped one (whose row is never read): a product and a sum each rounded (built with
-// -ffp-contract=off), the same float32 operations as the jnp form.
+// -ffp-contract=off), the same float32 operations as the jnp form. With cadd (the shared
+// expert's output) the sum then adds its row: y[t] + ys_s[t], one more rounded add.
 void combine_rows(const Problem& p, int64_t t0, int64_t t1) {
   const int64_t d = p.d, k = p.ck;
   for (int64_t t = t0; t < t1; ++t) {
@@ -916,6 +921,8 @@ void combine_rows(const Problem& p, int64_t t0, int64_t t1) {
         for (int64_t i = 0; i < d; ++i) out[i] = out[i] + row[i];
       }
     }
+    if (p.cadd)
+      for (int64_t i = 0; i < d; ++i) out[i] = out[i] + p.cadd[t * d + i];
   }
 }
 
@@ -1305,8 +1312,10 @@ ffi::Error GroupedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi
 // The routed experts (the arguments of GroupedSwigluImpl) and the shared expert in one
 // call: x [T, d] (every token's row, which the shared expert owns), its weights (the
 // same kinds of operands, with a leading expert axis of 1), its biases ([0] or
-// [1, F_s], [1, F_s], [1, d]) and gate [d] | [0]; results ys_s [T, d] (gated:
-// ys_s[t] = sigmoid(x[t] . gate) * down(...)) and h_s [T, F_s] (scratch).
+// [1, F_s], [1, F_s], [1, d]), gate [d] | [0] and the gate's rows gx [T, d] | [0] (empty: x;
+// the ggml mode passes the unconverted rows); results ys_s [T, d] (gated: ys_s[t] =
+// sigmoid(gx[t] . gate) * down(...)) and h_s [T, F_s] (scratch). With the combine, the
+// combined y [T, d] includes ys_s (y[t] = slot sum + ys_s[t]).
 ffi::Error GroupedSwigluSharedImpl(
     ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::S32> sizes,
     ffi::AnyBuffer wg, ffi::AnyBuffer sg, ffi::AnyBuffer qg, ffi::AnyBuffer wu, ffi::AnyBuffer su, ffi::AnyBuffer qu,
@@ -1314,7 +1323,8 @@ ffi::Error GroupedSwigluSharedImpl(
     ffi::Buffer<ffi::F32> bd, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer swg, ffi::AnyBuffer ssg, ffi::AnyBuffer sqg,
     ffi::AnyBuffer swu, ffi::AnyBuffer ssu, ffi::AnyBuffer squ, ffi::AnyBuffer swd, ffi::AnyBuffer ssd,
     ffi::AnyBuffer sqd, ffi::Buffer<ffi::F32> sbg, ffi::Buffer<ffi::F32> sbu, ffi::Buffer<ffi::F32> sbd,
-    ffi::Buffer<ffi::F32> gate, ffi::Buffer<ffi::S32> cinv, ffi::Buffer<ffi::F32> cw, ffi::ResultBuffer<ffi::F32> ys,
+    ffi::Buffer<ffi::F32> gate, ffi::Buffer<ffi::F32> gx, ffi::Buffer<ffi::S32> cinv, ffi::Buffer<ffi::F32> cw,
+    ffi::ResultBuffer<ffi::F32> ys,
     ffi::ResultBuffer<ffi::F32> hbuf, ffi::ResultBuffer<ffi::F32> gubuf, ffi::ResultBuffer<ffi::F32> sys,
     ffi::ResultBuffer<ffi::F32> shbuf, ffi::ResultBuffer<ffi::F32> cy, int32_t act, float alpha, float limit, int32_t round_h, int32_t kind_gate, int32_t kind_up, int32_t kind_down,
     int32_t group_gate, int32_t group_up, int32_t group_down, int32_t skind_gate, int32_t skind_up,
@@ -1353,6 +1363,19 @@ ffi::Error GroupedSwigluSharedImpl(
     s.sgate = gate.typed_data();
     s.glogit = logits.data();
   }
+  if (gx.element_count() != 0) {
+    if (gx.element_count() != size_t(T * p.d) || !s.sgate)
+      return ffi::Error::InvalidArgument(
+          "jaxmoe_grouped_swiglu: the shared gate's rows gx must be [T, d] = [" + std::to_string(T) + ", " +
+          std::to_string(p.d) + "] with a gate, or empty; got " + std::to_string(gx.element_count()) + " entries");
+    s.gx = gx.typed_data();
+  }
+  if (p.cinv) {  // the combined y includes the shared expert's rows
+    if (p.ctokens != T)
+      return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: the combine's y has " + std::to_string(p.ctokens) +
+                                         " tokens but the shared expert's x has " + std::to_string(T));
+    p.cadd = s.ys;
+  }
   Problem* parts[2] = {&p, &s};
   if (int_dot < 0 || int_dot > kIntDotGgml)
     return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: int_dot must be 0, 1 (int8) or 2 (ggml), got " +
@@ -1386,6 +1409,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmoeGroupedSwigluShared, GroupedSwigluSharedImpl
                                                                               .Arg<ffi::Buffer<ffi::F32>>())  // xs
                                                                  .Arg<ffi::Buffer<ffi::F32>>())  // x (shared rows)
                                                     .Arg<ffi::Buffer<ffi::F32>>()  // shared gate [d] | [0]
+                                                    .Arg<ffi::Buffer<ffi::F32>>()  // the gate's rows gx [T, d] | [0]
                                                     .Arg<ffi::Buffer<ffi::S32>>()  // the combine's inv [T k] | [0]
                                                     .Arg<ffi::Buffer<ffi::F32>>()  // its w [T k] | [0]
                                                     .Ret<ffi::Buffer<ffi::F32>>()  // ys

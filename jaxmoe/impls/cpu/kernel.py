@@ -46,7 +46,6 @@ frozen); a backward library that did not build takes ``gather``'s VJP.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -384,19 +383,21 @@ def _call(
     up_block,
     down_block,
     save: bool,
-    shared: tuple[jax.Array, SharedWeights] | None = None,
+    shared: tuple[jax.Array, SharedWeights, jax.Array | None] | None = None,
     int_dot: int = 0,
     h_fmt: tuple[int, int] = (0, 0),
     to_tokens: tuple[jax.Array, jax.Array | None, int] | None = None,
 ):
-    """The custom call: ``(ys, gate_up, None)``, and with ``shared = (x [T, d], sw)`` the
+    """The custom call: ``(ys, gate_up, None)``, and with ``shared = (x [T, d], sw, gx)`` the
     shared expert in the same call: ``(ys, gate_up, ys_shared [T, d])`` (gated by
-    ``sw.gate`` unless it is None). ``h_fmt``: the ``h_fmt`` / ``sh_fmt`` attributes (the
+    ``sigmoid(gx . sw.gate)`` unless ``sw.gate`` is None; ``gx [T, d]`` the rows the gate
+    reads, None: ``x``). ``h_fmt``: the ``h_fmt`` / ``sh_fmt`` attributes (the
     routed and the shared expert's hidden activations converted to a ggml format).
     ``to_tokens = (inv [T k], w [T, k] | None, T)``: the call also combines the rows back to
     tokens (`jaxmoe.impls.common.combine`'s batch-invariant form: ``inv`` the sorted row
     of each pair, ``w`` the routing weights, None when they were applied on the input) and
-    returns that ``y [T, d]`` in place of ``ys``."""
+    returns that ``y [T, d]`` in place of ``ys``; with ``shared`` too, ``y`` includes
+    ``ys_shared`` (``y[t] = combined + ys_shared[t]``, one float32 add)."""
     p, f = xs.shape[0], ew.w_gate.shape[-1]  # F of these weights (a shared expert has its own)
     weights, attrs = _weight_operands(ew)
     no_bias = (jnp.zeros((0,), jnp.float32),) * 3
@@ -408,11 +409,13 @@ def _call(
     ]
     extra = []
     if shared is not None:
-        x, sw = shared
+        x, sw, gx = shared
         one = _one_expert(sw)
         sweights, sattrs = _weight_operands(one, "s")
-        gate = jnp.zeros((0,), jnp.float32) if sw.gate is None else sw.gate.astype(jnp.float32).reshape(-1)
-        extra = [x.astype(jnp.float32), *sweights, *no_bias, gate]
+        empty = jnp.zeros((0,), jnp.float32)
+        gate = empty if sw.gate is None else sw.gate.astype(jnp.float32).reshape(-1)
+        gx = empty if gx is None or sw.gate is None else gx.astype(jnp.float32)
+        extra = [x.astype(jnp.float32), *sweights, *no_bias, gate, gx]
         attrs.update(sattrs, sh_fmt=np.int32(h_fmt[1]))
         t, fs = x.shape[0], one.w_gate.shape[-1]
         results += [jax.ShapeDtypeStruct((t, xs.shape[1]), jnp.float32), jax.ShapeDtypeStruct((t, fs), jnp.float32)]
@@ -636,13 +639,13 @@ def _forward(
     ``sw`` the shared expert runs in the same call and ``y`` includes it
     (`experts_shared_cpu`). ``mode[0] == "ggml"``: the input rows converted to the gate /
     up weights' ggml format here (the shared expert's to its own), the hidden activations
-    in the call (``h_fmt``), the shared gate applied after the call on the unconverted
-    rows (as `jaxmoe.experts.shared_expert`)."""
+    in the call (``h_fmt``), the shared gate's dot on the unconverted rows (an operand of
+    the call, as `jaxmoe.experts.shared_expert` reads them)."""
     e = ew.num_experts
     plan = plan_dispatch(routing.expert_ids, e, 1)
     ggml = mode[0] == "ggml"
     round_h = bool(x.dtype == jnp.bfloat16) and not ggml  # ggml keeps h float32 until its conversion
-    shared = None if sw is None else (x, sw)
+    shared = None if sw is None else (x, sw, None)
     h_fmt = (0, 0)
     if not ggml:
         xs = sorted_inputs(x, routing, plan, cfg).astype(jnp.float32)  # [P, d]
@@ -662,10 +665,11 @@ def _forward(
                 xsh = xc
             else:
                 xsh = x.astype(jnp.float32) if _unconverted_input(sw) else ggml_round(x, sfmt)
-            shared = (xsh, dataclasses.replace(sw, gate=None))
+            shared = (xsh, sw, None if xsh is x else x)
             h_fmt = (h_fmt[0], GGML_H_FMT[vec_dot_format(sw.w_down)])
-    # y: the rows combined back to tokens in the call (combine's batch-invariant form, whatever mode[1])
-    y, gate_up, ys_shared = _call(
+    # y: the rows combined back to tokens in the call (combine's batch-invariant form, whatever
+    # mode[1]), the shared expert's rows added there too
+    y, gate_up, _ = _call(
         xs,
         plan.group_offsets[:e],
         plan.group_sizes,
@@ -680,8 +684,4 @@ def _forward(
         h_fmt,
         (plan.inv, None if cfg.weight_on_input else routing.weights, x.shape[0]),
     )
-    if ys_shared is not None:
-        if ggml and sw is not None and sw.gate is not None:  # per row block, as _shared_cpu: batch-invariant
-            ys_shared = row_blocks(lambda r, gate: r[0] * shared_gate(r[1], gate), (ys_shared, x), sw.gate)
-        y = y + ys_shared
     return (y, gate_up) if save else y
