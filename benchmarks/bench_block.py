@@ -169,6 +169,13 @@ def parse_args(argv=None):
         "--warmup", type=int, default=0, help="untimed calls of each impl (new tokens) before each round's timed ones"
     )
     ap.add_argument(
+        "--dispatch",
+        choices=("async", "sync"),
+        default="async",
+        help="jax's CPU dispatch: async (jax's default: the call runs on a runtime thread and the caller "
+        "waits for it) or sync (jax_cpu_enable_async_dispatch off: the call runs on the calling thread)",
+    )
+    ap.add_argument(
         "--shared-f32",
         action="store_true",
         help="keep the shared expert float32 (default: in --dtype, as in a GGUF file and in ggml_moe_layer)",
@@ -323,12 +330,16 @@ def make_hf_block(p: jaxmoe.MoEParams, cfg: jaxmoe.MoEConfig, threads: int):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    # read when jax creates its CPU client: before the first computation
+    jax.config.update("jax_cpu_enable_async_dispatch", a.dispatch == "async")
     cfg = jaxmoe.load_config("qwen3.6-35b-a3b")
     if a.experts:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, num_experts=a.experts))
     d, e, k, f, fs = cfg.d_model, cfg.num_experts, cfg.top_k, cfg.expert_dim, cfg.shared_expert_dim
     mode = "hot (one input repeated)" if a.hot else "cold (new tokens every call)"
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; layer d={d} E={e} k={k} F={f} Fs={fs}; {mode}")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}; layer d={d} E={e} k={k} F={f} Fs={fs}; {mode}, {a.dispatch} dispatch"
+    )
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at start")
     bw = copy_bandwidth()
     rbw = read_bandwidth()
