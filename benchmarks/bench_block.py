@@ -44,7 +44,9 @@ before each round's timed ones: on a VM whose second vCPU has idled (as while a 
 process ran), the first calls find the intra-op pool's thread slow to wake and run about
 as fast as one thread, for about ten calls at T = 1 (docs/log/2026-12-07-pool-wake.md); a
 model's decode calls its layers back to back, as ggml times its repeats after one warm-up
-graph run.
+graph run. ``--dispatch sync`` sets ``jax_cpu_enable_async_dispatch`` off (the layer
+runs on the calling thread instead of a runtime thread the caller waits for; ggml's time is
+its graph compute alone).
 
     python benchmarks/bench_block.py                      # full layer, ~3.2 GB of f32 weights (+3.2 GB for HF)
     python benchmarks/bench_block.py --tokens 1,8 --impls xla,gather,hf
