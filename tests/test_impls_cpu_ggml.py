@@ -206,19 +206,18 @@ def test_hidden_activation_is_requantized(monkeypatch):
 
 def test_shared_gate_reads_the_unconverted_rows():
     """The shared expert's gate is a float32 weight: ggml multiplies it with the rows as
-    they are, not as converted for the shared expert (Q8_0 blocks for Q4_0, converted
-    before the call). Rows with a large element and a small one in the same block that
-    Q8_0 rounds to 0, and a gate that reads only the small one: the gate is sigmoid(3) on
-    the rows as given and sigmoid(0) on the converted ones, and the layer must meet the
-    oracle of the first."""
-    cfg, p, x = case("q4_0", seed=7, tokens=5)
+    they are, not as converted for the shared expert (bf16 experts: the rows rounded to
+    bf16 before the call). Two elements the gate reads, 1 + 2^-8 (a tie bf16 rounds to 1)
+    and -1, each times 300: the gate is sigmoid(300 / 256) on the rows as given and
+    sigmoid(0) on the converted ones, and the layer must meet the oracle of the first."""
+    cfg, p, x = case("bf16", seed=7, tokens=5)
     x = x.copy()
-    x[:, 0], x[:, 1] = 4.0, 0.01  # Q8_0: 0.01 * 127 / 4 rounds to code 0
+    x[:, 1], x[:, 2] = 1 + 2**-8, -1.0
     gate = np.zeros(cfg.d_model, np.float32)
-    gate[1] = 300.0
+    gate[1] = gate[2] = 300.0
     p = dataclasses.replace(p, shared=dataclasses.replace(p.shared, gate=jnp.asarray(gate)))
     assert not cpu_kernel._unconverted_input(p.shared)  # the call gets the converted rows
-    assert float(ggml_round(jnp.asarray(x), "q8_0")[0, 1]) == 0.0
+    assert float(ggml_round(jnp.asarray(x), "bf16")[0, 1]) == 1.0
     want, slack = ggml_layer(p, x, cfg)
     _check(_run(p, x, cfg, "cpu"), want, slack)
     _check(_run(p, x, cfg, "xla"), want, slack)

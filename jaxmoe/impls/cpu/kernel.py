@@ -150,11 +150,21 @@ GGML_INT_DOT = True
 #: Kinds whose integer dots read ggml's Q8_K codes, made in the call from the unconverted
 #: rows (int_dot.h): their input rows are passed unconverted when gate and up both are one.
 _Q8K_INT_DOT = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
+#: Kinds whose integer dots read ggml's Q8_0 codes (ggml format ``q8_0``): the call makes
+#: them by ggml's rule too (``kRuleQ8_0``, bit for bit with `ggml_round`'s codes and
+#: scale), so their rows are passed unconverted as well when gate and up both are one.
+_Q8_0_INT_DOT = ("int8", "int4", "q4_0", "iq4_nl", "mxfp4")
 
 
 def _unconverted_input(ew) -> bool:
-    """Whether the call takes the input rows unconverted (`_Q8K_INT_DOT` gate and up)."""
-    return GGML_INT_DOT and all(isinstance(w, QuantizedTensor) and w.kind in _Q8K_INT_DOT for w in (ew.w_gate, ew.w_up))
+    """Whether the call takes the input rows unconverted: gate and up both `_Q8K_INT_DOT`
+    kinds, or both `_Q8_0_INT_DOT` kinds of ggml format ``q8_0``."""
+    ws = (ew.w_gate, ew.w_up)
+    if not GGML_INT_DOT or not all(isinstance(w, QuantizedTensor) for w in ws):
+        return False
+    if all(w.kind in _Q8K_INT_DOT for w in ws):
+        return True
+    return all(w.kind in _Q8_0_INT_DOT and vec_dot_format(w) == "q8_0" for w in ws)
 
 
 def ggml_problem(ew: ExpertWeights, what: str = "") -> str | None:
