@@ -799,7 +799,7 @@ def test_routed_and_shared_call_names_bad_shared_operands(rng):
     offsets, sizes = jnp.array([0, 2, 4]), jnp.array([2, 2, 2])
     inv = jnp.asarray(rng.permutation(6).astype(np.int32))
 
-    def run(x, sw, offsets=offsets, gx=None, tokens=3):
+    def run(x, sw, offsets=offsets, gx=None, tokens=3, pairs=None):
         out = kernel._call(
             xs,
             offsets,
@@ -811,7 +811,7 @@ def test_routed_and_shared_call_names_bad_shared_operands(rng):
             kernel.DOWN_BLOCK,
             False,
             shared=(x, sw, gx),
-            to_tokens=(inv[: 2 * tokens] % 6, None, tokens),
+            to_tokens=(inv[: 2 * tokens] % 6 if pairs is None else pairs, None, tokens),
         )
         return jax.block_until_ready(out[2])
 
@@ -828,21 +828,7 @@ def test_routed_and_shared_call_names_bad_shared_operands(rng):
             run(x_bad, sw_bad, offs, gx, tokens)
     # a combine of 6 tokens (k = 1) with the shared expert's 3 rows
     with pytest.raises(Exception, match="the combine's y has 6 tokens but the shared expert's x has 3"):
-        jax.block_until_ready(
-            kernel._call(
-                xs,
-                offsets,
-                sizes,
-                ew,
-                cfg,
-                False,
-                kernel.UP_BLOCK,
-                kernel.DOWN_BLOCK,
-                False,
-                shared=(x, sw, None),
-                to_tokens=(inv, None, 6),
-            )[0]
-        )
+        run(x, sw, tokens=6, pairs=inv)
 
 
 @pytest.mark.slow
