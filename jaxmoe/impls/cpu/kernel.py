@@ -648,7 +648,8 @@ def _forward(
     dispatch plan (`plan_dispatch` of the same ids) orders the pairs the same way. With
     ``sw`` the shared expert runs in the same call and ``y`` includes it
     (`experts_shared_cpu`). ``mode[0] == "ggml"``: the input rows converted to the gate /
-    up weights' ggml format here (the shared expert's to its own), the hidden activations
+    up weights' ggml format here (the shared expert's to its own), or in the call when it
+    quantizes them for integer dots (`_unconverted_input`), the hidden activations
     in the call (``h_fmt``), the shared gate's dot on the unconverted rows (an operand of
     the call, as `jaxmoe.experts.shared_expert` reads them)."""
     e = ew.num_experts
