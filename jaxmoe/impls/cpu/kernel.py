@@ -676,7 +676,8 @@ def _forward(
                 xsh = xc
             else:
                 xsh = x.astype(jnp.float32) if _unconverted_input(sw) else ggml_round(x, sfmt)
-            shared = (xsh, sw, None if xsh is x else x)
+            # the gate reads the rows as given: x itself where xsh holds them converted
+            shared = (xsh, sw, None if _unconverted_input(sw) else x)
             h_fmt = (h_fmt[0], GGML_H_FMT[vec_dot_format(sw.w_down)])
     # y: the rows combined back to tokens in the call (combine's batch-invariant form, whatever
     # mode[1]), the shared expert's rows added there too
