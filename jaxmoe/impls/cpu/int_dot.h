@@ -260,8 +260,9 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-// dot_u8s8(a, x) + dot_u8s8(b, y) for 4-bit codes a, b (0..15): without VNNI the two int16
-// pair sums are added before one madd (2 * 15 * 127 twice cannot saturate).
+// dot_u8s8(a, x) + dot_u8s8(b, y) for small unsigned bytes a, b (4-bit codes, or MXFP4's
+// values offset to 0..24): without VNNI the two int16 pair sums are added before one madd
+// (2 * 24 * 127 twice cannot saturate); with VNNI any bytes are exact.
 inline __m256i dot2_u4s8(__m256i a, __m256i x, __m256i b, __m256i y) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), a, x), b, y);
@@ -481,13 +482,30 @@ void ktile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, int6
 // (W = 2^(e - 128) kvalues_mxfp4[q]). Per pair of blocks, their two 16-byte runs of nibbles in
 // one vector ([block 0 | block 1]), low nibbles (elements 0..15) and high ones (16..31) as two
 // vectors: kOrderK4's order. Q4_0: one dot2_u4s8 per pair and row, the offset 8 taken off in
-// integers (8 sum(xq) per lane, once per row and pair, a dot2_u4s8 of eights); IQ4_NL /
-// MXFP4: the codes' values by a byte shuffle of the table, then the sign trick as for int8
-// (|v| <= 127: no int16 sum saturates). Each lane holds an exact integer sum, times the
-// block's scale times dx, as ggml's vec_dot.
+// integers (8 sum(xq) per lane, once per row and pair, a dot2_u4s8 of eights). MXFP4 (and
+// IQ4_NL where VNNI is built): the codes' values plus an offset o (12; 127) by a byte
+// shuffle of a table of unsigned bytes, one dot2_u4s8 per pair and row, o sum(xq) taken off
+// as for Q4_0 (sum (v + o) x - o sum x = sum v x, exact in int32). IQ4_NL without VNNI:
+// its values (-127..113) plus 127 would saturate vpmaddubsw's int16 pair sums, so the sign
+// trick as for int8 (|v| <= 127). Each lane holds an exact integer sum, times the block's
+// scale times dx, as ggml's vec_dot.
 alignas(16) inline constexpr int8_t kIQ4Bytes[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                      1,    13,   25,  38,  53,  69,  89,  113};
 alignas(16) inline constexpr int8_t kFP4Bytes[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+// The tables plus their offsets (kIQ4Bytes + 127, kFP4Bytes + 12) as unsigned bytes.
+alignas(16) inline constexpr uint8_t kIQ4UBytes[16] = {0,   23,  44,  62,  78,  92,  105, 117,
+                                                       128, 140, 152, 165, 180, 196, 216, 240};
+alignas(16) inline constexpr uint8_t kFP4UBytes[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+inline constexpr bool kVnniDot = true;  // dot2_u4s8 exact for any unsigned bytes
+#else
+inline constexpr bool kVnniDot = false;
+#endif
+// The offset that b32tile's unsigned table adds to kind Q's values (0: the sign trick).
+template <int Q>
+constexpr int table_offset() {
+  return Q == kQ4_0 ? 8 : Q == kMXFP4 ? 12 : (Q == kIQ4_NL && kVnniDot) ? 127 : 0;
+}
 template <int MR, int NC, int Q>
 void b32tile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
   static_assert(is_table32(Q), "b32tile: Q4_0, IQ4_NL or MXFP4 blocks");
@@ -500,9 +518,12 @@ void b32tile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, in
   __m256 acc[MR][NC];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NC; ++j) acc[i][j] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(15), eight = _mm256_set1_epi8(8);
-  const __m256i table = _mm256_broadcastsi128_si256(
-      _mm_load_si128(reinterpret_cast<const __m128i*>(Q == kMXFP4 ? kFP4Bytes : kIQ4Bytes)));
+  constexpr int kOff = table_offset<Q>();
+  const __m256i low4 = _mm256_set1_epi8(15), offv = _mm256_set1_epi8(char(kOff));
+  const void* tab = Q == kMXFP4 ? static_cast<const void*>(kFP4UBytes)
+                   : kOff        ? static_cast<const void*>(kIQ4UBytes)
+                                 : static_cast<const void*>(kIQ4Bytes);
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(static_cast<const __m128i*>(tab)));
   for (int64_t p = 0; p < x.pairs; ++p) {
     const bool tail = p == full;  // an odd block count: block 2 p + 1 is padding (zero codes and dx)
     const int64_t kb = 2 * p * BB;
@@ -519,7 +540,7 @@ void b32tile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, in
       const int8_t* xq = x.q + i * xq_stride + p * 64;
       x0[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq));
       x1[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq + 32));
-      if constexpr (Q == kQ4_0) off[i] = dot2_u4s8(eight, x0[i], eight, x1[i]);
+      if constexpr (kOff != 0) off[i] = dot2_u4s8(offv, x0[i], offv, x1[i]);
       dx[i] = _mm256_load_ps(x.dxv + i * xd_stride + p * 8);
     }
     for (int j = 0; j < NC; ++j) {
@@ -530,9 +551,11 @@ void b32tile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, in
       const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
       const __m256 sw =
           _mm256_set_m128(_mm_set1_ps(tail ? 0.f : table_scale<Q>(b0 + BB, 0)), _mm_set1_ps(table_scale<Q>(b0, 0)));
-      if constexpr (Q == kQ4_0) {
+      if constexpr (kOff != 0) {
+        const __m256i ul = Q == kQ4_0 ? lo : _mm256_shuffle_epi8(table, lo);
+        const __m256i uh = Q == kQ4_0 ? hi : _mm256_shuffle_epi8(table, hi);
         for (int i = 0; i < MR; ++i) {
-          const __m256i q = _mm256_sub_epi32(dot2_u4s8(lo, x0[i], hi, x1[i]), off[i]);
+          const __m256i q = _mm256_sub_epi32(dot2_u4s8(ul, x0[i], uh, x1[i]), off[i]);
           acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(sw, dx[i]), acc[i][j]);
         }
       } else {
