@@ -473,14 +473,22 @@ alignas(64) inline constexpr float kFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0,
 alignas(64) inline constexpr float kQ40Values[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
 // The 32-element table kinds (one scale per block, codes from byte 2 or 1).
 constexpr bool is_table32(int q) { return q == kIQ4_NL || q == kMXFP4 || q == kQ4_0; }
+// MXFP4's halved E8M0 scales, the 256 of them (one load per block where the bit arithmetic
+// took a compare and several scalar ops).
+struct E8M0Half {
+  alignas(64) float v[256];
+  E8M0Half() {
+    for (uint32_t e = 0; e < 256; ++e) {
+      const uint32_t bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+      std::memcpy(&v[e], &bits, 4);
+    }
+  }
+};
+inline const E8M0Half kE8M0Half{};
 template <int Q>
 inline float table_scale(const uint8_t* b, int j) {
   if constexpr (Q == kMXFP4) {
-    const uint32_t e = b[0];
-    const uint32_t bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
-    float d;
-    std::memcpy(&d, &bits, 4);
-    return d;
+    return kE8M0Half.v[b[0]];
   } else if constexpr (Q == kIQ4_NL || Q == kQ4_0) {
     return f16_at(b);
   } else {
