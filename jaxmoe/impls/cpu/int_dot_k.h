@@ -88,14 +88,17 @@ struct KBlock {
       dmin = f16_at(b + 82);
       return _mm256_cvtepu8_epi16(_mm_and_si128(s, low4));
     } else if constexpr (Q == kQ3_K) {  // hmask 32, qs 64, 12 bytes of 6-bit scales (- 32), d f16
-      uint32_t a[3];
-      std::memcpy(a, b + 96, 12);
-      const uint32_t nib = 0x0f0f0f0fu, two = 0x03030303u;
-      // scale g: the low 4 bits from byte g % 8 (nibble g / 8), the top 2 from byte 8 + g % 4 (bits 2 (g / 4))
-      const __m128i s = _mm_setr_epi32(int(((a[0] >> 0) & nib) | (((a[2] >> 0) & two) << 4)),
-                                       int(((a[1] >> 0) & nib) | (((a[2] >> 2) & two) << 4)),
-                                       int(((a[0] >> 4) & nib) | (((a[2] >> 4) & two) << 4)),
-                                       int(((a[1] >> 4) & nib) | (((a[2] >> 6) & two) << 4)));
+      // scale g: the low 4 bits from byte g % 8 (nibble g / 8), the top 2 from byte 8 + g % 4
+      // (bits 2 (g / 4)); in registers: the 8 low bytes' nibbles side by side, the 4 high
+      // bytes in every 32-bit lane shifted by 2 (g / 4) (the 12 bytes read as 8 + 4: the
+      // block's last 2 bytes, d, end the tensor's buffer)
+      const __m128i low4 = _mm_set1_epi8(15), three = _mm_set1_epi8(3);
+      const __m128i l8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 96));
+      uint32_t h4;
+      std::memcpy(&h4, b + 104, 4);
+      const __m128i lo = _mm_unpacklo_epi64(_mm_and_si128(l8, low4), _mm_and_si128(_mm_srli_epi16(l8, 4), low4));
+      const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(int(h4)), _mm_setr_epi32(0, 2, 4, 6)), three);
+      const __m128i s = _mm_or_si128(lo, _mm_slli_epi16(hi, 4));
       const __m256i sc = _mm256_cvtepi8_epi16(_mm_sub_epi8(s, _mm_set1_epi8(32)));
       mins = _mm256_slli_epi16(sc, 2);  // 4 sc: d sc (u - 4) = d sc u - d (4 sc), u = q + 4 in 0..7
       d = dmin = f16_at(b + 108);
