@@ -865,8 +865,8 @@ void run_gate_up(const Problem& p, const Task& t) {
       if (p.act == 0) {
         hv = g / (1.f + std::exp(-g)) * u;
       } else {
-        g = std::fmin(g, p.limit);
-        u = std::fmax(std::fmin(u, p.limit), -p.limit);
+        g = min_bound(g, p.limit);
+        u = max_bound(min_bound(u, p.limit), -p.limit);
         hv = (u + 1.f) * (g / (1.f + std::exp(-p.alpha * g)));
       }
       hrow[j] = p.round_h ? round_bf16(hv) : hv;
@@ -986,14 +986,14 @@ inline bool fill_non_finite(float* v, int64_t n) {  // NaN over a block with a N
 inline void round_q8_0_block(float* v) {
   if (fill_non_finite(v, 32)) return;
   float amax = 0.f;
-  for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(v[i]));
+  for (int i = 0; i < 32; ++i) amax = max_bound(std::fabs(v[i]), amax);
   if (amax == 0.f) {
     for (int i = 0; i < 32; ++i) v[i] = 0.f;
     return;
   }
   const float inv = 127.f / amax, d = round_f16(amax / 127.f);
   for (int i = 0; i < 32; ++i) {
-    const float q = std::fmin(std::fmax(std::nearbyint(v[i] * inv), -128.f), 127.f);
+    const float q = min_bound(max_bound(std::nearbyint(v[i] * inv), -128.f), 127.f);
     v[i] = float(int32_t(q)) * d;  // through an integer: a code 0 is +0, as jnp's int8 codes
   }
 }
@@ -1014,7 +1014,7 @@ inline void round_q8_K_block(float* v) {
   }
   const float iscale = -127.f / mx, d = 1.f / iscale;
   for (int i = 0; i < 256; ++i) {
-    const float q = std::fmin(std::nearbyint(iscale * v[i]), 127.f);
+    const float q = min_bound(std::nearbyint(iscale * v[i]), 127.f);
     v[i] = float(int32_t(q)) * d;
   }
 }

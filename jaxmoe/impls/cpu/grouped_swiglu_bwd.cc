@@ -607,8 +607,8 @@ void run_a(const Problem& p, const Task& t) {
       } else {
         const bool gin = gv <= p.limit;  // jnp.minimum: the gradient goes to g when g <= L (ties: half in JAX)
         const bool uin = uv >= -p.limit && uv <= p.limit;
-        const float gc = std::fmin(gv, p.limit);
-        const float uc = std::fmax(std::fmin(uv, p.limit), -p.limit);
+        const float gc = min_bound(gv, p.limit);
+        const float uc = max_bound(min_bound(uv, p.limit), -p.limit);
         const float sig = 1.f / (1.f + std::exp(-p.alpha * gc));
         const float glu = gc * sig;
         h = (uc + 1.f) * glu;

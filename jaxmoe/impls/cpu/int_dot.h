@@ -121,7 +121,7 @@ inline float quantize_q8_K_codes(const float* v, int8_t* q) {
     return fin ? 0.f : std::numeric_limits<float>::quiet_NaN();
   }
   const float iscale = -127.f / mx;
-  for (int i = 0; i < 256; ++i) q[i] = int8_t(int32_t(std::fmin(std::nearbyint(iscale * v[i]), 127.f)));
+  for (int i = 0; i < 256; ++i) q[i] = int8_t(int32_t(min_bound(std::nearbyint(iscale * v[i]), 127.f)));
   return 1.f / iscale;
 }
 
@@ -203,7 +203,7 @@ inline void quantize_rows(const float* a, int64_t lda, int64_t r0, int64_t r1, i
       const float inv = ggml_codes ? 127.f / amax : 0.f;
       for (int k = 0; k < 32; ++k) {
         const float r = ggml_codes ? xb[k] * inv : xb[k] / dx;
-        const int32_t c = ggml_codes || dx > 0.f ? int32_t(std::nearbyint(std::fmin(std::fmax(r, -127.f), 127.f))) : 0;
+        const int32_t c = ggml_codes || dx > 0.f ? int32_t(std::nearbyint(min_bound(max_bound(r, -127.f), 127.f))) : 0;
         codes[k] = int8_t(c);
         codes_sum += c;
       }

@@ -260,6 +260,12 @@ inline float load_scale(const void* p, int stype, int64_t i) {
   }
 }
 
+// std::fmin(x, c) / std::fmax(x, c) for a bound c that is not NaN, as one vminss / vmaxss:
+// GCC calls libm for std::fmin / std::fmax (their rule for a NaN operand). The same value,
+// a NaN x included (it gives c, as fmin and fmax do).
+inline float min_bound(float x, float c) { return x < c ? x : c; }
+inline float max_bound(float x, float c) { return x > c ? x : c; }
+
 #include "fp8_kind.h"  // block-scaled FP8 E4M3 (kFP8): decode, scale lookup, operand check
 
 inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept NaN (quiet)
