@@ -492,10 +492,6 @@ void ktile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, int6
 alignas(16) inline constexpr int8_t kIQ4Bytes[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                      1,    13,   25,  38,  53,  69,  89,  113};
 alignas(16) inline constexpr int8_t kFP4Bytes[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-// The tables plus their offsets (kIQ4Bytes + 127, kFP4Bytes + 12) as unsigned bytes.
-alignas(16) inline constexpr uint8_t kIQ4UBytes[16] = {0,   23,  44,  62,  78,  92,  105, 117,
-                                                       128, 140, 152, 165, 180, 196, 216, 240};
-alignas(16) inline constexpr uint8_t kFP4UBytes[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 inline constexpr bool kVnniDot = true;  // dot2_u4s8 exact for any unsigned bytes
 #else
@@ -520,10 +516,11 @@ void b32tile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, in
     for (int j = 0; j < NC; ++j) acc[i][j] = _mm256_setzero_ps();
   constexpr int kOff = table_offset<Q>();
   const __m256i low4 = _mm256_set1_epi8(15), offv = _mm256_set1_epi8(char(kOff));
-  const void* tab = Q == kMXFP4 ? static_cast<const void*>(kFP4UBytes)
-                   : kOff        ? static_cast<const void*>(kIQ4UBytes)
-                                 : static_cast<const void*>(kIQ4Bytes);
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(static_cast<const __m128i*>(tab)));
+  // the values, plus the offset where there is one (bytewise: the unsigned table)
+  const __m256i table = _mm256_add_epi8(
+      _mm256_broadcastsi128_si256(
+          _mm_load_si128(reinterpret_cast<const __m128i*>(Q == kMXFP4 ? kFP4Bytes : kIQ4Bytes))),
+      offv);
   for (int64_t p = 0; p < x.pairs; ++p) {
     const bool tail = p == full;  // an odd block count: block 2 p + 1 is padding (zero codes and dx)
     const int64_t kb = 2 * p * BB;
