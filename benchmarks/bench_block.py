@@ -46,7 +46,12 @@ as fast as one thread, for about ten calls at T = 1 (docs/log/2026-12-07-pool-wa
 model's decode calls its layers back to back, as ggml times its repeats after one warm-up
 graph run. ``--dispatch sync`` sets ``jax_cpu_enable_async_dispatch`` off (the layer
 runs on the calling thread instead of a runtime thread the caller waits for; ggml's time is
-its graph compute alone).
+its graph compute alone). ``--scan L`` makes each timed call one jitted `jax.lax.scan` of the
+layer over L inputs (new tokens each, so new experts), as a model's jitted decode step runs
+its layers, and divides its time by L: jax's per-call dispatch (flattening the parameters,
+launching the executable, waiting for it) is paid once per L layers, as ggml builds its graph
+once and times its compute. A single jitted layer per call (the default) adds that dispatch
+to every layer: about 0.1-0.2 ms at T = 1 on the 2-core VM (docs/log/2026-12-07-dispatch-per-layer.md).
 
     python benchmarks/bench_block.py                      # full layer, ~3.2 GB of f32 weights (+3.2 GB for HF)
     python benchmarks/bench_block.py --tokens 1,8 --impls xla,gather,hf
@@ -178,6 +183,14 @@ def parse_args(argv=None):
         "waits for it) or sync (jax_cpu_enable_async_dispatch off: the call runs on the calling thread)",
     )
     ap.add_argument(
+        "--scan",
+        type=int,
+        default=1,
+        metavar="L",
+        help="each timed call runs the layer on L inputs in turn inside one jitted lax.scan (new tokens "
+        "each), as a model's jitted decode step runs its layers: one dispatch per L layers; times per layer",
+    )
+    ap.add_argument(
         "--shared-f32",
         action="store_true",
         help="keep the shared expert float32 (default: in --dtype, as in a GGUF file and in ggml_moe_layer)",
@@ -196,6 +209,8 @@ def parse_args(argv=None):
         a.execs = {i: exec_of_label(i) for i in a.impls if i != "hf"}
     except ValueError as e:
         ap.error(f"--impls: {e}")
+    if a.scan < 1 or (a.scan > 1 and "hf" in a.impls):
+        ap.error("--scan: a positive count, and only with jaxmoe impls (not hf)")
     a.dtype = [t.strip() for t in a.dtype.split(",") if t.strip()]
     bad = [t for t in a.dtype if t not in DTYPES]
     if bad:
@@ -339,6 +354,8 @@ def main(argv=None) -> int:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, num_experts=a.experts))
     d, e, k, f, fs = cfg.d_model, cfg.num_experts, cfg.top_k, cfg.expert_dim, cfg.shared_expert_dim
     mode = "hot (one input repeated)" if a.hot else "cold (new tokens every call)"
+    if a.scan > 1:
+        mode += f", {a.scan} layers per jitted call (lax.scan), times per layer"
     print(
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}; layer d={d} E={e} k={k} F={f} Fs={fs}; {mode}, {a.dispatch} dispatch"
     )
@@ -381,14 +398,21 @@ def run_format(a, cfg, p, impls, bw, rbw, rate, fmt):
     hf_run = make_hf_block(p, cfg, a.threads) if "hf" in impls else None
     jitted = {i: jax.jit(lambda p, x, ex=a.execs[i]: jaxmoe.moe_apply(p, x, cfg, ex)) for i in impls if i != "hf"}
     route = jax.jit(lambda p, x: jaxmoe.layer.compute_routing(p, x, cfg).expert_ids)
+    scanned = {
+        i: jax.jit(lambda p, xs, j=jitted[i]: jax.lax.scan(lambda c, x: (c, j(p, x)), 0, xs)[1])
+        for i in jitted
+        if a.scan > 1
+    }
 
     rows = []
     for t in a.tokens:
         # cold: new tokens for every call, warm-up calls included
         n_inputs = 1 if a.hot else 1 + (a.repeats + a.warmup) * len(impls) * a.rounds
-        inputs = [jax.random.normal(jax.random.key(1000 * t + r), (t, d), jnp.float32) for r in range(n_inputs)]
-        touched = [len(np.unique(np.asarray(route(p, x)))) for x in inputs]
-        read = [n * expert_bytes + fixed_bytes for n in touched]
+        shape = (t, d) if a.scan == 1 else (a.scan, t, d)  # --scan: L layers' inputs per call
+        inputs = [jax.random.normal(jax.random.key(1000 * t + r), shape, jnp.float32) for r in range(n_inputs)]
+        slices = (lambda x: [x]) if a.scan == 1 else (lambda x: list(x))  # noqa: E731
+        touched = [float(np.mean([len(np.unique(np.asarray(route(p, s)))) for s in slices(x)])) for x in inputs]
+        read = [n * expert_bytes + fixed_bytes for n in touched]  # per layer
         flops = 2 * t * (k * 3 * d * f + 3 * d * fs + d * e)
         mean_read = float(np.mean(read[1:] if len(read) > 1 else read))
         row = dict(
@@ -398,7 +422,8 @@ def run_format(a, cfg, p, impls, bw, rbw, rate, fmt):
             arith_floor=flops / rate * 1e3,
             touched=float(np.mean(touched)),
         )
-        ref = np.asarray(jitted["xla"](p, inputs[0])) if "xla" in jitted else None
+        first = inputs[0] if a.scan == 1 else inputs[0][0]  # the outputs are checked on one layer's input
+        ref = np.asarray(jitted["xla"](p, first)) if "xla" in jitted else None
         fns = {}
         for impl in impls:
             note = None
@@ -412,13 +437,16 @@ def run_format(a, cfg, p, impls, bw, rbw, rate, fmt):
                 print(f"T={t:5d} {impl:10s} {note}", flush=True)
                 continue
             fn = hf_run if impl == "hf" else (lambda x, j=jitted[impl]: j(p, x))  # noqa: E731
-            out = np.asarray(fn(inputs[0]))  # compiles; warms up
+            out = np.asarray(fn(first))  # compiles; warms up
             if ref is not None:
                 err = np.abs(out - ref).max() / (np.abs(ref).max() + 1e-30)
                 # int8 / ggml activations: Q8(x)'s error (the reference has float activations)
                 if not err < (5e-2 if a.execs[impl].activations in ("int8", "ggml") else 1e-3):
                     print(f"T={t} {impl}: output differs from xla (max rel err {err:.2e})", file=sys.stderr)
                     return None
+            if a.scan > 1:
+                fn = lambda x, j=scanned[impl]: j(p, x)  # noqa: E731
+                jax.block_until_ready(fn(inputs[0]))  # compiles
             fns[impl] = fn
         # Round robin: every repeat times each impl once, in a rotating order: torch's
         # OpenMP threads keep spinning for a while after a call and slow whichever impl
@@ -443,7 +471,7 @@ def run_format(a, cfg, p, impls, bw, rbw, rate, fmt):
                     fn = fns[impl]
                     t0 = time.perf_counter()
                     jax.block_until_ready(fn(inputs[i]))
-                    dt = time.perf_counter() - t0
+                    dt = (time.perf_counter() - t0) / a.scan  # per layer
                     times[impl].append(dt * 1e3)
                     gbps[impl].append(read[i] / dt / 1e9)
             if a.ggml:
