@@ -410,8 +410,9 @@ def run_format(a, cfg, p, impls, bw, rbw, rate, fmt):
         n_inputs = 1 if a.hot else 1 + (a.repeats + a.warmup) * len(impls) * a.rounds
         shape = (t, d) if a.scan == 1 else (a.scan, t, d)  # --scan: L layers' inputs per call
         inputs = [jax.random.normal(jax.random.key(1000 * t + r), shape, jnp.float32) for r in range(n_inputs)]
-        slices = (lambda x: [x]) if a.scan == 1 else (lambda x: list(x))  # noqa: E731
-        touched = [float(np.mean([len(np.unique(np.asarray(route(p, s)))) for s in slices(x)])) for x in inputs]
+        touched = [
+            float(np.mean([len(np.unique(np.asarray(route(p, s)))) for s in x.reshape(-1, t, d)])) for x in inputs
+        ]
         read = [n * expert_bytes + fixed_bytes for n in touched]  # per layer
         flops = 2 * t * (k * 3 * d * f + 3 * d * fs + d * e)
         mean_read = float(np.mean(read[1:] if len(read) > 1 else read))
@@ -422,7 +423,7 @@ def run_format(a, cfg, p, impls, bw, rbw, rate, fmt):
             arith_floor=flops / rate * 1e3,
             touched=float(np.mean(touched)),
         )
-        first = inputs[0] if a.scan == 1 else inputs[0][0]  # the outputs are checked on one layer's input
+        first = inputs[0].reshape(-1, t, d)[0]  # the outputs are checked on one layer's input
         ref = np.asarray(jitted["xla"](p, first)) if "xla" in jitted else None
         fns = {}
         for impl in impls:
