@@ -9,7 +9,8 @@ for; the in-kernel conversion of h bit for bit against `jaxmoe.ggml_activations.
 (and within the float32 rounding of the product against the numpy port), on hidden
 activations made exact by the layer's construction (``h = 64 x``). Also the XLA strategies
 in the same mode, batch invariance, ``auto`` taking the kernel (and an XLA strategy for
-Q4_1 / Q5_1, whose ``q8_1`` block-sum term the kernel lacks).
+Q4_1 / Q5_1 when the kernel's integer dots are off: their ``q8_1`` block-sum term exists
+only there).
 """
 
 import dataclasses
@@ -38,7 +39,9 @@ KINDS = (
     "int8",
     "int4",
     "q4_0",
+    "q4_1",
     "q5_0",
+    "q5_1",
     "iq4_nl",
     "mxfp4",
     "q2_k",
@@ -231,32 +234,46 @@ def test_batch_invariant_in_the_mode(kind):
     np.testing.assert_array_equal(alone, among)
 
 
-@pytest.mark.slow
-def test_auto_takes_the_kernel_and_falls_back_for_q8_1_kinds():
-    cfg, p, x = case("q4_k_m", seed=5, tokens=2)
+def _kernel_calls(p, x, cfg):
+    """How many calls of the routed + shared kernel, and of the routed-only one, the jitted
+    ``auto`` layer in ggml mode compiles to."""
     run = jax.jit(lambda p, x: moe_apply(p, x, cfg, ExecConfig(activations="ggml")))
     hlo = run.lower(p, jnp.asarray(x)).compile().as_text() or ""
-    assert hlo.count(f'custom_call_target="{build.TARGET_SHARED}"') == 1, "routed + shared in one kernel call"
-    want, slack = ggml_layer(p, x, cfg)
-    _check(np.asarray(run(p, jnp.asarray(x))), want, slack)
-    # Q4_1 / Q5_1: auto takes an XLA strategy; an explicit impl="cpu" says why not
-    cfg1, p1, x1 = case("q4_1", seed=6, tokens=2)
-    assert "q8_1" in (ggml_problem(p1.experts) or "")
-    run1 = jax.jit(lambda p, x: moe_apply(p, x, cfg1, ExecConfig(activations="ggml")))
-    assert build.TARGET not in run1.lower(p1, jnp.asarray(x1)).as_text()
-    want1, slack1 = ggml_layer(p1, x1, cfg1)
-    _check(np.asarray(run1(p1, jnp.asarray(x1))), want1, slack1)
-    with pytest.raises(ValueError, match="no activations='ggml' arithmetic for w_gate of kind 'q4_1'"):
-        moe_apply(p1, jnp.asarray(x1), cfg1, ExecConfig(impl="cpu", activations="ggml"))
+    return tuple(hlo.count(f'custom_call_target="{t}"') for t in (build.TARGET_SHARED, build.TARGET))
 
 
 @pytest.mark.slow
-def test_shared_expert_of_a_q8_1_kind_runs_in_xla():
-    """Routed experts the kernel takes in ggml mode, a shared expert it does not (Q5_1): the
-    shared expert leaves the call for the XLA one in the same mode."""
+def test_auto_takes_the_kernel_and_falls_back_for_q8_1_kinds_without_integer_dots(monkeypatch):
+    cfg, p, x = case("q4_k_m", seed=5, tokens=2)
+    assert _kernel_calls(p, x, cfg) == (1, 0), "routed + shared in one kernel call"
+    want, slack = ggml_layer(p, x, cfg)
+    _check(_run(p, x, cfg, "auto"), want, slack)
+    # Q4_1 / Q5_1 (the q8_1 format): the kernel, through its integer dots
+    cfg1, p1, x1 = case("q4_1", seed=6, tokens=2)
+    assert ggml_problem(p1.experts) is None
+    assert sum(_kernel_calls(p1, x1, cfg1)) == 1
+    want1, slack1 = ggml_layer(p1, x1, cfg1)
+    _check(_run(p1, x1, cfg1, "auto"), want1, slack1)
+    # without them (the float path has no block-sum term) auto takes an XLA strategy and an
+    # explicit impl="cpu" says why not
+    jax.clear_caches()
+    monkeypatch.setattr(cpu_kernel, "GGML_INT_DOT", False)
+    assert "q8_1" in (ggml_problem(p1.experts) or "")
+    assert _kernel_calls(p1, x1, cfg1) == (0, 0)
+    _check(_run(p1, x1, cfg1, "auto"), want1, slack1)
+    with pytest.raises(ValueError, match="no activations='ggml' arithmetic for w_gate of kind 'q4_1'"):
+        _run(p1, x1, cfg1, "cpu")
+    jax.clear_caches()
+
+
+@pytest.mark.slow
+def test_shared_expert_of_a_q8_1_kind_runs_in_the_call():
+    """Routed Q4_K experts and a Q5_1 shared expert: both in one kernel call (the shared
+    expert's rows quantized by Q8_1, its h by h_fmt q8_1), at the oracle."""
     cfg, p, x = case("q4_k", seed=8, tokens=3)
     _, p5, _ = layer_case("q5_1", 9, 3)
     p = dataclasses.replace(p, shared=_shared_of(p5, p))
+    assert _kernel_calls(p, x, cfg) == (1, 0)
     want, slack = ggml_layer(p, x, cfg)
     _check(_run(p, x, cfg, "cpu"), want, slack)
 
@@ -296,6 +313,9 @@ def test_weight_on_input_converts_the_weighted_rows():
             for k in (
                 "int4",
                 "q4_0",
+                "q5_0",
+                "q4_1",
+                "q5_1",
                 "iq4_nl",
                 "mxfp4",
                 "q4_k",
@@ -311,20 +331,27 @@ def test_weight_on_input_converts_the_weighted_rows():
     ],
 )
 def test_codes_multiplied_in_integers(kind, monkeypatch):
-    """int8 / int4 / Q4_0 / IQ4_NL / MXFP4 experts (ggml format Q8_0) and Q2_K ... Q6_K / IQ4_XS (Q8_K, its codes made
-    in the call from the unconverted rows) multiply the codes in integers (`GGML_INT_DOT`): other
-    bits than the float path over the converted values, and both meet the oracle (a kernel
-    that clamps the Q8_0 or the Q8_K codes to +-126 fails it)."""
+    """int8 / int4 / Q4_0 / Q5_0 / IQ4_NL / MXFP4 experts (ggml format Q8_0), Q4_1 / Q5_1 (Q8_1)
+    and Q2_K ... Q6_K / IQ4_XS (Q8_K, its codes made in the call from the unconverted rows)
+    multiply the codes in integers (`GGML_INT_DOT`): other bits than the float path over the
+    converted values, and both meet the oracle (a kernel that clamps the Q8_0 or the Q8_K
+    codes to +-126, or takes Q8_1's block sum unrounded, fails it). Q4_1 / Q5_1 have no
+    float path in the mode: the kernel refuses them there."""
     cfg, p, x = case(kind, seed=14)
     want, slack = ggml_layer(p, x, cfg)
     got = _run(p, x, cfg, "cpu")
     _check(got, want, slack)
     jax.clear_caches()
     monkeypatch.setattr(cpu_kernel, "GGML_INT_DOT", False)
+    if kind in ("q4_1", "q5_1"):
+        with pytest.raises(ValueError, match="without its integer dots"):
+            _run(p, x, cfg, "cpu")
+        jax.clear_caches()
+        return
     flt = _run(p, x, cfg, "cpu")
     jax.clear_caches()
     _check(flt, want, slack)
-    # (a build without AVX2, $JAXMOE_CXXFLAGS=-march=x86-64, multiplies Q4_0 / IQ4_NL / MXFP4 / the Q8_K kinds'
+    # (a build without AVX2, $JAXMOE_CXXFLAGS=-march=x86-64, multiplies Q4_0 / Q5_0 / IQ4_NL / MXFP4 / the Q8_K kinds'
     # blocks by the float path over the converted values: the same bits)
     if kind in ("int8", "int4") or not {"-march=x86-64", "-march=x86-64-v2"} & set(build.extra_flags()):
         assert not np.array_equal(got, flt)

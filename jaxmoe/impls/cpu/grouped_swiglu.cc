@@ -39,11 +39,12 @@
 //   kind_{gate,up,down}, group_{gate,up,down}  the weight formats above (group: 0 for float)
 //   up_block, down_block  output columns per task
 //   int_dot  1: integer dot products over int8-quantized activations (int_dot.h); 2: the same
-//            for int8 / int4 (rows by ggml's Q8_0 rule) and Q4_K / Q6_K weights (ggml's Q8_K,
-//            from the unconverted rows) only (activations="ggml")
+//            by ggml's rules (activations="ggml"): int8 / int4 / Q4_0 / Q5_0 / IQ4_NL / MXFP4
+//            weights on Q8_0 rows, Q4_1 / Q5_1 on Q8_1 rows, the K-quants and IQ4_XS on Q8_K rows
 //   h_fmt    (ExecConfig(activations="ggml")) h converted by the down weight's ggml activation
 //            format before the down projection, as jaxmoe.ggml_activations.ggml_round does:
-//            0 none, 1 bf16, 2 q8_0, 3 q8_K (the shared call: sh_fmt for the shared expert)
+//            0 none, 1 bf16, 2 q8_0, 3 q8_K, 4 q8_1 (Q4_1 / Q5_1 down weights, int_dot 2: h
+//            quantized for their integer dots) (the shared call: sh_fmt for the shared expert)
 //
 // Work: phase 1 = tasks (expert, row chunk, block of F columns) computing h; phase 2 =
 // tasks (expert, row chunk, block of d columns) computing ys; then, with inv, the combine
@@ -761,6 +762,9 @@ void matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t ld
     if (w.int_dot && w.kind == kQ4_0) return int_dot_gguf<kQ4_0>(*qa, q, K, m, ncols, c, ldc);
     if (w.int_dot && w.kind == kIQ4_NL) return int_dot_gguf<kIQ4_NL>(*qa, q, K, m, ncols, c, ldc);
     if (w.int_dot && w.kind == kMXFP4) return int_dot_gguf<kMXFP4>(*qa, q, K, m, ncols, c, ldc);
+    if (w.int_dot && w.kind == kQ4_1) return int_dot_gguf<kQ4_1>(*qa, q, K, m, ncols, c, ldc);
+    if (w.int_dot && w.kind == kQ5_0) return int_dot_gguf<kQ5_0>(*qa, q, K, m, ncols, c, ldc);
+    if (w.int_dot && w.kind == kQ5_1) return int_dot_gguf<kQ5_1>(*qa, q, K, m, ncols, c, ldc);
     return with_gguf_kind(w.kind, [&](auto Q) { gguf_matmul<Q.value>(a, lda, q, K, m, ncols, c, ldc, pack); });
   }
   if (w.kind == kFP8) return fp8_matmul(w, e, col0, a, lda, m, ncols, c, ldc, pack);
@@ -968,10 +972,12 @@ void parallel_tasks(ffi::ThreadPool& pool, const std::vector<Task>& tasks, Fn fn
 // ggml's activation formats for h (ExecConfig(activations="ggml")): the values a row
 // stands for once converted, float32 op for float32 op as jaxmoe.ggml_activations.ggml_round
 // computes them in jnp (same bits). A block holding a NaN or an infinity becomes NaN.
-enum HFmt : int32_t { kHNone = 0, kHBf16 = 1, kHQ8_0 = 2, kHQ8_K = 3 };
+// kHQ8_1 (Q4_1 / Q5_1 down weights, whose integer dots need ggml's block sums): h is not
+// converted but quantized by kRuleQ8_1 for the integer dots alone (int_dot 2 only).
+enum HFmt : int32_t { kHNone = 0, kHBf16 = 1, kHQ8_0 = 2, kHQ8_K = 3, kHQ8_1 = 4 };
 constexpr int32_t kIntDotGgml = 2;  // the int_dot attribute of ggml activations
 
-inline int64_t hfmt_block(int32_t f) { return f == kHQ8_0 ? 32 : f == kHQ8_K ? 256 : 1; }
+inline int64_t hfmt_block(int32_t f) { return f == kHQ8_0 || f == kHQ8_1 ? 32 : f == kHQ8_K ? 256 : 1; }
 
 inline bool fill_non_finite(float* v, int64_t n) {  // NaN over a block with a NaN / inf
   bool fin = true;
@@ -1113,9 +1119,13 @@ ffi::Error bind_problem(const std::string& what, const float* xs, int64_t P, int
   p.rows = P;
   p.owned = covered;
   set_expert_attrs(p, d, F, at.act, at.alpha, at.limit, at.round_h);
-  if (at.h_fmt < kHNone || at.h_fmt > kHQ8_K)
-    return ffi::Error::InvalidArgument(pre + "h_fmt must be 0 (none), 1 (bf16), 2 (q8_0) or 3 (q8_K), got " +
+  if (at.h_fmt < kHNone || at.h_fmt > kHQ8_1)
+    return ffi::Error::InvalidArgument(pre + "h_fmt must be 0 (none), 1 (bf16), 2 (q8_0), 3 (q8_K) or 4 (q8_1), got " +
                                        std::to_string(at.h_fmt));
+  if (at.h_fmt == kHQ8_1 && at.kind[2] != kQ4_1 && at.kind[2] != kQ5_1)
+    return ffi::Error::InvalidArgument(pre + "h_fmt 4 (q8_1) is for w_down of kind Q4_1 / Q5_1 (" +
+                                       std::to_string(kQ4_1) + ", " + std::to_string(kQ5_1) + "), got kind " +
+                                       std::to_string(at.kind[2]));
   if (F % hfmt_block(at.h_fmt))
     return ffi::Error::InvalidArgument(pre + "h_fmt " + std::to_string(at.h_fmt) + " converts blocks of " +
                                        std::to_string(hfmt_block(at.h_fmt)) + "; F = " + std::to_string(F) +
@@ -1156,7 +1166,10 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
   // Q4_0 / IQ4_NL / MXFP4, Q8_K: the K-quants and IQ4_XS; both from the unconverted rows,
   // or from rows converted to that format, which give the same codes), else the int8 mode's
   auto rule = [ggml](int kind) {
-    return !ggml ? kRuleInt8 : (kind == kInt8 || kind == kInt4 || is_table32(kind)) ? kRuleQ8_0 : kRuleQ8_K;
+    return !ggml                                                                     ? kRuleInt8
+           : kind == kQ4_1 || kind == kQ5_1                                          ? kRuleQ8_1
+           : kind == kInt8 || kind == kInt4 || is_table32(kind) || kind == kQ5_0 ? kRuleQ8_0
+                                                                                     : kRuleQ8_K;
   };
   auto order = [&rule](int kind) { return act_order(kind, rule(kind)); };  // the order its rows are quantized in
   if (int_dot)  // each integer-capable weight reads its input quantized in its kind's order
@@ -1167,9 +1180,10 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
         w->int_dot = order(w->kind) >= 0 && (!ggml ? w->kind == kInt8 || w->kind == kInt4 || w->kind == kQ4_K ||
                                                              w->kind == kQ6_K
                                                        : w->kind == kInt8 || w->kind == kInt4 || is_table32(w->kind) ||
-                                                             is_k8tile_kind(w->kind));
+                                                             is_k8tile_kind(w->kind) || is_b32m(w->kind));
       if (ggml && !(p.wg.int_dot && p.wu.int_dot) && rule(p.wg.kind) == kRuleQ8_K)  // (ggml_x_unconverted)
         p.wg.int_dot = p.wu.int_dot = false;  // xs holds converted rows: the float path for both
+      // (Q8_1 kinds have no float path in the mode: gate and up both Q4_1 / Q5_1, by the caller)
       for (Weight* w : {&p.wg, &p.wu, &p.wd})  // rows are shared by the weights of one order and rule
         w->qslot = int8_t(act_slot(order(w->kind), rule(w->kind)));
       for (const Weight* w : {&p.wg, &p.wu}) {
@@ -1180,18 +1194,22 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
       }
     }
   parallel_tasks(pool, up_tasks, [parts](const Task& t) { run_gate_up(*parts[t.part], t); });
-  for (int i = 0; i < n; ++i) {  // Q8_K integer dots read h unconverted: quantized before the pass below
+  // Q8_K and Q8_1 integer dots read h unconverted: quantized before the pass below
+  auto raw_h = [&rule](const Problem& p) {
+    return p.wd.int_dot && (rule(p.wd.kind) == kRuleQ8_K || rule(p.wd.kind) == kRuleQ8_1);
+  };
+  for (int i = 0; i < n; ++i) {
     Problem& p = *parts[i];
-    if (p.wd.int_dot && rule(p.wd.kind) == kRuleQ8_K) {
+    if (raw_h(p)) {
       const int s = p.wd.qslot;
       quantize_owned_rows(pool, p, p.E, p.h, p.F, order(p.wd.kind), p.qh[s] = qh_buf[i][s].view(p.rows, p.F),
-                          kRuleQ8_K);
+                          rule(p.wd.kind));
     }
   }
   std::vector<Task> h_tasks;  // ggml activations: h converted to the down weight's format, 64 rows a task
   for (int i = 0; i < n; ++i) {
     const Problem& p = *parts[i];
-    if (p.h_fmt != kHNone && !(p.wd.int_dot && rule(p.wd.kind) == kRuleQ8_K))
+    if (p.h_fmt != kHNone && !raw_h(p))
       for (int64_t e = 0; e < p.E; ++e)
         for (int32_t r = 0; r < p.sizes[e]; r += 64)
           h_tasks.push_back(Task{int32_t(e), p.offsets[e] + r, std::min<int32_t>(64, p.sizes[e] - r), 0, 0, i});
@@ -1203,7 +1221,7 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
     });
   for (int i = 0; i < n; ++i) {
     Problem& p = *parts[i];
-    if (p.wd.int_dot && rule(p.wd.kind) != kRuleQ8_K) {
+    if (p.wd.int_dot && !raw_h(p)) {
       const int s = p.wd.qslot;
       quantize_owned_rows(pool, p, p.E, p.h, p.F, order(p.wd.kind), p.qh[s] = qh_buf[i][s].view(p.rows, p.F),
                           rule(p.wd.kind));
@@ -1306,6 +1324,8 @@ ffi::Error GroupedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs, ffi
   if (int_dot < 0 || int_dot > kIntDotGgml)
     return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: int_dot must be 0, 1 (int8) or 2 (ggml), got " +
                                        std::to_string(int_dot));
+  if (h_fmt == kHQ8_1 && int_dot != kIntDotGgml)
+    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: h_fmt 4 (q8_1) needs int_dot 2 (ggml)");
   run_problems(pool, parts, 1, up_block, down_block, int_dot);
   return ffi::Error::Success();
 }
@@ -1381,6 +1401,8 @@ ffi::Error GroupedSwigluSharedImpl(
   if (int_dot < 0 || int_dot > kIntDotGgml)
     return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: int_dot must be 0, 1 (int8) or 2 (ggml), got " +
                                        std::to_string(int_dot));
+  if ((h_fmt == kHQ8_1 || sh_fmt == kHQ8_1) && int_dot != kIntDotGgml)
+    return ffi::Error::InvalidArgument("jaxmoe_grouped_swiglu: h_fmt / sh_fmt 4 (q8_1) need int_dot 2 (ggml)");
   run_problems(pool, parts, T > 0 ? 2 : 1, up_block, down_block, int_dot);
   return ffi::Error::Success();
 }

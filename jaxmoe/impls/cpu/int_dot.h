@@ -23,7 +23,7 @@
 //     [low nibbles | high nibbles] per 128-bit lane (byte t holds elements 2t, 2t + 1);
 //   dxv: 8 floats, dx of block 0 four times then dx of block 1 four times (the 32-bit
 //     lanes of madd's result: lanes 0..3 come from the low 128 bits, block 0 in split order);
-//   sb: dx * sum(xq) of each block (the quantization biases' term).
+//   sb: dx * sum(xq) of each block (the quantization biases' term); kRuleQ8_1: ggml's s.
 // A row's K is padded to whole pairs with zero codes and zero dx.
 //
 // ggml's rule (quantize_rows' `ggml`; ExecConfig(activations="ggml"), int8 / int4 weights,
@@ -77,10 +77,15 @@ inline float block_scale(float amax, bool finite) {
 // nibbles] and regrouped by 128-bit lane).
 enum ActOrder : int { kOrderNatural = 0, kOrderSplit4 = 1, kOrderK4 = 2 };
 // How rows are quantized: the int8 mode's rule (top of this file), ggml's Q8_0 (dx =
-// f16(d)) or ggml's Q8_K (one d per 256 elements, each block of 32 taking it as its dx).
-enum QRule : int { kRuleInt8 = 0, kRuleQ8_0 = 1, kRuleQ8_K = 2 };
+// f16(d)), ggml's Q8_K (one d per 256 elements, each block of 32 taking it as its dx) or
+// ggml's Q8_1 (Q8_0's codes and dx, and sb = f16(d sum(xq)) with d = max|x| / 127 unrounded:
+// quantize_row_q8_1's s, the term Q4_1 / Q5_1 minimums multiply).
+enum QRule : int { kRuleInt8 = 0, kRuleQ8_0 = 1, kRuleQ8_K = 2, kRuleQ8_1 = 3 };
 constexpr int kOrders = 3;
-constexpr int kSlots = 2 * kOrders;  // quantized rows per (order, Q8_K rule or not)
+constexpr int kSlots = 3 * kOrders;  // quantized rows per (order, rule class: int8 / Q8_0, Q8_K, Q8_1)
+// GGUF blocks of 32 with 4- or 5-bit unsigned codes and an f16 d (b32mtile): Q4_1 (W = d q +
+// m), Q5_0 (W = d (q - 16)), Q5_1 (W = d q + m); the fifth bit of element l is bit l of qh.
+constexpr bool is_b32m(int q) { return q == kQ4_1 || q == kQ5_0 || q == kQ5_1; }
 
 // The order weight kind Q reads its quantized activations in, quantized by `rule`, or -1
 // when it takes float ones. Q4_K's Q8_K rows (the ggml mode, int_dot_k.h's k8tile) are in
@@ -91,16 +96,19 @@ inline int act_order(int kind, int rule) {
   if (kind == kQ6_K || kind == kQ2_K || kind == kQ3_K || kind == kQ5_K) return kOrderNatural;
 #if defined(__AVX2__)
   if (kind == kQ4_K && rule == kRuleQ8_K) return kOrderNatural;
-  if (kind == kQ4_K || is_table32(kind) || kind == kIQ4_XS) return kOrderK4;
+  if (kind == kQ4_K || is_table32(kind) || kind == kIQ4_XS || is_b32m(kind)) return kOrderK4;
 #else
-  if (kind == kQ4_K || is_table32(kind) || kind == kIQ4_XS) return kOrderNatural;  // the portable float paths
+  if (kind == kQ4_K || is_table32(kind) || kind == kIQ4_XS || is_b32m(kind))
+    return kOrderNatural;  // the portable float paths
 #endif
   return -1;
 }
-// Which of a call's kSlots sets of quantized rows a weight reads: one per (order, Q8_K rule
-// or not); slot_is_q8k tells a Q8_K set (the ggml mode's K-quant rows) from the others.
-inline int act_slot(int order, int rule) { return order + kOrders * (rule == kRuleQ8_K); }
-inline bool slot_is_q8k(int slot) { return slot >= kOrders; }
+// Which of a call's kSlots sets of quantized rows a weight reads: one per (order, rule class:
+// int8 or Q8_0, Q8_K, Q8_1); slot_is_q8k tells a Q8_K set (the ggml mode's K-quant rows).
+inline int act_slot(int order, int rule) {
+  return order + kOrders * (rule == kRuleQ8_K ? 1 : rule == kRuleQ8_1 ? 2 : 0);
+}
+inline bool slot_is_q8k(int slot) { return slot / kOrders == 1; }
 
 // ggml's Q8_K of 256 elements (quantize_q8_K / jaxmoe.ggml_activations.quantize_q8_K, the
 // same float32 operations as round_q8_K_block): the codes into q, returns d (0 for an
@@ -130,7 +138,7 @@ inline float quantize_q8_K_codes(const float* v, int8_t* q) {
 inline void quantize_rows(const float* a, int64_t lda, int64_t r0, int64_t r1, int64_t K, int order, const QRows& out,
                           int rule = kRuleInt8) {
   const int64_t nblk = K / kQBlock;
-  const bool ggml = rule == kRuleQ8_0;
+  const bool ggml = rule == kRuleQ8_0 || rule == kRuleQ8_1;
   alignas(32) int8_t kcodes[256];
   float kd = 0.f;
   for (int64_t r = r0; r < r1; ++r) {
@@ -144,8 +152,8 @@ inline void quantize_rows(const float* a, int64_t lda, int64_t r0, int64_t r1, i
     }
     for (int64_t b = 0; b < nblk; ++b) {
       const float* xb = x + b * kQBlock;
-      float amax, dx;
-      bool finite;
+      float amax = 0.f, dx;
+      bool finite = true;
       int32_t codes_sum = 0;
       alignas(32) int8_t codes[32];
       if (rule == kRuleQ8_K) {  // ggml's Q8_K: codes and d per 256 (K a multiple of 256), dx = d per block
@@ -224,7 +232,9 @@ inline void quantize_rows(const float* a, int64_t lda, int64_t r0, int64_t r1, i
         std::memcpy(qp + 32 * half, codes, 32);
       }
       for (int l = 0; l < 4; ++l) dxv[pr * 8 + 4 * half + l] = dx;
-      sb[b] = dx * float(codes_sum);
+      // Q8_1: ggml's s, f16 of the unrounded d times the codes' sum (0 for a zero block, NaN
+      // for a non-finite one); otherwise dx sum(xq)
+      sb[b] = rule == kRuleQ8_1 ? round_f16(block_scale(amax, finite) * float(codes_sum)) : dx * float(codes_sum);
     }
   }
 }
@@ -571,6 +581,104 @@ void b32tile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, in
 }
 #endif
 
+#if defined(__AVX2__)
+// The fifth bits of a pair of Q5_0 / Q5_1 blocks (qh0, qh1: their u32 qh) as 16s in kOrderK4's
+// order: `high` false gives elements 0..15 of block 0 | block 1 (bits 0..15 of each qh),
+// true elements 16..31 (bits 16..31).
+inline __m256i fifth_bits(uint32_t qh0, uint32_t qh1, bool high) {
+  const __m256i sixteen = _mm256_set1_epi8(16);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  const uint32_t k = high ? (qh0 >> 16) | (qh1 & 0xFFFF0000u) : (qh0 & 0xFFFFu) | (qh1 << 16);
+  return _mm256_maskz_mov_epi8(__mmask32(k), sixteen);
+#else
+  const __m256i qv = _mm256_set_m128i(_mm_set1_epi32(int(qh1)), _mm_set1_epi32(int(qh0)));
+  const char a = high ? 2 : 0, b = high ? 3 : 1;  // the qh bytes holding the lane's 16 bits
+  const __m256i pick = _mm256_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b,  //
+                                        a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b);
+  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ull));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qv, pick), bit), bit);
+  return _mm256_and_si256(set, sixteen);
+#endif
+}
+
+// The same tile for Q4_1 / Q5_0 / Q5_1 blocks (is_b32m; ggml formats Q8_1 / Q8_0 / Q8_1;
+// w.stride the row's bytes): per pair of blocks, their nibbles as b32tile reads them
+// (kOrderK4), the fifth bits added from qh (fifth_bits), one dot2_u4s8 per pair and row of
+// the unsigned codes (2 * 31 * 127 twice fits vpmaddubsw's int16 pair sums). Q5_0: the offset
+// 16 taken off in integers as Q4_0's 8 (16 sum(xq) per lane). Q4_1 / Q5_1: the minimum's term
+// m s per block (s: the Q8_1 rows' sb, ggml's rounded block sum) in lanes 0 and 4 of the
+// same accumulator, as vec_dot_q4_1_q8_1 adds m s per block.
+template <int MR, int NC, int Q>
+void b32mtile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
+  static_assert(is_b32m(Q), "b32mtile: Q4_1, Q5_0 or Q5_1 blocks");
+  constexpr int64_t BB = block_bytes(Q), QS = Q == kQ4_1 ? 4 : Q == kQ5_0 ? 6 : 8;  // where the nibbles start
+  constexpr int64_t QH = Q == kQ5_0 ? 2 : 4;                                          // where qh lies (Q5_*)
+  constexpr bool kMin = Q != kQ5_0;
+  const int64_t xq_stride = x.pairs * 64, xd_stride = x.pairs * 8, full = (K / kQBlock) / 2;
+  const uint8_t* rows[NC];
+  for (int j = 0; j < NC; ++j) rows[j] = reinterpret_cast<const uint8_t*>(w.base + (j0 + j) * w.stride);
+  const char* next = w.base + (j0 + NC) * w.stride;  // the next tile's columns, and far_cols into L2
+  const char* far = far_cols(w, j0, NC);
+  __m256 acc[MR][NC];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j) acc[i][j] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(15), offv = _mm256_set1_epi8(16);
+  for (int64_t p = 0; p < x.pairs; ++p) {
+    const bool tail = p == full;  // an odd block count: block 2 p + 1 is padding (zero codes and dx)
+    const int64_t kb = 2 * p * BB;
+    if (p % 2 == 0)
+      for (int j = 0; j < NC; ++j) {
+        __builtin_prefetch(next + j * w.stride + kb);
+        __builtin_prefetch(next + j * w.stride + kb + 64);
+        __builtin_prefetch(far + j * w.stride + kb, 0, 2);
+        __builtin_prefetch(far + j * w.stride + kb + 64, 0, 2);
+      }
+    __m256i x0[MR], x1[MR], off[MR];
+    __m256 dx[MR], sv[MR];
+    for (int i = 0; i < MR; ++i) {
+      const int8_t* xq = x.q + i * xq_stride + p * 64;
+      x0[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq));
+      x1[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq + 32));
+      if constexpr (!kMin) off[i] = dot2_u4s8(offv, x0[i], offv, x1[i]);
+      dx[i] = _mm256_load_ps(x.dxv + i * xd_stride + p * 8);
+      if constexpr (kMin) {
+        const float* s = x.sb + i * x.nblk + 2 * p;
+        sv[i] = _mm256_setr_ps(s[0], 0.f, 0.f, 0.f, tail ? 0.f : s[1], 0.f, 0.f, 0.f);
+      }
+    }
+    for (int j = 0; j < NC; ++j) {
+      const uint8_t* b0 = rows[j] + kb;
+      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + QS));
+      const __m128i q1 = tail ? _mm_setzero_si128() : _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + BB + QS));
+      const __m256i v = _mm256_set_m128i(q1, q0);
+      __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      if constexpr (Q != kQ4_1) {
+        uint32_t qh0, qh1 = 0;
+        std::memcpy(&qh0, b0 + QH, 4);
+        if (!tail) std::memcpy(&qh1, b0 + BB + QH, 4);
+        lo = _mm256_or_si256(lo, fifth_bits(qh0, qh1, false));
+        hi = _mm256_or_si256(hi, fifth_bits(qh0, qh1, true));
+      }
+      const __m256 sw = _mm256_set_m128(_mm_set1_ps(tail ? 0.f : f16_at(b0 + BB)), _mm_set1_ps(f16_at(b0)));
+      if constexpr (kMin) {
+        const __m256 mw = _mm256_set_m128(_mm_set1_ps(tail ? 0.f : f16_at(b0 + BB + 2)), _mm_set1_ps(f16_at(b0 + 2)));
+        for (int i = 0; i < MR; ++i) {
+          const __m256i q = dot2_u4s8(lo, x0[i], hi, x1[i]);
+          acc[i][j] = _mm256_fmadd_ps(mw, sv[i], _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(sw, dx[i]), acc[i][j]));
+        }
+      } else {
+        for (int i = 0; i < MR; ++i) {
+          const __m256i q = _mm256_sub_epi32(dot2_u4s8(lo, x0[i], hi, x1[i]), off[i]);
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(sw, dx[i]), acc[i][j]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NC; ++j) c[i * ldc + j0 + j] = hsum8(acc[i][j]);
+}
+#endif
+
 // Runs tile(MR, NC, i0, j0) over row tiles of 4 (then fewer) x 2 columns (1 x 4 for a single
 // row), as int_dot_matmul and int_dot_gguf do.
 template <typename Tile>
@@ -594,13 +702,16 @@ inline void int_dot_tiles(int64_t m, int64_t ncols, Tile&& tile) {
   }
 }
 
-// C[m, ncols] = Q8(X)[m, K] . W[:, 0 : ncols] for Q4_K / Q6_K / Q4_0 / IQ4_NL / MXFP4 blocks.
+// C[m, ncols] = Q8(X)[m, K] . W[:, 0 : ncols] for Q4_K / Q6_K / Q4_0 / IQ4_NL / MXFP4 /
+// Q4_1 / Q5_0 / Q5_1 blocks (Q4_1 / Q5_1: rows by kRuleQ8_1).
 template <int Q>
 void int_dot_gguf(const QRows& x, const QCols& w, int64_t K, int64_t m, int64_t ncols, float* c, int64_t ldc) {
 #if defined(__AVX2__)
   int_dot_tiles(m, ncols, [&](auto MRc, auto NCc, int64_t i0, int64_t j0) {
     if constexpr (is_table32(Q))
       b32tile<decltype(MRc)::value, decltype(NCc)::value, Q>(x.at(i0), w, j0, K, c + i0 * ldc, ldc);
+    else if constexpr (is_b32m(Q))
+      b32mtile<decltype(MRc)::value, decltype(NCc)::value, Q>(x.at(i0), w, j0, K, c + i0 * ldc, ldc);
     else
       ktile<decltype(MRc)::value, decltype(NCc)::value, Q>(x.at(i0), w, j0, K, c + i0 * ldc, ldc);
   });
@@ -614,6 +725,21 @@ void int_dot_gguf(const QRows& x, const QCols& w, int64_t K, int64_t m, int64_t 
     for (int64_t k = 0; k < K; ++k) abuf[i * K + k] = xi.dxv[(k / 64) * 8 + 4 * ((k / 32) % 2)] * float(xi.q[k]);
   }
   gguf_matmul<Q>(abuf.data(), K, w, K, m, ncols, c, ldc, pack);
+  if constexpr (Q == kQ4_1 || Q == kQ5_1)  // the minimums' term: m (s - dx sum(xq)) per block, s's rounding
+    for (int64_t i = 0; i < m; ++i) {
+      const QRows xi = x.at(i);
+      for (int64_t j = 0; j < ncols; ++j) {
+        const uint8_t* row = reinterpret_cast<const uint8_t*>(w.base + j * w.stride);
+        float r = 0.f;
+        for (int64_t b = 0; b < K / kQBlock; ++b) {
+          int32_t sq = 0;
+          for (int t = 0; t < 32; ++t) sq += xi.q[32 * b + t];
+          const float dx = xi.dxv[(b / 2) * 8 + 4 * (b % 2)];
+          r = fmadd(f16_at(row + b * block_bytes(Q) + 2), xi.sb[b] - dx * float(sq), r);
+        }
+        c[i * ldc + j] += r;
+      }
+    }
 #endif
 }
 

@@ -32,10 +32,13 @@ activations converted as llama.cpp's CPU backend converts them
 the gate / up weights' format before the call (``ggml_round`` in XLA; the shared expert's
 rows by its own), the hidden activations by the down weight's format inside the call
 (the ``h_fmt`` attribute: bf16, q8_0 or q8_K blocks, the same float32 operations as
-``ggml_round``). int8 / int4 experts (Q8_0 format) then multiply the Q8_0 codes in
-integers as ggml does (`GGML_INT_DOT`), and Q2_K ... Q6_K / IQ4_XS the Q8_K codes, which
-the call makes from the unconverted rows (gate and up both of those kinds; h for such a
-down weight); the other kinds take the float path over the converted values. Gradients straight through the conversions (the float backward).
+``ggml_round``). With `GGML_INT_DOT` the kinds of ggml format Q8_0 (int8, int4, Q4_0,
+Q5_0, IQ4_NL, MXFP4) then multiply the Q8_0 codes in integers as ggml does, Q4_1 / Q5_1
+the Q8_1 codes (plus each block's minimum times ggml's rounded block sum), and Q2_K ...
+Q6_K / IQ4_XS the Q8_K codes; the call makes the codes from the unconverted rows (gate and
+up both such kinds; h for such a down weight). The other kinds (the IQ1-3 / TQ kinds)
+take the float path over the converted values. Gradients straight through the
+conversions (the float backward).
 
 Also ``swiglu`` and ``swiglu_oai``, optional biases, ``weight_on_input``. Gradients: a
 `jax.custom_vjp` whose forward keeps each pair's gate | up products (``[T k, 2F]``
@@ -140,9 +143,10 @@ def _fp8_problem(name: str, w: QuantizedTensor) -> str | None:
     return None
 
 
-#: ggml activation formats the kernel converts h to (its ``h_fmt`` attribute); ``f32``: none.
-#: ``q8_1`` (Q4_1 / Q5_1: the block-sum term) and ``f16`` (no float16 experts) are not among them.
-GGML_H_FMT = {"f32": 0, "bf16": 1, "q8_0": 2, "q8_K": 3}
+#: ggml activation formats the kernel converts h to (its ``h_fmt`` attribute); ``f32``: none;
+#: ``q8_1`` (Q4_1 / Q5_1) only with their integer dots (`GGML_INT_DOT`): h quantized for them,
+#: block sums and all. ``f16`` (no float16 experts) is not among them.
+GGML_H_FMT = {"f32": 0, "bf16": 1, "q8_0": 2, "q8_K": 3, "q8_1": 4}
 #: ``activations="ggml"``: int8 / int4 experts (ggml format Q8_0) multiply the Q8_0 codes in
 #: integers (the ``int_dot`` attribute 2, int_dot.h: ggml's own arithmetic); False keeps
 #: the float path over the converted values for them too (a test's comparison).
@@ -153,16 +157,20 @@ _Q8K_INT_DOT = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
 #: Kinds whose integer dots read ggml's Q8_0 codes (ggml format ``q8_0``): the call makes
 #: them by ggml's rule too (``kRuleQ8_0``, bit for bit with `ggml_round`'s codes and
 #: scale), so their rows are passed unconverted as well when gate and up both are one.
-_Q8_0_INT_DOT = ("int8", "int4", "q4_0", "iq4_nl", "mxfp4")
+_Q8_0_INT_DOT = ("int8", "int4", "q4_0", "q5_0", "iq4_nl", "mxfp4")
+#: Kinds whose integer dots read ggml's Q8_1 codes and block sums (``kRuleQ8_1``), made in the
+#: call from the unconverted rows: the only form of the mode the kernel has for them (the
+#: float path over converted values lacks the rounded block sums' term).
+_Q8_1_INT_DOT = ("q4_1", "q5_1")
 
 
 def _unconverted_input(ew) -> bool:
     """Whether the call takes the input rows unconverted: gate and up both `_Q8K_INT_DOT`
-    kinds, or both `_Q8_0_INT_DOT` kinds of ggml format ``q8_0``."""
+    kinds, both `_Q8_1_INT_DOT` kinds, or both `_Q8_0_INT_DOT` kinds of ggml format ``q8_0``."""
     ws = (ew.w_gate, ew.w_up)
     if not GGML_INT_DOT or not all(isinstance(w, QuantizedTensor) for w in ws):
         return False
-    if all(w.kind in _Q8K_INT_DOT for w in ws):
+    if all(w.kind in _Q8K_INT_DOT for w in ws) or all(w.kind in _Q8_1_INT_DOT for w in ws):
         return True
     return all(w.kind in _Q8_0_INT_DOT and vec_dot_format(w) == "q8_0" for w in ws)
 
@@ -171,14 +179,20 @@ def ggml_problem(ew: ExpertWeights, what: str = "") -> str | None:
     """Why the kernel has no ``activations="ggml"`` arithmetic for these weights (``auto``
     then takes an XLA strategy, an explicit ``impl="cpu"`` raises it), or None. It has it
     where every weight's ggml activation format (`jaxmoe.ggml_activations.vec_dot_format`)
-    is ``f32``, ``bf16``, ``q8_0`` or ``q8_K``, gate and up share it and the widths hold
-    whole blocks. ``what``: prefix naming the weights in the message."""
+    is ``f32``, ``bf16``, ``q8_0``, ``q8_K`` or ``q8_1`` (the latter with `GGML_INT_DOT`),
+    gate and up share it and the widths hold whole blocks. ``what``: prefix naming the
+    weights in the message."""
     fmts = {}
     for name, w in (("w_gate", ew.w_gate), ("w_up", ew.w_up), ("w_down", ew.w_down)):
         try:
             fmts[name] = vec_dot_format(w)
         except ValueError as err:
             return f"impl='cpu': {what}{name}: {err}"
+        if fmts[name] == "q8_1" and not GGML_INT_DOT:
+            return (
+                f"impl='cpu' has no activations='ggml' arithmetic for {what}{name} of kind {w.kind!r} "
+                "without its integer dots (GGML_INT_DOT: q8_1's block sums); use an XLA strategy"
+            )
         if fmts[name] not in GGML_H_FMT:
             kind = w.kind if isinstance(w, QuantizedTensor) else jnp.dtype(w.dtype).name
             return (
