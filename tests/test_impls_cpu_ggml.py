@@ -226,7 +226,9 @@ def test_shared_gate_reads_the_unconverted_rows():
     _check(_run(p, x, cfg, "xla"), want, slack)
 
 
-@pytest.mark.parametrize("kind", ["bf16", pytest.param("q4_k_m", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kind", ["bf16", pytest.param("q4_k_m", marks=pytest.mark.slow), pytest.param("q5_1", marks=pytest.mark.slow)]
+)
 def test_batch_invariant_in_the_mode(kind):
     cfg, p, x = case(kind, seed=4, tokens=9)
     alone = _run(p, x[3:4], cfg, "cpu", batch_invariant=True)
