@@ -53,7 +53,8 @@ KINDS = (
     "bf16",
     "f32",
 )
-KINDS += ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0")  # float path
+KINDS += ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s")  # integer dots (grid rows and signs)
+KINDS += ("iq1_s", "iq1_m", "tq1_0", "tq2_0")  # the float path over the Q8_K values
 #: the quick subset (``-m "not slow"``): one kind per activation format
 _QUICK = ("q4_k", "bf16", "f32")  # q8_0: test_hidden_activation_is_requantized
 
@@ -328,14 +329,19 @@ def test_weight_on_input_converts_the_weighted_rows():
                 "q5_k",
                 "iq4_xs",
                 "q4_k+q5_k",
+                "iq2_xxs",
+                "iq2_xs",
+                "iq2_s",
+                "iq3_xxs",
+                "iq3_s",
             )
         ),
     ],
 )
 def test_codes_multiplied_in_integers(kind, monkeypatch):
     """int8 / int4 / Q4_0 / Q5_0 / IQ4_NL / MXFP4 experts (ggml format Q8_0), Q4_1 / Q5_1 (Q8_1)
-    and Q2_K ... Q6_K / IQ4_XS (Q8_K, its codes made in the call from the unconverted rows)
-    multiply the codes in integers (`GGML_INT_DOT`): other bits than the float path over the
+    and Q2_K ... Q6_K / IQ4_XS / IQ2_XXS ... IQ3_S (Q8_K, its codes made in the call from the
+    unconverted rows) multiply the codes in integers (`GGML_INT_DOT`): other bits than the float path over the
     converted values, and both meet the oracle (a kernel that clamps the Q8_0 or the Q8_K
     codes to +-126, or takes Q8_1's block sum unrounded, fails it). Q4_1 / Q5_1 have no
     float path in the mode: the kernel refuses them there."""
@@ -354,6 +360,6 @@ def test_codes_multiplied_in_integers(kind, monkeypatch):
     jax.clear_caches()
     _check(flt, want, slack)
     # (a build without AVX2, $JAXMOE_CXXFLAGS=-march=x86-64, multiplies Q4_0 / Q5_0 / IQ4_NL / MXFP4 / the Q8_K kinds'
-    # blocks by the float path over the converted values: the same bits)
+    # blocks by the float path over the Q8_0 / Q8_K values: no integer sums to tell apart)
     if kind in ("int8", "int4") or not {"-march=x86-64", "-march=x86-64-v2"} & set(build.extra_flags()):
         assert not np.array_equal(got, flt)

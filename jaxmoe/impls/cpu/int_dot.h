@@ -86,6 +86,11 @@ constexpr int kSlots = 3 * kOrders;  // quantized rows per (order, rule class: i
 // GGUF blocks of 32 with 4- or 5-bit unsigned codes and an f16 d (b32mtile): Q4_1 (W = d q +
 // m), Q5_0 (W = d (q - 16)), Q5_1 (W = d q + m); the fifth bit of element l is bit l of qh.
 constexpr bool is_b32m(int q) { return q == kQ4_1 || q == kQ5_0 || q == kQ5_1; }
+// The IQ2 / IQ3 grid kinds (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S; ggml format Q8_K): signed
+// codes, a grid row's magnitudes times its signs (int_dot_k.h's k8tile).
+constexpr bool is_iq_grid_kind(int q) {
+  return q == kIQ2_XXS || q == kIQ2_XS || q == kIQ2_S || q == kIQ3_XXS || q == kIQ3_S;
+}
 
 // The order weight kind Q reads its quantized activations in, quantized by `rule`, or -1
 // when it takes float ones. Q4_K's Q8_K rows (the ggml mode, int_dot_k.h's k8tile) are in
@@ -93,7 +98,7 @@ constexpr bool is_b32m(int q) { return q == kQ4_1 || q == kQ5_0 || q == kQ5_1; }
 inline int act_order(int kind, int rule) {
   if (kind == kInt8) return kOrderNatural;
   if (kind == kInt4) return kOrderSplit4;
-  if (kind == kQ6_K || kind == kQ2_K || kind == kQ3_K || kind == kQ5_K) return kOrderNatural;
+  if (kind == kQ6_K || kind == kQ2_K || kind == kQ3_K || kind == kQ5_K || is_iq_grid_kind(kind)) return kOrderNatural;
 #if defined(__AVX2__)
   if (kind == kQ4_K && rule == kRuleQ8_K) return kOrderNatural;
   if (kind == kQ4_K || is_table32(kind) || kind == kIQ4_XS || is_b32m(kind)) return kOrderK4;

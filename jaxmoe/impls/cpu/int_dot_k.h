@@ -1,7 +1,8 @@
-// Integer dot products for the K-quant kinds whose ggml vec_dot_type is Q8_K: Q2_K, Q3_K,
-// Q5_K and IQ4_XS, and in the ggml mode Q4_K and Q6_K (ggml's ggml_vec_dot_q2_K_q8_K ...
-// q6_K_q8_K and iq4_xs_q8_K; the int8 mode's Q4_K / Q6_K, a dx per block of 32, are
-// int_dot.h's ktile). Included at the end of int_dot.h (QRows quantized by kRuleQ8_K: the
+// Integer dot products for the kinds whose ggml vec_dot_type is Q8_K: Q2_K, Q3_K, Q5_K,
+// IQ4_XS and the IQ2 / IQ3 grid kinds (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), and in the
+// ggml mode Q4_K and Q6_K (ggml's ggml_vec_dot_q2_K_q8_K ... q6_K_q8_K, iq4_xs_q8_K and
+// iq2_xxs_q8_K ... iq3_s_q8_K; the int8 mode's Q4_K / Q6_K, a dx per block of 32, are
+// int_dot.h's ktile). The IQ1 / TQ kinds take the float path over the Q8_K values. Included at the end of int_dot.h (QRows quantized by kRuleQ8_K: the
 // Q8_K codes of the unconverted rows, each block of 32 taking its super-block's d as dx;
 // the natural order, IQ4_XS kOrderK4).
 //
@@ -9,8 +10,10 @@
 // activation code x group scale, then times d dx in float32. Per activation block of 32
 // the column's 32 codes are built in a register (KBlock::code) and multiplied in int16
 // pairs (vpmaddubsw: unsigned codes, Q2_K 0..3, Q3_K 0..7, Q4_K 0..15, Q5_K 0..31, Q6_K
-// 0..63, straight; IQ4_XS's signed kvalues_iq4nl, by a byte shuffle, by the sign trick; no
-// pair sum saturates, |w| x 127 x 2 <= 32258), then times the int16 scales of the block's
+// 0..63, straight; IQ4_XS's signed kvalues_iq4nl, by a byte shuffle, by the sign trick; the
+// grid kinds' rows of magnitudes (8 bytes, IQ3: two rows of 4, gathered by index as ggml
+// does) signed by their sign rows, by the sign trick too; no pair sum saturates, |w| x 127
+// x 2 <= 32258), then times the int16 scales of the block's
 // two groups of 16 (one byte shuffle picks them, GroupScales) and summed into int32 lanes
 // (vpmaddwd, or vpdpwssd with VNNI). The mins (W = d sc q - dmin m): Q2_K per group of
 // 16, Q4_K / Q5_K per sub-block of 32, the offsets of Q3_K (4) and Q6_K (32) as 4 sc and
@@ -21,10 +24,11 @@
 // portable path).
 #pragma once
 
-// What k8tile reads: Q2_K, Q3_K, Q5_K and IQ4_XS, and Q4_K and Q6_K in the ggml mode (their
+// What k8tile reads: Q2_K, Q3_K, Q5_K, IQ4_XS, the IQ2 / IQ3 grid kinds, and Q4_K and Q6_K in the ggml mode (their
 // Q8_K rows; the int8 mode's Q4_K / Q6_K, a dx per block of 32, are ktile's).
 constexpr bool is_k8tile_kind(int kind) {
-  return kind == kQ2_K || kind == kQ3_K || kind == kQ4_K || kind == kQ5_K || kind == kQ6_K || kind == kIQ4_XS;
+  return kind == kQ2_K || kind == kQ3_K || kind == kQ4_K || kind == kQ5_K || kind == kQ6_K || kind == kIQ4_XS ||
+         is_iq_grid_kind(kind);
 }
 // Q2_K, Q4_K and Q5_K: unsigned codes with mins (W = d sc q - dmin m); Q3_K and Q6_K the
 // same way (W = d sc u - d o sc, u unsigned, o = 4 / 32); IQ4_XS: signed codes, no mins.
@@ -62,6 +66,59 @@ struct GroupScales {
 
 // 8 unsigned scale bytes (one per 32 elements, low 8 bytes of s) as 16 int16 group scales.
 inline __m256i scales_per32(__m128i s) { return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s, s)); }
+
+// Sign bytes of 8 elements as one 64-bit row: byte j 0xFF (-1) where bit j of s is set, else
+// 0x01 (+1), for vpsignb; kSigns8 by a sign byte, kSignsK by ggml's 7-bit ksigns index.
+struct SignRows {
+  uint64_t v[256];
+};
+constexpr SignRows sign_rows() {
+  SignRows t{};
+  for (int s = 0; s < 256; ++s)
+    for (int j = 0; j < 8; ++j) t.v[s] |= uint64_t((s >> j) & 1 ? 0xFF : 0x01) << (8 * j);
+  return t;
+}
+constexpr SignRows sign_rows_k() {
+  SignRows t{};
+  const SignRows b = sign_rows();
+  for (int i = 0; i < 128; ++i) t.v[i] = b.v[kKSigns[i]];
+  return t;
+}
+alignas(64) inline constexpr SignRows kSigns8 = sign_rows();
+alignas(64) inline constexpr SignRows kSignsK = sign_rows_k();
+inline uint64_t grid_row8(const int8_t* r) {  // a grid row of 8 magnitudes
+  uint64_t v;
+  std::memcpy(&v, r, 8);
+  return v;
+}
+inline uint64_t grid_rows4(const int8_t* a, const int8_t* b) {  // two grid rows of 4
+  uint32_t lo, hi;
+  std::memcpy(&lo, a, 4);
+  std::memcpy(&hi, b, 4);
+  return uint64_t(lo) | (uint64_t(hi) << 32);
+}
+// 32 signed codes: four rows of 8 magnitudes (g0 the lowest elements) times four sign rows.
+inline __m256i signed_rows(uint64_t g0, uint64_t g1, uint64_t g2, uint64_t g3, uint64_t s0, uint64_t s1, uint64_t s2,
+                           uint64_t s3) {
+  return _mm256_sign_epi8(_mm256_set_epi64x(int64_t(g3), int64_t(g2), int64_t(g1), int64_t(g0)),
+                          _mm256_set_epi64x(int64_t(s3), int64_t(s2), int64_t(s1), int64_t(s0)));
+}
+// 16 int16 group scales 2 s + 1: from 16 nibbles s, one per group of 16 (the 8 bytes at p,
+// low nibble first), or from 8 values s, one per 32 elements (both of its groups).
+inline __m256i odd_scales_per16(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  const __m128i b = _mm_cvtsi64_si128(int64_t(v));
+  const __m128i n = _mm_unpacklo_epi8(_mm_and_si128(b, _mm_set1_epi8(15)), _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15)));
+  const __m256i s = _mm256_cvtepu8_epi16(n);
+  return _mm256_add_epi16(_mm256_add_epi16(s, s), _mm256_set1_epi16(1));
+}
+inline __m256i odd_scales_per32(const uint8_t (&s)[8]) {
+  uint64_t v;
+  std::memcpy(&v, s, 8);
+  const __m256i w = scales_per32(_mm_cvtsi64_si128(int64_t(v)));
+  return _mm256_add_epi16(_mm256_add_epi16(w, w), _mm256_set1_epi16(1));
+}
 
 // One super-block of one column, what k8tile multiplies: its group scales (integers), the
 // mins per group of 16 (has_mins kinds; integers), d and dmin; code(b) builds block b's 32
@@ -114,6 +171,27 @@ struct KBlock {
       mins = _mm256_slli_epi16(sc, 5);  // 32 sc: d sc (q - 32) = d sc q - d (32 sc)
       d = dmin = f16_at(b + 208);
       return sc;
+    } else if constexpr (is_iq_grid_kind(Q)) {  // signed codes, no mins; scale 2 s + 1 (IQ3_S: 1 + 2 s)
+      // and d times ggml's factor (IQ2: 1 / 8, IQ3_XXS: 1 / 4; exact), as vec_dot_iq*_q8_K
+      mins = _mm256_setzero_si256();
+      dmin = 0.f;
+      uint8_t s8[8];
+      if constexpr (Q == kIQ2_XXS || Q == kIQ3_XXS) {  // the scale in the top 4 bits of each sub-block's u32
+        for (int ib = 0; ib < 8; ++ib) {
+          uint32_t aux;
+          std::memcpy(&aux, b + (Q == kIQ2_XXS ? 6 + 8 * ib : 66 + 4 * ib), 4);
+          s8[ib] = uint8_t(aux >> 28);
+        }
+        d = f16_at(b) * (Q == kIQ2_XXS ? 0.125f : 0.25f);
+        return odd_scales_per32(s8);
+      } else if constexpr (Q == kIQ3_S) {  // 4 bytes of nibbles at 106, one per 32
+        for (int ib = 0; ib < 8; ++ib) s8[ib] = (b[106 + ib / 2] >> (4 * (ib & 1))) & 15;
+        d = f16_at(b);
+        return odd_scales_per32(s8);
+      } else {  // IQ2_XS (at 66), IQ2_S (at 74): 8 bytes of nibbles, one per 16
+        d = f16_at(b) * 0.125f;
+        return odd_scales_per16(b + (Q == kIQ2_XS ? 66 : 74));
+      }
     } else {  // IQ4_XS: d f16, scales_h u16, scales_l 4 bytes, qs 128; ls - 32 per 32
       // ls_j = nibble j of scales_l | bits 2j, 2j + 1 of scales_h << 4, spread to byte j of a
       // 64-bit word in registers (bytes built in memory and reloaded as a vector stall the
@@ -170,6 +248,42 @@ struct KBlock {
       const __m256i bit = _mm256_set1_epi8(char(1 << k));
       const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
       return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    } else if constexpr (Q == kIQ2_XXS) {  // 4 grid-index bytes, a u32 of 4 x 7 sign-index bits (+ the scale)
+      const uint8_t* g = b + 2 + 8 * k;
+      uint32_t aux;
+      std::memcpy(&aux, g + 4, 4);
+      return signed_rows(grid_row8(kG2XXS.v[g[0]]), grid_row8(kG2XXS.v[g[1]]), grid_row8(kG2XXS.v[g[2]]),
+                         grid_row8(kG2XXS.v[g[3]]), kSignsK.v[aux & 127], kSignsK.v[(aux >> 7) & 127],
+                         kSignsK.v[(aux >> 14) & 127], kSignsK.v[(aux >> 21) & 127]);
+    } else if constexpr (Q == kIQ2_XS) {  // per row of 8 a u16: 9-bit grid index, 7-bit sign index
+      uint16_t q[4];
+      std::memcpy(q, b + 2 + 8 * k, 8);
+      return signed_rows(grid_row8(kG2XS.v[q[0] & 511]), grid_row8(kG2XS.v[q[1] & 511]), grid_row8(kG2XS.v[q[2] & 511]),
+                         grid_row8(kG2XS.v[q[3] & 511]), kSignsK.v[q[0] >> 9], kSignsK.v[q[1] >> 9],
+                         kSignsK.v[q[2] >> 9], kSignsK.v[q[3] >> 9]);
+    } else if constexpr (Q == kIQ2_S) {  // index bytes at 2, 2 high bits per row at 66, sign bytes at 34
+      const uint8_t* qs = b + 2 + 4 * k;
+      const uint8_t* sg = b + 34 + 4 * k;
+      const int qh = b[66 + k];
+      return signed_rows(grid_row8(kG2S.v[qs[0] | ((qh << 8) & 0x300)]), grid_row8(kG2S.v[qs[1] | ((qh << 6) & 0x300)]),
+                         grid_row8(kG2S.v[qs[2] | ((qh << 4) & 0x300)]), grid_row8(kG2S.v[qs[3] | ((qh << 2) & 0x300)]),
+                         kSigns8.v[sg[0]], kSigns8.v[sg[1]], kSigns8.v[sg[2]], kSigns8.v[sg[3]]);
+    } else if constexpr (Q == kIQ3_XXS) {  // 8 index bytes (rows of 4), a u32 of 4 x 7 sign-index bits at 66
+      const uint8_t* g = b + 2 + 8 * k;
+      uint32_t aux;
+      std::memcpy(&aux, b + 66 + 4 * k, 4);
+      return signed_rows(grid_rows4(kG3XXS.v[g[0]], kG3XXS.v[g[1]]), grid_rows4(kG3XXS.v[g[2]], kG3XXS.v[g[3]]),
+                         grid_rows4(kG3XXS.v[g[4]], kG3XXS.v[g[5]]), grid_rows4(kG3XXS.v[g[6]], kG3XXS.v[g[7]]),
+                         kSignsK.v[aux & 127], kSignsK.v[(aux >> 7) & 127], kSignsK.v[(aux >> 14) & 127],
+                         kSignsK.v[(aux >> 21) & 127]);
+    } else if constexpr (Q == kIQ3_S) {  // 8 index bytes + bit 8 of each from qh[k], 4 sign bytes at 74
+      const uint8_t* g = b + 2 + 8 * k;
+      const int qh = b[66 + k];
+      auto row = [&](int r) { return kG3S.v[g[r] | (((qh >> r) & 1) << 8)]; };
+      const uint8_t* sg = b + 74 + 4 * k;
+      return signed_rows(grid_rows4(row(0), row(1)), grid_rows4(row(2), row(3)), grid_rows4(row(4), row(5)),
+                         grid_rows4(row(6), row(7)), kSigns8.v[sg[0]], kSigns8.v[sg[1]], kSigns8.v[sg[2]],
+                         kSigns8.v[sg[3]]);
     } else {  // IQ4_XS, kOrderK4: sub-blocks 2p, 2p + 1 in 32 bytes, low nibbles (elements 0..15) for
       // block 2p, high ones (16..31) for block 2p + 1, as the activations are laid out
       const __m256i tab = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Bytes)));
