@@ -284,6 +284,7 @@ def gguf_random_weight(kind: str, e: int, i: int, o: int, seed: int) -> Quantize
         "iq4_xs": (0,),
         "iq4_nl": (0,),
         "mxfp4": (),
+        **dict.fromkeys(("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s"), (0,)),  # random grid indices and signs
     }[kind]
     for off in at:
         b[..., off : off + 2] = scale.view(np.uint8)

@@ -1,8 +1,9 @@
 // Integer dot products for the kinds whose ggml vec_dot_type is Q8_K: Q2_K, Q3_K, Q5_K,
-// IQ4_XS and the IQ2 / IQ3 grid kinds (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), and in the
-// ggml mode Q4_K and Q6_K (ggml's ggml_vec_dot_q2_K_q8_K ... q6_K_q8_K, iq4_xs_q8_K and
-// iq2_xxs_q8_K ... iq3_s_q8_K; the int8 mode's Q4_K / Q6_K, a dx per block of 32, are
-// int_dot.h's ktile). The IQ1 / TQ kinds take the float path over the Q8_K values. Included at the end of int_dot.h (QRows quantized by kRuleQ8_K: the
+// IQ4_XS, the IQ2 / IQ3 grid kinds (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), IQ1_S, IQ1_M and
+// TQ2_0, and in the ggml mode Q4_K and Q6_K (ggml's ggml_vec_dot_q2_K_q8_K ... q6_K_q8_K,
+// iq4_xs_q8_K, iq2_xxs_q8_K ... iq1_m_q8_K and tq2_0_q8_K; the int8 mode's Q4_K / Q6_K, a dx
+// per block of 32, are int_dot.h's ktile). IQ1_M's codes are 8 g +- 1 (its delta folded in,
+// d / 8), IQ1_S's delta a term like the mins'. TQ1_0 takes the float path over the Q8_K values. Included at the end of int_dot.h (QRows quantized by kRuleQ8_K: the
 // Q8_K codes of the unconverted rows, each block of 32 taking its super-block's d as dx;
 // the natural order, IQ4_XS kOrderK4).
 //
@@ -28,13 +29,16 @@
 // Q8_K rows; the int8 mode's Q4_K / Q6_K, a dx per block of 32, are ktile's).
 constexpr bool is_k8tile_kind(int kind) {
   return kind == kQ2_K || kind == kQ3_K || kind == kQ4_K || kind == kQ5_K || kind == kQ6_K || kind == kIQ4_XS ||
-         is_iq_grid_kind(kind);
+         is_iq_grid_kind(kind) || kind == kIQ1_S || kind == kIQ1_M || kind == kTQ2_0;
 }
-// Q2_K, Q4_K and Q5_K: unsigned codes with mins (W = d sc q - dmin m); Q3_K and Q6_K the
-// same way (W = d sc u - d o sc, u unsigned, o = 4 / 32); IQ4_XS: signed codes, no mins.
+// Q2_K, Q4_K and Q5_K: unsigned codes with mins (W = d sc q - dmin m); Q3_K, Q6_K and TQ2_0
+// the same way (W = d sc u - d o sc, u unsigned, o = 4 / 32 / 1); IQ4_XS and the grid kinds:
+// signed codes, no mins; IQ1_S: signed codes (-1, 0, 1) and a term like the mins' (its
+// delta: W = d ls (g +- 1/8), the +-ls / 8 per 32 elements times their activation sum).
 constexpr bool has_mins(int kind) {
-  return kind == kQ2_K || kind == kQ3_K || kind == kQ4_K || kind == kQ5_K || kind == kQ6_K;
+  return kind == kQ2_K || kind == kQ3_K || kind == kQ4_K || kind == kQ5_K || kind == kQ6_K || kind == kTQ2_0;
 }
+constexpr bool uses_bsums(int kind) { return has_mins(kind) || kind == kIQ1_S; }
 
 #if defined(__AVX2__)
 // acc + the int16 pairs p16 times the int16 scales s16, summed in pairs into int32 lanes.
@@ -192,6 +196,41 @@ struct KBlock {
         d = f16_at(b) * 0.125f;
         return odd_scales_per16(b + (Q == kIQ2_XS ? 66 : 74));
       }
+    } else if constexpr (Q == kIQ1_S) {  // d f16, qs 32, per 32 a u16 qh: scale (bits 12-14), delta sign (15)
+      // ls = 2 s + 1 per 32; the delta's term -dmin mins . bsums with dmin = d / 8 and
+      // mins = -ls (delta +1/8) or +ls (delta -1/8), as vec_dot_iq1_s_q8_K's sumi1
+      uint8_t s8[8];
+      int8_t m8[8];
+      for (int ib = 0; ib < 8; ++ib) {
+        uint16_t qh;
+        std::memcpy(&qh, b + 34 + 2 * ib, 2);
+        s8[ib] = uint8_t((qh >> 12) & 7);
+        const int ls = 2 * s8[ib] + 1;
+        m8[ib] = int8_t(qh & 0x8000 ? ls : -ls);
+      }
+      uint64_t mv;
+      std::memcpy(&mv, m8, 8);
+      const __m128i mb = _mm_cvtsi64_si128(int64_t(mv));
+      mins = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(mb, mb));
+      d = f16_at(b);
+      dmin = d * 0.125f;
+      return odd_scales_per32(s8);
+    } else if constexpr (Q == kIQ1_M) {  // qs 32, qh 16, 4 u16: a 3-bit scale per 16, d f16 in their top nibbles
+      // W = d (2 s + 1) (g +- 1/8) = (d / 8) (2 s + 1) (8 g +- 1): integer codes 8 g +- 1 (code())
+      uint16_t sw[4];
+      std::memcpy(sw, b + 48, 8);
+      alignas(16) uint8_t s16[16];
+      for (int g = 0; g < 16; ++g) s16[g] = uint8_t((sw[g / 4] >> (3 * (g & 3))) & 7);
+      const __m256i sc = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(s16)));
+      mins = _mm256_setzero_si256();
+      d = half_to_float(uint16_t((sw[0] >> 12) | ((sw[1] >> 8) & 0x00f0) | ((sw[2] >> 4) & 0x0f00) | (sw[3] & 0xf000))) *
+          0.125f;
+      dmin = 0.f;
+      return _mm256_add_epi16(_mm256_add_epi16(sc, sc), _mm256_set1_epi16(1));
+    } else if constexpr (Q == kTQ2_0) {  // qs 64 (2-bit codes c = t + 1), d f16: W = d c - d
+      mins = _mm256_set1_epi16(1);
+      d = dmin = f16_at(b + 64);
+      return _mm256_set1_epi16(1);
     } else {  // IQ4_XS: d f16, scales_h u16, scales_l 4 bytes, qs 128; ls - 32 per 32
       // ls_j = nibble j of scales_l | bits 2j, 2j + 1 of scales_h << 4, spread to byte j of a
       // 64-bit word in registers (bytes built in memory and reloaded as a vector stall the
@@ -248,6 +287,33 @@ struct KBlock {
       const __m256i bit = _mm256_set1_epi8(char(1 << k));
       const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
       return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    } else if constexpr (Q == kTQ2_0) {  // element 128 c + 32 j + l: bits 2 j of qs[32 c + l] (Q2_K's layout)
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * (k >> 2)));
+      return _mm256_and_si256(_mm256_srli_epi16(v, 2 * (k & 3)), _mm256_set1_epi8(3));
+    } else if constexpr (Q == kIQ1_S) {  // rows of 8 of -1 / 0 / 1: index byte | 3 bits of qh per row
+      const uint8_t* qs = b + 2 + 4 * k;
+      uint16_t qh;
+      std::memcpy(&qh, b + 34 + 2 * k, 2);
+      return _mm256_set_epi64x(int64_t(grid_row8(kG1S.v[qs[3] | ((qh >> 1) & 0x700)])),
+                               int64_t(grid_row8(kG1S.v[qs[2] | ((qh << 2) & 0x700)])),
+                               int64_t(grid_row8(kG1S.v[qs[1] | ((qh << 5) & 0x700)])),
+                               int64_t(grid_row8(kG1S.v[qs[0] | ((qh << 8) & 0x700)])));
+    } else if constexpr (Q == kIQ1_M) {  // row i = 4 k + r: index byte i | 3 bits of nibble i of qh, delta
+      // sign its bit 3; the code 8 g + 1 (delta +1/8) or 8 g - 1 (delta -1/8)
+      uint16_t h;
+      std::memcpy(&h, b + 32 + 2 * k, 2);  // the 4 nibbles of rows 4 k .. 4 k + 3
+      const uint8_t* qs = b + 4 * k;
+      uint64_t g[4], dl[4];
+      for (int r = 0; r < 4; ++r) {
+        const int nib = (h >> (4 * r)) & 15;
+        g[r] = grid_row8(kG1S.v[qs[r] | ((nib & 7) << 8)]);
+        dl[r] = nib & 8 ? ~uint64_t(0) : 0x0101010101010101ull;
+      }
+      __m256i v = _mm256_set_epi64x(int64_t(g[3]), int64_t(g[2]), int64_t(g[1]), int64_t(g[0]));
+      v = _mm256_add_epi8(v, v);
+      v = _mm256_add_epi8(v, v);
+      v = _mm256_add_epi8(v, v);
+      return _mm256_add_epi8(v, _mm256_set_epi64x(int64_t(dl[3]), int64_t(dl[2]), int64_t(dl[1]), int64_t(dl[0])));
     } else if constexpr (Q == kIQ2_XXS) {  // 4 grid-index bytes, a u32 of 4 x 7 sign-index bits (+ the scale)
       const uint8_t* g = b + 2 + 8 * k;
       uint32_t aux;
@@ -300,9 +366,9 @@ struct KBlock {
 // from bsums ([MR, K / 16] sums of 16 activation codes, at stride K / 16), times dmin dx.
 template <int MR, int NC, int Q>
 void k8tile(const QRows& x, const int16_t* bsums, const QCols& w, int64_t j0, int64_t K, float* c, int64_t ldc) {
-  static_assert(is_k8tile_kind(Q), "k8tile: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS blocks");
+  static_assert(is_k8tile_kind(Q), "k8tile: a kind of is_k8tile_kind");
   constexpr int BB = block_bytes(Q);
-  constexpr bool kUnsigned = has_mins(Q);
+  constexpr bool kUnsigned = has_mins(Q), kMins = uses_bsums(Q);
   const int64_t xq_stride = x.pairs * 64, xd_stride = x.pairs * 8, nbs = K / 16;
   const uint8_t* rows[NC];
   for (int j = 0; j < NC; ++j) rows[j] = reinterpret_cast<const uint8_t*>(w.base + (j0 + j) * w.stride);
@@ -337,9 +403,9 @@ void k8tile(const QRows& x, const int16_t* bsums, const QCols& w, int64_t j0, in
     for (int i = 0; i < MR; ++i) {
       const float dx = x.dxv[i * xd_stride + 32 * blk];  // the super-block's d, every block's dx
       __m256i bs{};
-      if constexpr (kUnsigned) bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums + i * nbs + 16 * blk));
+      if constexpr (kMins) bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums + i * nbs + 16 * blk));
       for (int j = 0; j < NC; ++j) {
-        if constexpr (kUnsigned)
+        if constexpr (kMins)
           acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(-(dx * kb[j].dmin)), _mm256_cvtepi32_ps(_mm256_madd_epi16(kb[j].mins, bs)),
                                       acc[i][j]);
         acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(dx * kb[j].d), _mm256_cvtepi32_ps(isum[i][j]), acc[i][j]);
@@ -355,10 +421,10 @@ void k8tile(const QRows& x, const int16_t* bsums, const QCols& w, int64_t j0, in
 template <int Q>
 void int_dot_gguf_k(const QRows& x, const QCols& w, int64_t K, int64_t m, int64_t ncols, float* c, int64_t ldc) {
 #if defined(__AVX2__)
-  thread_local std::vector<int16_t> bsums;  // sums of 16 activation codes (the has_mins kinds' mins' term)
+  thread_local std::vector<int16_t> bsums;  // sums of 16 activation codes (the mins' / IQ1_S delta's term)
   const int64_t nbs = K / 16;
   bsums.resize(size_t(m * nbs));
-  for (int64_t i = 0; i < m && has_mins(Q); ++i) {  // (the has_mins kinds: the natural order)
+  for (int64_t i = 0; i < m && uses_bsums(Q); ++i) {  // (those kinds: the natural order)
     const int8_t* q = x.q + i * x.pairs * 64;
     for (int64_t g = 0; g < nbs; ++g) {
       int s = 0;
