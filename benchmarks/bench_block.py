@@ -28,9 +28,9 @@ each in turn: ``f32``,
 ``bf16``, ``q8_0`` (int8 codes, float16 scale per 32), ``q4_0_int4`` (Q4_0 held as int4,
 float16 scale and bias per 32, as GGUF Q4_0 loaded before it was a block kind), ``mlx4_g64``
 (MLX affine 4-bit, group 64), the GGUF block kinds ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``q2_k``, ``q3_k``, ``q4_k``, ``q5_k``, ``q6_k``,
-``iq4_xs``, ``iq4_nl``, ``mxfp4``, ``iq2_xxs``, ``iq2_xs``, ``iq2_s``, ``iq3_xxs``, ``iq3_s``
-(the file's block bytes; ggml times neither ``iq2_xxs`` nor ``iq2_xs``, which it quantizes
-only with an importance matrix) and
+``iq4_xs``, ``iq4_nl``, ``mxfp4``, ``iq2_xxs``, ``iq2_xs``, ``iq2_s``, ``iq3_xxs``, ``iq3_s``,
+``iq1_s``, ``iq1_m``, ``tq2_0`` (the file's block bytes; ggml times none of ``iq2_xxs``,
+``iq2_xs``, ``iq1_s``, ``iq1_m``, which it quantizes only with an importance matrix) and
 ``q4_k_m`` (gate/up q4_k, down q6_k, as in a Q4_K_M file); quantized experts hold
 random codes (speed does not depend on the values; the outputs are still checked against
 ``xla``). ``--ggml BIN`` also runs llama.cpp's MoE layer graph (``ggml_moe_layer`` from
@@ -124,6 +124,9 @@ BLOCK_DTYPES = (
     "iq2_s",
     "iq3_xxs",
     "iq3_s",
+    "iq1_s",
+    "iq1_m",
+    "tq2_0",
     "q4_k_m",
 )
 DTYPES = ("f32", "bf16", "q8_0", "q4_0_int4", "mlx4_g64", *BLOCK_DTYPES)
@@ -148,11 +151,12 @@ GGML_TYPE = {
     "mxfp4": "mxfp4",
     "q6_k": "q6_K",
     "q4_k_m": "q4_K",
-    # (iq2_xxs, iq2_xs: ggml quantizes them only with an importance matrix, which
-    # ggml_moe_layer's random weights have not: no ggml column)
+    # (iq2_xxs, iq2_xs, iq1_s, iq1_m: ggml quantizes them only with an importance matrix,
+    # which ggml_moe_layer's random weights have not: no ggml column)
     "iq2_s": "iq2_s",
     "iq3_xxs": "iq3_xxs",
     "iq3_s": "iq3_s",
+    "tq2_0": "tq2_0",
 }
 
 

@@ -284,10 +284,18 @@ def gguf_random_weight(kind: str, e: int, i: int, o: int, seed: int) -> Quantize
         "iq4_xs": (0,),
         "iq4_nl": (0,),
         "mxfp4": (),
-        **dict.fromkeys(("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s"), (0,)),  # random grid indices and signs
+        **dict.fromkeys(("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s"), (0,)),  # random grid rows
+        "tq2_0": (size - 2,),
+        "iq1_m": (),
     }[kind]
     for off in at:
         b[..., off : off + 2] = scale.view(np.uint8)
+    if kind == "iq1_m":  # d's 4 nibbles are the top nibbles of the 4 u16 scale words at byte 48
+        d16 = scale.view(np.uint16)[..., 0]
+        for n in range(4):
+            sw = b[..., 48 + 2 * n : 50 + 2 * n].copy().view(np.uint16)[..., 0]
+            sw = (sw & 0x0FFF) | (((d16 >> (4 * n)) & 0xF) << 12)
+            b[..., 48 + 2 * n : 50 + 2 * n] = sw.astype(np.uint16)[..., None].view(np.uint8)
     if kind == "mxfp4":  # the E8M0 exponent byte: scales 2^(e - 128) near the others'
         b[..., 0] = rng.integers(116, 120, b.shape[:-1], dtype=np.uint8)
     return gguf_block_tensor(jnp.asarray(b.reshape(e, o, -1)), kind, n_in=i)
