@@ -53,8 +53,7 @@ KINDS = (
     "bf16",
     "f32",
 )
-KINDS += ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "tq2_0")  # integer dots
-KINDS += ("tq1_0",)  # the float path over the Q8_K values
+KINDS += ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0")
 #: the quick subset (``-m "not slow"``): one kind per activation format
 _QUICK = ("q4_k", "bf16", "f32")  # q8_0: test_hidden_activation_is_requantized
 
@@ -336,6 +335,7 @@ def test_weight_on_input_converts_the_weighted_rows():
                 "iq3_s",
                 "iq1_s",
                 "iq1_m",
+                "tq1_0",
                 "tq2_0",
             )
         ),
@@ -343,7 +343,7 @@ def test_weight_on_input_converts_the_weighted_rows():
 )
 def test_codes_multiplied_in_integers(kind, monkeypatch):
     """int8 / int4 / Q4_0 / Q5_0 / IQ4_NL / MXFP4 experts (ggml format Q8_0), Q4_1 / Q5_1 (Q8_1)
-    and Q2_K ... Q6_K / IQ4_XS / the IQ1-3 kinds / TQ2_0 (Q8_K, its codes made in the call from
+    and Q2_K ... Q6_K / IQ4_XS / the IQ1-3 / TQ kinds (Q8_K, its codes made in the call from
     the unconverted rows) multiply the codes in integers (`GGML_INT_DOT`): other bits than the float path over the
     converted values, and both meet the oracle (a kernel that clamps the Q8_0 or the Q8_K
     codes to +-126, or takes Q8_1's block sum unrounded, fails it). Q4_1 / Q5_1 have no

@@ -40,8 +40,8 @@
 //   up_block, down_block  output columns per task
 //   int_dot  1: integer dot products over int8-quantized activations (int_dot.h); 2: the same
 //            by ggml's rules (activations="ggml"): int8 / int4 / Q4_0 / Q5_0 / IQ4_NL / MXFP4
-//            weights on Q8_0 rows, Q4_1 / Q5_1 on Q8_1 rows, the K-quants, IQ4_XS, the IQ1-3
-//            kinds and TQ2_0 on Q8_K rows (TQ1_0: the float path over them)
+//            weights on Q8_0 rows, Q4_1 / Q5_1 on Q8_1 rows, the K-quants, IQ4_XS and the IQ1-3 /
+//            TQ kinds on Q8_K rows
 //   h_fmt    (ExecConfig(activations="ggml")) h converted by the down weight's ggml activation
 //            format before the down projection, as jaxmoe.ggml_activations.ggml_round does:
 //            0 none, 1 bf16, 2 q8_0, 3 q8_K, 4 q8_1 (Q4_1 / Q5_1 down weights, int_dot 2: h

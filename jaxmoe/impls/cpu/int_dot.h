@@ -99,7 +99,7 @@ inline int act_order(int kind, int rule) {
   if (kind == kInt8) return kOrderNatural;
   if (kind == kInt4) return kOrderSplit4;
   if (kind == kQ6_K || kind == kQ2_K || kind == kQ3_K || kind == kQ5_K || is_iq_grid_kind(kind) || kind == kIQ1_S ||
-      kind == kIQ1_M || kind == kTQ2_0)
+      kind == kIQ1_M || kind == kTQ1_0 || kind == kTQ2_0)
     return kOrderNatural;
 #if defined(__AVX2__)
   if (kind == kQ4_K && rule == kRuleQ8_K) return kOrderNatural;

@@ -1,11 +1,12 @@
 // Integer dot products for the kinds whose ggml vec_dot_type is Q8_K: Q2_K, Q3_K, Q5_K,
-// IQ4_XS, the IQ2 / IQ3 grid kinds (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), IQ1_S, IQ1_M and
-// TQ2_0, and in the ggml mode Q4_K and Q6_K (ggml's ggml_vec_dot_q2_K_q8_K ... q6_K_q8_K,
-// iq4_xs_q8_K, iq2_xxs_q8_K ... iq1_m_q8_K and tq2_0_q8_K; the int8 mode's Q4_K / Q6_K, a dx
-// per block of 32, are int_dot.h's ktile). IQ1_M's codes are 8 g +- 1 (its delta folded in,
-// d / 8), IQ1_S's delta a term like the mins'. TQ1_0 takes the float path over the Q8_K values. Included at the end of int_dot.h (QRows quantized by kRuleQ8_K: the
-// Q8_K codes of the unconverted rows, each block of 32 taking its super-block's d as dx;
-// the natural order, IQ4_XS kOrderK4).
+// IQ4_XS, the IQ2 / IQ3 grid kinds (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), IQ1_S, IQ1_M,
+// TQ1_0 and TQ2_0, and in the ggml mode Q4_K and Q6_K (ggml's ggml_vec_dot_q2_K_q8_K ...
+// q6_K_q8_K, iq4_xs_q8_K, iq2_xxs_q8_K ... iq1_m_q8_K, tq1_0_q8_K and tq2_0_q8_K; the int8
+// mode's Q4_K / Q6_K, a dx per block of 32, are int_dot.h's ktile). IQ1_M's codes are
+// 8 g +- 1 (its delta folded in, d / 8), IQ1_S's delta a term like the mins', TQ1_0's
+// trits unpacked by 16-bit products. Included at the end of int_dot.h (QRows quantized by
+// kRuleQ8_K: the Q8_K codes of the unconverted rows, each block of 32 taking its
+// super-block's d as dx; the natural order, IQ4_XS kOrderK4).
 //
 // As ggml computes them: per super-block, column and row one exact integer sum of code x
 // activation code x group scale, then times d dx in float32. Per activation block of 32
@@ -29,14 +30,15 @@
 // Q8_K rows; the int8 mode's Q4_K / Q6_K, a dx per block of 32, are ktile's).
 constexpr bool is_k8tile_kind(int kind) {
   return kind == kQ2_K || kind == kQ3_K || kind == kQ4_K || kind == kQ5_K || kind == kQ6_K || kind == kIQ4_XS ||
-         is_iq_grid_kind(kind) || kind == kIQ1_S || kind == kIQ1_M || kind == kTQ2_0;
+         is_iq_grid_kind(kind) || kind == kIQ1_S || kind == kIQ1_M || kind == kTQ1_0 || kind == kTQ2_0;
 }
 // Q2_K, Q4_K and Q5_K: unsigned codes with mins (W = d sc q - dmin m); Q3_K, Q6_K and TQ2_0
 // the same way (W = d sc u - d o sc, u unsigned, o = 4 / 32 / 1); IQ4_XS and the grid kinds:
 // signed codes, no mins; IQ1_S: signed codes (-1, 0, 1) and a term like the mins' (its
 // delta: W = d ls (g +- 1/8), the +-ls / 8 per 32 elements times their activation sum).
 constexpr bool has_mins(int kind) {
-  return kind == kQ2_K || kind == kQ3_K || kind == kQ4_K || kind == kQ5_K || kind == kQ6_K || kind == kTQ2_0;
+  return kind == kQ2_K || kind == kQ3_K || kind == kQ4_K || kind == kQ5_K || kind == kQ6_K || kind == kTQ1_0 ||
+         kind == kTQ2_0;
 }
 constexpr bool uses_bsums(int kind) { return has_mins(kind) || kind == kIQ1_S; }
 
@@ -122,6 +124,18 @@ inline __m256i odd_scales_per32(const uint8_t (&s)[8]) {
   std::memcpy(&v, s, 8);
   const __m256i w = scales_per32(_mm_cvtsi64_si128(int64_t(v)));
   return _mm256_add_epi16(_mm256_add_epi16(w, w), _mm256_set1_epi16(1));
+}
+
+// TQ1_0's trits: byte j of the result is trit n of byte j of x where m's byte j is 3^n,
+// ((x 3^n mod 256) 3) >> 8 (0, 1 or 2; gguf.quants' rule), in 16-bit lanes (even and
+// odd bytes apart: AVX2 has no byte multiply).
+inline __m256i trits(__m256i x, __m256i m) {
+  const __m256i lo8 = _mm256_set1_epi16(0x00FF), three = _mm256_set1_epi16(3);
+  const __m256i pe = _mm256_and_si256(_mm256_mullo_epi16(_mm256_and_si256(x, lo8), _mm256_and_si256(m, lo8)), lo8);
+  const __m256i po = _mm256_and_si256(_mm256_mullo_epi16(_mm256_srli_epi16(x, 8), _mm256_srli_epi16(m, 8)), lo8);
+  const __m256i te = _mm256_srli_epi16(_mm256_mullo_epi16(pe, three), 8);
+  const __m256i to = _mm256_srli_epi16(_mm256_mullo_epi16(po, three), 8);
+  return _mm256_or_si256(te, _mm256_slli_epi16(to, 8));
 }
 
 // One super-block of one column, what k8tile multiplies: its group scales (integers), the
@@ -227,9 +241,9 @@ struct KBlock {
           0.125f;
       dmin = 0.f;
       return _mm256_add_epi16(_mm256_add_epi16(sc, sc), _mm256_set1_epi16(1));
-    } else if constexpr (Q == kTQ2_0) {  // qs 64 (2-bit codes c = t + 1), d f16: W = d c - d
+    } else if constexpr (Q == kTQ2_0 || Q == kTQ1_0) {  // codes c = t + 1 (0..2), d f16: W = d c - d
       mins = _mm256_set1_epi16(1);
-      d = dmin = f16_at(b + 64);
+      d = dmin = f16_at(b + (Q == kTQ2_0 ? 64 : 52));
       return _mm256_set1_epi16(1);
     } else {  // IQ4_XS: d f16, scales_h u16, scales_l 4 bytes, qs 128; ls - 32 per 32
       // ls_j = nibble j of scales_l | bits 2j, 2j + 1 of scales_h << 4, spread to byte j of a
@@ -290,6 +304,18 @@ struct KBlock {
     } else if constexpr (Q == kTQ2_0) {  // element 128 c + 32 j + l: bits 2 j of qs[32 c + l] (Q2_K's layout)
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * (k >> 2)));
       return _mm256_and_si256(_mm256_srli_epi16(v, 2 * (k & 3)), _mm256_set1_epi8(3));
+    } else if constexpr (Q == kTQ1_0) {  // 48 bytes of 5 trits, 4 of 4 (decode_iq_block's layout)
+      if (k < 5)  // elements 32 k + m: trit k of byte m
+        return trits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), _mm256_set1_epi8(char(kPow3[k])));
+      const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32));  // elements 160 + 16 n + m
+      if (k < 7) {  // trits 2 (k - 5), 2 (k - 5) + 1 of bytes 32..47
+        const int n = 2 * (k - 5);
+        return trits(_mm256_set_m128i(y, y), _mm256_set_m128i(_mm_set1_epi8(char(kPow3[n + 1])), _mm_set1_epi8(char(kPow3[n]))));
+      }
+      uint32_t h;  // elements 240 + 4 n + m: trit n of byte 48 + m
+      std::memcpy(&h, b + 48, 4);
+      const __m128i hm = _mm_setr_epi8(1, 1, 1, 1, 3, 3, 3, 3, 9, 9, 9, 9, 27, 27, 27, 27);
+      return trits(_mm256_set_m128i(_mm_set1_epi32(int(h)), y), _mm256_set_m128i(hm, _mm_set1_epi8(81)));
     } else if constexpr (Q == kIQ1_S) {  // rows of 8 of -1 / 0 / 1: index byte | 3 bits of qh per row
       const uint8_t* qs = b + 2 + 4 * k;
       uint16_t qh;

@@ -35,9 +35,9 @@ rows by its own), the hidden activations by the down weight's format inside the 
 ``ggml_round``). With `GGML_INT_DOT` the kinds of ggml format Q8_0 (int8, int4, Q4_0,
 Q5_0, IQ4_NL, MXFP4) then multiply the Q8_0 codes in integers as ggml does, Q4_1 / Q5_1
 the Q8_1 codes (plus each block's minimum times ggml's rounded block sum), and Q2_K ...
-Q6_K / IQ4_XS, the IQ1-3 kinds and TQ2_0 the Q8_K codes; the call makes the codes from the
-unconverted rows (gate and up both such kinds; h for such a down weight). TQ1_0 takes the
-float path over the converted values. Gradients straight through the
+Q6_K / IQ4_XS and the IQ1-3 / TQ kinds the Q8_K codes; the call makes the codes from the
+unconverted rows (gate and up both such kinds; h for such a down weight): every GGUF kind
+multiplies in integers. Gradients straight through the
 conversions (the float backward).
 
 Also ``swiglu`` and ``swiglu_oai``, optional biases, ``weight_on_input``. Gradients: a
@@ -155,7 +155,7 @@ GGML_INT_DOT = True
 #: rows (int_dot.h): their input rows are passed unconverted when gate and up both are one.
 _Q8K_INT_DOT = (
     *("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"),
-    *("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "tq2_0"),
+    *("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0"),
 )
 #: Kinds whose integer dots read ggml's Q8_0 codes (ggml format ``q8_0``): the call makes
 #: them by ggml's rule too (``kRuleQ8_0``, bit for bit with `ggml_round`'s codes and
