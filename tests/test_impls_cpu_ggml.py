@@ -181,10 +181,17 @@ def test_hidden_conversion_quick_and_checked():
         )
         _same_bits(got, ggml_round(jnp.asarray(x * np.float32(64)), fmt))
     ew2, cfg2 = _exact_hidden_case(96)
+    one = (jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32))
     with pytest.raises(Exception, match="h_fmt 3 converts blocks of 256; F = 96"):
-        cpu_kernel.grouped_swiglu(
-            jnp.ones((1, 96)), jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32), ew2, cfg2, h_fmt=3
-        ).block_until_ready()
+        cpu_kernel.grouped_swiglu(jnp.ones((1, 96)), *one, ew2, cfg2, h_fmt=3).block_until_ready()
+    # q8_1 (4): only for a Q4_1 / Q5_1 down weight, and only with ggml's integer dots (int_dot 2)
+    with pytest.raises(Exception, match=r"h_fmt 4 \(q8_1\) is for w_down of kind Q4_1 / Q5_1"):
+        cpu_kernel.grouped_swiglu(jnp.ones((1, 512)), *one, ew, cfg, h_fmt=4).block_until_ready()
+    cfg5, p5, _ = layer_case("q5_1", seed=1, tokens=1)
+    e5 = p5.experts.num_experts
+    x5, at5 = jnp.ones((1, cfg5.d_model)), (jnp.zeros((e5,), jnp.int32), jnp.zeros((e5,), jnp.int32).at[0].set(1))
+    with pytest.raises(Exception, match=r"h_fmt 4 \(q8_1\) needs int_dot 2"):
+        cpu_kernel.grouped_swiglu(x5, *at5, p5.experts, cfg5, h_fmt=4).block_until_ready()
 
 
 def test_hidden_activation_is_requantized(monkeypatch):

@@ -1164,8 +1164,9 @@ void run_problems(ffi::ThreadPool& pool, Problem* const* parts, int n, int64_t u
   thread_local QRowsBuf qx_buf[2][kSlots], qh_buf[2][kSlots];
   const bool ggml = int_dot == kIntDotGgml;
   // the rule a weight's rows are quantized by: ggml's format of its kind (Q8_0: int8 / int4 /
-  // Q4_0 / IQ4_NL / MXFP4, Q8_K: the K-quants and IQ4_XS; both from the unconverted rows,
-  // or from rows converted to that format, which give the same codes), else the int8 mode's
+  // Q4_0 / Q5_0 / IQ4_NL / MXFP4, Q8_K: the K-quants, IQ4_XS and the IQ1-3 / TQ kinds, both
+  // from the unconverted rows or from rows converted to that format, which give the same
+  // codes; Q8_1: Q4_1 / Q5_1, from the unconverted rows only), else the int8 mode's
   auto rule = [ggml](int kind) {
     return !ggml                                                                     ? kRuleInt8
            : kind == kQ4_1 || kind == kQ5_1                                          ? kRuleQ8_1
