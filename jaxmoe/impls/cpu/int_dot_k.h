@@ -74,7 +74,7 @@ struct GroupScales {
 inline __m256i scales_per32(__m128i s) { return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s, s)); }
 
 // Sign bytes of 8 elements as one 64-bit row: byte j 0xFF (-1) where bit j of s is set, else
-// 0x01 (+1), for vpsignb; kSigns8 by a sign byte, kSignsK by ggml's 7-bit ksigns index.
+// 0x01 (+1), for vpsignb: kSignsK by ggml's 7-bit ksigns index (IQ2_XXS, IQ2_XS, IQ3_XXS).
 struct SignRows {
   uint64_t v[256];
 };
@@ -90,7 +90,6 @@ constexpr SignRows sign_rows_k() {
   for (int i = 0; i < 128; ++i) t.v[i] = b.v[kKSigns[i]];
   return t;
 }
-alignas(64) inline constexpr SignRows kSigns8 = sign_rows();
 alignas(64) inline constexpr SignRows kSignsK = sign_rows_k();
 inline uint64_t grid_row8(const int8_t* r) {  // a grid row of 8 magnitudes
   uint64_t v;
@@ -102,6 +101,16 @@ inline uint64_t grid_rows4(const int8_t* a, const int8_t* b) {  // two grid rows
   std::memcpy(&lo, a, 4);
   std::memcpy(&hi, b, 4);
   return uint64_t(lo) | (uint64_t(hi) << 32);
+}
+// The sign rows of 32 elements from their 4 sign bytes (u32 s, byte r for row r): byte j
+// 0xFF where bit j % 8 of byte j / 8 is set, else 0x01, in registers (as ggml's AVX2
+// vec_dot_iq2_s / iq3_s expand them; a table row per byte took four scalar loads).
+inline __m256i sign_bytes(uint32_t s) {
+  const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ull));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(int(s)), pick), bit), bit);
+  return _mm256_or_si256(set, _mm256_set1_epi8(1));
 }
 // 32 signed codes: four rows of 8 magnitudes (g0 the lowest elements) times four sign rows.
 inline __m256i signed_rows(uint64_t g0, uint64_t g1, uint64_t g2, uint64_t g3, uint64_t s0, uint64_t s1, uint64_t s2,
@@ -355,11 +364,13 @@ struct KBlock {
                          kSignsK.v[q[2] >> 9], kSignsK.v[q[3] >> 9]);
     } else if constexpr (Q == kIQ2_S) {  // index bytes at 2, 2 high bits per row at 66, sign bytes at 34
       const uint8_t* qs = b + 2 + 4 * k;
-      const uint8_t* sg = b + 34 + 4 * k;
       const int qh = b[66 + k];
-      return signed_rows(grid_row8(kG2S.v[qs[0] | ((qh << 8) & 0x300)]), grid_row8(kG2S.v[qs[1] | ((qh << 6) & 0x300)]),
-                         grid_row8(kG2S.v[qs[2] | ((qh << 4) & 0x300)]), grid_row8(kG2S.v[qs[3] | ((qh << 2) & 0x300)]),
-                         kSigns8.v[sg[0]], kSigns8.v[sg[1]], kSigns8.v[sg[2]], kSigns8.v[sg[3]]);
+      uint32_t sg;
+      std::memcpy(&sg, b + 34 + 4 * k, 4);
+      const __m256i g = _mm256_set_epi64x(
+          int64_t(grid_row8(kG2S.v[qs[3] | ((qh << 2) & 0x300)])), int64_t(grid_row8(kG2S.v[qs[2] | ((qh << 4) & 0x300)])),
+          int64_t(grid_row8(kG2S.v[qs[1] | ((qh << 6) & 0x300)])), int64_t(grid_row8(kG2S.v[qs[0] | ((qh << 8) & 0x300)])));
+      return _mm256_sign_epi8(g, sign_bytes(sg));
     } else if constexpr (Q == kIQ3_XXS) {  // 8 index bytes (rows of 4), a u32 of 4 x 7 sign-index bits at 66
       const uint8_t* g = b + 2 + 8 * k;
       uint32_t aux;
@@ -372,10 +383,11 @@ struct KBlock {
       const uint8_t* g = b + 2 + 8 * k;
       const int qh = b[66 + k];
       auto row = [&](int r) { return kG3S.v[g[r] | (((qh >> r) & 1) << 8)]; };
-      const uint8_t* sg = b + 74 + 4 * k;
-      return signed_rows(grid_rows4(row(0), row(1)), grid_rows4(row(2), row(3)), grid_rows4(row(4), row(5)),
-                         grid_rows4(row(6), row(7)), kSigns8.v[sg[0]], kSigns8.v[sg[1]], kSigns8.v[sg[2]],
-                         kSigns8.v[sg[3]]);
+      uint32_t sg;
+      std::memcpy(&sg, b + 74 + 4 * k, 4);
+      const __m256i gv = _mm256_set_epi64x(int64_t(grid_rows4(row(6), row(7))), int64_t(grid_rows4(row(4), row(5))),
+                                           int64_t(grid_rows4(row(2), row(3))), int64_t(grid_rows4(row(0), row(1))));
+      return _mm256_sign_epi8(gv, sign_bytes(sg));
     } else {  // IQ4_XS, kOrderK4: sub-blocks 2p, 2p + 1 in 32 bytes, low nibbles (elements 0..15) for
       // block 2p, high ones (16..31) for block 2p + 1, as the activations are laid out
       const __m256i tab = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Bytes)));
