@@ -191,9 +191,10 @@ def ggml_problem(ew: ExpertWeights, what: str = "") -> str | None:
             fmts[name] = vec_dot_format(w)
         except ValueError as err:
             return f"impl='cpu': {what}{name}: {err}"
-        if fmts[name] == "q8_1" and not GGML_INT_DOT:
+        if fmts[name] == "q8_1" and not GGML_INT_DOT:  # (q8_1: a QuantizedTensor of kind q4_1 / q5_1)
+            kind = w.kind if isinstance(w, QuantizedTensor) else fmts[name]
             return (
-                f"impl='cpu' has no activations='ggml' arithmetic for {what}{name} of kind {w.kind!r} "
+                f"impl='cpu' has no activations='ggml' arithmetic for {what}{name} of kind {kind!r} "
                 "without its integer dots (GGML_INT_DOT: q8_1's block sums); use an XLA strategy"
             )
         if fmts[name] not in GGML_H_FMT:
