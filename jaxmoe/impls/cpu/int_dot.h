@@ -506,6 +506,17 @@ void ktile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, int6
 // its values (-127..113) plus 127 would saturate vpmaddubsw's int16 pair sums, so the sign
 // trick as for int8 (|v| <= 127). Each lane holds an exact integer sum, times the block's
 // scale times dx, as ggml's vec_dot.
+// Bytes kb .. kb + 127 of the next tile's NC columns into L1 and of the columns at `far`
+// into L2 (the tiles over pairs of blocks of 32: every other pair, as they advance).
+template <int NC>
+inline void prefetch_pairs(const char* next, const char* far, int64_t stride, int64_t kb) {
+  for (int j = 0; j < NC; ++j) {
+    __builtin_prefetch(next + j * stride + kb);
+    __builtin_prefetch(next + j * stride + kb + 64);
+    __builtin_prefetch(far + j * stride + kb, 0, 2);
+    __builtin_prefetch(far + j * stride + kb + 64, 0, 2);
+  }
+}
 alignas(16) inline constexpr int8_t kIQ4Bytes[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                      1,    13,   25,  38,  53,  69,  89,  113};
 alignas(16) inline constexpr int8_t kFP4Bytes[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -541,13 +552,7 @@ void b32tile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, in
   for (int64_t p = 0; p < x.pairs; ++p) {
     const bool tail = p == full;  // an odd block count: block 2 p + 1 is padding (zero codes and dx)
     const int64_t kb = 2 * p * BB;
-    if (p % 2 == 0)
-      for (int j = 0; j < NC; ++j) {
-        __builtin_prefetch(next + j * w.stride + kb);
-        __builtin_prefetch(next + j * w.stride + kb + 64);
-        __builtin_prefetch(far + j * w.stride + kb, 0, 2);
-        __builtin_prefetch(far + j * w.stride + kb + 64, 0, 2);
-      }
+    if (p % 2 == 0) prefetch_pairs<NC>(next, far, w.stride, kb);
     __m256i x0[MR], x1[MR], off[MR];
     __m256 dx[MR];
     for (int i = 0; i < MR; ++i) {
@@ -633,13 +638,7 @@ void b32mtile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, i
   for (int64_t p = 0; p < x.pairs; ++p) {
     const bool tail = p == full;  // an odd block count: block 2 p + 1 is padding (zero codes and dx)
     const int64_t kb = 2 * p * BB;
-    if (p % 2 == 0)
-      for (int j = 0; j < NC; ++j) {
-        __builtin_prefetch(next + j * w.stride + kb);
-        __builtin_prefetch(next + j * w.stride + kb + 64);
-        __builtin_prefetch(far + j * w.stride + kb, 0, 2);
-        __builtin_prefetch(far + j * w.stride + kb + 64, 0, 2);
-      }
+    if (p % 2 == 0) prefetch_pairs<NC>(next, far, w.stride, kb);
     __m256i x0[MR], x1[MR], off[MR];
     __m256 dx[MR], sv[MR];
     for (int i = 0; i < MR; ++i) {
