@@ -32,13 +32,13 @@ activations converted as llama.cpp's CPU backend converts them
 the gate / up weights' format before the call (``ggml_round`` in XLA; the shared expert's
 rows by its own), the hidden activations by the down weight's format inside the call
 (the ``h_fmt`` attribute: bf16, q8_0 or q8_K blocks, the same float32 operations as
-``ggml_round``). With `GGML_INT_DOT` the kinds of ggml format Q8_0 (int8, int4, Q4_0,
+``ggml_round``; q8_1: quantized for the integer dots only). With `GGML_INT_DOT` the kinds of ggml format Q8_0 (int8, int4, Q4_0,
 Q5_0, IQ4_NL, MXFP4) then multiply the Q8_0 codes in integers as ggml does, Q4_1 / Q5_1
 the Q8_1 codes (plus each block's minimum times ggml's rounded block sum), and Q2_K ...
 Q6_K / IQ4_XS and the IQ1-3 / TQ kinds the Q8_K codes; the call makes the codes from the
 unconverted rows (gate and up both such kinds; h for such a down weight): every GGUF kind
-multiplies in integers. Gradients straight through the
-conversions (the float backward).
+multiplies in integers. Gradients pass straight through the conversions (the float
+backward).
 
 Also ``swiglu`` and ``swiglu_oai``, optional biases, ``weight_on_input``. Gradients: a
 `jax.custom_vjp` whose forward keeps each pair's gate | up products (``[T k, 2F]``
@@ -147,9 +147,9 @@ def _fp8_problem(name: str, w: QuantizedTensor) -> str | None:
 #: ``q8_1`` (Q4_1 / Q5_1) only with their integer dots (`GGML_INT_DOT`): h quantized for them,
 #: block sums and all. ``f16`` (no float16 experts) is not among them.
 GGML_H_FMT = {"f32": 0, "bf16": 1, "q8_0": 2, "q8_K": 3, "q8_1": 4}
-#: ``activations="ggml"``: int8 / int4 experts (ggml format Q8_0) multiply the Q8_0 codes in
+#: ``activations="ggml"``: integer-coded experts multiply ggml's activation codes in
 #: integers (the ``int_dot`` attribute 2, int_dot.h: ggml's own arithmetic); False keeps
-#: the float path over the converted values for them too (a test's comparison).
+#: the float path over the converted values (a test's comparison), and refuses Q4_1 / Q5_1.
 GGML_INT_DOT = True
 #: Kinds whose integer dots read ggml's Q8_K codes, made in the call from the unconverted
 #: rows (int_dot.h): their input rows are passed unconverted when gate and up both are one.
