@@ -758,14 +758,10 @@ void matmul(const Weight& w, int64_t e, int64_t col0, const float* a, int64_t ld
       return with_gguf_kind(w.kind, [&](auto Q) {
         if constexpr (is_k8tile_kind(Q.value)) int_dot_gguf_k<Q.value>(*qa, q, K, m, ncols, c, ldc);
       });
-    if (w.int_dot && w.kind == kQ4_K) return int_dot_gguf<kQ4_K>(*qa, q, K, m, ncols, c, ldc);  // the int8 mode
-    if (w.int_dot && w.kind == kQ6_K) return int_dot_gguf<kQ6_K>(*qa, q, K, m, ncols, c, ldc);
-    if (w.int_dot && w.kind == kQ4_0) return int_dot_gguf<kQ4_0>(*qa, q, K, m, ncols, c, ldc);
-    if (w.int_dot && w.kind == kIQ4_NL) return int_dot_gguf<kIQ4_NL>(*qa, q, K, m, ncols, c, ldc);
-    if (w.int_dot && w.kind == kMXFP4) return int_dot_gguf<kMXFP4>(*qa, q, K, m, ncols, c, ldc);
-    if (w.int_dot && w.kind == kQ4_1) return int_dot_gguf<kQ4_1>(*qa, q, K, m, ncols, c, ldc);
-    if (w.int_dot && w.kind == kQ5_0) return int_dot_gguf<kQ5_0>(*qa, q, K, m, ncols, c, ldc);
-    if (w.int_dot && w.kind == kQ5_1) return int_dot_gguf<kQ5_1>(*qa, q, K, m, ncols, c, ldc);
+    if (w.int_dot && is_int_dot_gguf_kind(w.kind))  // Q8_0 / Q8_1 rows, and the int8 mode's Q4_K / Q6_K
+      return with_gguf_kind(w.kind, [&](auto Q) {
+        if constexpr (is_int_dot_gguf_kind(Q.value)) int_dot_gguf<Q.value>(*qa, q, K, m, ncols, c, ldc);
+      });
     return with_gguf_kind(w.kind, [&](auto Q) { gguf_matmul<Q.value>(a, lda, q, K, m, ncols, c, ldc, pack); });
   }
   if (w.kind == kFP8) return fp8_matmul(w, e, col0, a, lda, m, ncols, c, ldc, pack);

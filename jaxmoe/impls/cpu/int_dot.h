@@ -91,6 +91,15 @@ constexpr bool is_b32m(int q) { return q == kQ4_1 || q == kQ5_0 || q == kQ5_1; }
 constexpr bool is_iq_grid_kind(int q) {
   return q == kIQ2_XXS || q == kIQ2_XS || q == kIQ2_S || q == kIQ3_XXS || q == kIQ3_S;
 }
+// What int_dot_k.h's k8tile reads: Q2_K, Q3_K, Q5_K, IQ4_XS, the IQ1-3 / TQ kinds, and Q4_K
+// and Q6_K in the ggml mode (their Q8_K rows; the int8 mode's Q4_K / Q6_K, a dx per block of
+// 32, are ktile's).
+constexpr bool is_k8tile_kind(int kind) {
+  return kind == kQ2_K || kind == kQ3_K || kind == kQ4_K || kind == kQ5_K || kind == kQ6_K || kind == kIQ4_XS ||
+         is_iq_grid_kind(kind) || kind == kIQ1_S || kind == kIQ1_M || kind == kTQ1_0 || kind == kTQ2_0;
+}
+// What int_dot_gguf reads: the tiles over blocks of 32 (Q8_0 / Q8_1 rows) and ktile's Q4_K / Q6_K.
+constexpr bool is_int_dot_gguf_kind(int q) { return is_table32(q) || is_b32m(q) || q == kQ4_K || q == kQ6_K; }
 
 // The order weight kind Q reads its quantized activations in, quantized by `rule`, or -1
 // when it takes float ones. Q4_K's Q8_K rows (the ggml mode, int_dot_k.h's k8tile) are in
@@ -98,9 +107,7 @@ constexpr bool is_iq_grid_kind(int q) {
 inline int act_order(int kind, int rule) {
   if (kind == kInt8) return kOrderNatural;
   if (kind == kInt4) return kOrderSplit4;
-  if (kind == kQ6_K || kind == kQ2_K || kind == kQ3_K || kind == kQ5_K || is_iq_grid_kind(kind) || kind == kIQ1_S ||
-      kind == kIQ1_M || kind == kTQ1_0 || kind == kTQ2_0)
-    return kOrderNatural;
+  if (is_k8tile_kind(kind) && kind != kQ4_K && kind != kIQ4_XS) return kOrderNatural;
 #if defined(__AVX2__)
   if (kind == kQ4_K && rule == kRuleQ8_K) return kOrderNatural;
   if (kind == kQ4_K || is_table32(kind) || kind == kIQ4_XS || is_b32m(kind)) return kOrderK4;
@@ -594,6 +601,12 @@ void b32tile(const QRows& x, const QCols& w, int64_t j0, int64_t K, float* c, in
 #endif
 
 #if defined(__AVX2__)
+// 0xFF in byte j where bit j % 8 of byte pick[j] of v (in j's 128-bit lane) is set, else 0.
+inline __m256i bit_mask_bytes(__m256i v, __m256i pick) {
+  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ull));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(v, pick), bit), bit);
+}
+
 // The fifth bits of a pair of Q5_0 / Q5_1 blocks (qh0, qh1: their u32 qh) as 16s in kOrderK4's
 // order: `high` false gives elements 0..15 of block 0 | block 1 (bits 0..15 of each qh),
 // true elements 16..31 (bits 16..31).
@@ -607,9 +620,7 @@ inline __m256i fifth_bits(uint32_t qh0, uint32_t qh1, bool high) {
   const char a = high ? 2 : 0, b = high ? 3 : 1;  // the qh bytes holding the lane's 16 bits
   const __m256i pick = _mm256_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b,  //
                                         a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b);
-  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ull));
-  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qv, pick), bit), bit);
-  return _mm256_and_si256(set, sixteen);
+  return _mm256_and_si256(bit_mask_bytes(qv, pick), sixteen);
 #endif
 }
 
@@ -731,21 +742,26 @@ void int_dot_gguf(const QRows& x, const QCols& w, int64_t K, int64_t m, int64_t 
     for (int64_t k = 0; k < K; ++k) abuf[i * K + k] = xi.dxv[(k / 64) * 8 + 4 * ((k / 32) % 2)] * float(xi.q[k]);
   }
   gguf_matmul<Q>(abuf.data(), K, w, K, m, ncols, c, ldc, pack);
-  if constexpr (Q == kQ4_1 || Q == kQ5_1)  // the minimums' term: m (s - dx sum(xq)) per block, s's rounding
+  if constexpr (Q == kQ4_1 || Q == kQ5_1) {  // the minimums' term: m (s - dx sum(xq)) per block, s's rounding
+    const int64_t nb = K / kQBlock;
+    thread_local fvec res;  // s - dx sum(xq) per row and block, once for every column
+    res.resize(size_t(m * nb));
     for (int64_t i = 0; i < m; ++i) {
       const QRows xi = x.at(i);
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t sq = 0;
+        for (int t = 0; t < 32; ++t) sq += xi.q[32 * b + t];
+        res[size_t(i * nb + b)] = xi.sb[b] - xi.dxv[(b / 2) * 8 + 4 * (b % 2)] * float(sq);
+      }
+    }
+    for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < ncols; ++j) {
         const uint8_t* row = reinterpret_cast<const uint8_t*>(w.base + j * w.stride);
         float r = 0.f;
-        for (int64_t b = 0; b < K / kQBlock; ++b) {
-          int32_t sq = 0;
-          for (int t = 0; t < 32; ++t) sq += xi.q[32 * b + t];
-          const float dx = xi.dxv[(b / 2) * 8 + 4 * (b % 2)];
-          r = fmadd(f16_at(row + b * block_bytes(Q) + 2), xi.sb[b] - dx * float(sq), r);
-        }
+        for (int64_t b = 0; b < nb; ++b) r = fmadd(f16_at(row + b * block_bytes(Q) + 2), res[size_t(i * nb + b)], r);
         c[i * ldc + j] += r;
       }
-    }
+  }
 #endif
 }
 

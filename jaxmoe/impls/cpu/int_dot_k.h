@@ -26,12 +26,6 @@
 // portable path).
 #pragma once
 
-// What k8tile reads: Q2_K, Q3_K, Q5_K, IQ4_XS, the IQ2 / IQ3 grid kinds, and Q4_K and Q6_K in the ggml mode (their
-// Q8_K rows; the int8 mode's Q4_K / Q6_K, a dx per block of 32, are ktile's).
-constexpr bool is_k8tile_kind(int kind) {
-  return kind == kQ2_K || kind == kQ3_K || kind == kQ4_K || kind == kQ5_K || kind == kQ6_K || kind == kIQ4_XS ||
-         is_iq_grid_kind(kind) || kind == kIQ1_S || kind == kIQ1_M || kind == kTQ1_0 || kind == kTQ2_0;
-}
 // Q2_K, Q4_K and Q5_K: unsigned codes with mins (W = d sc q - dmin m); Q3_K, Q6_K and TQ2_0
 // the same way (W = d sc u - d o sc, u unsigned, o = 4 / 32 / 1); IQ4_XS and the grid kinds:
 // signed codes, no mins; IQ1_S: signed codes (-1, 0, 1) and a term like the mins' (its
@@ -73,21 +67,15 @@ struct GroupScales {
 // 8 unsigned scale bytes (one per 32 elements, low 8 bytes of s) as 16 int16 group scales.
 inline __m256i scales_per32(__m128i s) { return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s, s)); }
 
-// Sign bytes of 8 elements as one 64-bit row: byte j 0xFF (-1) where bit j of s is set, else
-// 0x01 (+1), for vpsignb: kSignsK by ggml's 7-bit ksigns index (IQ2_XXS, IQ2_XS, IQ3_XXS).
+// Sign rows of 8 elements by ggml's 7-bit ksigns index (IQ2_XXS, IQ2_XS, IQ3_XXS), one 64-bit
+// row each for vpsignb: byte j 0xFF (-1) where bit j of kKSigns[i] is set, else 0x01 (+1).
 struct SignRows {
-  uint64_t v[256];
+  uint64_t v[128];
 };
-constexpr SignRows sign_rows() {
-  SignRows t{};
-  for (int s = 0; s < 256; ++s)
-    for (int j = 0; j < 8; ++j) t.v[s] |= uint64_t((s >> j) & 1 ? 0xFF : 0x01) << (8 * j);
-  return t;
-}
 constexpr SignRows sign_rows_k() {
   SignRows t{};
-  const SignRows b = sign_rows();
-  for (int i = 0; i < 128; ++i) t.v[i] = b.v[kKSigns[i]];
+  for (int i = 0; i < 128; ++i)
+    for (int j = 0; j < 8; ++j) t.v[i] |= uint64_t((kKSigns[i] >> j) & 1 ? 0xFF : 0x01) << (8 * j);
   return t;
 }
 alignas(64) inline constexpr SignRows kSignsK = sign_rows_k();
@@ -108,9 +96,7 @@ inline uint64_t grid_rows4(const int8_t* a, const int8_t* b) {  // two grid rows
 inline __m256i sign_bytes(uint32_t s) {
   const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ull));
-  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(int(s)), pick), bit), bit);
-  return _mm256_or_si256(set, _mm256_set1_epi8(1));
+  return _mm256_or_si256(bit_mask_bytes(_mm256_set1_epi32(int(s)), pick), _mm256_set1_epi8(1));
 }
 // 32 signed codes: four rows of 8 magnitudes (g0 the lowest elements) times four sign rows.
 inline __m256i signed_rows(uint64_t g0, uint64_t g1, uint64_t g2, uint64_t g3, uint64_t s0, uint64_t s1, uint64_t s2,
